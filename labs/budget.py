@@ -14,8 +14,8 @@ activation formula.
     python -m labs.budget --model 70B --world-size 64 --tp 8 --zero-stage 1 --json
     python -m labs.budget --measure --world-size 2 --json
 """
-import math
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
 
 import torch
 
@@ -121,8 +121,10 @@ def zero_table1():
 
 
 def matches_paper(computed, published):
-    """The paper prints 3 significant figures (at most one decimal above 10 GB)."""
-    return all(float(f"{c:.3g}") == p or round(c, 1) == p for c, p in zip(computed, published))
+    """Equal at the precision the paper prints each value, rounding half up as it does (41.25 -> 41.3)."""
+    def printed(c, p):
+        return Decimal(repr(c)).quantize(Decimal(str(p)), rounding=ROUND_HALF_UP) == Decimal(str(p))
+    return all(printed(c, p) for c, p in zip(computed, published))
 
 
 # --- the lab -----------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def spawn(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
             for p in procs:
                 p.start()
             unfinished, failures = _wait(procs, tmp, time.monotonic() + timeout)
-            if failures:
+            if failures:  # a failure outranks a timeout: the stuck ranks wait on the failed one
                 raise _rank_error(failures, world_size, tmp)
             if unfinished:
                 raise _timeout_error(procs, unfinished, world_size, timeout, tmp)
@@ -133,7 +133,9 @@ def _importable(fn):
         return fn
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     if spec is not None and spec.name:  # `python -m labs.x`: re-import it under its real name
-        return getattr(importlib.import_module(spec.name), fn.__qualname__)
+        found = getattr(importlib.import_module(spec.name), fn.__qualname__, None)
+        if found is not None:
+            return found
     raise ValueError(f"{fn.__qualname__} is defined in __main__ (a notebook cell or script), which a "
                      "spawned process cannot import; move it into a module under labs/.")
 
@@ -186,27 +188,35 @@ def _die_with_parent():
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _wait(procs, tmp, deadline):
-    """Wait until every rank exits, one fails, or the deadline passes."""
+def _wait(procs, tmp, deadline, grace=2.0):
+    """Wait until every rank exits, one fails, or the deadline passes.
+
+    After the first failure the others get ``grace`` seconds to report theirs, so the earliest
+    failure (the cause) is named, not a peer that merely lost its connection to it.
+    """
     pending = set(range(len(procs)))
-    failures = []  # (time, rank, description)
-    while pending and not failures:
+    failures = {}  # rank -> error record
+    while pending:
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        mp.connection.wait([procs[r].sentinel for r in pending], timeout=min(left, 1.0))
+        mp.connection.wait([procs[r].sentinel for r in pending], timeout=min(left, 0.2))
         for r in sorted(pending):
+            if os.path.exists(_path(tmp, r, "error")):
+                with open(_path(tmp, r, "error")) as f:
+                    failures[r] = json.load(f)
             if procs[r].is_alive():
                 continue
             procs[r].join()
             pending.discard(r)
-            if os.path.exists(_path(tmp, r, "error")):
-                with open(_path(tmp, r, "error")) as f:
-                    failures.append((json.load(f), r))
-            elif procs[r].exitcode != 0 or not os.path.exists(_path(tmp, r, "result")):
-                failures.append(({"time": time.time(), "type": "died",
-                                  "message": _exit_reason(procs[r].exitcode), "traceback": ""}, r))
-    return sorted(pending), failures
+            if r not in failures and (procs[r].exitcode != 0 or not os.path.exists(_path(tmp, r, "result"))):
+                failures[r] = {"time": time.time(), "type": "died", "traceback": "",
+                               "message": _exit_reason(procs[r].exitcode)}
+        if failures:
+            deadline = min(deadline, time.monotonic() + grace)
+            if all(r in failures for r in pending):
+                break
+    return sorted(pending), [(record, r) for r, record in failures.items()]
 
 
 def _exit_reason(code):
