@@ -14,12 +14,13 @@ activation formula.
     python -m labs.budget --model 70B --world-size 64 --tp 8 --zero-stage 1 --json
     python -m labs.budget --measure --world-size 2 --json
 """
+import math
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
 
 import torch
 
-from labs import comm, memory, model as tiny, precision
+from labs import comm, launch, memory, model as tiny, precision
 
 GB = 1e9
 
@@ -129,34 +130,37 @@ def matches_paper(computed, published):
 
 # --- the lab -----------------------------------------------------------------------------------
 
-def layernorm_stat_bytes(h=8, dtype=torch.bfloat16):
-    """Bytes per token LayerNorm keeps beside its input (mean and 1/std): 2 x 2 in bf16 on a CPU."""
-    ln = torch.nn.LayerNorm(h).to(dtype)
-    x = torch.randn(1, 1, h, dtype=dtype, requires_grad=True)
+def layernorm_stat_bytes(h=8, dtype=torch.bfloat16, device="cpu"):
+    """Bytes per token LayerNorm keeps beside its input (mean and 1/std): 2 x 2 in bf16 on a CPU,
+    2 x 4 on a GPU, which keeps them in fp32."""
+    ln = torch.nn.LayerNorm(h).to(device=device, dtype=dtype)
+    x = torch.randn(1, 1, h, dtype=dtype, device=device, requires_grad=True)
     with memory.saved_for_backward(ln) as saved:
         ln(x)
     return saved.bytes - h * x.element_size()
 
 
-def measure_activations(cfg, shapes, dtype=torch.bfloat16):
+def measure_activations(cfg, shapes, dtype=torch.bfloat16, device="cpu"):
     """Saved-for-backward bytes of one block at each (b, s), beside the formula."""
     rows = []
+    stat_bytes = layernorm_stat_bytes(cfg.hidden, dtype, device)
     for b, s in shapes:
-        block = tiny.Block(cfg).to(dtype).train()
-        x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
+        block = tiny.Block(cfg).to(device=device, dtype=dtype).train()
+        x = torch.randn(b, s, cfg.hidden, dtype=dtype, device=device, requires_grad=True)
         with memory.saved_for_backward(block) as saved:
             block(x)
         formula = activation_bytes_per_layer(s, b, cfg.hidden, cfg.n_head, dropout=cfg.dropout > 0)
         rows.append({"b": b, "s": s, "measured": saved.bytes, "formula": formula,
-                     "layernorm_stats": 2 * s * b * layernorm_stat_bytes(cfg.hidden, dtype)})
+                     "layernorm_stats": 2 * s * b * stat_bytes})  # two LayerNorms per block
     return rows
 
 
 def data_parallel_step(cfg, recipe, rank, batch_size):
     """One step of plain data parallelism with a recipe; returns the state this rank holds."""
-    net = tiny.build(cfg, seed=0)  # same seed on every rank: replicas start equal
+    dev = launch.device()
+    net = tiny.build(cfg, seed=0, device=dev)  # same seed on every rank: replicas start equal
     opt = precision.prepare(net, recipe)
-    x, y = tiny.synthetic_batch(cfg, batch_size, seed=rank)  # each rank its own data
+    x, y = tiny.synthetic_batch(cfg, batch_size, seed=rank, device=dev)  # each rank its own data
     net(x, y).backward()
     with comm.counting() as tally:
         for p in net.parameters():  # the gradient the optimizer will read
@@ -178,12 +182,36 @@ def measure(rank, world_size, recipes=tuple(precision.RECIPES), shapes=((1, 8), 
     cfg = tiny.GPTConfig()
     result = {name: data_parallel_step(cfg, name, rank, batch_size) for name in recipes}
     act_cfg = tiny.GPTConfig(dropout=0.1)  # the formula assumes dropout everywhere
-    return {"recipes": result, "activations": measure_activations(act_cfg, shapes),
+    return {"recipes": result, "activations": measure_activations(act_cfg, shapes, device=launch.device()),
             "cuda_peak_bytes": memory.cuda_peak_bytes()}
 
 
+def state_gb(model, world_size, zero_stage, recipe="mixed"):
+    """GB per device of parameters + gradients + optimizer state (no activations), pure data parallel."""
+    return state_bytes_per_param(zero_stage, world_size, recipe)["total"] * MODELS[model].params() / GB
+
+
+# Chapter 1's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: state_gb("13B", 8, zero_stage=2),
+    "2": lambda: math.ceil(16 * MODELS["70B"].params() / (80 * GB)),
+    "3": lambda: activation_bytes_per_layer(2048, 1, 12288, 96) / GB,
+    "4": lambda: 80 * GB / 16 / 1e9,
+}
+
+
+def check(question, answer, rel=0.01):
+    """Automatic checker: within 1% of the computed answer."""
+    if question not in EXERCISES:
+        raise ValueError(f"no exercise {question!r}; the chapter has {', '.join(EXERCISES)}.")
+    expected = EXERCISES[question]()
+    ok = abs(answer - expected) <= rel * abs(expected)
+    print(f"exercise {question}: {'correct' if ok else 'not yet, try again'}")
+    return ok
+
+
 def main(argv=None):
-    from labs import cli, launch
+    from labs import cli
     p = cli.parser("Memory budget per device (calculator: --world-size GPUs, default 8), or --measure "
                    "it on the tiny model (--world-size ranks, default 2).", world_size_default=None)
     p.add_argument("--measure", action="store_true", help="run the lab instead of the calculator")
