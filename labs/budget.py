@@ -131,8 +131,8 @@ def matches_paper(computed, published):
 # --- the lab -----------------------------------------------------------------------------------
 
 def layernorm_stat_bytes(h=8, dtype=torch.bfloat16, device="cpu"):
-    """Bytes per token LayerNorm keeps beside its input (mean and 1/std): 2 x 2 in bf16 on a CPU,
-    2 x 4 on a GPU, which keeps them in fp32."""
+    """Bytes per token LayerNorm keeps beside its input (mean and 1/std), measured on ``device``:
+    2 x 2 in bf16 on a CPU; a GPU kernel may keep them in fp32."""
     ln = torch.nn.LayerNorm(h).to(device=device, dtype=dtype)
     x = torch.randn(1, 1, h, dtype=dtype, device=device, requires_grad=True)
     with memory.saved_for_backward(ln) as saved:
