@@ -139,14 +139,14 @@ def recv(tensor, src, group=None):
     dist.recv(tensor, src=src, group=group)
 
 
-def isend(tensor, dst, group=None):
+def isend(tensor, dst, group=None, tag=0):
     _record("send", _nbytes(tensor), 0)
-    return dist.isend(tensor, dst=dst, group=group)
+    return dist.isend(tensor, dst=dst, group=group, tag=tag)
 
 
-def irecv(tensor, src, group=None):
+def irecv(tensor, src, group=None, tag=0):
     _record("recv", 0, _nbytes(tensor))
-    return dist.irecv(tensor, src=src, group=group)
+    return dist.irecv(tensor, src=src, group=group, tag=tag)
 
 
 def barrier(group=None):
