@@ -121,6 +121,31 @@ def run(rank, world_size, numel, algorithm="ring", repeats=3):
             "seconds": statistics.median(times)}
 
 
+def compare(rank, world_size, numel):
+    """`run` for every algorithm in one job (one spawn instead of three)."""
+    return {algorithm: run(rank, world_size, numel, algorithm, repeats=1) for algorithm in ALGORITHMS}
+
+
+def alpha_beta_fit(sizes_bytes, seconds, n):
+    """Least-squares alpha (s per step) and beta (s per byte) of T = 2(N-1)alpha + 2(N-1)/N M beta."""
+    import numpy as np
+    slope, intercept = np.polyfit(np.asarray(sizes_bytes, float), np.asarray(seconds, float), 1)
+    return intercept / (2 * (n - 1)), slope / (2 * (n - 1) / n)
+
+
+# Chapter 2's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: 2 * 7 / 8 * 14e9 / 1e9,              # GB sent per GPU: ring, N = 8, M = 14 GB
+    "2": lambda: 2 * 7 / 8 * 14e9 / 450e9 * 1e3,      # ms at 450 GB/s per direction, no latency
+    "3": lambda: 7 * 14e9 / 1e9,                      # GB the naive root sends for the same job
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
+
+
 def bench(rank, world_size, sizes_bytes, repeats=5, algorithms=("ring", "library")):
     """Median seconds per all-reduce for each size (fp32) and algorithm, measured in one run."""
     out = {}
