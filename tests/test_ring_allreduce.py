@@ -55,3 +55,9 @@ def test_command_line_contract():
                          timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["bytes_sent"] == [56, 52, 52] and r["max_abs_error"] < TOL and r["seconds"] > 0
+
+
+def test_eight_ranks_with_uneven_chunks():
+    results = launch.spawn(ra.run, 8, 1001, "ring", 1, timeout=180)
+    assert max(r["max_abs_error"] for r in results) < TOL
+    assert sum(r["bytes_sent"] for r in results) == 2 * 7 * 1001 * 4
