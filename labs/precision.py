@@ -73,14 +73,10 @@ class Adam:
     @torch.no_grad()
     def step(self):
         self.t += 1
-        b1, b2 = self.betas
-        bias1, bias2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         for p, master, m, v in zip(self.params, self.master, self.m, self.v):
             g = (p.main_grad if self.recipe.grad_buffer else p.grad).float()
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
             w = master if master is not None else p  # fp32 update, or in place in the working dtype
-            w.addcdiv_(m, (v / bias2).sqrt_().add_(self.eps), value=-self.lr / bias1)
+            adam_update(w, g, m, v, self.t, self.lr, self.betas, self.eps)
             if master is not None:
                 p.copy_(master)  # round the new master weights into the working copy
 
@@ -90,6 +86,15 @@ class Adam:
                 p.main_grad.zero_()
             if p.grad is not None:
                 p.grad = None if not self.recipe.keep_grads else p.grad.zero_()
+
+
+@torch.no_grad()
+def adam_update(w, g, m, v, t, lr, betas=(0.9, 0.999), eps=1e-8):
+    """One Adam step on ``w`` in place (m, v updated too); ``t`` counts steps from 1."""
+    b1, b2 = betas
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    w.addcdiv_(m, (v / (1 - b2 ** t)).sqrt_().add_(eps), value=-lr / (1 - b1 ** t))
 
 
 def _accumulate_into_buffer(recipe):
