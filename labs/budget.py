@@ -104,6 +104,27 @@ def budget(model="7B", world_size=8, tp=1, pp=1, zero_stage=0, recipe="mixed", s
             "gb_per_device": {k: v / GB for k, v in dev.items()}, "fits": dev["total"] <= gpu_gb * GB}
 
 
+def zero_comm_bytes(stage, psi, n, bytes_per_elem=2):
+    """Bytes each rank sends per step (ring model): (N-1)/N x {2, 2, 2, 3} x Psi x bytes."""
+    return (3 if stage == 3 else 2) * (n - 1) / n * psi * bytes_per_elem
+
+
+def zeropp_cross_node_bytes(psi):
+    """ZeRO-3 vs ZeRO++ (Wang et al. 2023, arXiv 2306.10209) bytes across nodes per parameter pass,
+    large N: all-gather weights (bf16 -> int8, qwZ), backward all-gather kept inside the node (hpZ:
+    0 across), reduce-scatter gradients (bf16 -> int4, qgZ)."""
+    return {"zero3": 2 * psi + 2 * psi + 2 * psi, "zeropp": 1 * psi + 0 + 0.5 * psi}
+
+
+# Link speeds, one direction, from the vendors' specifications (bytes per second).
+LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVMe drive (PCIe 4.0 x4)": 7e9}  # NVMe: a fast drive's read rate
+
+
+def offload_seconds(psi, link):
+    """ZeRO-Offload's traffic per step: bf16 gradients to the CPU, bf16 weights back (2 + 2 bytes)."""
+    return 2 * psi / LINKS[link]  # both directions at once: 2 bytes each way per parameter
+
+
 # ZeRO paper, Table 1: per-device GB for a 7.5B model with K=12, by DP degree (the published values).
 ZERO_PAPER_PSI = 7.5e9
 ZERO_PAPER_TABLE1 = {

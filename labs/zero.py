@@ -18,7 +18,7 @@ uses by shrinking its storage to zero bytes.
 import torch
 import torch.distributed as dist
 
-from labs import comm, launch, memory, model as tiny, precision
+from labs import budget, comm, launch, memory, model as tiny, precision
 
 STAGES = (0, 1, 2, 3)
 BF16 = 2
@@ -196,6 +196,13 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
 
 
 
+def all_stages(rank, world_size, steps=2):
+    """`run` for DDP, ZeRO-1 (both reductions), ZeRO-2 and ZeRO-3 in one job."""
+    out = {str(stage): run(rank, world_size, stage, steps) for stage in STAGES}
+    out["1-allreduce"] = run(rank, world_size, 1, steps, zero1_allreduce=True)
+    return out
+
+
 def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False):
     """The same training with PyTorch's FSDP2 (``fully_shard``): losses and how each weight is split."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -224,6 +231,18 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False):
     return {"losses": losses, "shards": shards,
             "local_numel": sum(p.to_local().numel() for p in net.parameters()),
             "numel": sum(p.numel() for p in net.parameters())}
+
+
+# Chapter 3's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: budget.state_gb("70B", 64, zero_stage=2),
+    "2": lambda: formula_comm(3, budget.MODELS["13B"].params(), 8) / budget.GB,
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
 
 
 def main(argv=None):
