@@ -61,14 +61,16 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x):
-        B, T, H = x.shape
-        d = H // self.n_head
-        q, k, v = self.qkv(x).split(H, dim=2)                     # 3 x (B, T, H)
+        # Widths come from the tensors, not the config: under tensor parallelism this module sees
+        # only its rank's heads (n_head / tp of them, and 3h / tp columns of qkv).
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)                     # 3 x (B, T, a*d)
+        d = q.size(-1) // self.n_head
         q, k, v = (t.view(B, T, self.n_head, d).transpose(1, 2) for t in (q, k, v))  # (B, a, T, d)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))    # (B, a, T, T)
         att = (att + self.mask[:T, :T].to(att.dtype)).softmax(dim=-1)
         y = self.attn_drop(att) @ v                               # (B, a, T, d)
-        y = y.transpose(1, 2).contiguous().view(B, T, H)          # (B, T, H)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)         # (B, T, a*d)
         return self.proj(y)
 
 

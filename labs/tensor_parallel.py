@@ -1,0 +1,279 @@
+"""Chapter 4: tensor parallelism, the Megatron-LM split of the MLP and attention, proven.
+
+Shoeybi et al. 2019 (arXiv 1909.08053), for Z = GeLU(X A) B on tp ranks:
+- A = [A_1, ..., A_p] split by columns: rank i computes Y_i = GeLU(X A_i) with no communication,
+  because GeLU acts on each column alone;
+- B = [B_1; ...; B_p] split by rows: rank i computes Y_i B_i, a partial sum of Z, and one
+  all-reduce adds the partial sums.
+Two conjugate operators carry the communication: f is the identity in forward and an all-reduce
+in backward (it sits before the column-parallel layer: every rank's input gradient is partial);
+g is an all-reduce in forward and the identity in backward (after the row-parallel layer). One
+all-reduce per block in forward, one in backward, each of b*s*h activation elements. Attention
+splits the same way: heads by column (the fused qkv keeps its q, k and v blocks per head), the
+output projection by rows.
+
+    python -m labs.tensor_parallel --world-size 2 --block mlp --json
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labs import comm, launch, model as tiny
+
+
+class _F(torch.autograd.Function):
+    """f: identity forward, all-reduce of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _G(torch.autograd.Function):
+    """g: all-reduce of the partial outputs forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        comm.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def check_degree(cfg, tp):
+    """Refuse a tp that does not divide the heads and the MLP width, before any process starts."""
+    _split(cfg.n_head, tp, "the number of heads")
+    _split(4 * cfg.hidden, tp, "the MLP width 4h")
+
+
+def _split(n, parts, what):
+    if n % parts:
+        raise ValueError(f"{what} = {n} is not divisible by tp = {parts}; choose a tp that divides it.")
+    return n // parts
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X A_i: this rank's output columns (rows of nn.Linear's weight), after f."""
+
+    def __init__(self, full, group, rows):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(full.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(full.bias.detach()[rows].clone()) if full.bias is not None else None
+
+    def forward(self, x):
+        return F.linear(_F.apply(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Z = sum_i Y_i B_i: this rank's input rows, a partial product, summed by g; bias added once."""
+
+    def __init__(self, full, group, cols):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(full.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+
+    def forward(self, x):
+        z = _G.apply(F.linear(x, self.weight), self.group)
+        return z + self.bias if self.bias is not None else z
+
+
+def shard_rows(n, tp, rank):
+    """This rank's slice of n output features."""
+    size = _split(n, tp, "the output width")
+    return torch.arange(rank * size, (rank + 1) * size)
+
+
+def qkv_rows(hidden, n_head, tp, rank):
+    """This rank's heads in the fused qkv weight: its slice of q, of k and of v."""
+    heads = _split(n_head, tp, "the number of heads")
+    d = hidden // n_head
+    mine = torch.arange(rank * heads * d, (rank + 1) * heads * d)
+    return torch.cat([mine, hidden + mine, 2 * hidden + mine])
+
+
+def parallelize_mlp(mlp, group):
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = shard_rows(mlp.fc.out_features, tp, rank)
+    mlp.fc = ColumnParallelLinear(mlp.fc, group, rows)
+    mlp.proj = RowParallelLinear(mlp.proj, group, rows)
+    return mlp
+
+
+def parallelize_attention(attn, group):
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    hidden = attn.proj.in_features
+    attn.qkv = ColumnParallelLinear(attn.qkv, group, qkv_rows(hidden, attn.n_head, tp, rank))
+    attn.proj = RowParallelLinear(attn.proj, group, qkv_rows(hidden, attn.n_head, tp, rank)[:hidden // tp])
+    attn.n_head //= tp
+    return attn
+
+
+def apply_tensor_parallel(model, group=None):
+    """Turn every block of the tiny GPT into its tensor-parallel version, in place.
+
+    Embeddings, LayerNorms and the head stay replicated: their inputs are identical on every rank
+    (g has summed the partial outputs), so their gradients are too, with no communication.
+    """
+    for block in model.blocks:
+        parallelize_attention(block.attn, group)
+        parallelize_mlp(block.mlp, group)
+    return model
+
+
+def config(**overrides):
+    """Heads and widths that tp = 1, 2, 3, 4 and 6 all divide (12 heads, h = 48, 4h = 192)."""
+    return tiny.GPTConfig(**{"hidden": 48, "n_head": 12, **overrides})
+
+
+def _full_block(kind, cfg):
+    torch.manual_seed(0)
+    return tiny.MLP(cfg) if kind == "mlp" else tiny.CausalSelfAttention(cfg)
+
+
+def _slice_of_full(name, full_grad, tp, rank, kind, cfg):
+    """The part of the unsharded gradient that rank ``rank`` should hold for parameter ``name``."""
+    hidden = cfg.hidden
+    if kind == "mlp":
+        rows = shard_rows(4 * hidden, tp, rank)
+        pick = {"fc.weight": lambda g: g[rows], "fc.bias": lambda g: g[rows], "proj.weight": lambda g: g[:, rows]}
+    else:
+        rows = qkv_rows(hidden, cfg.n_head, tp, rank)
+        pick = {"qkv.weight": lambda g: g[rows], "qkv.bias": lambda g: g[rows],
+                "proj.weight": lambda g: g[:, rows[:hidden // tp]]}
+    return pick.get(name, lambda g: g)(full_grad)  # replicated parameters: the whole gradient
+
+
+def check_block(rank, world_size, kind="mlp", b=2, s=8, hidden=48):
+    """A TP block beside the unsharded one: outputs, input gradient and every weight gradient."""
+    if kind not in ("mlp", "attention"):
+        raise ValueError(f"block must be 'mlp' or 'attention', got {kind!r}.")
+    cfg, dev = config(hidden=hidden), launch.device()
+    full = _full_block(kind, cfg).to(dev)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(b, s, hidden, generator=g).to(dev)
+    upstream = torch.randn(b, s, hidden, generator=g).to(dev)  # a fixed dL/dZ, the same on every rank
+    x_ref = x.clone().requires_grad_()
+    (full(x_ref) * upstream).sum().backward()
+    ref_out = full(x_ref).detach()
+    block = _full_block(kind, cfg).to(dev)
+    (parallelize_mlp if kind == "mlp" else parallelize_attention)(block, None)
+    x_tp = x.clone().requires_grad_()
+    with comm.counting() as forward:
+        out = block(x_tp)
+    with comm.counting() as backward:
+        (out * upstream).sum().backward()
+    grads = {name: (p.grad - _slice_of_full(name, dict(full.named_parameters())[name].grad, world_size, rank,
+                                            kind, cfg)).abs().max().item()
+             for name, p in block.named_parameters()}
+    grads["input"] = (x_tp.grad - x_ref.grad).abs().max().item()
+    sizes = [e["bytes_sent"] for e in forward.ops.values()]
+    return {"max_abs_error_output": (out - ref_out).abs().max().item(),
+            "max_abs_error_grad": max(grads.values()), "grad_errors": grads,
+            "allreduce_forward": forward.calls("all_reduce"), "allreduce_backward": backward.calls("all_reduce"),
+            "allreduce_bytes": b * s * hidden * x.element_size(),  # the message: this rank's partial sum
+            "allreduce_bytes_sent": forward.bytes_sent + backward.bytes_sent, "sent_by_op": sizes,
+            "local_params": sum(p.numel() for p in block.parameters()),
+            "full_params": sum(p.numel() for p in full.parameters())}
+
+
+def message_bytes(rank, world_size, shapes):
+    """The payload of a forward all-reduce in the TP MLP for each (b, s, h): counted, not assumed."""
+    out = []
+    for b, s, h in shapes:
+        cfg = config(hidden=h, n_head=h // 4)
+        block = parallelize_mlp(_full_block("mlp", cfg), None)
+        with comm.counting() as tally:
+            block(torch.randn(b, s, h))
+        n = world_size
+        # invert the ring count: bytes sent = 2(N-1)/N * M, so M = sent * N / (2(N-1))
+        out.append({"b": b, "s": s, "h": h, "message_bytes": tally.bytes_sent * n // (2 * (n - 1))})
+    return out
+
+
+def train(rank, world_size, steps=3, batch_size=2, lr=1e-2):
+    """The tiny GPT trained under tensor parallelism, and alone in one process: the same losses."""
+    cfg, dev = config(), launch.device()
+    losses = {}
+    for mode in ("single", "tp"):
+        net = tiny.build(cfg, seed=0, device=dev)
+        if mode == "tp":
+            apply_tensor_parallel(net)
+        opt = torch.optim.Adam(net.parameters(), lr=lr)
+        losses[mode] = []
+        for step in range(steps):
+            x, y = tiny.synthetic_batch(cfg, batch_size, seed=step, device=dev)  # the same data on every rank
+            loss = net(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[mode].append(loss.item())
+    held = sum(p.numel() for p in net.parameters())
+    return {"losses_tp": losses["tp"], "losses_single": losses["single"], "params_held": held,
+            "params_full": tiny.num_params(tiny.build(cfg))}
+
+
+def dtensor_mlp(rank, world_size, b=2, s=8):
+    """PyTorch's DTensor tensor parallelism on the same MLP: same outputs and gradients as the hand one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    cfg, dev = config(), launch.device()
+    g = torch.Generator().manual_seed(1)
+    x, upstream = torch.randn(b, s, cfg.hidden, generator=g).to(dev), torch.randn(b, s, cfg.hidden, generator=g).to(dev)
+    hand = parallelize_mlp(_full_block("mlp", cfg).to(dev), None)
+    lib = parallelize_module(_full_block("mlp", cfg).to(dev), init_device_mesh(dev.type, (world_size,)),
+                             {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    outs, grads = [], []
+    for block in (hand, lib):
+        xi = x.clone().requires_grad_()
+        out = block(xi)
+        (out * upstream).sum().backward()
+        outs.append(out.detach())
+        local = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for n, p in block.named_parameters()}
+        grads.append(dict(local, input=xi.grad))
+    placements = {n: str(p.placements) for n, p in lib.named_parameters()}
+    return {"max_abs_error_output": (outs[0] - outs[1]).abs().max().item(),
+            "max_abs_error_grad": max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]),
+            "placements": placements}
+
+
+def main(argv=None):
+    from labs import cli
+    p = cli.parser("Megatron tensor parallelism: a TP block against the unsharded one, all-reduces counted.")
+    p.add_argument("--block", choices=("mlp", "attention"), default="mlp")
+    p.add_argument("--batch", type=cli.positive_int, default=2)
+    p.add_argument("--seq", type=cli.positive_int, default=8)
+    p.add_argument("--hidden", type=cli.positive_int, default=48, help="hidden size h (12 heads of h/12)")
+    args = cli.parse(p, argv)
+    if args.hidden % 12:
+        raise ValueError(f"--hidden {args.hidden} is not a multiple of the 12 heads; use e.g. 48.")
+    check_degree(config(hidden=args.hidden), args.world_size)
+    results = launch.launch(check_block, args.world_size, args.block, args.batch, args.seq, args.hidden,
+                            timeout=args.timeout)
+    if results is None:
+        return
+    keys = ("max_abs_error_output", "max_abs_error_grad")
+    result = {k: max(r[k] for r in results) for k in keys}
+    result.update({k: results[0][k] for k in ("allreduce_forward", "allreduce_backward", "allreduce_bytes")},
+                  world_size=len(results), block=args.block)
+    cli.report(result, args, f"TP {args.block} on {len(results)} ranks: max error output "
+               f"{result['max_abs_error_output']:.1e}, grads {result['max_abs_error_grad']:.1e}; all-reduces "
+               f"{result['allreduce_forward']} forward + {result['allreduce_backward']} backward of "
+               f"{result['allreduce_bytes']} bytes each (b*s*h*4)")
+
+
+if __name__ == "__main__":
+    from labs import cli
+    cli.main(main)
