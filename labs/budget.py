@@ -35,6 +35,9 @@ class Arch:
     ffn: int
     vocab: int
 
+    def layer_params(self):
+        return (self.params() - 2 * self.vocab * self.hidden - self.hidden) // self.layers
+
     def params(self):
         """Llama block: q, o (h x h); k, v (h x kv*d); SwiGLU (3 matrices h x ffn); 2 RMSNorms."""
         kv = self.kv_heads * (self.hidden // self.heads)
@@ -117,7 +120,9 @@ def zeropp_cross_node_bytes(psi):
 
 
 # Link speeds, one direction, from the vendors' specifications (bytes per second).
-LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVMe drive (PCIe 4.0 x4)": 7e9}  # NVMe: a fast drive's read rate
+LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVMe drive (PCIe 4.0 x4)": 7e9,  # NVMe: a fast drive's read rate
+         "NVLink 4 (H100)": 450e9, "InfiniBand NDR (400 Gb/s)": 50e9}
+PEAK_FLOPS = {"H100 SXM, bf16 dense": 989e12}
 
 
 def offload_seconds(psi, link):

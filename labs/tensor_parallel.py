@@ -249,6 +249,34 @@ def dtensor_mlp(rank, world_size, b=2, s=8):
             "placements": placements}
 
 
+def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100)",
+                device="H100 SXM, bf16 dense", bytes_per_elem=2):
+    """One layer's forward on one GPU at scale: the TP all-reduce time beside the compute time.
+
+    Two all-reduces of M = b*s*h*2 bytes (attention and MLP), each sending 2(tp-1)/tp * M per GPU;
+    compute 2 * (layer parameters / tp) * b * s FLOPs at the device's peak.
+    """
+    from labs import budget
+    arch = budget.MODELS[model]
+    message = micro_batch * seq * arch.hidden * bytes_per_elem
+    sent = 2 * 2 * (tp - 1) / tp * message
+    flops = 2 * arch.layer_params() / tp * micro_batch * seq
+    return {"message_bytes": message, "sent_bytes": sent, "comm_s": sent / budget.LINKS[link],
+            "compute_s": flops / budget.PEAK_FLOPS[device], "weight_bytes_002": 2 * arch.hidden ** 2 * bytes_per_elem}
+
+
+# Chapter 4's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: layer_costs("70B", 8)["message_bytes"] / 2**20,
+    "2": lambda: layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
+
+
 def main(argv=None):
     from labs import cli
     p = cli.parser("Megatron tensor parallelism: a TP block against the unsharded one, all-reduces counted.")
