@@ -1,0 +1,174 @@
+"""Chapter 5: pipeline schedules as data, one ordered list of actions per stage.
+
+An action is F (forward), B (backward; for zero-bubble only the input gradient) or W (the weight
+gradient, zero-bubble only) of one micro-batch on one model chunk. p stages (ranks), m micro-
+batches, v chunks per rank for interleaved 1F1B (rank r holds chunks r, r + p, r + 2p, ...).
+
+Bubble, with F = 1 and B = 2 work units per full stage (Narayanan et al. 2021, arXiv 2104.04473):
+  GPipe and 1F1B:        bubble / total = (p-1)/(m+p-1),   bubble / ideal = (p-1)/m
+  interleaved, v chunks: bubble / ideal = (1/v) (p-1)/m
+  ZB-H1 (Qi et al. 2023, arXiv 2401.10241), F = B = W = 1: bubble / ideal = (p-1)/(3m)
+"""
+from typing import NamedTuple
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+class Action(NamedTuple):
+    kind: str    # "F", "B" or "W"
+    mb: int      # micro-batch
+    chunk: int = 0
+
+    def __repr__(self):
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def gpipe(p, m):
+    """All forwards, then all backwards: every stage holds all m micro-batches at the peak."""
+    return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
+
+
+def one_f_one_b(p, m):
+    """PipeDream-Flush: stage s warms up with p-1-s forwards, then alternates, then drains."""
+    out = []
+    for s in range(p):
+        warmup = min(p - 1 - s, m)
+        acts = [Action("F", i) for i in range(warmup)]              # warm-up
+        for i in range(m - warmup):                                 # steady state: one F, one B
+            acts += [Action("F", warmup + i), Action("B", i)]
+        acts += [Action("B", i) for i in range(m - warmup, m)]      # cool-down
+        out.append(acts)
+    return out
+
+
+def interleaved(p, m, v):
+    """Megatron's interleaved 1F1B: micro-batches go through each rank's v chunks in groups of p."""
+    if m % p:
+        raise ValueError(f"interleaved 1F1B sends micro-batches through the chunks in groups of p: "
+                         f"m={m} is not a multiple of p={p}; use m={-(-m // p) * p}.")
+    def order(chunks):  # (mb, chunk) in the order a rank runs them
+        return [Action("F", g * p + i, c) for g in range(m // p) for c in chunks for i in range(p)]
+    out = []
+    for s in range(p):
+        fwd = order(range(v))
+        bwd = [Action("B", a.mb, a.chunk) for a in order(list(reversed(range(v))))]
+        warmup = min((p - 1 - s) * 2 + (v - 1) * p, m * v)
+        acts = fwd[:warmup]                                         # warm-up
+        for i in range(m * v - warmup):                             # steady state
+            acts += [fwd[warmup + i], bwd[i]]
+        acts += bwd[m * v - warmup:]                                # cool-down
+        out.append(acts)
+    return out
+
+
+def zb_h1(p, m):
+    """Zero-bubble ZB-H1: backward split into B (input gradient) and W (weight gradient).
+
+    Built by running the pipeline in unit time with a rule per stage: a ready B first, then a F
+    while at most p - s micro-batches await their B (1F1B's bound) and at most 2p - 1 - s await
+    their W, then a W to fill the gap. The smallest such W bound that reaches the ZB-H1 bubble for
+    every m >= p: deferring W costs memory, since W still needs the stage's saved activations.
+    """
+    return _greedy(p, m, priority="BFW", limit=lambda s: p - s, hold=lambda s: 2 * p - 1 - s)
+
+
+def build(name, p, m, v=1):
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}.")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"stages, micro-batches and chunks must be at least 1 (got p={p}, m={m}, v={v}).")
+    if name == "interleaved":
+        return interleaved(p, m, v)
+    if v != 1:
+        raise ValueError(f"--chunks {v} applies to the interleaved schedule only; use 1 for {name}.")
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zb_h1}[name](p, m)
+
+
+def costs(name, v=1):
+    """Work units per action: F = 1, B = 2 per full stage; zero-bubble B = W = 1; a chunk is 1/v."""
+    return {"F": 1 / v, "B": 1 / v, "W": 1 / v} if name == "zb" else {"F": 1 / v, "B": 2 / v, "W": 0}
+
+
+def formula(name, p, m, v=1):
+    """Bubble over ideal compute time, and over total time, for each schedule."""
+    over_ideal = {"gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "interleaved": (p - 1) / (v * m),
+                  "zb": (p - 1) / (3 * m)}[name]
+    return {"over_ideal": over_ideal, "over_total": over_ideal / (1 + over_ideal)}
+
+
+def depends_on(a, s, p, v):
+    """The (stage, action) whose message ``a`` on stage ``s`` waits for, or None."""
+    k = a.chunk * p + s                      # index of this piece of the model, 0 .. p*v - 1
+    last = p * v - 1
+    if a.kind == "F":
+        return None if k == 0 else ((k - 1) % p, Action("F", a.mb, (k - 1) // p))
+    if a.kind == "B":
+        return (s, Action("F", a.mb, a.chunk)) if k == last else ((k + 1) % p, Action("B", a.mb, (k + 1) // p))
+    return (s, Action("B", a.mb, a.chunk))   # W needs this stage's own B
+
+
+def simulate(lists, cost, v=1):
+    """Start and end of every action when each waits for its own stage and its message."""
+    p = len(lists)
+    end, pos, clock, timeline = {}, [0] * p, [0.0] * p, [[] for _ in range(p)]
+    while any(pos[s] < len(lists[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(lists[s]):
+                a = lists[s][pos[s]]
+                dep = depends_on(a, s, p, v)
+                if dep is not None and dep not in end:
+                    break
+                start = max(clock[s], end[dep] if dep else 0.0)
+                clock[s] = end[(s, a)] = start + cost[a.kind]
+                timeline[s].append((a, start, clock[s]))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the schedule deadlocks: some stage waits for an action that never runs.")
+    return timeline
+
+
+def _greedy(p, m, priority, limit, hold):
+    """Stage lists from a run in unit time where each stage picks by ``priority`` when free."""
+    lists, end, clock = [[] for _ in range(p)], {}, [0.0] * p
+    state = [{"F": 0, "B": 0, "W": 0} for _ in range(p)]     # next micro-batch of each kind
+    while any(st["W"] < m for st in state):
+        best = None
+        for s in range(p):
+            for kind in priority:
+                a = Action(kind, state[s][kind])
+                held, waiting = state[s]["F"] - state[s]["W"], state[s]["F"] - state[s]["B"]
+                if a.mb >= m or (kind == "F" and (waiting >= limit(s) or held >= hold(s))):
+                    continue
+                if kind == "W" and state[s]["W"] >= state[s]["B"]:
+                    continue
+                dep = depends_on(a, s, p, 1)
+                if dep is not None and dep not in end:
+                    continue
+                start = max(clock[s], end[dep] if dep else 0.0)
+                if best is None or start < best[0]:
+                    best = (start, s, a)
+                    # among actions of one stage at the same start, the first in priority wins
+        start, s, a = best
+        clock[s] = end[(s, a)] = start + 1.0
+        lists[s].append(a)
+        state[s][a.kind] += 1
+    return lists
+
+
+def bubble(timeline, cost):
+    """Measured bubble of a timeline: idle share of the total, and idle over ideal compute."""
+    total = max(t[-1][2] for t in timeline)
+    busy = sum(cost[a.kind] for a, _, _ in timeline[0])
+    return {"over_total": (total - busy) / total, "over_ideal": (total - busy) / busy}
+
+
+def peak_inflight(actions):
+    """Most micro-batch chunks whose activations a stage holds at once (F done, last backward not)."""
+    release = "W" if any(a.kind == "W" for a in actions) else "B"
+    held = peak = 0
+    for a in actions:
+        held += (a.kind == "F") - (a.kind == release)
+        peak = max(peak, held)
+    return peak
