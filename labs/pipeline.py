@@ -207,6 +207,17 @@ def summarize(results, schedule, m, v):
             "message_bytes": results[0]["message_bytes"]}
 
 
+def sweep(rank, world_size, configs, unit_seconds=0.0):
+    """`run` for several (schedule, m, v) in one job; returns the summaries on every rank."""
+    out = []
+    for name, m, v in configs:
+        mine = run(rank, world_size, name, m, v, unit_seconds)
+        everyone = [None] * world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        out.append(summarize(everyone, name, m, v) | {"events": everyone and [r["events"] for r in everyone]})
+    return out
+
+
 LIBRARY = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
            "zb": "ScheduleInterleavedZeroBubble"}
 

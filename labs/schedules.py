@@ -107,8 +107,9 @@ def depends_on(a, s, p, v):
     return (s, Action("B", a.mb, a.chunk))   # W needs this stage's own B
 
 
-def simulate(lists, cost, v=1):
-    """Start and end of every action when each waits for its own stage and its message."""
+def simulate(lists, cost, v=1, latency=0.0):
+    """Start and end of every action when each waits for its own stage and its message
+    (``latency`` is added to every message between stages)."""
     p = len(lists)
     end, pos, clock, timeline = {}, [0] * p, [0.0] * p, [[] for _ in range(p)]
     while any(pos[s] < len(lists[s]) for s in range(p)):
@@ -119,7 +120,8 @@ def simulate(lists, cost, v=1):
                 dep = depends_on(a, s, p, v)
                 if dep is not None and dep not in end:
                     break
-                start = max(clock[s], end[dep] if dep else 0.0)
+                arrival = end[dep] + (latency if dep[0] != s else 0.0) if dep else 0.0
+                start = max(clock[s], arrival)
                 clock[s] = end[(s, a)] = start + cost[a.kind]
                 timeline[s].append((a, start, clock[s]))
                 pos[s] += 1
@@ -172,3 +174,24 @@ def peak_inflight(actions):
         held += (a.kind == "F") - (a.kind == release)
         peak = max(peak, held)
     return peak
+
+
+def microbatches_for(p, target):
+    """Fewest micro-batches that keep 1F1B's bubble / total below ``target``."""
+    m = 1
+    while formula("1f1b", p, m)["over_total"] >= target:
+        m += 1
+    return m
+
+
+# Chapter 5's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: formula("1f1b", 16, 48)["over_total"],
+    "2": lambda: microbatches_for(16, 0.05),
+    "3": lambda: formula("interleaved", 8, 32, 4)["over_ideal"],
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
