@@ -172,8 +172,9 @@ def _worker(rank, world_size, backend, tmp, timeout, fn, args, kwargs):
     except BaseException as exc:
         record = {"time": time.time(), "type": type(exc).__name__, "message": str(exc),
                   "traceback": traceback.format_exc()}
-        with open(_path(tmp, rank, "error"), "w") as f:
+        with open(_path(tmp, rank, "errtmp"), "w") as f:
             json.dump(record, f)
+        os.replace(_path(tmp, rank, "errtmp"), _path(tmp, rank, "error"))  # the parent polls: never half a file
         sys.exit(1)
     finally:
         if dist.is_initialized():
