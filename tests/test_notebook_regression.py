@@ -1,0 +1,117 @@
+"""The notebook regression still catches real drift.
+
+The committed notebooks state floating-point results only to the precision their assertions
+guarantee (`labs/report.py`), so nbval passes on any CPU and under any `ATEN_CPU_CAPABILITY`. These
+tests check the other side: when an exact quantity changes (a byte count off by one fp32 element, a
+schedule with one action moved, a glued integer) nbval fails, and fails on that cell alone. Each test
+takes a committed notebook up to the cell under test, changes one exact value in that cell's
+committed output (what a lab that drifted would produce) and runs nbval on the copy.
+
+No sanitizer is configured, so nothing can mask such a value; a test here fails if one is added
+that does.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _truncated(notebook, marker):
+    """The notebook's cells up to the code cell whose source contains ``marker``, and that cell's
+    index among code cells (nbval names items "Cell K" by that index)."""
+    nb = json.load(open(os.path.join(REPO, "notebooks", notebook)))
+    code_index = -1
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] == "code":
+            code_index += 1
+            if marker in "".join(cell["source"]):
+                nb["cells"] = nb["cells"][:i + 1]
+                return nb, cell, code_index
+    raise AssertionError(f"no code cell of {notebook} contains {marker!r}")
+
+
+def _nbval(nb, tmp_path):
+    path = tmp_path / "perturbed.ipynb"
+    path.write_text(json.dumps(nb))
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("PYTEST_ADDOPTS", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--nbval", str(path), "--nbval-current-env",
+                           "--nbval-cell-timeout=300", "-p", "no:cacheprovider", "-q", "-rf"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _perturb_output(cell, mime, pattern, replace):
+    """Apply one substitution to the first output of ``mime`` that ``pattern`` matches."""
+    for out in cell["outputs"]:
+        text = out.get("text") if mime == "stream" else out.get("data", {}).get(mime)
+        if text is None:
+            continue
+        text = "".join(text)
+        new, count = re.subn(pattern, replace, text, count=1)
+        if count:
+            if mime == "stream":
+                out["text"] = new
+            else:
+                out["data"][mime] = new
+            return
+    raise AssertionError(f"no {mime} output matches {pattern!r}")
+
+
+def _assert_only_cell_fails(code, output, index):
+    assert code == 1, output
+    failed = re.findall(r"FAILED \S+::Cell (\d+)", output)
+    assert failed == [str(index)], output
+    assert re.search(rf"1 failed, {index} passed", output), output
+
+
+def test_a_byte_count_off_by_one_element_fails(tmp_path):
+    # The ring's counted bytes per rank at N = 4: the last rank "sends" one fp32 element more.
+    nb, cell, index = _truncated("02_data_parallel.ipynb", "runs = {n: launch.spawn(ra.compare")
+    _perturb_output(cell, "text/markdown", r"(\| 4 \| ring \|[^\n]*?\[\d+, \d+, \d+, )(\d+)\]",
+                    lambda m: f"{m.group(1)}{int(m.group(2)) + 4}]")
+    _assert_only_cell_fails(*_nbval(nb, tmp_path), index)
+
+
+def test_a_glued_integer_off_by_one_element_fails(tmp_path):
+    # The glued per-rank ring bytes that the chapter's prose quotes.
+    nb, cell, index = _truncated("02_data_parallel.ipynb", "runs = {n: launch.spawn(ra.compare")
+    record = "application/papermill.record/text/plain"
+    glued = [o for o in cell["outputs"] if o.get("metadata", {}).get("scrapbook", {}).get("name") == "ring_bytes_n4"]
+    assert len(glued) == 1
+    glued[0]["data"][record] = str(int(glued[0]["data"][record]) + 4)
+    _assert_only_cell_fails(*_nbval(nb, tmp_path), index)
+
+
+def test_a_schedule_with_one_action_moved_fails(tmp_path):
+    # 1F1B on stage 0 of 4: the first backward moved one slot later (F3 F4 B0 instead of F3 B0 F4).
+    nb, cell, index = _truncated("05_pipeline_parallel.ipynb", "schedules.build(")
+    _perturb_output(cell, "text/markdown", r"(\| 1F1B \| 0 \| F0 F1 F2 F3) B0 F4", r"\1 F4 B0")
+    _assert_only_cell_fails(*_nbval(nb, tmp_path), index)
+
+
+@pytest.mark.parametrize("notebook", sorted(f for f in os.listdir(os.path.join(REPO, "notebooks"))
+                                            if f.endswith(".ipynb")))
+def test_no_checked_output_prints_a_float_at_full_precision(notebook):
+    """A float printed with all its digits (like 0.030286453664302826) changes with the CPU.
+
+    Exact values that are floats (16.0, 0.2727272727272727 from integer counts) are allowed only in
+    glue records of cells that compute them from integers; a long run of digits in printed text or
+    tables means an unrounded float reached a checked output.
+    """
+    nb = json.load(open(os.path.join(REPO, "notebooks", notebook)))
+    long_float = re.compile(r"\d\.\d{9,}")
+    for cell in nb["cells"]:
+        source = "".join(cell.get("source", ""))
+        if cell["cell_type"] != "code" or "NBVAL_IGNORE_OUTPUT" in source:
+            continue
+        for out in cell["outputs"]:
+            texts = [out.get("text", "")] + [out.get("data", {}).get(k, "") for k in ("text/plain", "text/markdown")]
+            for text in texts:
+                text = "".join(text)
+                assert not long_float.search(text), (notebook, source[:80], long_float.search(text).group(0))
