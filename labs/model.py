@@ -182,7 +182,7 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))     # bf16 -> fp32, as Llama's .float()
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)   # (B, T, 1), fp32
         ctx.save_for_backward(x, weight, rstd)
         return (x32 * rstd).to(x.dtype) * weight
@@ -190,10 +190,10 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        xhat = x.float() * rstd                                       # recomputed, not stored
-        g = grad.float() * weight.float()
+        xhat = x.to(rstd.dtype) * rstd                                # recomputed, not stored
+        g = grad.to(rstd.dtype) * weight.to(rstd.dtype)
         dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        dw = (grad.float() * xhat.to(x.dtype).float()).sum(dim=tuple(range(grad.dim() - 1)))
+        dw = (grad.to(rstd.dtype) * xhat.to(x.dtype)).sum(dim=tuple(range(grad.dim() - 1)))
         return dx.to(x.dtype), dw.to(weight.dtype), None
 
 
