@@ -56,8 +56,10 @@ def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute=
         k, v                       flash: k heads; materialized: copied to a    4sbh k/a | 4sbh
         scores (materialized)      the softmax output, s x s per head           2as^2b
         log-sum-exp (flash)        one fp32 number per query and head           4sba
-        attention output           wo's input; flash writes it (b, s, a, d), so
-                                   the kernel's saved output is the same tensor 2sbh
+        attention output           wo's input. SDPA saves its output too, but it
+                                   is the same storage: q arrives as a (b, s, a, d)
+                                   transpose and the output keeps that layout, so
+                                   the transpose back to (b, s, h) is a view    2sbh
         w1, w3                     their common input                           2sbh
         SwiGLU                     x w1 (SiLU), SiLU(x w1) and x w3 (product),
                                    the product (w2's input)                     8sbf
@@ -70,6 +72,9 @@ def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute=
     parallelism (Shoeybi et al. 2019) heads and f split over tp; the norms, their statistics and
     the projections' inputs are replicated unless sequence parallelism (sp) splits them too; KV
     heads are replicated when tp exceeds them.
+    Not in the formula, and measured as more: an unfused RMSNorm (fp32 copies, `rmsnorm_saved_bytes`),
+    a softmax kept in fp32 (Hugging Face's eager attention), dropout. The embedding, the logits and
+    the loss sit outside the blocks.
     """
     _check_recompute(recompute)
     if attention not in ("materialized", "flash"):
@@ -77,12 +82,12 @@ def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute=
     if recompute == "full":
         return {"layer_input": 2 * s * b * h}
     sbh, sb, d = s * b * h, s * b, h // a
-    rep = tp if sp else 1                        # what every tp rank holds in full without sp
+    whole = tp if sp else 1                      # without sp, every tp rank holds these in full
     kv_local = kv_heads / tp if kv_heads >= tp else 1
-    terms = {"norm_inputs": 2 * 2 * sbh / rep, "norm_stats": 2 * 4 * sb / rep,
-             "attention_input": 2 * sbh / rep, "q": 2 * sbh / tp,
+    terms = {"norm_inputs": 2 * 2 * sbh / whole, "norm_stats": 2 * 4 * sb / whole,
+             "attention_input": 2 * sbh / whole, "q": 2 * sbh / tp,
              "k_v": 2 * 2 * sb * d * kv_local, "attention_output": 2 * sbh / tp,
-             "mlp_input": 2 * sbh / rep, "swiglu": 4 * 2 * sb * ffn / tp}
+             "mlp_input": 2 * sbh / whole, "swiglu": 4 * 2 * sb * ffn / tp}
     if recompute == "none" and attention == "flash":
         terms["logsumexp"] = 4 * sb * a / tp
     if recompute == "none" and attention == "materialized":

@@ -312,7 +312,9 @@ def main(argv=None):
         result = {"world_size": len(results), "bytes_per_param": {k: v["bytes_per_param"] for k, v in r0.items()},
                   "formula": {k: v["formula"]["total"] for k, v in r0.items()},
                   "replicas_equal": all(r["recipes"] == results[0]["recipes"] for r in results),
-                  "activations": results[0]["activations"]}
+                  "activations": results[0]["activations"],
+                  "llama_activations_exact": {k: all(r["measured"] == r["formula"] for r in rows)
+                                              for k, rows in results[0]["llama_activations"].items()}}
         lines = [f"{k:18s} measured {v:6.2f} B/param, formula {result['formula'][k]}" for k, v in
                  result["bytes_per_param"].items()]
         cli.report(result, args, "\n".join(lines))
