@@ -10,7 +10,8 @@ in backward (it sits before the column-parallel layer: every rank's input gradie
 g is an all-reduce in forward and the identity in backward (after the row-parallel layer). One
 all-reduce per block in forward, one in backward, each of b*s*h activation elements. Attention
 splits the same way: heads by column (the fused qkv keeps its q, k and v blocks per head), the
-output projection by rows.
+output projection by rows. The lab reads every all-reduce's payload from the tensor f or g hands
+to the collective (`payloads`), so "b*s*h elements" is a measurement, not a size the lab set.
 
     python -m labs.tensor_parallel --world-size 2 --block mlp --json
 """
