@@ -1,28 +1,44 @@
 """Chapter 1, the memory budget: a calculator, and a lab that measures what it predicts.
 
-Calculator (bytes per device, GB = 1e9 bytes as in the papers):
+Units: GB = 1e9 bytes, as the papers print them (ZeRO's Table 1, model states); GiB = 2**30 bytes,
+what a GPU holds (an "80 GB" H100 has 80 GiB of HBM, 85.9e9 bytes). Sizes are reported in both
+where it matters; the capacity a configuration must fit in is ``gpu_gib``.
+
+Calculator (bytes per device):
 - model state: a recipe's bytes per parameter (`labs.precision`), sharded by ZeRO stage over dp
   (Rajbhandari et al. 2019, arXiv 1910.02054: stage 1 shards the optimizer state, stage 2 also the
   gradients, stage 3 also the weights) and split by tp and pp;
-- activations: Korthikanti et al. 2022 (arXiv 2205.05198, Table 2), per layer
-  s*b*h*(34 + 5*a*s/h) bytes with no parallelism and no recomputation.
+- activations of the Llama models: `labs.activations.llama_activation_terms` (derived op by op,
+  measured on `labs.model.LlamaBlock`), with attention scores written out ("materialized") or
+  through a fused kernel that keeps only its output and log-sum-exp ("flash": FlashAttention,
+  Dao et al. 2022, arXiv 2205.14135; ``F.scaled_dot_product_attention``). The GPT-3 block of
+  Korthikanti et al. 2022 (arXiv 2205.05198, Table 2), sbh(34 + 5as/h), stays available as
+  `gpt3_activation_bytes_per_layer` (alias `activation_bytes_per_layer`) for GPT-3 shapes.
 
 Lab (`measure`): every rank builds the tiny model with a recipe, runs one data-parallel step and
-counts its bytes by storage; and autograd's saved tensors of one block are weighed against the
-activation formula.
+counts its bytes by storage; and autograd's saved tensors of one block (GPT and Llama) are weighed
+against the activation formulas.
 
     python -m labs.budget --model 70B --world-size 64 --tp 8 --zero-stage 1 --json
+    python -m labs.budget --model 7B --zero-stage 1 --attention flash
     python -m labs.budget --measure --world-size 2 --json
 """
 import math
 from dataclasses import dataclass
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
 import torch
 
 from labs import comm, exercises, launch, memory, model as tiny, precision
+# The activation formulas and their lab live in labs.activations; chapter 1 calls them from here.
+from labs.activations import (activation_bytes_per_layer, gpt3_activation_bytes_per_layer,  # noqa: F401
+                              layernorm_stat_bytes, llama_activation_bytes_per_layer, llama_activation_terms,
+                              measure_activations, measure_llama, measure_llama_activations,
+                              rmsnorm_saved_bytes)
 
-GB = 1e9
+GB = 1e9          # the papers' gigabyte
+GIB = 2 ** 30     # what a GPU's memory is counted in
+GPU_GIB = 80      # an H100 SXM "80GB": 80 GiB = 85.9e9 bytes
 
 
 @dataclass(frozen=True)
@@ -65,46 +81,74 @@ def state_bytes_per_param(zero_stage=0, dp=1, recipe="mixed"):
     return out
 
 
-def activation_bytes_per_layer(s, b, h, a, tp=1, sp=False, recompute="none", dropout=True):
-    """Korthikanti et al. 2022, Table 2: 16-bit activations and 1-byte dropout masks.
+def model_activations(model="7B", seq=4096, micro_batch=1, tp=1, sp=False, recompute="none", attention="materialized"):
+    """One MODELS entry's activations: per layer (with its terms) and for all L layers, in bytes.
 
-    With dropout off (as Llama trains) the three masks go (2sbh + a*s*s*b) and the attention
-    dropout output no longer differs from the softmax output (2*a*s*s*b): 32 + 2as/h.
+    L layers' worth is also what 1F1B's first stage holds whatever pp is: p micro-batches of L/p layers.
     """
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
-    if recompute == "full":
-        return 2 * s * b * h  # only each layer's input is kept
-    linear, scores = (34, 5) if dropout else (32, 2)
-    replicated = 0 if sp else 10 if dropout else 8  # LayerNorm inputs, dropout masks, QKV/FC inputs
-    per_token = replicated + (linear - replicated) / tp
-    attention = 0 if recompute == "selective" else scores * a * s / (h * tp)
-    return s * b * h * (per_token + attention)
+    arch = _arch(model)
+    terms = llama_activation_terms(seq, micro_batch, arch.hidden, arch.heads, arch.kv_heads, arch.ffn, tp, sp,
+                                   recompute, attention)
+    per_layer = sum(terms.values())
+    return {"model": model, "seq": seq, "micro_batch": micro_batch, "tp": tp, "sequence_parallel": sp,
+            "recompute": recompute, "attention": attention, "terms": terms, "per_layer_bytes": per_layer,
+            "layers": arch.layers, "total_bytes": arch.layers * per_layer}
+
+
+def _arch(model):
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}.")
+    return MODELS[model]
 
 
 def budget(model="7B", world_size=8, tp=1, pp=1, zero_stage=0, recipe="mixed", seq=4096,
-           micro_batch=1, recompute="none", sp=False, gpu_gb=80.0):
-    """Bytes per device for one configuration, and whether it fits in ``gpu_gb``."""
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}.")
+           micro_batch=1, recompute="none", sp=False, attention="materialized", gpu_gib=GPU_GIB):
+    """Bytes per device for one configuration, and whether they fit in ``gpu_gib`` GiB.
+
+    Result: ``bytes_per_device``, ``gb_per_device`` (1e9) and ``gib_per_device`` (2**30), each with
+    parameters, gradients, optimizer_state, activations (Llama formula) and total; ``capacity_bytes``
+    = gpu_gib * 2**30; ``fits``: total bytes <= capacity_bytes.
+    """
+    arch = _arch(model)
     if world_size % (tp * pp):
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}; "
                          f"choose tp and pp whose product divides {world_size}.")
-    arch, dp = MODELS[model], world_size // (tp * pp)
-    if arch.layers % pp or arch.heads % tp:
-        raise ValueError(f"{model} has {arch.layers} layers and {arch.heads} heads: pp must divide "
-                         f"the layers and tp the heads (got pp={pp}, tp={tp}).")
+    dp = world_size // (tp * pp)
+    if arch.layers % pp or arch.heads % tp or arch.ffn % tp or (arch.kv_heads % tp and tp % arch.kv_heads):
+        raise ValueError(f"{model} has {arch.layers} layers, {arch.heads} heads, {arch.kv_heads} KV heads and "
+                         f"MLP width {arch.ffn}: pp must divide the layers and tp the heads and the width "
+                         f"(and divide or be a multiple of the KV heads) (got pp={pp}, tp={tp}).")
     psi = arch.params()
     per_param = state_bytes_per_param(zero_stage, dp, recipe)
-    state = {k: v * psi / (tp * pp) for k, v in per_param.items() if k != "total"}
-    # 1F1B: the first stage holds pp micro-batches of its L/pp layers, i.e. L layers' worth.
-    acts = arch.layers * activation_bytes_per_layer(seq, micro_batch, arch.hidden, arch.heads, tp, sp, recompute)
-    dev = dict(state, activations=acts)
+    dev = {k: v * psi / (tp * pp) for k, v in per_param.items() if k != "total"}
+    dev["activations"] = model_activations(model, seq, micro_batch, tp, sp, recompute, attention)["total_bytes"]
     dev["total"] = sum(dev.values())
+    capacity = gpu_gib * GIB
     return {"model": model, "params": psi, "world_size": world_size, "dp": dp, "tp": tp, "pp": pp,
             "zero_stage": zero_stage, "recipe": recipe, "seq": seq, "micro_batch": micro_batch,
-            "recompute": recompute, "sequence_parallel": sp, "gpu_gb": gpu_gb,
-            "gb_per_device": {k: v / GB for k, v in dev.items()}, "fits": dev["total"] <= gpu_gb * GB}
+            "recompute": recompute, "sequence_parallel": sp, "attention": attention, "gpu_gib": gpu_gib,
+            "capacity_bytes": capacity, "bytes_per_device": dev,
+            "gb_per_device": {k: v / GB for k, v in dev.items()},
+            "gib_per_device": {k: v / GIB for k, v in dev.items()}, "fits": dev["total"] <= capacity}
+
+
+def fit_grid(model="7B", world_size=8, zero_stage=1, seq=4096, micro_batch=1, tp=1, pp=1, sp=False, gpu_gib=GPU_GIB):
+    """Does it fit, under each recomputation and attention kind? E.g. ZeRO-1 on 8 GPUs, 7B, s=4096, b=1.
+
+    One row per (recompute, attention): state, activations and total in GiB, the headroom left in
+    ``gpu_gib`` (negative: short by that much) and ``fits``. Temporary buffers, the logits and
+    fragmentation are not counted (Rajbhandari et al. 2019, §3.2), so a thin margin is no margin.
+    """
+    rows = []
+    for recompute in ("none", "selective", "full"):
+        for attention in ("materialized", "flash"):
+            r = budget(model, world_size, tp, pp, zero_stage, "mixed", seq, micro_batch, recompute, sp,
+                       attention, gpu_gib)
+            g = r["gib_per_device"]
+            rows.append({"recompute": recompute, "attention": attention, "activations_gib": g["activations"],
+                         "state_gib": g["total"] - g["activations"], "total_gib": g["total"],
+                         "headroom_gib": gpu_gib - g["total"], "fits": r["fits"]})
+    return rows
 
 
 def zero_comm_bytes(stage, psi, n, bytes_per_elem=2):
@@ -130,56 +174,64 @@ def offload_seconds(psi, link):
     return 2 * psi / LINKS[link]  # both directions at once: 2 bytes each way per parameter
 
 
-# ZeRO paper, Table 1: per-device GB for a 7.5B model with K=12, by DP degree (the published values).
-ZERO_PAPER_PSI = 7.5e9
-ZERO_PAPER_TABLE1 = {
-    "dp": [1, 4, 16, 64, 256, 1024],
-    0: [120, 120, 120, 120, 120, 120],
-    1: [120, 52.5, 35.6, 31.4, 30.4, 30.1],
-    2: [120, 41.3, 21.6, 16.6, 15.4, 15.1],
-    3: [120, 30, 7.5, 1.88, 0.47, 0.12],
+# ZeRO paper (Rajbhandari et al. 2019), Table 1: GB per device (K = 12) by DP degree, for three
+# model sizes, the published values. Stage 1 = P_os, 2 = P_os+g, 3 = P_os+g+p. The columns print
+# by different rules: 7.5B rounds half up to three significant figures (41.25 -> 41.3, 30.35 ->
+# 30.4); 128B and 1T truncate (513.5 -> 513, 4187.5 -> 4187, 15.625 -> 15.6).
+ZERO_PAPER_DP = [1, 4, 16, 64, 256, 1024]
+ZERO_PAPER_COLUMNS = {
+    "7.5B": {"psi": 7.5e9, "printing": "round",
+             1: [120, 52.5, 35.6, 31.4, 30.4, 30.1],
+             2: [120, 41.3, 21.6, 16.6, 15.4, 15.1],
+             3: [120, 30, 7.5, 1.88, 0.47, 0.12]},
+    "128B": {"psi": 128e9, "printing": "truncate",
+             1: [2048, 896, 608, 536, 518, 513],
+             2: [2048, 704, 368, 284, 263, 257],
+             3: [2048, 512, 128, 32, 8, 2]},
+    "1T": {"psi": 1e12, "printing": "truncate",
+           1: [16000, 7000, 4750, 4187, 4046, 4011],
+           2: [16000, 5500, 2875, 2218, 2054, 2013],
+           3: [16000, 4000, 1000, 250, 62.5, 15.6]},
 }
+# The 7.5B column alone, as chapter 1 first checked it; row 0 is plain data parallelism (16 Psi at
+# every DP degree), which the table shows only as its DP = 1 row.
+ZERO_PAPER_PSI = 7.5e9
+ZERO_PAPER_TABLE1 = {"dp": ZERO_PAPER_DP, 0: [120] * 6,
+                     **{stage: ZERO_PAPER_COLUMNS["7.5B"][stage] for stage in (1, 2, 3)}}
 
 
-def zero_table1():
+def zero_table1(psi=ZERO_PAPER_PSI):
     """Table 1 recomputed from `state_bytes_per_param`: {stage: [GB per device for each dp]}."""
-    return {stage: [state_bytes_per_param(stage, dp)["total"] * ZERO_PAPER_PSI / GB
-                    for dp in ZERO_PAPER_TABLE1["dp"]] for stage in (0, 1, 2, 3)}
+    return {stage: [state_bytes_per_param(stage, dp)["total"] * psi / GB for dp in ZERO_PAPER_DP]
+            for stage in (0, 1, 2, 3)}
 
 
-def matches_paper(computed, published):
-    """Equal at the precision the paper prints each value, rounding half up as it does (41.25 -> 41.3)."""
+def matches_paper(computed, published, printing="round"):
+    """Equal at the precision the paper prints each value, by the column's rule: "round" (half up,
+    41.25 -> 41.3) or "truncate" (toward zero, 513.5 -> 513)."""
+    if printing not in ("round", "truncate"):
+        raise ValueError(f"printing must be 'round' or 'truncate', got {printing!r}.")
+    mode = ROUND_HALF_UP if printing == "round" else ROUND_DOWN
+
     def printed(c, p):
-        return Decimal(repr(c)).quantize(Decimal(str(p)), rounding=ROUND_HALF_UP) == Decimal(str(p))
-    return all(printed(c, p) for c, p in zip(computed, published))
+        return Decimal(repr(c)).quantize(Decimal(str(p)), rounding=mode) == Decimal(str(p))
+    return len(computed) == len(published) and all(printed(c, p) for c, p in zip(computed, published))
+
+
+def zero_table1_check():
+    """Every published entry of Table 1 against the formula: {column: {printing, computed, published,
+    matches: {stage: bool}}}; the DP = 1 row of each column is also plain data parallelism, 16 Psi."""
+    out = {}
+    for name, col in ZERO_PAPER_COLUMNS.items():
+        table = zero_table1(col["psi"])
+        out[name] = {"printing": col["printing"], "computed": {st: table[st] for st in (1, 2, 3)},
+                     "published": {st: col[st] for st in (1, 2, 3)},
+                     "matches": {st: matches_paper(table[st], col[st], col["printing"]) for st in (1, 2, 3)},
+                     "baseline_gb": table[0][0]}
+    return out
 
 
 # --- the lab -----------------------------------------------------------------------------------
-
-def layernorm_stat_bytes(h=8, dtype=torch.bfloat16, device="cpu"):
-    """Bytes per token LayerNorm keeps beside its input (mean and 1/std), measured on ``device``:
-    2 x 2 in bf16 on a CPU; a GPU kernel may keep them in fp32."""
-    ln = torch.nn.LayerNorm(h).to(device=device, dtype=dtype)
-    x = torch.randn(1, 1, h, dtype=dtype, device=device, requires_grad=True)
-    with memory.saved_for_backward(ln) as saved:
-        ln(x)
-    return saved.bytes - h * x.element_size()
-
-
-def measure_activations(cfg, shapes, dtype=torch.bfloat16, device="cpu"):
-    """Saved-for-backward bytes of one block at each (b, s), beside the formula."""
-    rows = []
-    stat_bytes = layernorm_stat_bytes(cfg.hidden, dtype, device)
-    for b, s in shapes:
-        block = tiny.Block(cfg).to(device=device, dtype=dtype).train()
-        x = torch.randn(b, s, cfg.hidden, dtype=dtype, device=device, requires_grad=True)
-        with memory.saved_for_backward(block) as saved:
-            block(x)
-        formula = activation_bytes_per_layer(s, b, cfg.hidden, cfg.n_head, dropout=cfg.dropout > 0)
-        rows.append({"b": b, "s": s, "measured": saved.bytes, "formula": formula,
-                     "layernorm_stats": 2 * s * b * stat_bytes})  # two LayerNorms per block
-    return rows
-
 
 def data_parallel_step(cfg, recipe, rank, batch_size):
     """One step of plain data parallelism with a recipe; returns the state this rank holds."""
@@ -207,8 +259,9 @@ def measure(rank, world_size, recipes=tuple(precision.RECIPES), shapes=((1, 8), 
     """The chapter-1 lab, on every rank: bytes per parameter by recipe, activations per block."""
     cfg = tiny.GPTConfig()
     result = {name: data_parallel_step(cfg, name, rank, batch_size) for name in recipes}
-    act_cfg = tiny.GPTConfig(dropout=0.1)  # the formula assumes dropout everywhere
+    act_cfg = tiny.GPTConfig(dropout=0.1)  # the GPT-3 formula assumes dropout everywhere
     return {"recipes": result, "activations": measure_activations(act_cfg, shapes, device=launch.device()),
+            "llama_activations": measure_llama(shapes, device=launch.device()),
             "cuda_peak_bytes": memory.cuda_peak_bytes()}
 
 
@@ -220,9 +273,9 @@ def state_gb(model, world_size, zero_stage, recipe="mixed"):
 # Chapter 1's exercises: the answers are computed here, so the book never types them.
 EXERCISES = {
     "1": lambda: state_gb("13B", 8, zero_stage=2),
-    "2": lambda: math.ceil(16 * MODELS["70B"].params() / (80 * GB)),
+    "2": lambda: math.ceil(16 * MODELS["70B"].params() / (GPU_GIB * GIB)),  # 80 GiB GPUs
     "3": lambda: activation_bytes_per_layer(2048, 1, 12288, 96) / GB,
-    "4": lambda: 80 * GB / 16 / 1e9,
+    "4": lambda: GPU_GIB * GIB / 16 / 1e9,  # billions of parameters in 80 GiB
 }
 
 
@@ -245,7 +298,9 @@ def main(argv=None):
     p.add_argument("--micro-batch", type=cli.positive_int, default=1)
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--gpu-gb", type=float, default=80.0, help="memory per GPU in GB (default 80)")
+    p.add_argument("--attention", default="materialized", choices=["materialized", "flash"],
+                   help="attention scores written out, or a fused kernel (FlashAttention, SDPA)")
+    p.add_argument("--gpu-gib", type=float, default=GPU_GIB, help="memory per GPU in GiB (default 80: an H100)")
     args = cli.parse(p, argv)
     if args.world_size is None:
         args.world_size = 2 if args.measure else 8
@@ -257,18 +312,20 @@ def main(argv=None):
         result = {"world_size": len(results), "bytes_per_param": {k: v["bytes_per_param"] for k, v in r0.items()},
                   "formula": {k: v["formula"]["total"] for k, v in r0.items()},
                   "replicas_equal": all(r["recipes"] == results[0]["recipes"] for r in results),
-                  "activations": results[0]["activations"]}
+                  "activations": results[0]["activations"],
+                  "llama_activations_exact": {k: all(r["measured"] == r["formula"] for r in rows)
+                                              for k, rows in results[0]["llama_activations"].items()}}
         lines = [f"{k:18s} measured {v:6.2f} B/param, formula {result['formula'][k]}" for k, v in
                  result["bytes_per_param"].items()]
         cli.report(result, args, "\n".join(lines))
         return
     r = budget(args.model, args.world_size, args.tp, args.pp, args.zero_stage, args.recipe, args.seq,
-               args.micro_batch, args.recompute, args.sequence_parallel, args.gpu_gb)
-    g = r["gb_per_device"]
+               args.micro_batch, args.recompute, args.sequence_parallel, args.attention, args.gpu_gib)
+    g = r["gib_per_device"]
     summary = (f"{args.model} ({r['params'] / 1e9:.2f}B params) on {args.world_size} GPUs "
-               f"(dp={r['dp']}, tp={args.tp}, pp={args.pp}, ZeRO-{args.zero_stage}): "
-               + ", ".join(f"{k} {v:.1f} GB" for k, v in g.items())
-               + f" -> {'fits' if r['fits'] else 'does not fit'} in {args.gpu_gb:g} GB")
+               f"(dp={r['dp']}, tp={args.tp}, pp={args.pp}, ZeRO-{args.zero_stage}, {args.attention} attention, "
+               f"recompute {args.recompute}): " + ", ".join(f"{k} {v:.1f} GiB" for k, v in g.items())
+               + f" -> {'fits' if r['fits'] else 'does not fit'} in {args.gpu_gib:g} GiB")
     cli.report(r, args, summary)
 
 

@@ -10,16 +10,40 @@ in backward (it sits before the column-parallel layer: every rank's input gradie
 g is an all-reduce in forward and the identity in backward (after the row-parallel layer). One
 all-reduce per block in forward, one in backward, each of b*s*h activation elements. Attention
 splits the same way: heads by column (the fused qkv keeps its q, k and v blocks per head), the
-output projection by rows.
+output projection by rows. The lab reads every all-reduce's payload from the tensor f or g hands
+to the collective (`payloads`), so "b*s*h elements" is a measurement, not a size the lab set.
 
     python -m labs.tensor_parallel --world-size 2 --block mlp --json
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from labs import comm, launch, model as tiny
+
+_logs = []  # the payload logs currently recording, innermost last
+
+
+@contextlib.contextmanager
+def payloads():
+    """Record every all-reduce f and g make inside the block: the operator and the bytes of the
+    tensor handed to the collective (numel x element size), read from that tensor, not assumed."""
+    log = []
+    _logs.append(log)
+    try:
+        yield log
+    finally:
+        _logs.remove(log)
+
+
+def _all_reduce(x, group, op):
+    for log in _logs:
+        log.append({"op": op, "bytes": x.numel() * x.element_size(), "numel": x.numel(),
+                    "element_size": x.element_size(), "shape": tuple(x.shape)})
+    comm.all_reduce(x, group=group)
 
 
 class _F(torch.autograd.Function):
@@ -33,7 +57,7 @@ class _F(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        comm.all_reduce(grad, group=ctx.group)
+        _all_reduce(grad, ctx.group, "f backward")
         return grad, None
 
 
@@ -43,7 +67,7 @@ class _G(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous().clone()
-        comm.all_reduce(x, group=group)
+        _all_reduce(x, group, "g forward")
         return x
 
     @staticmethod
@@ -157,7 +181,14 @@ def _slice_of_full(name, full_grad, tp, rank, kind, cfg):
 
 
 def check_block(rank, world_size, kind="mlp", b=2, s=8, hidden=48):
-    """A TP block beside the unsharded one: outputs, input gradient and every weight gradient."""
+    """A TP block beside the unsharded one: outputs, input gradient and every weight gradient.
+
+    The all-reduces are read from the tensors f and g hand to the collective (`payloads`):
+    allreduce_forward / allreduce_backward (calls), allreduce_payloads ({"forward": [bytes, ...],
+    "backward": [...]}) and allreduce_bytes (the payload of the forward all-reduce). allreduce_bytes_sent
+    is formula bytes: the ring's per-rank count for those measured payloads, 2(N-1)/N each (the
+    library's wire bytes are `labs.comm`'s business).
+    """
     if kind not in ("mlp", "attention"):
         raise ValueError(f"block must be 'mlp' or 'attention', got {kind!r}.")
     cfg, dev = config(hidden=hidden), launch.device()
@@ -171,35 +202,47 @@ def check_block(rank, world_size, kind="mlp", b=2, s=8, hidden=48):
     block = _full_block(kind, cfg).to(dev)
     (parallelize_mlp if kind == "mlp" else parallelize_attention)(block, None)
     x_tp = x.clone().requires_grad_()
-    with comm.counting() as forward:
+    with payloads() as forward:
         out = block(x_tp)
-    with comm.counting() as backward:
+    with payloads() as backward:
         (out * upstream).sum().backward()
     grads = {name: (p.grad - _slice_of_full(name, dict(full.named_parameters())[name].grad, world_size, rank,
                                             kind, cfg)).abs().max().item()
              for name, p in block.named_parameters()}
     grads["input"] = (x_tp.grad - x_ref.grad).abs().max().item()
-    sizes = [e["bytes_sent"] for e in forward.ops.values()]
+    calls = forward + backward
     return {"max_abs_error_output": (out - ref_out).abs().max().item(),
             "max_abs_error_grad": max(grads.values()), "grad_errors": grads,
-            "allreduce_forward": forward.calls("all_reduce"), "allreduce_backward": backward.calls("all_reduce"),
-            "allreduce_bytes": b * s * hidden * x.element_size(),  # the message: this rank's partial sum
-            "allreduce_bytes_sent": forward.bytes_sent + backward.bytes_sent, "sent_by_op": sizes,
+            "allreduce_forward": len(forward), "allreduce_backward": len(backward),
+            "allreduce_payloads": {"forward": [c["bytes"] for c in forward], "backward": [c["bytes"] for c in backward]},
+            "allreduce_ops": [c["op"] for c in calls],
+            "allreduce_bytes": forward[0]["bytes"] if forward else 0,  # g's tensor: this rank's partial sum
+            "allreduce_bytes_sent": sum(_ring_bytes(c, world_size, rank) for c in calls),
             "local_params": sum(p.numel() for p in block.parameters()),
             "full_params": sum(p.numel() for p in full.parameters())}
 
 
+def check_blocks(rank, world_size, kinds=("mlp", "attention"), b=2, s=8, hidden=48):
+    """`check_block` for several kinds in one job (one process start instead of one per kind)."""
+    return {kind: check_block(rank, world_size, kind, b, s, hidden) for kind in kinds}
+
+
+def _ring_bytes(call, n, rank):
+    """Formula bytes: what a ring all-reduce of this payload sends from ``rank`` (2(N-1)/N of it)."""
+    return comm.ring_allreduce_elements(call["numel"], n, rank) * call["element_size"]
+
+
 def message_bytes(rank, world_size, shapes):
-    """The payload of a forward all-reduce in the TP MLP for each (b, s, h): counted, not assumed."""
+    """The payload of the forward all-reduce in the TP MLP for each (b, s, h): the bytes of the tensor
+    g handed to the collective, and its shape."""
     out = []
     for b, s, h in shapes:
         cfg = config(hidden=h, n_head=h // 4)
         block = parallelize_mlp(_full_block("mlp", cfg), None)
-        with comm.counting() as tally:
+        with payloads() as log:
             block(torch.randn(b, s, h))
-        n = world_size
-        # invert the ring count: bytes sent = 2(N-1)/N * M, so M = sent * N / (2(N-1))
-        out.append({"b": b, "s": s, "h": h, "message_bytes": tally.bytes_sent * n // (2 * (n - 1))})
+        out.append({"b": b, "s": s, "h": h, "calls": len(log), "message_bytes": log[0]["bytes"],
+                    "shape": log[0]["shape"]})
     return out
 
 
@@ -251,18 +294,29 @@ def dtensor_mlp(rank, world_size, b=2, s=8):
 
 def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100)",
                 device="H100 SXM, bf16 dense", bytes_per_elem=2):
-    """One layer's forward on one GPU at scale: the TP all-reduce time beside the compute time.
+    """One layer's forward on one GPU at scale: the TP all-reduce time beside the compute time (formulas).
 
-    Two all-reduces of M = b*s*h*2 bytes (attention and MLP), each sending 2(tp-1)/tp * M per GPU;
-    compute 2 * (layer parameters / tp) * b * s FLOPs at the device's peak.
+    Communication (Shoeybi et al. 2019, §3 and Fig. 4): two all-reduces per layer in forward (after
+    attention, after the MLP), each of M = b*s*h*2 bytes of bf16 activations, each sending
+    2(tp-1)/tp * M per GPU around a ring (Patarasuk & Yuan 2009).
+    Compute, at the device's peak: the matmuls, 2 FLOPs per weight per token, 2 * (layer parameters
+    / tp) * b * s (Kaplan et al. 2020, §2.1), plus the two s x s attention matmuls, q k^T and scores
+    times v, 4 * b * s^2 * h / tp (Narayanan et al. 2021, arXiv 2104.04473, FLOPs appendix; a causal
+    kernel can skip about half of them, not counted here).
+    weight_bytes_002: one h x h weight in bf16, h^2 * 2 bytes (128 MiB at h = 8192), the size the
+    notes gave the all-reduce; weights never travel in tensor parallelism.
+    Link speeds are one direction and the peak is dense bf16, from the vendors' data sheets.
     """
     from labs import budget
     arch = budget.MODELS[model]
     message = micro_batch * seq * arch.hidden * bytes_per_elem
     sent = 2 * 2 * (tp - 1) / tp * message
-    flops = 2 * arch.layer_params() / tp * micro_batch * seq
+    matmul_flops = 2 * arch.layer_params() / tp * micro_batch * seq
+    attention_flops = 4 * micro_batch * seq ** 2 * arch.hidden / tp
+    flops = matmul_flops + attention_flops
     return {"message_bytes": message, "sent_bytes": sent, "comm_s": sent / budget.LINKS[link],
-            "compute_s": flops / budget.PEAK_FLOPS[device], "weight_bytes_002": 2 * arch.hidden ** 2 * bytes_per_elem}
+            "matmul_flops": matmul_flops, "attention_flops": attention_flops, "flops": flops,
+            "compute_s": flops / budget.PEAK_FLOPS[device], "weight_bytes_002": arch.hidden ** 2 * bytes_per_elem}
 
 
 # Chapter 4's exercises: the answers are computed here, so the book never types them.

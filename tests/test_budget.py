@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from labs import budget, launch, precision
+from labs import budget, launch, model, precision
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,15 +16,36 @@ def test_zero_stages_shard_the_16_bytes(stage, per_param):
     assert budget.state_bytes_per_param(stage, dp=8)["total"] == pytest.approx(per_param)
 
 
-def test_zero_paper_table1_is_reproduced():
-    table = budget.zero_table1()
-    for stage in (0, 1, 2, 3):
-        assert budget.matches_paper(table[stage], budget.ZERO_PAPER_TABLE1[stage]), stage
+@pytest.mark.parametrize("column", ["7.5B", "128B", "1T"])
+def test_every_column_of_zero_table1_is_reproduced(column):
+    r = budget.zero_table1_check()[column]
+    assert r["matches"] == {1: True, 2: True, 3: True}, r
+    assert r["baseline_gb"] == 16 * budget.ZERO_PAPER_COLUMNS[column]["psi"] / 1e9  # the DP = 1 row
+    # the old single-column check still reads the 7.5B column
+    if column == "7.5B":
+        table = budget.zero_table1()
+        assert all(budget.matches_paper(table[st], budget.ZERO_PAPER_TABLE1[st]) for st in (0, 1, 2, 3))
+
+
+def test_each_column_prints_by_its_own_rule():
+    r = budget.zero_table1_check()
+    # 7.5B rounds (30.35 -> 30.4): truncating would print 30.3
+    assert not any(budget.matches_paper(r["7.5B"]["computed"][st], r["7.5B"]["published"][st], "truncate")
+                   for st in (1, 2, 3))
+    # 128B and 1T truncate (513.5 -> 513): rounding would print 514; their P_os+g+p rows are exact or
+    # 15.625 -> 15.6, where the two rules agree
+    for col in ("128B", "1T"):
+        assert [budget.matches_paper(r[col]["computed"][st], r[col]["published"][st], "round")
+                for st in (1, 2, 3)] == [False, False, True]
+    assert budget.zero_table1(128e9)[1][-1] == 513.5 and budget.ZERO_PAPER_COLUMNS["128B"][1][-1] == 513
+    with pytest.raises(ValueError, match="printing must be 'round' or 'truncate'"):
+        budget.matches_paper([1.0], [1], "nearest")
 
 
 def test_a_wrong_formula_would_not_match_table1():
     twelve = [2 + 2 + 8 / dp for dp in budget.ZERO_PAPER_TABLE1["dp"]]  # the notes' 12-byte ZeRO-1
     assert not budget.matches_paper([x * 7.5 for x in twelve], budget.ZERO_PAPER_TABLE1[1])
+    assert not budget.matches_paper([x * 128 for x in twelve], budget.ZERO_PAPER_COLUMNS["128B"][1], "truncate")
 
 
 def test_llama_parameter_counts_come_out_of_the_shapes():
@@ -52,17 +73,76 @@ def test_activation_formula_parallel_variants():
     (dict(zero_stage=4), "zero_stage must be"),
     (dict(recompute="some"), "recompute must be"),
     (dict(recipe="int4"), "unknown recipe"),
+    (dict(attention="paged"), "attention must be"),
 ])
 def test_bad_configurations_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         budget.budget(**kwargs)
 
 
-def test_ddp_does_not_fit_7b_in_80gb():
+def test_ddp_does_not_fit_7b_in_80gib():
     r = budget.budget("7B", world_size=8, zero_stage=0, seq=1, micro_batch=1)
-    assert r["gb_per_device"]["parameters"] + r["gb_per_device"]["optimizer_state"] > 80
+    assert r["gib_per_device"]["parameters"] + r["gib_per_device"]["optimizer_state"] > 80
     assert not r["fits"]
     assert budget.budget("7B", world_size=8, zero_stage=3, recompute="full")["fits"]
+
+
+def test_capacity_is_counted_in_gib():
+    r = budget.budget("7B", world_size=8, zero_stage=1, attention="flash")
+    total = r["bytes_per_device"]["total"]
+    assert r["capacity_bytes"] == 80 * 2**30 and r["gpu_gib"] == 80
+    assert r["gb_per_device"]["total"] * 1e9 == pytest.approx(total) == r["gib_per_device"]["total"] * 2**30
+    # exactly at capacity fits, a byte less does not: a GB/GiB mix-up would flip one of these
+    assert budget.budget("7B", 8, zero_stage=1, attention="flash", gpu_gib=total / 2**30)["fits"]
+    assert not budget.budget("7B", 8, zero_stage=1, attention="flash", gpu_gib=(total - 1) / 2**30)["fits"]
+
+
+def test_zero1_on_8_gpus_fits_7b_only_with_flash_attention_or_recomputation():
+    rows = {(r["recompute"], r["attention"]): r for r in budget.fit_grid("7B", 8, zero_stage=1, seq=4096)}
+    assert {k: r["fits"] for k, r in rows.items()} == {
+        ("none", "materialized"): False, ("none", "flash"): True, ("selective", "materialized"): True,
+        ("selective", "flash"): True, ("full", "materialized"): True, ("full", "flash"): True}
+    # the state is the same in every row: 2 + 2 + 12/8 bytes per parameter, in GiB
+    state = 5.5 * budget.MODELS["7B"].params() / 2**30
+    assert all(r["state_gib"] == pytest.approx(state) for r in rows.values())
+
+
+def test_llama_formula_has_the_terms_of_a_llama_block():
+    s, b, h, a, kv, f = 4096, 1, 8192, 64, 8, 28672  # Llama 2 70B
+    flash = budget.llama_activation_terms(s, b, h, a, kv, f, attention="flash")
+    mat = budget.llama_activation_terms(s, b, h, a, kv, f, attention="materialized")
+    sbh, sb = s * b * h, s * b
+    assert sum(flash.values()) == sbh * (12 + 4 * kv / a) + 8 * s * b * f + sb * (8 + 4 * a)
+    assert sum(mat.values()) == sbh * (16 + 2 * a * s / h) + 8 * s * b * f + 8 * sb
+    # with sequence parallelism everything divides by tp (here tp = kv = 8: one KV head per rank)
+    assert sum(budget.llama_activation_terms(s, b, h, a, kv, f, tp=8, sp=True, attention="flash").values()) \
+        == pytest.approx(sum(flash.values()) / 8)
+    # without it, the norms, their statistics and the two projection inputs stay whole: 8sbh + 8sb
+    tp8 = sum(budget.llama_activation_terms(s, b, h, a, kv, f, tp=8, attention="flash").values())
+    assert tp8 - sum(flash.values()) / 8 == pytest.approx((8 * sbh + 8 * sb) * 7 / 8)
+    # tp = 16 > 8 KV heads: each rank keeps one whole KV head
+    assert budget.llama_activation_terms(s, b, h, a, kv, f, tp=16, attention="flash")["k_v"] == 2 * 2 * sb * (h // a)
+    assert budget.llama_activation_terms(s, b, h, a, kv, f, recompute="full") == {"layer_input": 2 * sbh}
+    with pytest.raises(ValueError, match="attention must be 'materialized' or 'flash'"):
+        budget.llama_activation_terms(s, b, h, a, kv, f, attention="paged")
+
+
+@pytest.mark.parametrize("kv_heads,rope", [(2, True), (4, False), (1, True)])
+def test_llama_block_saves_exactly_what_the_formula_says(kv_heads, rope):
+    shapes = [(1, 8), (2, 5), (3, 16)]
+    for attention in ("sdpa", "materialized"):
+        cfg = model.LlamaConfig(n_kv_head=kv_heads, rope=rope, attention=attention)
+        for mode in ("none", "selective", "full"):
+            for row in budget.measure_llama_activations(cfg, shapes, mode):
+                assert row["measured"] == row["formula"], (attention, mode, row)
+                # on a CPU, SDPA runs its flash kernel; the materialized block runs no attention op
+                assert row["kernels"] == (["_scaled_dot_product_flash_attention_for_cpu.default"]
+                                          if attention == "sdpa" else [])
+
+
+def test_fused_rmsnorm_keeps_its_input_and_one_fp32_statistic_per_token():
+    got = budget.rmsnorm_saved_bytes(32)
+    assert got["fused"] == 2 * 32 + 4
 
 
 def test_the_lab_measures_what_the_calculator_says_on_three_ranks():
@@ -74,6 +154,8 @@ def test_the_lab_measures_what_the_calculator_says_on_three_ranks():
         assert len({r["recipes"][name]["param_checksum"] for r in results}) == 1
     for row in results[0]["activations"]:
         assert row["measured"] == row["formula"] + row["layernorm_stats"]
+    for name, rows in results[2]["llama_activations"].items():
+        assert [r["measured"] for r in rows] == [r["formula"] for r in rows], name
 
 
 def test_calculator_command_line_prints_json():
@@ -83,6 +165,7 @@ def test_calculator_command_line_prints_json():
     r = json.loads(out.strip().splitlines()[-1])
     assert (r["dp"], r["tp"], r["zero_stage"]) == (8, 8, 1)
     assert r["gb_per_device"]["total"] == pytest.approx(sum(v for k, v in r["gb_per_device"].items() if k != "total"))
+    assert r["attention"] == "materialized" and r["capacity_bytes"] == 80 * 2**30
 
 
 def test_calculator_command_line_refuses_a_bad_split():

@@ -16,17 +16,19 @@ TOL = 1e-5
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("kind", ["mlp", "attention"])
-def test_tp_block_equals_the_unsharded_block(world_size, kind):
+def test_tp_blocks_equal_the_unsharded_blocks(world_size):
     b, s, h = 2, 8, 48
-    results = launch.spawn(tp.check_block, world_size, kind, b, s, h, timeout=120)
-    for r in results:
-        assert r["max_abs_error_output"] < TOL and r["max_abs_error_grad"] < TOL, r["grad_errors"]
-        assert (r["allreduce_forward"], r["allreduce_backward"]) == (1, 1)
-        assert r["allreduce_bytes"] == b * s * h * 4
-        # two all-reduces of M bytes, each sending 2(N-1)/N * M per rank
-        assert r["allreduce_bytes_sent"] == 2 * 2 * (world_size - 1) * (b * s * h * 4) // world_size
-        assert r["local_params"] < r["full_params"]
+    for rank_result in launch.spawn(tp.check_blocks, world_size, ("mlp", "attention"), b, s, h, timeout=120):
+        for kind, r in rank_result.items():
+            assert r["max_abs_error_output"] < TOL and r["max_abs_error_grad"] < TOL, (kind, r["grad_errors"])
+            # read from the tensors g (forward) and f (backward) handed to the collective: b*s*h fp32
+            # activations each; all-reducing the MLP's 4h hidden, or a weight, would show here
+            assert r["allreduce_ops"] == ["g forward", "f backward"]
+            assert r["allreduce_payloads"] == {"forward": [b * s * h * 4], "backward": [b * s * h * 4]}
+            assert r["allreduce_bytes"] == b * s * h * 4
+            # 1/N of the split weights and biases (fc or qkv, proj's weight) per rank, proj's bias in full
+            split = 8 * h * h + 4 * h if kind == "mlp" else 4 * h * h + 3 * h
+            assert r["full_params"] - r["local_params"] == split - split // world_size
 
 
 def test_a_tp_that_does_not_divide_is_refused():
@@ -39,6 +41,8 @@ def test_a_tp_that_does_not_divide_is_refused():
 def test_all_reduce_carries_activations_not_weights():
     shapes = [(1, 8, 48), (2, 8, 48), (2, 16, 48), (2, 16, 96)]
     rows = launch.spawn(tp.message_bytes, 2, shapes, timeout=120)[0]
+    assert [r["calls"] for r in rows] == [1] * len(shapes)
+    assert [r["shape"] for r in rows] == [(b, s, h) for b, s, h in shapes]
     assert [r["message_bytes"] for r in rows] == [b * s * h * 4 for b, s, h in shapes]  # linear in h, not h^2
 
 
@@ -64,3 +68,15 @@ def test_command_line_contract():
     bad = subprocess.run([sys.executable, "-m", "labs.tensor_parallel", "--world-size", "5"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not divisible by tp = 5" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_layer_costs_at_70b_scale():
+    c = tp.layer_costs("70B", tp=8, seq=4096, micro_batch=1)
+    assert c["weight_bytes_002"] == 128 * 2**20      # 8192 x 8192 x 2 bytes: 128 MiB, not 256
+    assert c["message_bytes"] == 64 * 2**20           # 4096 x 8192 x 2 bytes
+    assert c["sent_bytes"] == 2 * 2 * 7 / 8 * 64 * 2**20
+    # Llama 2 70B layer: q, o 8192^2; k, v 8192 x 1024; SwiGLU 3 x 8192 x 28672; two norms of 8192
+    layer = 2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
+    assert c["matmul_flops"] == 2 * layer / 8 * 4096
+    assert c["attention_flops"] == 4 * 4096**2 * 8192 / 8
+    assert tp.check("1", 64) and not tp.check("1", 256)
