@@ -218,7 +218,8 @@ def summarize(results, schedule, m, v):
     (held from F to B), activation_bytes_W (held from B to W). activation_layers_peak: the peak
     in layers' worth, activation_bytes_peak / layer activation_bytes_F. piece_costs: the same
     measurements per stage and chunk. flops_split_error: max over pieces of
-    |B + W - full backward| / full backward, FLOPs counted by FlopCounterMode.
+    |B + W - full backward| / full backward, FLOPs counted by FlopCounterMode; 0 when the split
+    recomputes nothing (both count the same matmuls, in integers).
     """
     p = len(results)
     total = max(r["clock"] for r in results)

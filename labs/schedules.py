@@ -13,9 +13,11 @@ Bubbles, each formula named by its source:
   Interleaved 1F1B (ibid. §2.2.2): (1/v) (p-1)/m over ideal.
   ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241, §2.1 and Table 2):
       the bubble is (p-1)(T_F + T_B - T_W), against 1F1B's (p-1)(T_F + T_B + T_W). At
-      T_F = T_B = T_W = 1 the ideal time is 3m, so bubble over ideal = (p-1)/(3m), a third of
-      1F1B's, for m >= p; with m < p micro-batches stage 0 runs out of forwards and idles
-      p - m more units, (2p-1-m)/(3m).
+      T_F = T_B = T_W = 1: stage 0 runs p forwards, then waits for micro-batch 0's B, which
+      leaves stage p-1 at time p + 1 and takes one unit per stage back: it starts on stage 0 at
+      2p - 1, after p - 1 idle units; B, W and F then keep stage 0 busy to the end. The ideal
+      time is 3m, so bubble over ideal = (p-1)/(3m), a third of 1F1B's, for m >= p. With m < p
+      stage 0 runs out of forwards at time m and idles 2p - 1 - m units: (2p-1-m)/(3m).
 Work units per full stage: F = 1 and B = 2 (backward costs twice the forward), or, split, F = B = W = 1.
 """
 from typing import NamedTuple
@@ -39,7 +41,12 @@ def gpipe(p, m):
 
 
 def one_f_one_b(p, m):
-    """PipeDream-Flush: stage s warms up with p-1-s forwards, then alternates, then drains."""
+    """PipeDream-Flush: stage s warms up with p-1-s forwards, then alternates, then drains.
+
+    Stage s holds at most min(p - s, m) micro-batches. Stage 0's p micro-batches of L/p layers
+    each are L layers' worth of activations whatever p is: pipelining divides weights, gradients
+    and optimizer state by p, not stage 0's activations (measured in bytes by labs.pipeline).
+    """
     out = []
     for s in range(p):
         warmup = min(p - 1 - s, m)
@@ -52,7 +59,11 @@ def one_f_one_b(p, m):
 
 
 def interleaved(p, m, v):
-    """Megatron's interleaved 1F1B: micro-batches go through each rank's v chunks in groups of p."""
+    """Megatron's interleaved 1F1B: micro-batches go through each rank's v chunks in groups of p.
+
+    Its longer warm-up costs memory: stage 0 holds up to 2(p-1) + (v-1)p + 1 chunk micro-batches
+    of L/(pv) layers, more than 1F1B's L layers (p = 3, v = 2: 8 chunks, 4/3 L; p = 4, v = 2: 11/8 L).
+    """
     if m % p:
         raise ValueError(f"interleaved 1F1B sends micro-batches through the chunks in groups of p: "
                          f"m={m} is not a multiple of p={p}; use m={-(-m // p) * p}.")
@@ -125,7 +136,7 @@ def costs(name, v=1):
 
 def formula(name, p, m, v=1):
     """Bubble over ideal compute time, and over total time, for each schedule (sources above)."""
-    split = (p - 1 + max(0, p - m)) / (3 * m)    # Qi et al. Table 2 at T_F = T_B = T_W, any m
+    split = (p - 1 + max(0, p - m)) / (3 * m)    # Qi et al. Table 2 at T_F = T_B = T_W; m < p above
     over_ideal = {"gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "interleaved": (p - 1) / (v * m),
                   "zb-h1": split, "greedy-bfw": split}[name]
     return {"over_ideal": over_ideal, "over_total": over_ideal / (1 + over_ideal)}

@@ -105,7 +105,7 @@ class Activations:
     """
 
     def __init__(self, modules):
-        self.params = set()
+        self.params = set()   # storages of parameters and buffers, filled in by storage_bytes
         memory.storage_bytes([t for m in modules for t in [*m.parameters(), *m.buffers()]], self.params)
         self.holders = []
 
