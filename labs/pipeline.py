@@ -165,16 +165,18 @@ def microbatches(cfg, m, batch_size):
 
 
 def measure_pieces(pieces, batch, hidden):
-    """FLOPs and activation bytes of F, B and W for one micro-batch through each piece, and the same
-    for one layer (`split_backward.measure`). Untimed, so it is also the warm-up: the first backward
-    in a process pays for starting autograd's engine, which would otherwise show up as a bubble."""
+    """Activation bytes of one micro-batch through each piece and through one layer, held from F to
+    B and from a split B to W (`split_backward.measure`). Untimed, so it is also the warm-up: the
+    first backward in a process pays for starting autograd's engine, which would otherwise show up
+    as a bubble."""
     x, y = batch
     def inputs():  # a received activation is a leaf that needs its gradient
         return torch.randn(*x.shape, hidden, requires_grad=True)
     costs = [split_backward.measure(piece, (x if piece.first else inputs(), y),
-                                    None if piece.last else torch.randn(*x.shape, hidden))
+                                    None if piece.last else torch.randn(*x.shape, hidden), count_flops=False)
              for piece in pieces]
-    layer = split_backward.measure(pieces[0].blocks[0], (inputs(),), torch.randn(*x.shape, hidden))
+    layer = split_backward.measure(pieces[0].blocks[0], (inputs(),), torch.randn(*x.shape, hidden),
+                                   count_flops=False)
     for piece in pieces:
         piece.zero_grad(set_to_none=True)
     return costs, layer
@@ -213,13 +215,10 @@ def summarize(results, schedule, m, v):
 
     activation_bytes_peak: per stage, the most bytes of activations held for backward after any
     action (measured; see `Executor`). peak_inflight: per stage, the most micro-batch chunks held.
-    layer: one transformer layer, one micro-batch (`split_backward.measure`): flops_forward,
-    flops_backward_full, flops_backward_input (B), flops_backward_weight (W), activation_bytes_F
-    (held from F to B), activation_bytes_W (held from B to W). activation_layers_peak: the peak
-    in layers' worth, activation_bytes_peak / layer activation_bytes_F. piece_costs: the same
-    measurements per stage and chunk. flops_split_error: max over pieces of
-    |B + W - full backward| / full backward, FLOPs counted by FlopCounterMode; 0 when the split
-    recomputes nothing (both count the same matmuls, in integers).
+    layer: one transformer layer, one micro-batch: activation_bytes_F (held from F to B) and
+    activation_bytes_W (held from a split B to W). activation_layers_peak: the peak in layers'
+    worth, activation_bytes_peak / layer activation_bytes_F. piece_costs: the same two byte
+    counts per stage and chunk. FLOPs are counted in one process: `split_backward.costs`.
     """
     p = len(results)
     total = max(r["clock"] for r in results)
@@ -238,9 +237,7 @@ def summarize(results, schedule, m, v):
             "message_bytes": results[0]["message_bytes"],
             "activation_bytes_peak": [r["activation_bytes_peak"] for r in results],
             "activation_layers_peak": [r["activation_bytes_peak"] / layer["activation_bytes_F"] for r in results],
-            "layer": layer, "piece_costs": [r["piece_costs"] for r in results],
-            "flops_split_error": max(abs(c["flops_backward_input"] + c["flops_backward_weight"] - c["flops_backward_full"])
-                                     / c["flops_backward_full"] for r in results for c in r["piece_costs"])}
+            "layer": layer, "piece_costs": [r["piece_costs"] for r in results]}
 
 
 def sweep(rank, world_size, configs, unit_seconds=0.0):

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from labs import memory
+from labs import memory, model as tiny
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -123,30 +123,58 @@ class Activations:
         return memory.storage_bytes(tensors, seen=set(self.params))
 
 
-def _flops(fn):
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
+class _Flops:
+    """Runs a call under FlopCounterMode and keeps its count, or just runs it: the counter's first
+    use in a process imports for about 1.5 s, which a pipeline worker need not pay."""
+
+    def __init__(self, on):
+        self.on, self.counts = on, {}
+
+    def __call__(self, name, fn, *args):
+        if not self.on:
+            return fn(*args)
+        with FlopCounterMode(display=False) as counter:
+            value = fn(*args)
+        self.counts["flops_" + name] = counter.get_total_flops()
+        return value
 
 
-def measure(module, args, grad=None):
-    """One micro-batch through ``module``: FLOPs and activation bytes of F, B and W.
+def measure(module, args, grad=None, count_flops=True):
+    """One micro-batch through ``module``: activation bytes and FLOPs of F, B and W.
 
-    Returns flops_forward, flops_backward_full (the unsplit backward), flops_backward_input (B),
-    flops_backward_weight (W), all counted by FlopCounterMode (matmuls); activation_bytes_F, what
-    the forward leaves for backward (held until B), and activation_bytes_W, what B leaves for W
-    (held until W), both measured by `Activations`. Gradients accumulate into ``module``: zero them.
+    activation_bytes_F: what the forward leaves for backward (held until B); activation_bytes_W:
+    what a split B leaves for W (held until W); both measured by `Activations`. With count_flops,
+    also flops_forward, flops_backward_full (the unsplit backward), flops_backward_input (B) and
+    flops_backward_weight (W), counted by FlopCounterMode (matmuls). Gradients accumulate into
+    ``module``'s parameters: zero them afterwards.
     """
-    acts = Activations([module])
-    out = module(*args)
-    full = _flops(lambda: torch.autograd.backward(out, grad))
-    store = []
-    with deferring(module, store), acts.saving(), FlopCounterMode(display=False) as counter:
-        out = module(*args)
-    fwd = counter.get_total_flops()
+    flops, acts, store = _Flops(count_flops), Activations([module]), []
+    if count_flops:
+        flops("backward_full", torch.autograd.backward, module(*args), grad)
+    with deferring(module, store), acts.saving():
+        out = flops("forward", module, *args)
     held_f = acts.held_bytes()
-    b = _flops(lambda: torch.autograd.backward(out, grad))
+    flops("backward_input", torch.autograd.backward, out, grad)
     held_w = acts.held_bytes([store])
-    w = _flops(lambda: weight_grads(store))
-    return {"flops_forward": fwd, "flops_backward_full": full, "flops_backward_input": b,
-            "flops_backward_weight": w, "activation_bytes_F": held_f, "activation_bytes_W": held_w}
+    flops("backward_weight", weight_grads, store)
+    return flops.counts | {"activation_bytes_F": held_f, "activation_bytes_W": held_w}
+
+
+def costs(cfg, batch_size=2):
+    """FLOPs (FlopCounterMode) and activation bytes of F, B and W for one micro-batch, in this
+    process: for one layer, beside Qi et al.'s Table 1 (``table_1``: matmul FLOPs per layer and
+    W's bytes), and for the whole model ``tiny.build(cfg)``, embeddings and head included.
+
+    layer, model: `measure` dicts. flops_split_error: |B + W - full backward| / full backward for
+    the whole model; 0 when W recomputes nothing (the same matmuls, counted in integers).
+    """
+    s, b, h = cfg.seq_len, batch_size, cfg.hidden
+    net = tiny.build(cfg, seed=0)
+    x = torch.randn(b, s, h, requires_grad=True)                       # a layer's input, (B, T, H)
+    layer = measure(net.blocks[0], (x,), torch.randn_like(x))
+    model = measure(net, tiny.synthetic_batch(cfg, batch_size, seed=0))
+    table_1 = {"flops_forward": s * b * h * (24 * h + 4 * s), "flops_backward_input": s * b * h * (24 * h + 8 * s),
+               "flops_backward_weight": s * b * h * 24 * h,
+               "activation_bytes_W": 32 * s * b * h * 2}  # 32sbh bytes in 16-bit: 16 values per token and h; fp32 here
+    error = abs(model["flops_backward_input"] + model["flops_backward_weight"] - model["flops_backward_full"])
+    return {"layer": layer, "model": model, "table_1": table_1, "flops_split_error": error / model["flops_backward_full"]}

@@ -20,7 +20,7 @@ CONFIGS = {p: [("gpipe", 4, 1), ("gpipe", 2, 1), ("1f1b", 5, 1), ("1f1b", 2, 1),
                ("zb-h1", 2, 1), ("greedy-bfw", 5, 1), ("interleaved", 2 * p, 2)] for p in (2, 3)}
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny tensors: in this process, as in the spawned ranks, one thread (two threads on two shared
     cores run these small matmuls tens of times slower)."""
@@ -74,10 +74,15 @@ def test_zb_h1_is_the_papers_figure_3():
     assert rows == figure
 
 
-def test_zb_h1_bubble_with_table_1_times():
+@pytest.fixture(scope="module")
+def costs():
+    return split_backward.costs(pipeline.config(), batch_size=2)
+
+
+def test_zb_h1_bubble_with_table_1_times(costs):
     # Qi et al. Table 2 for any T_F, T_B, T_W with T_W <= T_F: ZB-H1's bubble is (p-1)(T_F+T_B-T_W),
     # 1F1B's (p-1)(T_F+T_B+T_W). Times here: the FLOPs of one layer's F, B and W, counted.
-    layer = _one_layer()
+    layer = costs["layer"]
     tf, tb, tw = layer["flops_forward"], layer["flops_backward_input"], layer["flops_backward_weight"]
     for p in (2, 3, 5):
         for m in (p, p + 1, 3 * p):
@@ -87,23 +92,19 @@ def test_zb_h1_bubble_with_table_1_times():
                 assert total - m * (tf + tb + tw) == (p - 1) * bubble
 
 
-def _one_layer(batch_size=2):
-    cfg = pipeline.config()
-    block = tiny.build(cfg, seed=0).blocks[0]
-    x = torch.randn(batch_size, cfg.seq_len, cfg.hidden, requires_grad=True)
-    return split_backward.measure(block, (x,), torch.randn_like(x))
-
-
-def test_split_backward_counts_and_gradients():
+def test_split_backward_counts_and_gradients(costs):
     cfg, b = pipeline.config(), 2
     s, h, a = cfg.seq_len, cfg.hidden, cfg.n_head
-    layer = _one_layer(b)
+    layer, model = costs["layer"], costs["model"]
     # Qi et al. Table 1 (matmul FLOPs per layer), counted here by FlopCounterMode: W recomputes
     # nothing, and B and W are the full backward's two halves (integer counts: exact).
     assert layer["flops_forward"] == s * b * h * (24 * h + 4 * s)
     assert layer["flops_backward_input"] == s * b * h * (24 * h + 8 * s)
     assert layer["flops_backward_weight"] == s * b * h * 24 * h
-    assert layer["flops_backward_input"] + layer["flops_backward_weight"] == layer["flops_backward_full"]
+    for c in (layer, model):   # the model adds the embeddings and the head, a deferred linear layer
+        assert c["flops_backward_input"] + c["flops_backward_weight"] == c["flops_backward_full"]
+    assert costs["flops_split_error"] == 0
+    assert {k: layer[k] for k in costs["table_1"]} == costs["table_1"]   # the lab's own Table 1 column
     # After B autograd holds nothing of the layer: W's store is x and dy of its four linear layers,
     # (h + h + h + 4h) + (3h + h + 4h + h) = 16 values per token, Table 1's 32sbh bytes in 16-bit.
     assert layer["activation_bytes_W"] == 16 * s * b * h * 4
@@ -168,7 +169,6 @@ def test_executor_gradients_bubble_and_activation_bytes(runs):
             # a B that kept the graph (retain_graph) or a store never emptied would exceed these
             split = name in schedules.SPLIT
             assert r["activation_bytes_peak"] == [_peak_bytes(a, c, split) for a, c in zip(lists, r["piece_costs"])], case
-            assert r["flops_split_error"] == 0, case   # B + W = full backward, exact integer counts
 
 
 def test_1f1b_stage_0_holds_all_layers_and_zb_h1_keeps_its_peak(runs):
