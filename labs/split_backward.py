@@ -47,13 +47,12 @@ class _DeferredLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         ctx.store.append((ctx.layer, x, dy))   # all W needs: the layer's input and output gradient
-        return dy @ weight, None, None, None, None                          # dx = dy A
+        dx = dy @ weight if ctx.needs_input_grad[0] else None                # dx = dy A
+        return dx, None, None, None, None      # no weight or bias gradient in B
 
 
 def _deferred_forward(layer, store, x):
-    bias = None if layer.bias is None else layer.bias.detach()
-    # detached weights: autograd must not compute their gradients in B
-    return _DeferredLinear.apply(x, layer.weight.detach(), bias, layer, store)
+    return _DeferredLinear.apply(x, layer.weight, layer.bias, layer, store)
 
 
 @contextlib.contextmanager
@@ -79,6 +78,8 @@ def _accumulate(param, grad):
 def weight_grads(store):
     """W: the weight gradients B left in ``store``, one matmul per linear layer."""
     for layer, x, dy in store:
+        if not layer.weight.requires_grad:   # frozen
+            continue
         x2, dy2 = x.reshape(-1, x.size(-1)), dy.reshape(-1, dy.size(-1))   # (N, in), (N, out)
         _accumulate(layer.weight, dy2.t() @ x2)                             # dA = dy^T x, (out, in)
         if layer.bias is not None:
