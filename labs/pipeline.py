@@ -241,7 +241,9 @@ def summarize(results, schedule, m, v):
 
 
 def sweep(rank, world_size, configs, unit_seconds=0.0):
-    """`run` for several (schedule, m, v) in one job; returns the summaries on every rank."""
+    """`run` for several (schedule, m, v) in one job; returns the summaries on every rank, each with
+    ``events``: per stage, one dict per action (action, start, end in work units, wall_start,
+    wall_end, activation_bytes held after it)."""
     out = []
     for name, m, v in configs:
         mine = run(rank, world_size, name, m, v, unit_seconds)
