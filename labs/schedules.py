@@ -7,9 +7,9 @@ micro-batches, v chunks per rank for interleaved 1F1B (rank r holds chunks r, r 
 Bubbles, each formula named by its source:
   GPipe (Huang et al. 2019, arXiv 1811.06965, §2.3): the bubble is O((K-1)/(M+K-1)) of the total
       time, K partitions and M micro-batches; exactly (p-1)/(m+p-1) with balanced stages.
-  1F1B, PipeDream-Flush (Narayanan et al. 2021, SC21, arXiv 2104.04473, §2.2.1): the bubble time
-      fraction t_pb / t_id = (p-1)/m, bubble over ideal compute, the same for GPipe (§2.2.1).
-      Over the total it is (p-1)/(m+p-1) again: x / (1 + x) for x = (p-1)/m.
+  GPipe and 1F1B (Narayanan et al. 2021, SC21, arXiv 2104.04473, §2.2.1): the "bubble time
+      fraction" t_pb / t_id = (p-1)/m, bubble over ideal compute, derived for GPipe's schedule
+      and the same for 1F1B (PipeDream-Flush). Over the total: x / (1 + x) = (p-1)/(m+p-1).
   Interleaved 1F1B (ibid. §2.2.2): (1/v) (p-1)/m over ideal.
   ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241, §2.1 and Table 2):
       the bubble is (p-1)(T_F + T_B - T_W), against 1F1B's (p-1)(T_F + T_B + T_W). At
