@@ -1,17 +1,29 @@
 """Chapter 5: pipeline schedules as data, one ordered list of actions per stage.
 
-An action is F (forward), B (backward; for zero-bubble only the input gradient) or W (the weight
-gradient, zero-bubble only) of one micro-batch on one model chunk. p stages (ranks), m micro-
-batches, v chunks per rank for interleaved 1F1B (rank r holds chunks r, r + p, r + 2p, ...).
+An action is F (forward), B (backward; under a split backward only the input gradient) or W (the
+weight gradient, split schedules only) of one micro-batch on one model chunk. p stages (ranks), m
+micro-batches, v chunks per rank for interleaved 1F1B (rank r holds chunks r, r + p, r + 2p, ...).
 
-Bubble, with F = 1 and B = 2 work units per full stage (Narayanan et al. 2021, arXiv 2104.04473):
-  GPipe and 1F1B:        bubble / total = (p-1)/(m+p-1),   bubble / ideal = (p-1)/m
-  interleaved, v chunks: bubble / ideal = (1/v) (p-1)/m
-  ZB-H1 (Qi et al. 2023, arXiv 2401.10241), F = B = W = 1: bubble / ideal = (p-1)/(3m)
+Bubbles, each formula named by its source:
+  GPipe (Huang et al. 2019, arXiv 1811.06965, §2.3): the bubble is O((K-1)/(M+K-1)) of the total
+      time, K partitions and M micro-batches; exactly (p-1)/(m+p-1) with balanced stages.
+  GPipe and 1F1B (Narayanan et al. 2021, SC21, arXiv 2104.04473, §2.2.1): the "bubble time
+      fraction" t_pb / t_id = (p-1)/m, bubble over ideal compute, derived for GPipe's schedule
+      and the same for 1F1B (PipeDream-Flush). Over the total: x / (1 + x) = (p-1)/(m+p-1).
+  Interleaved 1F1B (ibid. §2.2.2): (1/v) (p-1)/m over ideal.
+  ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241, §2.1 and Table 2):
+      the bubble is (p-1)(T_F + T_B - T_W), against 1F1B's (p-1)(T_F + T_B + T_W). At
+      T_F = T_B = T_W = 1: stage 0 runs p forwards, then waits for micro-batch 0's B, which
+      leaves stage p-1 at time p + 1 and takes one unit per stage back: it starts on stage 0 at
+      2p - 1, after p - 1 idle units; B, W and F then keep stage 0 busy to the end. The ideal
+      time is 3m, so bubble over ideal = (p-1)/(3m), a third of 1F1B's, for m >= p. With m < p
+      stage 0 runs out of forwards at time m and idles 2p - 1 - m units: (2p-1-m)/(3m).
+Work units per full stage: F = 1 and B = 2 (backward costs twice the forward), or, split, F = B = W = 1.
 """
 from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "greedy-bfw")
+SPLIT = ("zb-h1", "greedy-bfw")  # schedules whose backward is split into B and W
 
 
 class Action(NamedTuple):
@@ -29,7 +41,12 @@ def gpipe(p, m):
 
 
 def one_f_one_b(p, m):
-    """PipeDream-Flush: stage s warms up with p-1-s forwards, then alternates, then drains."""
+    """PipeDream-Flush: stage s warms up with p-1-s forwards, then alternates, then drains.
+
+    Stage s holds at most min(p - s, m) micro-batches. Stage 0's p micro-batches of L/p layers
+    each are L layers' worth of activations whatever p is: pipelining divides weights, gradients
+    and optimizer state by p, not stage 0's activations (measured in bytes by labs.pipeline).
+    """
     out = []
     for s in range(p):
         warmup = min(p - 1 - s, m)
@@ -42,7 +59,11 @@ def one_f_one_b(p, m):
 
 
 def interleaved(p, m, v):
-    """Megatron's interleaved 1F1B: micro-batches go through each rank's v chunks in groups of p."""
+    """Megatron's interleaved 1F1B: micro-batches go through each rank's v chunks in groups of p.
+
+    Its longer warm-up costs memory: stage 0 holds up to 2(p-1) + (v-1)p + 1 chunk micro-batches
+    of L/(pv) layers, more than 1F1B's L layers (p = 3, v = 2: 8 chunks, 4/3 L; p = 4, v = 2: 11/8 L).
+    """
     if m % p:
         raise ValueError(f"interleaved 1F1B sends micro-batches through the chunks in groups of p: "
                          f"m={m} is not a multiple of p={p}; use m={-(-m // p) * p}.")
@@ -62,12 +83,36 @@ def interleaved(p, m, v):
 
 
 def zb_h1(p, m):
-    """Zero-bubble ZB-H1: backward split into B (input gradient) and W (weight gradient).
+    """ZB-H1 (Qi et al. 2023, §2.1 and Figure 3, top): 1F1B's order of F and B, with each W deferred.
+
+    Stage s runs W of micro-batch i right after B of micro-batch i + s, and its last s W passes
+    after its last B: they fill the cool-down bubble that 1F1B leaves there. Deferring by s keeps
+    p micro-batches in flight (F done, W not yet) on every stage: stage s holds p - s awaiting B,
+    as in 1F1B, plus s awaiting only W, whose activations are smaller (Table 1: 32sbh bytes against
+    B's sb(34h + 5as)). So stage 0, W never deferred, has the peak: 1F1B's p micro-batches.
+    """
+    out = []
+    for s, order in enumerate(one_f_one_b(p, m)):
+        acts = []
+        for a in order:
+            acts.append(a)
+            if a.kind == "B" and a.mb >= s:
+                acts.append(Action("W", a.mb - s))                      # W deferred by s micro-batches
+        acts += [Action("W", i) for i in range(max(0, m - s), m)]       # cool-down: the last s W passes
+        out.append(acts)
+    return out
+
+
+def greedy_bfw(p, m):
+    """Not a paper's schedule: a greedy list schedule with the backward split, kept for contrast.
 
     Built by running the pipeline in unit time with a rule per stage: a ready B first, then a F
     while at most p - s micro-batches await their B (1F1B's bound) and at most 2p - 1 - s await
-    their W, then a W to fill the gap. The smallest such W bound that reaches the ZB-H1 bubble for
-    every m >= p: deferring W costs memory, since W still needs the stage's saved activations.
+    their W, then a W. It reaches ZB-H1's bubble, (p-1)/(3m) for m >= p, but greedily putting F
+    before W leaves up to 2p - 1 - s micro-batches in flight on stage s ([7, 6, 5, 4] at p = 4,
+    m >= 7) where ZB-H1 holds p: up to p - 1 more micro-batches' W activations for no gain in
+    unit time. Nor is it ZB-H2 (§2.2): ZB-H2 runs more F passes in the warm-up (up to 2p - 1
+    awaiting B on stage 0, peak (2p-1) M_B) to reach a zero bubble, (p-1)(T_F + T_B - 2 T_W) = 0.
     """
     return _greedy(p, m, priority="BFW", limit=lambda s: p - s, hold=lambda s: 2 * p - 1 - s)
 
@@ -81,18 +126,19 @@ def build(name, p, m, v=1):
         return interleaved(p, m, v)
     if v != 1:
         raise ValueError(f"--chunks {v} applies to the interleaved schedule only; use 1 for {name}.")
-    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zb_h1}[name](p, m)
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "greedy-bfw": greedy_bfw}[name](p, m)
 
 
 def costs(name, v=1):
-    """Work units per action: F = 1, B = 2 per full stage; zero-bubble B = W = 1; a chunk is 1/v."""
-    return {"F": 1 / v, "B": 1 / v, "W": 1 / v} if name == "zb" else {"F": 1 / v, "B": 2 / v, "W": 0}
+    """Work units per action: F = 1, B = 2 per full stage; split, B = W = 1; a chunk is 1/v."""
+    return {"F": 1 / v, "B": 1 / v, "W": 1 / v} if name in SPLIT else {"F": 1 / v, "B": 2 / v, "W": 0}
 
 
 def formula(name, p, m, v=1):
-    """Bubble over ideal compute time, and over total time, for each schedule."""
+    """Bubble over ideal compute time, and over total time, for each schedule (sources above)."""
+    split = (p - 1 + max(0, p - m)) / (3 * m)    # Qi et al. Table 2 at T_F = T_B = T_W; m < p above
     over_ideal = {"gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "interleaved": (p - 1) / (v * m),
-                  "zb": (p - 1) / (3 * m)}[name]
+                  "zb-h1": split, "greedy-bfw": split}[name]
     return {"over_ideal": over_ideal, "over_total": over_ideal / (1 + over_ideal)}
 
 
