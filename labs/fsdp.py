@@ -99,6 +99,7 @@ class Unit:
         # through .data: refilling the weights that backward saved is not an in-place change to them
         comm.all_gather(self.full.data, self.flat_shard.to(self.compute_dtype), group=self.fsdp.group)
         self.gathered = True
+        self.fsdp.max_units_gathered = max(self.fsdp.max_units_gathered, sum(u.gathered for u in self.fsdp.units))
 
     def free(self):
         self.full.untyped_storage().resize_(0)
@@ -194,7 +195,8 @@ class HandFSDP:
         inside = set(map(id, model.modules()))
         if any(id(u) not in inside for u in units):
             raise ValueError("every unit must be a submodule of the model being wrapped.")
-        self.model, self.group, self._queued = model, group, False
+        self.model, self.group, self._queued, self.units = model, group, False, []
+        self.max_units_gathered = 0   # the most units holding full weights at once, ever
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
         owners = _owners(model, units + [model])
         self.units = [Unit(self, m, owners[m], compute_dtype) for m in units + [model] if owners[m]]
@@ -325,7 +327,8 @@ def train_toy(rank, world_size, scheme, steps=4, lr=1e-3, batch_size=2):
     """Train `ToyLM` with fp32 master + bf16 compute under ``scheme``: "zero1", "zero2" (the
     sharded optimizer), "fsdp" (this file) or "fsdp2". Result: losses (this rank's, per step),
     params ({name: full fp32 master weights}), unsharded_bytes_after_step (hand FSDP: bytes of
-    full weights still allocated after the step, 0 when every unit freed its gather)."""
+    full weights still allocated after the step, 0 when every unit freed its gather),
+    max_units_gathered (hand FSDP: the most units holding full weights at any moment)."""
     from labs import zero
     net = toy_model()
     units = [net.frozen, *net.blocks]
@@ -351,16 +354,18 @@ def train_toy(rank, world_size, scheme, steps=4, lr=1e-3, batch_size=2):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    unsharded_bytes = 0
+    unsharded_bytes, most = 0, None
     if scheme == "fsdp":
         params = hand.full_parameters()
         unsharded_bytes = sum(u.full.untyped_storage().nbytes() for u in hand.units)
+        most = hand.max_units_gathered
     elif scheme == "fsdp2":
         params = {k: v.full_tensor().detach() for k, v in net.named_parameters()}
     else:
         masters = opt.full_masters()
         params = {k: masters[v] if v in masters else v.detach().float() for k, v in net.named_parameters()}
-    return {"losses": losses, "params": params, "unsharded_bytes_after_step": unsharded_bytes}
+    return {"losses": losses, "params": params, "unsharded_bytes_after_step": unsharded_bytes,
+            "max_units_gathered": most}
 
 
 SCHEMES = ("zero1", "zero2", "fsdp", "fsdp2")
