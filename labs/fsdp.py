@@ -21,12 +21,17 @@ fp32 shards (1-D, under the original names), as FSDP2's ``fully_shard`` yields D
 ``compute_dtype`` plays FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``: the shards stay in
 their own dtype (the fp32 master) and forward and backward run in the compute dtype; gradients are
 reduced in the compute dtype and stored in the shard's.
+
+Below it: `fully_shard_units` (FSDP2 on the same units), and a model none of the hand pieces was
+written for (`ToyLM`: a frozen layer, a tied embedding and head, a branch without gradients on odd
+steps) with its single-process reference (`toy_reference`) and a worker training it under the
+sharded optimizer, this FSDP and FSDP2 (`train_toy`, `train_toy_all`).
 """
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from labs import comm
+from labs import comm, launch
 
 
 class _PostBackward(torch.autograd.Function):
@@ -99,7 +104,8 @@ class Unit:
         # through .data: refilling the weights that backward saved is not an in-place change to them
         comm.all_gather(self.full.data, self.flat_shard.to(self.compute_dtype), group=self.fsdp.group)
         self.gathered = True
-        self.fsdp.max_units_gathered = max(self.fsdp.max_units_gathered, sum(u.gathered for u in self.fsdp.units))
+        now = sum(u.gathered for u in self.fsdp.units)
+        self.fsdp.max_units_gathered = max(self.fsdp.max_units_gathered, now)
 
     def free(self):
         self.full.untyped_storage().resize_(0)
@@ -323,6 +329,9 @@ def _toy_reference(world_size, steps, lr, batch_size):
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in master.named_parameters()}}
 
 
+SCHEMES = ("zero1", "zero2", "fsdp", "fsdp2")
+
+
 def train_toy(rank, world_size, scheme, steps=4, lr=1e-3, batch_size=2):
     """Train `ToyLM` with fp32 master + bf16 compute under ``scheme``: "zero1", "zero2" (the
     sharded optimizer), "fsdp" (this file) or "fsdp2". Result: losses (this rank's, per step),
@@ -330,27 +339,27 @@ def train_toy(rank, world_size, scheme, steps=4, lr=1e-3, batch_size=2):
     full weights still allocated after the step, 0 when every unit freed its gather),
     max_units_gathered (hand FSDP: the most units holding full weights at any moment)."""
     from labs import zero
-    net = toy_model()
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; use one of {', '.join(SCHEMES)}.")
+    dev = launch.device()
+    net = toy_model().to(dev)
     units = [net.frozen, *net.blocks]
     if scheme in ("zero1", "zero2"):
         net = net.to(torch.bfloat16)
         opt = zero.ShardedOptimizer(net.parameters(), torch.optim.Adam, stage=int(scheme[-1]), lr=lr,
-                                    buckets=[list(u.parameters()) for u in reversed(units)] + [
-                                        [net.emb.weight, net.aux.weight, net.aux.bias]])
+                                    buckets=zero.unit_buckets(net, units))
     elif scheme == "fsdp":
         hand = HandFSDP(net, units, compute_dtype=torch.bfloat16)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
     elif scheme == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        fully_shard_units(net, units, init_device_mesh("cpu", (world_size,)), torch.bfloat16)
+        fully_shard_units(net, units, init_device_mesh(dev.type, (world_size,)), torch.bfloat16)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
-    else:
-        raise ValueError(f"unknown scheme {scheme!r}; use zero1, zero2, fsdp or fsdp2.")
     losses = []  # this rank's loss at each step
     for step in range(steps):
         x, y, aux = toy_batch(step, rank, batch_size)
         opt.zero_grad()
-        loss = net(x, y, use_aux=aux)
+        loss = net(x.to(dev), y.to(dev), use_aux=aux)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -364,11 +373,9 @@ def train_toy(rank, world_size, scheme, steps=4, lr=1e-3, batch_size=2):
     else:
         masters = opt.full_masters()
         params = {k: masters[v] if v in masters else v.detach().float() for k, v in net.named_parameters()}
+    params = {k: v.cpu() for k, v in params.items()}
     return {"losses": losses, "params": params, "unsharded_bytes_after_step": unsharded_bytes,
             "max_units_gathered": most}
-
-
-SCHEMES = ("zero1", "zero2", "fsdp", "fsdp2")
 
 
 def train_toy_all(rank, world_size, steps=4):

@@ -1,4 +1,4 @@
-"""Chapter 3: ZeRO stages 1 and 2 as a sharded optimizer around any torch.optim optimizer.
+"""Chapter 3: ZeRO by hand: a sharded optimizer for stages 1-2, and the lab that measures every stage.
 
 ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054) removes data parallelism's redundancy by giving
 each of N ranks a 1/N shard of what the mixed-precision recipe holds (chapter 1: 2 + 2 + 12 bytes
@@ -27,11 +27,6 @@ from labs import budget, comm, fsdp, launch, memory, model as tiny
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def master_dtype(dtype):
-    """fp32 master weights for 16-bit parameters (Micikevicius et al. 2018); others are their own."""
-    return torch.float32 if dtype in LOW_PRECISION else dtype
-
-
 class Bucket:
     """Trainable parameters of one dtype, as views into one flat buffer padded to a multiple of N.
 
@@ -56,8 +51,9 @@ class Bucket:
             p.data = self.flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
         mine = self.mine()
-        # 16-bit weights get an fp32 master copy of this rank's shard; fp32 weights are their own
-        self.master = mine.to(master_dtype(dtype), copy=True) if dtype in LOW_PRECISION else mine
+        # 16-bit weights get an fp32 master copy of this rank's shard (Micikevicius et al. 2018);
+        # fp32 weights are their own master: the inner optimizer then steps them in place
+        self.master = mine.float() if dtype in LOW_PRECISION else mine
         self.pieces = []   # (parameter, its piece of the master shard, first, last) in shard coordinates
         ends = [self.start[p] for p in params[1:]] + [self.padded]
         for p, end in zip(params, ends):
@@ -80,6 +76,13 @@ def _unique_trainable(params):
             seen.add(id(p))
             out.append(p)
     return out
+
+
+def unit_buckets(model, units):
+    """Buckets laid out like FSDP units: one per unit in backward's (reverse) order, then the rest."""
+    groups = [list(u.parameters()) for u in reversed(units)]
+    taken = {id(p) for g in groups for p in g}
+    return groups + [[p for p in model.parameters() if id(p) not in taken]]
 
 
 def make_buckets(params, bucket_numel=None):
@@ -114,6 +117,13 @@ class ShardedOptimizer:
     as FSDP2 requires (DDP's ``find_unused_parameters`` all-reduces a bitmap to find out).
     Update rules that need whole tensors (Adafactor's factored moments, Muon, LBFGS) are not
     elementwise and would see flat pieces: use elementwise ones (SGD, Adam, AdamW, ...).
+
+    Arguments: ``params`` (any iterable of parameters; ranks must start from equal weights),
+    ``optimizer_class`` and ``**defaults`` (its keyword arguments, e.g. ``lr``), ``stage``,
+    ``bucket_numel`` (elements per bucket; None: one bucket per dtype) or ``buckets`` (lists of
+    parameters, one per bucket, in the order backward completes them), ``group`` (the data-parallel
+    process group), ``zero1_allreduce`` (stage 1 with an all-reduce instead of a reduce-scatter,
+    as ZeRO's first DeepSpeed release did: 3 Psi per step instead of 2).
     """
 
     def __init__(self, params, optimizer_class, stage=1, bucket_numel=None, buckets=None, group=None,
@@ -226,8 +236,7 @@ class ShardedOptimizer:
     # -- what it holds ----------------------------------------------------------------------
     def state_tensors(self):
         """Every tensor this optimizer holds besides the parameters: gradients, masters, state."""
-        out = [t for b in self.buckets for t in (b.grad, b.shard_grad) if t is not None]
-        out += [b.master for b in self.buckets]
+        out = self.gradient_tensors() + [b.master for b in self.buckets]
         return out + [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
 
     def gradient_tensors(self):
@@ -304,16 +313,16 @@ def build(stage, cfg, lr=1e-3, zero1_allreduce=False, units="blocks", device="cp
     if stage == 3:
         hand = fsdp.HandFSDP(net.float(), list(net.blocks) if units == "blocks" else [], compute_dtype=torch.bfloat16)
         return net, torch.optim.Adam(net.parameters(), lr=lr), hand
-    blocks = [list(b.parameters()) for b in reversed(net.blocks)]   # backward's order
-    rest = [p for p in net.parameters() if all(p is not q for b in blocks for q in b)]
-    return net, ShardedOptimizer(net.parameters(), torch.optim.Adam, stage=stage, buckets=blocks + [rest],
+    return net, ShardedOptimizer(net.parameters(), torch.optim.Adam, stage=stage, buckets=unit_buckets(net, net.blocks),
                                  zero1_allreduce=zero1_allreduce, lr=lr), None
 
 
 def held_bytes(net, opt):
     """Bytes a rank holds between steps, by category, storages counted once. Adam's per-tensor
     step counters (a 4-byte scalar per parameter tensor, not per element) are reported beside
-    the per-element categories, outside ``total``."""
+    the per-element categories, outside ``total``. Stage 3 (as FSDP2) keeps fp32 shards that are
+    their own master copy: parameters 4/N, fp32 gradient shard 4/N, m and v 8/N bytes per
+    parameter, where the ZeRO paper splits the same 16/N as 2/N + 2/N + 12/N."""
     inner = opt.optimizer if isinstance(opt, ShardedOptimizer) else opt
     state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
     grads = opt.gradient_tensors() if isinstance(opt, ShardedOptimizer) else [p.grad for p in net.parameters()]
@@ -441,7 +450,8 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, c
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     # fp32 masters that start from the bf16-rounded weights, exactly as the hand recipe's do
     net = tiny.build(cfg, seed=0, device=dev).to(torch.bfloat16).float()
-    fsdp.fully_shard_units(net, list(net.blocks), init_device_mesh(dev.type, (world_size,)), torch.bfloat16, cpu_offload)
+    mesh = init_device_mesh(dev.type, (world_size,))
+    fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses = []
     for step in range(steps):

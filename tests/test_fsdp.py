@@ -69,7 +69,9 @@ def test_hand_fsdp_and_fsdp2_agree_at_three_ranks(runs):
     assert hand["losses"][0] == ref["losses"][0]
 
 
-def test_a_unit_outside_the_model_is_refused():
+def test_bad_inputs_are_refused():
     net = fsdp.ToyLM()
     with pytest.raises(ValueError, match="submodule of the model"):
         fsdp.HandFSDP(net, [torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="unknown scheme 'ddp'"):
+        fsdp.train_toy(0, 1, "ddp")
