@@ -156,13 +156,13 @@ class PeakMemory(TorchDispatchMode):
     buffer a collective allocated on its own thread (gloo's reduce-scatter all-reduces a full-size
     copy of its input, which the main thread then splits: it counts from that split).
 
-    What it cannot see: memory allocated outside ATen or on another thread and never handed to
-    this one (gloo's and NCCL's internal buffers, Python objects, the allocator's caches),
-    allocator rounding (the CUDA caching allocator rounds every
-    block up to 512 bytes and keeps freed blocks), storages created and freed inside one fused
-    operator, and operators run on other threads (the dispatch mode is thread-local; CPU autograd
-    runs on the calling thread). On a GPU, ``cuda_peak_bytes`` (``torch.cuda.max_memory_allocated``
-    over the block) is the allocator's own answer, rounding included; None on the CPU.
+    What it cannot see: memory allocated outside ATen, or on another thread and never handed to
+    this one (gloo's and NCCL's internal buffers, Python objects, the allocator's cache of freed
+    blocks); allocator rounding (the CUDA caching allocator rounds each allocation up to a multiple
+    of 512 bytes); workspaces created and freed inside one operator; operators run on other
+    threads (the dispatch mode is thread-local; CPU autograd runs on the calling thread). On a
+    GPU, ``cuda_peak_bytes`` (``torch.cuda.max_memory_allocated`` over the block) is the
+    allocator's own answer, rounding and workspaces included; None on the CPU.
     """
 
     def __init__(self, *external, timeline=False):
