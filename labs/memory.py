@@ -1,13 +1,21 @@
 """Honest byte accounting of what a rank holds (chapter 1 and every chapter after it).
 
-Bytes are read from tensor storages, each storage counted once: a view or a flat buffer shared by
-many parameters costs what it really allocates, and a DTensor counts only its local shard. RSS is
-far too noisy for the lessons (hundreds of MiB of interpreter and library per process); storages
-are exact. On a GPU, ``torch.cuda.max_memory_allocated`` is reported beside them.
+Two numbers with two lessons:
+- steady state (`state_bytes`, `storage_bytes`): what a rank keeps between steps, read from tensor
+  storages, each storage counted once: a view or a flat buffer shared by many parameters costs what
+  it really allocates, and a DTensor counts only its local shard;
+- the peak during a step (`PeakMemory`): the high-water mark of live storages while a block runs,
+  which is what ZeRO, FSDP, recomputation and pipeline schedules actually lower.
+
+RSS is far too noisy for the lessons (hundreds of MiB of interpreter and library per process);
+storages are exact. On a GPU, ``torch.cuda.max_memory_allocated`` is reported beside them.
 """
 import contextlib
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 
 
 def _storage(t):
@@ -111,3 +119,176 @@ def cuda_peak_bytes():
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated()
     return None
+
+
+def _storages(t):
+    """The storages behind ``t``; a tensor subclass (DTensor, FSDP2's wrappers) is opened up."""
+    todo, out = [t], []
+    while todo:
+        t = todo.pop()
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            todo.extend(getattr(t, a) for a in attrs if torch.is_tensor(getattr(t, a)))
+        elif t.device.type != "meta" and t.layout == torch.strided:
+            out.append(t.untyped_storage())
+    return out
+
+
+class PeakMemory(TorchDispatchMode):
+    """The high-water mark of live tensor storage while a block runs (chapters 3, 5, 6, 7).
+
+        with memory.PeakMemory(model, optimizer) as mem:
+            loss = model(x, y); loss.backward(); optimizer.step()
+        mem.peak_bytes, mem.baseline_bytes
+
+    Every ATen operator call inside the block passes through ``__torch_dispatch__``; each storage an
+    operator takes or returns that was not seen before counts from that moment until Python frees
+    it (a weak reference's callback), so temporaries count while they live.
+    ``UntypedStorage.resize_`` is not an operator, so it is wrapped while the block runs: a storage
+    shrunk to 0 bytes (FSDP's free) stops counting, one grown again counts again.
+
+    The baseline, reported separately as ``baseline_bytes``, is the storages of the ``external``
+    objects (modules with their gradients and buffers, optimizers, tensors, nested lists) when the
+    block starts: pass everything the step starts with. Their later growth, shrinking and freeing
+    count like any allocation. ``peak_bytes`` = ``baseline_bytes`` + the highest net allocation.
+    A storage that is not external and not made by an operator of this thread is counted from its
+    first use: an old tensor not passed as external (counted then, not from the start), or a
+    buffer a collective allocated on its own thread (gloo's reduce-scatter all-reduces a full-size
+    copy of its input, which the main thread then splits: it counts from that split).
+
+    What it cannot see: memory allocated outside ATen, or on another thread and never handed to
+    this one (gloo's and NCCL's internal buffers, Python objects, the allocator's cache of freed
+    blocks); allocator rounding (the CUDA caching allocator rounds each allocation up to a multiple
+    of 512 bytes); workspaces created and freed inside one operator; operators run on other
+    threads (the dispatch mode is thread-local; CPU autograd runs on the calling thread). On a
+    GPU, ``cuda_peak_bytes`` (``torch.cuda.max_memory_allocated`` over the block) is the
+    allocator's own answer, rounding and workspaces included; None on the CPU.
+    """
+
+    def __init__(self, *external, timeline=False):
+        super().__init__()
+        self.external = external
+        self.live = {}              # storage id -> [weak reference, bytes it counts now]
+        self.net = 0                # bytes allocated in the block minus bytes freed, so far
+        self.peak_net = 0
+        self.baseline_bytes = 0
+        self.peak_op = None         # the operator during which the peak was reached
+        self._op, self._active = None, False
+        self.timeline = [] if timeline else None  # net bytes after every operator, in order
+        self.cuda_peak_bytes = self.cuda_baseline_bytes = None
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _track(self, storage, baseline):
+        key = storage._cdata
+        if key in self.live:
+            return
+        nbytes = storage.nbytes()
+        if baseline:
+            self.baseline_bytes += nbytes   # it was already there: baseline, not an allocation
+        else:
+            self._change(nbytes)
+        self.live[key] = [weakref.ref(storage, lambda _, key=key: self._freed(key)), nbytes]
+
+    def _freed(self, key):
+        entry = self.live.pop(key, None)
+        if entry is not None and self._active:
+            self._change(-entry[1])
+
+    def _change(self, delta):
+        self.net += delta
+        if self.net > self.peak_net:
+            self.peak_net, self.peak_op = self.net, self._op
+
+    def _resized(self, storage):
+        entry = self.live.get(storage._cdata)
+        if entry is not None:
+            self._change(storage.nbytes() - entry[1])
+            entry[1] = storage.nbytes()
+
+    # -- the dispatch mode --------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._op = str(func)
+        inputs, _ = tree_flatten((args, kwargs or {}))
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                for s in _storages(t):
+                    self._track(s, baseline=False)
+        out = func(*args, **(kwargs or {}))
+        outputs, _ = tree_flatten(out)
+        for t in outputs:
+            if isinstance(t, torch.Tensor):
+                for s in _storages(t):
+                    self._track(s, baseline=False)
+        if self.timeline is not None:
+            self.timeline.append(self.net)
+        return out
+
+    def __enter__(self):
+        for t in _tensors_of(self.external):
+            for s in _storages(t):
+                self._track(s, baseline=True)
+        self._resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(storage, size):
+            mode._op = "UntypedStorage.resize_"
+            out = mode._resize(storage, size)
+            if storage._cdata in mode.live:
+                mode._resized(storage)
+            else:                                  # unknown until now: counts from its new size
+                mode._track(storage, baseline=False)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.cuda_baseline_bytes = torch.cuda.memory_allocated()
+        self._active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        self._active = False   # later frees no longer change the results
+        self.live.clear()
+        if self.cuda_baseline_bytes is not None:
+            torch.cuda.synchronize()
+            self.cuda_peak_bytes = torch.cuda.max_memory_allocated()
+        return super().__exit__(*exc)
+
+    # -- results ------------------------------------------------------------------------------
+    @property
+    def peak_bytes(self):
+        """Highest live bytes in the block: the baseline plus the highest net allocation."""
+        return self.baseline_bytes + self.peak_net
+
+    @property
+    def end_bytes(self):
+        """Live bytes when the block ended (baseline + allocations still alive - frees)."""
+        return self.baseline_bytes + self.net
+
+    def result(self):
+        """A plain dict for a lab's result: peak, baseline, end, the peak's operator, CUDA's peak."""
+        out = {"peak_bytes": self.peak_bytes, "baseline_bytes": self.baseline_bytes,
+               "peak_above_baseline_bytes": self.peak_net, "end_bytes": self.end_bytes,
+               "peak_op": self.peak_op, "cuda_peak_bytes": self.cuda_peak_bytes}
+        if self.timeline is not None:
+            out["timeline"] = list(self.timeline)
+        return out
+
+
+def _tensors_of(objs):
+    """Every tensor of modules (parameters, buffers, gradients), optimizers (state) and tensors."""
+    for obj in objs:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                yield p
+                if p.grad is not None:
+                    yield p.grad
+            yield from obj.buffers()
+        elif isinstance(obj, torch.optim.Optimizer):
+            yield from _tensors(obj.state)
+        elif hasattr(obj, "state_tensors"):   # a hand optimizer that lists what it holds
+            yield from obj.state_tensors()
+        else:
+            yield from _tensors(obj)

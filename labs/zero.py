@@ -1,137 +1,291 @@
-"""Chapter 3: ZeRO stages 1, 2 and 3 built by hand, and FSDP2 beside them.
+"""Chapter 3: ZeRO by hand: a sharded optimizer for stages 1-2, and the lab that measures every stage.
 
 ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054) removes data parallelism's redundancy by giving
 each of N ranks a 1/N shard of what the mixed-precision recipe holds (chapter 1: 2 + 2 + 12 bytes
 per parameter): stage 1 shards the optimizer state (4 + 12/N), stage 2 also the gradients
-(2 + 14/N), stage 3 also the weights (16/N). Per step each rank sends, with the ring's
-(N-1)/N factor and Psi bf16 elements (2 bytes each):
-- DDP: all-reduce of the gradients, 2(N-1)/N * 2Psi bytes;
+(2 + 14/N), stage 3 also the weights (16/N; `labs.fsdp`). Per step each rank sends, with the
+ring's (N-1)/N factor and Psi bf16 elements (2 bytes each):
+- DDP (stage 0): all-reduce of the gradients, 2(N-1)/N * 2Psi bytes;
 - ZeRO-1 and 2: reduce-scatter of the gradients + all-gather of the updated weights: the same;
 - ZeRO-3: all-gather before forward, again before backward, reduce-scatter: 3(N-1)/N * 2Psi, 1.5x.
 
-The weights live in one flat bf16 buffer padded to a multiple of N (the module's parameters are
-views into it, as in FSDP1), so a shard is a slice and stage 3 can free the whole buffer between
-uses by shrinking its storage to zero bytes.
+`ShardedOptimizer(params, torch.optim.Adam, stage=1|2, lr=...)` is a drop-in optimizer in the
+spirit of torch's ``ZeroRedundancyOptimizer``: the training loop keeps its own forward, backward,
+``step()`` and ``zero_grad()``. The lab below (`run`, `all_stages`, `peaks`, `accumulation`)
+trains the tiny GPT with it, with the hand FSDP of `labs.fsdp` (stage 3), and with FSDP2.
 
     python -m labs.zero --world-size 3 --stage 3 --steps 3 --json
 """
+import contextlib
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
-from labs import budget, comm, launch, memory, model as tiny, precision
+from labs import budget, comm, fsdp, launch, memory, model as tiny
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class Bucket:
+    """Trainable parameters of one dtype, as views into one flat buffer padded to a multiple of N.
+
+    Rank r owns elements [r*S, (r+1)*S) of the buffer, S = padded / N (stage 0: all of it). Its
+    shard is cut into pieces, one per parameter it overlaps, so the inner optimizer sees each
+    parameter's part as its own tensor and skips it when it got no gradient, as torch.optim does;
+    the padding belongs to the last parameter's piece, so the pieces cover the shard exactly.
+    """
+
+    def __init__(self, params, n, rank, stage):
+        dtype, device = params[0].dtype, params[0].device
+        self.params, self.start = params, {}
+        self.numel = sum(p.numel() for p in params)
+        self.padded = -(-self.numel // n) * n
+        self.shard = self.padded // n if stage >= 1 else self.padded
+        self.lo = rank * self.shard if stage >= 1 else 0
+        self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        offset = 0
+        for p in params:
+            self.start[p] = offset
+            self.flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        mine = self.mine()
+        # 16-bit weights get an fp32 master copy of this rank's shard (Micikevicius et al. 2018);
+        # fp32 weights are their own master: the inner optimizer then steps them in place
+        self.master = mine.float() if dtype in LOW_PRECISION else mine
+        self.pieces = []   # (parameter, its piece of the master shard, first, last) in shard coordinates
+        ends = [self.start[p] for p in params[1:]] + [self.padded]
+        for p, end in zip(params, ends):
+            a, b = max(self.start[p], self.lo), min(end, self.lo + self.shard)
+            if a < b:
+                piece = torch.nn.Parameter(self.master[a - self.lo:b - self.lo])
+                self.pieces.append((p, piece, a - self.lo, b - self.lo))
+        self.grad = None        # the full gradient buffer (stages 0-1 keep it; stage 2 only in flight)
+        self.shard_grad = None  # stage 2: this rank's reduced shard, accumulated over micro-batches
+        self.arrived, self.reduced = set(), False
+
+    def mine(self):
+        return self.flat[self.lo:self.lo + self.shard]
+
+
+def _unique_trainable(params):
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen and p.requires_grad:  # tied weights are one Parameter: once
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def unit_buckets(model, units):
+    """Buckets laid out like FSDP units: one per unit in backward's (reverse) order, then the rest."""
+    groups = [list(u.parameters()) for u in reversed(units)]
+    taken = {id(p) for g in groups for p in g}
+    return groups + [[p for p in model.parameters() if id(p) not in taken]]
+
+
+def make_buckets(params, bucket_numel=None):
+    """Group parameters by dtype, in reverse order (backward's), into buckets of ~bucket_numel."""
+    buckets, open_ = [], {}
+    for p in reversed(params):
+        current = open_.setdefault(p.dtype, [])
+        current.append(p)
+        if bucket_numel is not None and sum(q.numel() for q in current) >= bucket_numel:
+            buckets.append(current)
+            open_[p.dtype] = []
+    return buckets + [b for b in open_.values() if b]
+
+
+class ShardedOptimizer:
+    """ZeRO stage 0 (DDP), 1 or 2 around any elementwise ``torch.optim`` optimizer class.
+
+    - stage 0: gradients all-reduced at ``step``; every rank updates everything (DDP + optimizer);
+    - stage 1: gradients reduce-scattered at ``step``, each rank's inner optimizer steps only its
+      shard, the updated shards are all-gathered back into the parameters;
+    - stage 2: as stage 1, but each bucket is reduce-scattered from a backward hook as soon as all
+      its gradients are in (``register_post_accumulate_grad_hook``), and the full gradients are
+      freed as backward goes: a rank keeps only its shard of the gradient.
+
+    Stages 0 and 1 reduce once per optimizer step, however many micro-batches were accumulated
+    (DDP's ``no_sync``); stage 2 reduce-scatters every micro-batch. Parameters are re-pointed
+    into flat bucket buffers; 16-bit parameters get an fp32 master shard (the inner optimizer steps
+    the master, the new weights are rounded back). Frozen parameters are left alone (replicated),
+    tied weights are one parameter. The ``.grad`` of a parameter is moved into its bucket by the
+    hook, so it reads None after backward. A parameter that got no gradient on this rank gets none
+    in the inner optimizer either (torch.optim then skips it); ranks must agree on which those are,
+    as FSDP2 requires (DDP's ``find_unused_parameters`` all-reduces a bitmap to find out).
+    Update rules that need whole tensors (Adafactor's factored moments, Muon, LBFGS) are not
+    elementwise and would see flat pieces: use elementwise ones (SGD, Adam, AdamW, ...).
+
+    Arguments: ``params`` (any iterable of parameters; ranks must start from equal weights),
+    ``optimizer_class`` and ``**defaults`` (its keyword arguments, e.g. ``lr``), ``stage``,
+    ``bucket_numel`` (elements per bucket; None: one bucket per dtype) or ``buckets`` (lists of
+    parameters, one per bucket, in the order backward completes them), ``group`` (the data-parallel
+    process group), ``zero1_allreduce`` (stage 1 with an all-reduce instead of a reduce-scatter,
+    as ZeRO's first DeepSpeed release did: 3 Psi per step instead of 2).
+    """
+
+    def __init__(self, params, optimizer_class, stage=1, bucket_numel=None, buckets=None, group=None,
+                 zero1_allreduce=False, **defaults):
+        if stage not in (0, 1, 2):
+            raise ValueError(f"stage must be 0 (DDP), 1 or 2, got {stage!r}; stage 3 shards the weights "
+                             "too: wrap the model with labs.fsdp.HandFSDP.")
+        params = _unique_trainable(params)
+        if not params:
+            raise ValueError("no parameter requires a gradient, so there is nothing to optimize.")
+        groups = make_buckets(params, bucket_numel) if buckets is None else buckets
+        groups = [_unique_trainable(b) for b in groups]
+        if sorted(id(p) for b in groups for p in b) != sorted(id(p) for p in params):
+            raise ValueError("buckets must hold every trainable parameter exactly once.")
+        if any(len({p.dtype for p in b}) > 1 for b in groups):
+            raise ValueError("a bucket must hold parameters of one dtype; bucket by dtype.")
+        self.group, self.stage, self.zero1_allreduce = group, stage, zero1_allreduce
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.buckets = [Bucket(b, self.n, self.rank, stage) for b in groups if b]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.optimizer = optimizer_class([piece for b in self.buckets for _, piece, _, _ in b.pieces], **defaults)
+        self.got_grad, self._reduced, self._queued = set(), None, False
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # -- backward ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def _grad_ready(self, p):
+        """p.grad holds this backward's gradient: add it into its bucket and free it."""
+        b = self.bucket_of[p]
+        if b.grad is None:
+            b.grad = torch.zeros_like(b.flat)
+        start = b.start[p]
+        b.grad[start:start + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        self.got_grad.add(p)
+        if self.stage == 2:
+            if not self._queued:  # once per backward: reduce what is left when backward ends
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._queued = True
+            b.arrived.add(p)
+            if len(b.arrived) == len(b.params):
+                self._reduce_scatter(b)
+
+    def _reduce_scatter(self, b):
+        """Stage 2: sum the bucket over ranks into my shard, then free the full gradient."""
+        if b.grad is None:  # no gradient here this backward; other ranks' sums still need my zeros
+            b.grad = torch.zeros_like(b.flat)
+        out = torch.empty(b.shard, dtype=b.flat.dtype, device=b.flat.device)
+        comm.reduce_scatter(out, b.grad, group=self.group)
+        out.div_(self.n)
+        b.shard_grad = out if b.shard_grad is None else b.shard_grad.add_(out)
+        b.grad, b.reduced = None, True
+
+    def _end_of_backward(self):
+        for b in self.buckets:  # the same order on every rank
+            if not b.reduced:
+                self._reduce_scatter(b)
+            b.arrived, b.reduced = set(), False
+        self._queued = False
+
+    # -- the optimizer step -----------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_grads(self):
+        """The averaged gradient of this rank's shard, one tensor per bucket, in the master dtype.
+
+        Stages 0-1 reduce here (once per optimizer step); stage 2 already did during backward.
+        """
+        if self._reduced is None:
+            self._reduced = [self._reduce_bucket(b).to(b.master.dtype) for b in self.buckets]
+        return self._reduced
+
+    def _reduce_bucket(self, b):
+        if self.stage == 2:
+            return b.shard_grad if b.shard_grad is not None else torch.zeros_like(b.mine())
+        full = b.grad if b.grad is not None else torch.zeros_like(b.flat)
+        b.grad = full
+        if self.stage == 0 or self.zero1_allreduce:
+            comm.all_reduce(full, group=self.group)
+            return full.div_(self.n)[b.lo:b.lo + b.shard]
+        mine = torch.empty(b.shard, dtype=full.dtype, device=full.device)
+        comm.reduce_scatter(mine, full, group=self.group)
+        return mine.div_(self.n)
+
+    @torch.no_grad()
+    def step(self):
+        for b, grad in zip(self.buckets, self.reduce_grads()):
+            for p, piece, first, last in b.pieces:
+                piece.grad = grad[first:last] if p in self.got_grad else None
+        self.optimizer.step()
+        for b in self.buckets:
+            for _, piece, _, _ in b.pieces:
+                piece.grad = None
+            if b.master.data_ptr() != b.mine().data_ptr():
+                b.mine().copy_(b.master)          # round the new master shard into the weights
+            if self.stage >= 1:                   # every rank's updated shard, back to everyone
+                comm.all_gather(b.flat, b.mine(), group=self.group)
+        self._reduced = None
+
+    def zero_grad(self, set_to_none=True):
+        """Stages 0-1 zero their gradient buckets (kept, as DDP's are); stage 2 drops its shard."""
+        for b in self.buckets:
+            if b.grad is not None and self.stage <= 1:
+                b.grad.zero_()
+            if b.shard_grad is not None:
+                b.shard_grad = None if set_to_none else b.shard_grad.zero_()
+        self.got_grad.clear()
+        self._reduced = None
+
+    # -- what it holds ----------------------------------------------------------------------
+    def state_tensors(self):
+        """Every tensor this optimizer holds besides the parameters: gradients, masters, state."""
+        out = self.gradient_tensors() + [b.master for b in self.buckets]
+        return out + [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+
+    def gradient_tensors(self):
+        return [t for b in self.buckets for t in (b.grad, b.shard_grad) if t is not None]
+
+    @torch.no_grad()
+    def full_masters(self):
+        """{parameter: its full master weights}, all-gathered (for checks; not counted as traffic)."""
+        out = {}
+        for b in self.buckets:
+            flat = b.master.new_empty(b.padded)
+            if self.stage == 0:
+                flat.copy_(b.master)
+            else:
+                dist.all_gather_into_tensor(flat, b.master.contiguous(), group=self.group)
+            for p in b.params:
+                out[p] = flat[b.start[p]:b.start[p] + p.numel()].view(p.shape).clone()
+        return out
+
+
+# -- the lab: the tiny GPT under every stage ---------------------------------------------------
 STAGES = (0, 1, 2, 3)
 BF16 = 2
 
 
-class FlatWeights:
-    """The model's bf16 weights as views into one flat buffer of ``padded`` elements."""
+def adam_step_bound(t, betas=(0.9, 0.999)):
+    """The largest |Adam step| / lr at step t over every gradient history (eps = 0, no decay).
 
-    def __init__(self, model, n, rank):
-        self.params = list(model.parameters())
-        self.numel = sum(p.numel() for p in self.params)
-        self.padded = -(-self.numel // n) * n     # round up to a multiple of N; the tail is zeros
-        self.shard = self.padded // n
-        self.mine = slice(rank * self.shard, (rank + 1) * self.shard)
-        self.full = torch.zeros(self.padded, dtype=torch.bfloat16, device=self.params[0].device)
-        offset = 0
-        for p in self.params:
-            self.full[offset:offset + p.numel()].copy_(p.data.view(-1))
-            p.data = self.full[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-
-    def free(self):
-        """Drop the full weights (stage 3 between uses); the parameter views stay, empty."""
-        self.full.untyped_storage().resize_(0)
-
-    def gather(self, shard):
-        """All-gather every rank's shard into the full buffer. Writing through ``.data`` keeps
-        autograd's version counters untouched: the weights saved for backward are refilled, not
-        modified."""
-        self.full.untyped_storage().resize_(self.padded * BF16)
-        comm.all_gather(self.full.data, shard)
-
-    def take_grads(self):
-        """Backward's gradients, packed into one padded flat bf16 buffer; ``.grad`` is released."""
-        flat = torch.zeros(self.padded, dtype=torch.bfloat16, device=self.full.device)
-        torch.cat([p.grad.view(-1) for p in self.params], out=flat[:self.numel])
-        for p in self.params:
-            p.grad = None
-        return flat
+    Kingma & Ba 2015 (section 2.1) give lr (1-b1)/sqrt(1-b2) when 1-b1 > sqrt(1-b2), else lr, as
+    approximate bounds. Exactly: m_t = (1-b1) sum_i b1^(t-i) g_i, v_t = (1-b2) sum_i b2^(t-i) g_i^2
+    and, by Cauchy-Schwarz with weights b2^(t-i),
+        |m_t| / sqrt(v_t) <= (1-b1)/sqrt(1-b2) * sqrt(sum_{k<t} rho^k),  rho = b1^2 / b2,
+    with equality for g_i proportional to (b2/b1)^i. With the bias corrections
+        |step_t| / lr <= (1-b1)/(1-b1^t) * sqrt((1-b2^t)/(1-b2)) * sqrt((1-rho^t)/(1-rho)).
+    For (0.9, 0.999) that is 1 at t=1, 1.0014 at t=2, 1.61 at t=50; it passes the paper's 3.16 at
+    t=210 and tends to 7.27: neither "lr" nor the paper's figure bounds every step.
+    """
+    b1, b2 = betas
+    rho = b1 * b1 / b2
+    geometric = t if rho == 1 else (1 - rho ** t) / (1 - rho)
+    return (1 - b1) / (1 - b1 ** t) * ((1 - b2 ** t) / (1 - b2)) ** 0.5 * geometric ** 0.5
 
 
-class ZeRO:
-    """One training step of DDP (stage 0) or ZeRO-1/2/3 with mixed-precision Adam."""
-
-    def __init__(self, model, stage, lr=1e-3, zero1_allreduce=False):
-        if stage not in STAGES:
-            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}.")
-        self.n, self.rank = dist.get_world_size(), dist.get_rank()
-        self.stage, self.lr, self.zero1_allreduce = stage, lr, zero1_allreduce
-        self.model = model.to(torch.bfloat16)
-        self.flat = FlatWeights(self.model, self.n, self.rank)
-        owned = self.flat.full if stage == 0 else self.flat.full[self.flat.mine]
-        self.master = owned.float()               # fp32 master weights of what this rank updates
-        self.m, self.v = torch.zeros_like(self.master), torch.zeros_like(self.master)
-        self.t, self.grad = 0, None
-        if stage == 3:                             # keep only my shard of the bf16 weights
-            self.weights = owned.clone()
-            self.flat.free()
-
-    def step(self, x, y, inspect=None):
-        """Forward, backward, gradient reduction, Adam on what this rank owns, weights back.
-
-        ``inspect``, a list, receives a copy of the averaged gradient this rank updates with.
-        """
-        if self.stage == 3:
-            self.flat.gather(self.weights)                    # all-gather 1: for forward
-        loss = self.model(x, y)
-        if self.stage == 3:
-            self.flat.free()                                  # as ZeRO-3 frees after each layer
-            self.flat.gather(self.weights)                    # all-gather 2: for backward
-        loss.backward()
-        if self.stage == 3:
-            self.flat.free()
-        full_grad = self.flat.take_grads()
-        if self.stage == 0 or self.zero1_allreduce:
-            comm.all_reduce(full_grad)
-            full_grad.div_(self.n)
-            mine = full_grad if self.stage == 0 else full_grad[self.flat.mine]
-        else:
-            mine = torch.empty(self.flat.shard, dtype=torch.bfloat16, device=full_grad.device)
-            comm.reduce_scatter(mine, full_grad)              # sum of my shard, from every rank
-            mine.div_(self.n)
-        if inspect is not None:
-            inspect.append(mine.float().clone())
-        # What stays between steps: stage 0-1 keep the full gradient, stage 2-3 only their shard.
-        self.grad = full_grad if self.stage <= 1 else mine
-        self.t += 1
-        precision.adam_update(self.master, mine.float(), self.m, self.v, self.t, self.lr)
-        if self.stage == 0:
-            self.flat.full.copy_(self.master)
-        elif self.stage == 3:
-            self.weights.copy_(self.master)                   # the next forward gathers it
-        else:
-            self.flat.full[self.flat.mine].copy_(self.master)
-            comm.all_gather(self.flat.full, self.flat.full[self.flat.mine])  # in place
-        return loss.item()
-
-    def held(self):
-        """Bytes this rank holds between steps, by category (storages counted once)."""
-        seen = set()
-        weights = [self.flat.full] + ([self.weights] if self.stage == 3 else [])
-        out = {"parameters": memory.storage_bytes(weights, seen),
-               "gradients": memory.storage_bytes([self.grad], seen),
-               "optimizer_state": memory.storage_bytes([self.master, self.m, self.v], seen)}
-        out["total"] = sum(out.values())
-        return out
-
-
-def param_bound(weights, steps, lr):
-    """How far two runs of mixed-precision Adam can drift apart when their gradients differ only by
-    bf16 rounding: Adam moves a weight by at most about lr per step whatever the gradient's size,
-    so a flipped sign costs 2 lr, plus one bf16 spacing at the largest weight for the final cast."""
-    return 2 * lr * steps + torch.finfo(torch.bfloat16).eps * weights.abs().max().item()
+def param_bound(weights, steps, lr, betas=(0.9, 0.999)):
+    """How far two runs of Adam from the same weights can drift apart in ``steps`` steps whatever
+    their gradients: each moves a weight by at most lr * adam_step_bound(t) at step t, so twice the
+    sum; plus one bf16 spacing at the largest weight, since both sides are rounded to bf16."""
+    drift = 2 * lr * sum(adam_step_bound(t, betas) for t in range(1, steps + 1))
+    return drift + torch.finfo(torch.bfloat16).eps * weights.abs().max().item()
 
 
 def formula_bytes(stage, padded, n):
@@ -150,87 +304,217 @@ def _batch(cfg, step, rank, batch_size, device):
     return tiny.synthetic_batch(cfg, batch_size, seed=10_000 * step + rank, device=device)
 
 
-def single_process(cfg, steps, batch_size, world_size, lr=1e-3):
-    """The reference: the same recipe on the whole global batch in one process.
-
-    Returns the final weights and the first step's gradient, both flat.
-    """
-    dev = launch.device()
-    net = tiny.build(cfg, seed=0, device=dev)
-    opt = precision.prepare(net, "mixed", lr=lr)
-    for step in range(steps):
-        batches = [_batch(cfg, step, r, batch_size, dev) for r in range(world_size)]
-        net(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
-        if step == 0:
-            first_grad = torch.cat([p.grad.float().view(-1) for p in net.parameters()])
-        opt.step()
-        opt.zero_grad()
-    return torch.cat([p.detach().float().view(-1) for p in net.parameters()]), first_grad
-
-
-def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, lr=1e-3):
-    """Train with one stage; report bytes held, bytes sent per step, and the distance to one process."""
-    cfg, dev = tiny.GPTConfig(), launch.device()
-    z = ZeRO(tiny.build(cfg, seed=0, device=dev), stage, lr=lr, zero1_allreduce=zero1_allreduce)
-    losses, sent, first_grad = [], [], []
-    for step in range(steps):
-        with comm.counting() as tally:
-            losses.append(z.step(*_batch(cfg, step, rank, batch_size, dev), inspect=first_grad if step == 0 else None))
-        sent.append(tally.bytes_sent)
-    held = z.held()
+def build(stage, cfg, lr=1e-3, zero1_allreduce=False, units="blocks", device="cpu"):
+    """The tiny GPT under one stage: (model, optimizer, HandFSDP or None). Stages 0-2: bf16 weights and
+    ShardedOptimizer(torch.optim.Adam), one bucket per block plus one for the rest; stage 3: fp32
+    shards with bf16 compute in HandFSDP, one unit per block plus the root (``units="whole"``:
+    the whole model gathered at once) and torch.optim.Adam on the shards."""
+    net = tiny.build(cfg, seed=0, device=device).to(torch.bfloat16)  # bf16-representable start
     if stage == 3:
-        z.flat.gather(z.weights)  # the full weights once more, outside the counted steps, to compare
-    mine = z.flat.full[:z.flat.numel].float()
-    reference, ref_grad = single_process(cfg, steps, batch_size, world_size, lr)
-    ref_grad = torch.cat([ref_grad, ref_grad.new_zeros(z.flat.padded - z.flat.numel)])
-    ref_grad = ref_grad if stage == 0 else ref_grad[z.flat.mine]
-    # Adam ignores the gradient's scale, so the weights alone would not notice a missing 1/N:
-    # the averaged gradient is compared too, relative to its largest entry.
-    grad_error = ((first_grad[0] - ref_grad).abs().max() / ref_grad.abs().max()).item()
-    return {"numel": z.flat.numel, "padded": z.flat.padded, "held": held,
-            "comm_bytes_per_step": sent[-1], "losses": losses,
-            "max_param_diff_vs_single_process": (mine - reference).abs().max().item(),
-            "param_bound": param_bound(reference, steps, lr),
-            "grad_rel_error_vs_single_process": grad_error,
-            "params": mine}
+        hand = fsdp.HandFSDP(net.float(), list(net.blocks) if units == "blocks" else [], compute_dtype=torch.bfloat16)
+        return net, torch.optim.Adam(net.parameters(), lr=lr), hand
+    return net, ShardedOptimizer(net.parameters(), torch.optim.Adam, stage=stage, buckets=unit_buckets(net, net.blocks),
+                                 zero1_allreduce=zero1_allreduce, lr=lr), None
 
 
-
-def all_stages(rank, world_size, steps=2):
-    """`run` for DDP, ZeRO-1 (both reductions), ZeRO-2 and ZeRO-3 in one job."""
-    out = {str(stage): run(rank, world_size, stage, steps) for stage in STAGES}
-    out["1-allreduce"] = run(rank, world_size, 1, steps, zero1_allreduce=True)
+def held_bytes(net, opt):
+    """Bytes a rank holds between steps, by category, storages counted once. Adam's per-tensor
+    step counters (a 4-byte scalar per parameter tensor, not per element) are reported beside
+    the per-element categories, outside ``total``. Stage 3 (as FSDP2) keeps fp32 shards that are
+    their own master copy: parameters 4/N, fp32 gradient shard 4/N, m and v 8/N bytes per
+    parameter, where the ZeRO paper splits the same 16/N as 2/N + 2/N + 12/N."""
+    inner = opt.optimizer if isinstance(opt, ShardedOptimizer) else opt
+    state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
+    grads = opt.gradient_tensors() if isinstance(opt, ShardedOptimizer) else [p.grad for p in net.parameters()]
+    masters = [b.master for b in opt.buckets] if isinstance(opt, ShardedOptimizer) else []
+    seen = set()
+    out = {"parameters": memory.storage_bytes(net.parameters(), seen),
+           "gradients": memory.storage_bytes(grads, seen),
+           "optimizer_state": memory.storage_bytes(masters + [t for t in state if t.dim() > 0], seen)}
+    out["total"] = sum(out.values())
+    out["step_counters"] = memory.storage_bytes([t for t in state if t.dim() == 0], seen)
     return out
 
 
-def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False):
-    """The same training with PyTorch's FSDP2 (``fully_shard``): losses and how each weight is split."""
+def _shard_grads(net, opt):
+    """(name, offset in the parameter's flat view, averaged gradient) for what this rank updates."""
+    if isinstance(opt, ShardedOptimizer):
+        names = {p: n for n, p in net.named_parameters()}
+        return [(names[p], b.lo + first - b.start[p], g[first:last].clone())
+                for b, g in zip(opt.buckets, opt.reduce_grads()) for p, _, first, last in b.pieces]
+    return [(n, p.offset, p.grad.clone()) for n, p in net.named_parameters() if p.grad is not None and p.numel()]
+
+
+def _grad_error(pieces, ref):
+    """Max |averaged gradient - one process's| over this rank's pieces, relative to the largest."""
+    err, scale = 0.0, max(g.abs().max().item() for g in ref.values())
+    for name, offset, g in pieces:
+        want = ref[name].reshape(-1)[offset:offset + g.numel()]
+        want = torch.cat([want, want.new_zeros(g.numel() - want.numel())])  # the padding's gradient is 0
+        err = max(err, (g.float() - want).abs().max().item())
+    return err / scale
+
+
+def single_process(cfg, steps, batch_size, world_size, lr=1e-3):
+    """The reference: the same recipe (bf16 compute, torch.optim.Adam on fp32 masters) on the whole
+    global batch in one process. Returns the final bf16 weights as one flat fp32 vector (in
+    ``named_parameters`` order) and the first step's gradient by name; remembered per process."""
+    key = (dataclasses.astuple(cfg), steps, batch_size, world_size, lr)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _single_process(cfg, steps, batch_size, world_size, lr)
+    return _REFERENCES[key]
+
+
+_REFERENCES = {}
+
+
+def _single_process(cfg, steps, batch_size, world_size, lr):
+    dev = launch.device()
+    net = tiny.build(cfg, seed=0, device=dev).to(torch.bfloat16)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in net.parameters()]
+    opt = torch.optim.Adam(masters, lr=lr)
+    for step in range(steps):
+        batches = [_batch(cfg, step, r, batch_size, dev) for r in range(world_size)]
+        net(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
+        with torch.no_grad():
+            for p, m in zip(net.parameters(), masters):
+                m.grad, p.grad = p.grad.float(), None
+            if step == 0:
+                first_grad = {n: m.grad.clone() for (n, _), m in zip(net.named_parameters(), masters)}
+            opt.step()
+            for p, m in zip(net.parameters(), masters):
+                p.copy_(m)
+    return torch.cat([p.detach().float().view(-1) for p in net.parameters()]), first_grad
+
+
+def _working_weights(net, hand, cfg):
+    """The full bf16 weights forward uses, as one flat fp32 vector in the reference's order."""
+    if hand is None:
+        return torch.cat([p.detach().float().view(-1) for p in net.parameters()])
+    full = hand.full_parameters()
+    names = [n for n, _ in tiny.GPT(cfg).named_parameters()]
+    return torch.cat([full[n].to(torch.bfloat16).float().view(-1) for n in names])
+
+
+def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, lr=1e-3, units="blocks", cfg=None):
+    """Train with one stage; report bytes held between steps, the peak during the last step, bytes
+    sent per step, and the distance to one process.
+
+    Result: numel, padded (the sharded element count, padding included), held (`held_bytes`),
+    peak (`memory.PeakMemory.result` over the last step: zero_grad, forward, backward, step),
+    comm_bytes_per_step (counted by labs.comm), losses, params (the bf16 weights after training),
+    grad_rel_error_vs_single_process (the first step's averaged gradient of this rank's shard),
+    max_param_diff_vs_single_process and param_bound (Adam's drift bound, `param_bound`).
+    """
+    cfg, dev = cfg or tiny.GPTConfig(), launch.device()
+    net, opt, hand = build(stage, cfg, lr, zero1_allreduce, units, dev)
+    losses, sent = [], []
+    for step in range(steps):
+        x, y = _batch(cfg, step, rank, batch_size, dev)
+        window = memory.PeakMemory(net, opt, x, y) if step == steps - 1 else contextlib.nullcontext()
+        with comm.counting() as tally, window:
+            opt.zero_grad()
+            loss = net(x, y)
+            loss.backward()
+            if step == 0:
+                first_grad = _shard_grads(net, opt)
+            opt.step()
+        losses.append(loss.item())
+        sent.append(tally.bytes_sent)
+    held = held_bytes(net, opt)
+    params = _working_weights(net, hand, cfg)
+    reference, ref_grad = single_process(cfg, steps, batch_size, world_size, lr)
+    numel = tiny.num_params(tiny.GPT(cfg))
+    padded = sum(b.padded for b in (opt.buckets if hand is None else hand.units))
+    return {"numel": numel, "padded": padded, "held": held, "peak": window.result(),
+            "comm_bytes_per_step": sent[-1], "losses": losses, "params": params,
+            "max_param_diff_vs_single_process": (params - reference).abs().max().item(),
+            "param_bound": param_bound(reference, steps, lr),
+            "grad_rel_error_vs_single_process": _grad_error(first_grad, ref_grad)}
+
+
+def all_stages(rank, world_size, steps=2, batch_size=2):
+    """`run` for DDP ("0"), ZeRO-1 with a reduce-scatter ("1") and with an all-reduce
+    ("1-allreduce"), ZeRO-2, ZeRO-3 by units ("3") and ZeRO-3 gathering the whole model at once
+    ("3-whole"), in one job."""
+    out = {str(stage): run(rank, world_size, stage, steps, batch_size) for stage in STAGES}
+    out["1-allreduce"] = run(rank, world_size, 1, steps, batch_size, zero1_allreduce=True)
+    out["3-whole"] = run(rank, world_size, 3, steps, batch_size, units="whole")
+    return out
+
+
+def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, cfg=None):
+    """The same training with PyTorch's FSDP2 (``fully_shard`` per block, then the root, bf16
+    compute and reduction): losses, how each weight is split, bytes held and the last step's peak."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    cfg, dev = tiny.GPTConfig(), launch.device()
+    cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     # fp32 masters that start from the bf16-rounded weights, exactly as the hand recipe's do
     net = tiny.build(cfg, seed=0, device=dev).to(torch.bfloat16).float()
     mesh = init_device_mesh(dev.type, (world_size,))
-    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
-                  offload_policy=CPUOffloadPolicy() if cpu_offload else None)
-    policy = {k: v for k, v in policy.items() if v is not None}
-    for block in net.blocks:  # one unit per block: gathered just before it runs, freed after
-        fully_shard(block, **policy)
-    fully_shard(net, **policy)
+    fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        loss = net(*_batch(cfg, step, rank, batch_size, dev))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        x, y = _batch(cfg, step, rank, batch_size, dev)
+        window = memory.PeakMemory(net, opt, x, y) if step == steps - 1 else contextlib.nullcontext()
+        with window:
+            opt.zero_grad()
+            loss = net(x, y)
+            loss.backward()
+            opt.step()
         losses.append(loss.item())
     shards = {name: {"placements": str(p.placements), "full_shape": tuple(p.shape),
                      "local_shape": tuple(p.to_local().shape), "device": str(p.to_local().device)}
               for name, p in net.named_parameters()}
-    return {"losses": losses, "shards": shards,
+    return {"losses": losses, "shards": shards, "held": held_bytes(net, opt), "peak": window.result(),
             "local_numel": sum(p.to_local().numel() for p in net.parameters()),
             "numel": sum(p.numel() for p in net.parameters())}
+
+
+PEAK_KEYS = ("0", "1", "2", "3", "3-whole", "fsdp2")
+
+
+def peaks(rank, world_size, steps=2, batch_size=1, cfg=None):
+    """Peak bytes during a training step beside the bytes held between steps, on this rank, for
+    DDP ("0"), ZeRO-1, ZeRO-2, ZeRO-3 by units ("3"), ZeRO-3 gathering the whole model
+    ("3-whole") and FSDP2 ("fsdp2"). At batch 1 the tiny GPT's parameters dominate its activations.
+
+    Result per key: peak_bytes, baseline_bytes (what the step started with), held_bytes (`held_bytes`
+    total), peak_op (the operator at the peak).
+    """
+    out = {}
+    for key in PEAK_KEYS:
+        if key == "fsdp2":
+            r = fsdp2(rank, world_size, steps, batch_size, cfg=cfg)
+        else:
+            r = run(rank, world_size, int(key[0]), steps, batch_size, units="whole" if key == "3-whole" else "blocks",
+                    cfg=cfg)
+        out[key] = {"peak_bytes": r["peak"]["peak_bytes"], "baseline_bytes": r["peak"]["baseline_bytes"],
+                    "held_bytes": r["held"]["total"], "peak_op": r["peak"]["peak_op"]}
+    return out
+
+
+def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None):
+    """Bytes each rank sends in one optimizer step that accumulates A micro-batches (dispute 3).
+
+    DDP and ZeRO-1 reduce once per optimizer step (gradients accumulate locally, as under DDP's
+    ``no_sync``); ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 also gathers the weights twice
+    every micro-batch. Result: {stage: {A: {"bytes_sent", "ops": {op: calls and bytes}}}}, keys as
+    strings, counted by labs.comm.
+    """
+    cfg, dev, out = cfg or tiny.GPTConfig(), launch.device(), {}
+    for stage in STAGES:
+        out[str(stage)] = {}
+        for a in accum_steps:
+            net, opt, _ = build(stage, cfg, device=dev)
+            with comm.counting() as tally:
+                opt.zero_grad()
+                for micro in range(a):
+                    x, y = _batch(cfg, micro, rank, batch_size, dev)
+                    (net(x, y) / a).backward()
+                opt.step()
+            out[str(stage)][str(a)] = {"bytes_sent": tally.bytes_sent, "ops": tally.as_dict()["ops"]}
+    return out
 
 
 # Chapter 3's exercises: the answers are computed here, so the book never types them.
@@ -247,20 +531,22 @@ def check(question, answer, rel=0.01):
 
 def main(argv=None):
     from labs import cli
-    p = cli.parser("ZeRO by hand: bytes held and sent per rank, against the formulas and one process.")
+    p = cli.parser("ZeRO by hand: bytes held, peak and sent per rank, against the formulas and one process.")
     p.add_argument("--stage", type=int, choices=STAGES, default=3, help="0 = DDP, 1, 2 or 3")
     p.add_argument("--steps", type=cli.positive_int, default=3)
     p.add_argument("--zero1-allreduce", action="store_true",
                    help="stage 1 with an all-reduce of the gradients instead of a reduce-scatter")
+    p.add_argument("--whole", action="store_true", help="stage 3 gathering the whole model at once")
     args = cli.parse(p, argv)
     results = launch.launch(run, args.world_size, args.stage, args.steps, zero1_allreduce=args.zero1_allreduce,
-                            timeout=args.timeout)
+                            units="whole" if args.whole else "blocks", timeout=args.timeout)
     if results is None:
         return
     n, r0 = len(results), results[0]
     result = {"world_size": n, "stage": args.stage, "numel": r0["numel"], "padded": r0["padded"],
               "state_bytes": [r["held"]["total"] for r in results],
               "state_bytes_formula": formula_bytes(args.stage, r0["padded"], n),
+              "peak_bytes": [r["peak"]["peak_bytes"] for r in results],
               "comm_bytes_per_step": [r["comm_bytes_per_step"] for r in results],
               "comm_bytes_formula": formula_comm(args.stage, r0["padded"], n, args.zero1_allreduce),
               "max_param_diff_vs_single_process": max(r["max_param_diff_vs_single_process"] for r in results),
@@ -268,8 +554,9 @@ def main(argv=None):
               "grad_rel_error_vs_single_process": max(r["grad_rel_error_vs_single_process"] for r in results)}
     cli.report(result, args, f"ZeRO-{args.stage} on {n} ranks, Psi = {r0['numel']} (padded {r0['padded']}): "
                f"{result['state_bytes'][0] / r0['numel']:.3f} bytes/param held per rank (formula "
-               f"{result['state_bytes_formula'] / r0['numel']:.3f}), {result['comm_bytes_per_step'][0]} bytes sent per "
-               f"step (formula {result['comm_bytes_formula']}), max |w - one process| "
+               f"{result['state_bytes_formula'] / r0['numel']:.3f}), peak during a step {result['peak_bytes'][0]} "
+               f"bytes, {result['comm_bytes_per_step'][0]} bytes sent per step (formula "
+               f"{result['comm_bytes_formula']}), max |w - one process| "
                f"{result['max_param_diff_vs_single_process']:.4f} (bound {r0['param_bound']:.4f})")
 
 

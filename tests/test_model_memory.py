@@ -1,8 +1,8 @@
-"""The tiny model and the byte accounting every chapter relies on."""
+"""The tiny model every chapter relies on (its byte accounting is tested in test_memory.py)."""
 import pytest
 import torch
 
-from labs import memory, model
+from labs import model
 
 
 def test_model_runs_and_is_reproducible():
@@ -20,30 +20,6 @@ def test_bad_model_shapes_are_refused():
     cfg = model.GPTConfig(seq_len=8)
     with pytest.raises(ValueError, match="longer than seq_len=8"):
         model.build(cfg)(torch.zeros(1, 9, dtype=torch.long))
-
-
-def test_storage_bytes_count_each_storage_once():
-    flat = torch.zeros(100)
-    views = [flat[:40], flat[40:], flat.view(10, 10)]
-    assert memory.storage_bytes(views) == 400
-    assert memory.storage_bytes([torch.zeros(3, dtype=torch.bfloat16), None]) == 6
-
-
-def test_state_bytes_do_not_count_a_tensor_twice():
-    net = torch.nn.Linear(4, 4)
-    net(torch.randn(2, 4)).sum().backward()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    opt.step()
-    held = memory.state_bytes(net, opt)
-    assert held == {"parameters": 80, "gradients": 80, "optimizer_state": 80, "total": 240}
-
-
-def test_saved_for_backward_leaves_parameters_out():
-    lin = torch.nn.Linear(8, 8, bias=False)
-    x = torch.randn(3, 8, requires_grad=True)
-    with memory.saved_for_backward(lin) as saved:
-        lin(x)
-    assert saved.bytes == x.numel() * 4  # the input is saved; the weight is a parameter, not counted
 
 
 def _llama_pair(**kw):
