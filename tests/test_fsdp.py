@@ -4,19 +4,19 @@ steps) with fp32 master + bf16 compute, to the single-process result."""
 import pytest
 import torch
 
-from labs import fsdp, launch, zero
+from labs import fsdp, launch, unseen_model as toy, zero
 
 STEPS, LR = 4, 1e-3
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return {n: fsdp.toy_reference(n, STEPS, LR) for n in (2, 3)}
+    return {n: toy.toy_reference(n, STEPS, LR) for n in (2, 3)}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {n: launch.spawn(fsdp.train_toy_all, n, STEPS, timeout=300) for n in (2, 3)}
+    return {n: launch.spawn(toy.train_toy_all, n, STEPS, timeout=300) for n in (2, 3)}
 
 
 def test_two_ranks_reproduce_one_process_bit_for_bit(reference, runs):
@@ -26,7 +26,7 @@ def test_two_ranks_reproduce_one_process_bit_for_bit(reference, runs):
     # no tolerance: a gradient given to the branch on the odd steps (Adam would move it on its
     # momentum), a frozen weight updated or a tied gradient counted once would all show.
     ref = reference[2]
-    for scheme in fsdp.SCHEMES:
+    for scheme in toy.SCHEMES:
         results = [r[scheme] for r in runs[2]]
         assert [[r["losses"][s] for r in results] for s in range(STEPS)] == ref["losses"], scheme
         for name, want in ref["params"].items():
@@ -40,13 +40,13 @@ def test_three_ranks_stay_within_adams_drift_bound(reference, runs):
     # movement over the steps, plus one bf16 spacing.
     ref = reference[3]
     bound = zero.param_bound(torch.cat([p.view(-1) for p in ref["params"].values()]), STEPS, LR)
-    for scheme in fsdp.SCHEMES:
+    for scheme in toy.SCHEMES:
         results = [r[scheme] for r in runs[3]]
         assert [r["losses"][0] for r in results] == ref["losses"][0]   # same weights, same data: exact
         for name, want in ref["params"].items():
             diff = (results[0]["params"][name] - want).abs().max().item()
             assert diff <= bound, (scheme, name, diff, bound)
-        torch.testing.assert_close(results[0]["params"]["frozen.weight"], fsdp.toy_model().frozen.weight,
+        torch.testing.assert_close(results[0]["params"]["frozen.weight"], toy.toy_model().frozen.weight,
                                    rtol=0, atol=0)   # frozen means never updated
 
 
@@ -70,8 +70,8 @@ def test_hand_fsdp_and_fsdp2_agree_at_three_ranks(runs):
 
 
 def test_bad_inputs_are_refused():
-    net = fsdp.ToyLM()
+    net = toy.ToyLM()
     with pytest.raises(ValueError, match="submodule of the model"):
         fsdp.HandFSDP(net, [torch.nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="unknown scheme 'ddp'"):
-        fsdp.train_toy(0, 1, "ddp")
+        toy.train_toy(0, 1, "ddp")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from labs import launch, zero
+from labs.sharded_optimizer import ShardedOptimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Each rank's bf16 gradient is rounded before the average, one process rounds the whole batch's:
@@ -120,14 +121,14 @@ def test_adam_step_bound_is_reached_and_never_exceeded():
 def test_bad_inputs_are_refused():
     net = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="stage must be 0"):
-        zero.ShardedOptimizer(net.parameters(), torch.optim.Adam, stage=3)
+        ShardedOptimizer(net.parameters(), torch.optim.Adam, stage=3)
     with pytest.raises(ValueError, match="every trainable parameter exactly once"):
-        zero.ShardedOptimizer(net.parameters(), torch.optim.Adam, buckets=[[net.weight]])
+        ShardedOptimizer(net.parameters(), torch.optim.Adam, buckets=[[net.weight]])
     with pytest.raises(ValueError, match="one dtype"):
         net.bias.data = net.bias.data.double()
-        zero.ShardedOptimizer(net.parameters(), torch.optim.Adam, buckets=[[net.weight, net.bias]])
+        ShardedOptimizer(net.parameters(), torch.optim.Adam, buckets=[[net.weight, net.bias]])
     with pytest.raises(ValueError, match="nothing to optimize"):
-        zero.ShardedOptimizer(net.requires_grad_(False).parameters(), torch.optim.Adam)
+        ShardedOptimizer(net.requires_grad_(False).parameters(), torch.optim.Adam)
 
 
 def test_command_line_contract():
