@@ -48,6 +48,23 @@ def adam_step_bound(t, betas=(0.9, 0.999)):
     return (1 - b1) / (1 - b1 ** t) * ((1 - b2 ** t) / (1 - b2)) ** 0.5 * geometric ** 0.5
 
 
+def adam_largest_step(t, history="worst", numel=1000, seed=0, betas=(0.9, 0.999)):
+    """The largest |step t| / lr that ``torch.optim.Adam`` (eps = 0, float64) takes for one gradient
+    history: "worst" (g_i = (b2/b1)^i, where `adam_step_bound`'s Cauchy-Schwarz step is an equality)
+    or "random" (``numel`` independent heavy-tailed histories, the largest of their steps)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.zeros(1 if history == "worst" else numel, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([w], lr=1.0, betas=betas, eps=0.0)
+    for i in range(1, t + 1):
+        if history == "worst":
+            w.grad = torch.full_like(w, (betas[1] / betas[0]) ** i)
+        else:
+            w.grad = torch.randn(numel, generator=g, dtype=torch.float64) * torch.rand(numel, generator=g) ** 4
+        before = w.detach().clone()
+        opt.step()
+    return (w.detach() - before).abs().max().item()
+
+
 def param_bound(weights, steps, lr, betas=(0.9, 0.999)):
     """How far two runs of Adam from the same weights can drift apart in ``steps`` steps whatever
     their gradients: each moves a weight by at most lr * adam_step_bound(t) at step t, so twice the
@@ -170,8 +187,9 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
 
     Result: numel, padded (the sharded element count, padding included), held (`held_bytes`),
     peak (`memory.PeakMemory.result` over the last step: zero_grad, forward, backward, step),
-    comm_bytes_per_step (counted by labs.comm), losses, params (the bf16 weights after training),
-    grad_rel_error_vs_single_process (the first step's averaged gradient of this rank's shard),
+    comm_bytes_per_step and comm_ops_per_step (the last step's, from `labs.comm`: the calls and the
+    ring formula's bytes for each library collective), losses, params (the bf16 weights after
+    training), grad_rel_error_vs_single_process (the first step's averaged gradient of this rank's shard),
     max_param_diff_vs_single_process and param_bound (Adam's drift bound, `param_bound`).
     """
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
@@ -189,13 +207,14 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
             opt.step()
         losses.append(loss.item())
         sent.append(tally.bytes_sent)
+        ops = tally.as_dict()["ops"]
     held = held_bytes(net, opt)
     params = _working_weights(net, hand, cfg)
     reference, ref_grad = single_process(cfg, steps, batch_size, world_size, lr)
     numel = tiny.num_params(tiny.GPT(cfg))
     padded = sum(b.padded for b in (opt.buckets if hand is None else hand.units))
     return {"numel": numel, "padded": padded, "held": held, "peak": window.result(),
-            "comm_bytes_per_step": sent[-1], "losses": losses, "params": params,
+            "comm_bytes_per_step": sent[-1], "comm_ops_per_step": ops, "losses": losses, "params": params,
             "max_param_diff_vs_single_process": (params - reference).abs().max().item(),
             "param_bound": param_bound(reference, steps, lr),
             "grad_rel_error_vs_single_process": _grad_error(first_grad, ref_grad)}
