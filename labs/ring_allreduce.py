@@ -195,7 +195,8 @@ def run(rank, world_size, numel, algorithm="ring", repeats=3):
         times.append(time.perf_counter() - start)
     return {"max_abs_error": (out.double().cpu() - exact).abs().max().item(),
             "bytes_sent": tally.bytes_sent, "bytes_received": tally.bytes_received,
-            "formula_bytes_sent": tally.formula_bytes_sent, "wire_bytes": wire.bytes, "wire_reason": wire.reason,
+            "formula_bytes_sent": tally.formula_bytes_sent, "messages_sent": tally.calls("send"),
+            "wire_bytes": wire.bytes, "wire_reason": wire.reason,
             "seconds": statistics.median(times)}
 
 

@@ -266,3 +266,10 @@ def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16, steps=3, lr=0.5):
             "frozen_unchanged": torch.equal(hand_net.frozen.weight, MixedNet().frozen.weight)
             and hand_net.frozen.weight.grad is None,
             "bad_cap_error": error}
+
+
+def ring_runs(rank, world_size, numels, naive_numel=101):
+    """labs.ring_allreduce.run, ring for several sizes and naive for one, in one job (one spawn)."""
+    from labs import ring_allreduce as ra
+    return {"ring": [ra.run(rank, world_size, numel, "ring", 1) for numel in numels],
+            "naive": ra.run(rank, world_size, naive_numel, "naive", 1)}
