@@ -1,9 +1,17 @@
 """labs.comm: three kinds of bytes kept apart, hand rings equal to the library, gloo's wire measured."""
+import functools
+
 import pytest
 import torch
 
 import workers
-from labs import comm, launch, ring_allreduce as ra
+from labs import comm, launch
+
+
+@functools.lru_cache(maxsize=None)
+def suite(world_size):
+    """One spawn per world size for all the checks below (a spawn costs seconds on 2 cores)."""
+    return launch.spawn(workers.comm_suite, world_size, timeout=300)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -22,7 +30,7 @@ def test_ring_chunks_are_uneven_by_at_most_one():
 
 def test_library_collectives_are_correct_and_recorded_as_formula_not_counted():
     world_size, numel = 3, 10
-    results = launch.spawn(workers.count_collectives, world_size, numel, timeout=90)
+    results = [r["library"] for r in suite(world_size)]
     n = world_size
     base = torch.arange(numel, dtype=torch.float32)
     for rank, r in enumerate(results):
@@ -61,7 +69,7 @@ def test_library_collectives_are_correct_and_recorded_as_formula_not_counted():
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_hand_rings_equal_the_library_and_count_n_minus_1_chunks(world_size):
     """Integer-valued inputs: every partial sum is exact in fp32 and bf16, so equality is exact."""
-    results = launch.spawn(workers.hand_collectives, world_size, timeout=120)
+    results = [r["hand"] for r in suite(world_size)]
     k, numel = 10, 13
     for rank, r in enumerate(results):
         cases = [(world_size, c) for c in r["world"].values()] + ([(3, r["subgroup"])] if "subgroup" in r else [])
@@ -92,7 +100,7 @@ def test_hand_rings_equal_the_library_and_count_n_minus_1_chunks(world_size):
 # barrier (96-144 bytes per rank), a printed warning or a file write would break the equality.
 def test_wire_table_is_gloo_payload_plus_preambles():
     world_size, nbytes = 4, 4_000_000
-    results = launch.spawn(ra.library_wire_table, world_size, nbytes, timeout=120)
+    results = [r["wire_table"] for r in suite(world_size)]
     n, pre = world_size, workers.PREAMBLE
     wire = {op: [r["ops"][op]["wire_bytes"] for r in results] for op in results[0]["ops"]}
     ring = {op: [r["ops"][op]["formula_bytes"] for r in results] for op in results[0]["ops"]}

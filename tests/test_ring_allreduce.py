@@ -1,5 +1,6 @@
 """Chapter 2: hand-built all-reduces equal the exact sum, move exactly the formula's bytes, and the
 wire sees exactly those messages."""
+import functools
 import json
 import os
 import subprocess
@@ -17,9 +18,15 @@ TOL = 1e-5
 NUMELS = [1, 7, 1000, 4099]  # fewer elements than ranks, and uneven chunks
 
 
+@functools.lru_cache(maxsize=None)
+def suite(world_size):
+    """One spawn per world size for the checks below (a spawn costs seconds on 2 cores)."""
+    return launch.spawn(workers.ring_runs, world_size, NUMELS, timeout=180)
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
 def test_ring_and_naive_equal_the_exact_sum_and_the_formulas(world_size):
-    runs = launch.spawn(workers.ring_runs, world_size, NUMELS, timeout=180)
+    runs = suite(world_size)
     for i, numel in enumerate(NUMELS):
         results = [r["ring"][i] for r in runs]
         m = numel * 4
@@ -45,7 +52,7 @@ def test_ring_and_naive_equal_the_exact_sum_and_the_formulas(world_size):
 
 def test_hand_ring_equals_the_library_whose_bytes_are_formula_and_wire():
     numel, n = 1000, 3
-    results = launch.spawn(ra.run, n, numel, "library", 1, timeout=90)
+    results = [r["library"] for r in suite(n)]
     assert max(r["max_abs_error"] for r in results) < TOL
     assert [r["bytes_sent"] for r in results] == [0] * n  # the library sends no counted message
     assert [r["formula_bytes_sent"] for r in results] == [4 * comm.ring_allreduce_elements(numel, n, r)

@@ -269,7 +269,32 @@ def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16, steps=3, lr=0.5):
 
 
 def ring_runs(rank, world_size, numels, naive_numel=101):
-    """labs.ring_allreduce.run, ring for several sizes and naive for one, in one job (one spawn)."""
+    """labs.ring_allreduce.run: ring for several sizes, naive and library for one, in one job (one spawn)."""
     from labs import ring_allreduce as ra
     return {"ring": [ra.run(rank, world_size, numel, "ring", 1) for numel in numels],
-            "naive": ra.run(rank, world_size, naive_numel, "naive", 1)}
+            "naive": ra.run(rank, world_size, naive_numel, "naive", 1),
+            "library": ra.run(rank, world_size, 1000, "library", 1)}
+
+
+def ddp_suite(rank, world_size):
+    """Every HandDDP check of tests/test_ddp.py for one world size, in one job (spawns are slow)."""
+    from labs import ddp
+    if world_size == 2:
+        return {"run": ddp.run(rank, world_size, 3), "semantics": ddp_semantics(rank, world_size),
+                "no_sync_off": ddp.run(rank, world_size, 2, 3, use_no_sync=False),
+                "timeline": ddp.timeline(rank, world_size, 2, overlap=False),
+                "overlap": ddp.overlap_on_off(rank, world_size, 2)}
+    return {"run": ddp.run(rank, world_size, 3), "semantics": ddp_semantics(rank, world_size, torch.float32),
+            "no_sync_counted": ddp.run(rank, world_size, 2, 3, counted=True),
+            "drift": ddp.drift(rank, world_size, 3, 3)}
+
+
+def comm_suite(rank, world_size):
+    """Every labs.comm check of tests/test_comm.py for one world size, in one job."""
+    from labs import ring_allreduce as ra
+    out = {"hand": hand_collectives(rank, world_size)}
+    if world_size == 3:
+        out["library"] = count_collectives(rank, world_size, 10)
+    if world_size == 4:
+        out["wire_table"] = ra.library_wire_table(rank, world_size, 4_000_000)
+    return out
