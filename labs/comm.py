@@ -17,15 +17,15 @@ Every lab talks through these wrappers. The book never mixes the three kinds, an
   which is how gloo's TCP transport sends. It includes gloo's 48-byte message preambles.
   Where it cannot be read (NCCL, no /proc/self/io) it is None with a reason, never a guess.
 
-Each call also records its payload: the bytes of the tensor the collective was called with, so a
-lab takes message sizes from what it actually communicated.
+Each call also records its payload (``payload_bytes``, and ``payloads``, one entry per call): the
+bytes of the tensor it was called with (all_gather: the shard sent; reduce_scatter: the full input),
+so a lab takes message sizes from what it actually communicated.
 
     with comm.counting() as tally, comm.hand_collectives():
         comm.reduce_scatter(shard, flat)     # counted messages
     tally.bytes_sent
 """
 import contextlib
-import os
 from collections import defaultdict
 
 import torch
@@ -142,8 +142,9 @@ def wire_bytes(group=None):
     before the start value is read, and the end value is read as soon as the block returns. The
     block must finish its communication (synchronous calls, or ``wait()``) and write nothing else
     (no prints, no warnings, no files): wchar counts every write of the process, all threads.
-    Some gloo builds reduce through shared memory within a node (under torchrun); those bytes
-    never reach a socket, so a window around such a collective reads (close to) zero.
+    gloo's source also has a shared-memory all-reduce for ranks on one node (chosen when
+    LOCAL_WORLD_SIZE equals the group size); the torch 2.13 CPU build used here does not take it
+    (checked with LOCAL_WORLD_SIZE set), but a build that did would show (close to) zero here.
     """
     wire = Wire(wire_unavailable(group))
     if wire.reason is None:

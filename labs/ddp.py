@@ -62,7 +62,7 @@ class HandDDP:
 
     @staticmethod
     def _make_buckets(params, cap):
-        """Fill one open bucket per dtype in reverse registration order, the order backward produces."""
+        """One open bucket per dtype, filled in reverse registration order (backward's order)."""
         buckets, open_ = [], {}
         for p in reversed(params):
             current = open_.setdefault(p.dtype, [])
@@ -70,6 +70,9 @@ class HandDDP:
             if sum(q.numel() * q.element_size() for q in current) >= cap:
                 buckets.append(Bucket(open_.pop(p.dtype)))
         return buckets + [Bucket(current) for current in open_.values()]
+
+    def __call__(self, *args, **kwargs):  # like torch DDP, the wrapper runs the model's forward
+        return self.model(*args, **kwargs)
 
     def _grad_ready(self, p):
         if not self.sync:
@@ -183,16 +186,6 @@ def _single_process(cfg, steps, accumulation, batch_size, lr, world_size):
     return net
 
 
-class _Forward:
-    """Lets a plain module and HandDDP share one training loop (HandDDP does not wrap forward)."""
-
-    def __init__(self, ddp):
-        self.ddp, self.finish = ddp, ddp.finish
-
-    def __call__(self, x, y):
-        return self.ddp.model(x, y)
-
-
 def _max_diff(a, b):
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
@@ -213,7 +206,7 @@ def run(rank, world_size, steps=3, accumulation=1, batch_size=2, lr=0.1, bucket_
     opt = torch.optim.SGD(hand.parameters(), lr=lr)  # outside the wire window: its first build writes 4 bytes
     rings = comm.hand_collectives() if counted else contextlib.nullcontext()
     with comm.wire_bytes() as wire, comm.counting() as tally, rings:
-        _train(_Forward(ddp), opt, ddp.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size)
+        _train(ddp, opt, ddp.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size)
     ref = DistributedDataParallel(tiny.build(cfg, seed=0, device=dev))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     _train(ref, ref_opt, ref.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size)
