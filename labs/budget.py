@@ -240,7 +240,7 @@ def data_parallel_step(cfg, recipe, rank, batch_size):
     opt = precision.prepare(net, recipe)
     x, y = tiny.synthetic_batch(cfg, batch_size, seed=rank, device=dev)  # each rank its own data
     net(x, y).backward()
-    with comm.counting() as tally:
+    with comm.counting(wire=True) as tally:  # wire: what gloo wrote to its sockets, per call
         for p in net.parameters():  # the gradient the optimizer will read
             g = p.main_grad if opt.recipe.grad_buffer else p.grad
             comm.all_reduce(g)
@@ -250,7 +250,9 @@ def data_parallel_step(cfg, recipe, rank, batch_size):
     psi = tiny.num_params(net)
     checksum = sum(p.double().sum().item() for p in net.parameters())
     return {"numel": psi, "held": held, "bytes_per_param": held["total"] / psi,
-            "formula": precision.recipe(recipe).bytes_per_param(), "allreduce_bytes": tally.bytes_sent,
+            "formula": precision.recipe(recipe).bytes_per_param(), "allreduce_payload_bytes": tally.payload_bytes,
+            "allreduce_formula_bytes": tally.formula_bytes_sent, "allreduce_calls": tally.calls("all_reduce"),
+            "allreduce_wire_bytes": tally.wire_bytes_sent if not tally.wire_missing else None,
             "param_checksum": checksum}
 
 

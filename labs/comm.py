@@ -1,58 +1,89 @@
-"""Collectives and point-to-point calls that count the bytes each rank sends and receives.
+"""Collectives and point-to-point calls that keep three kinds of byte counts apart.
 
-Every lab talks through these wrappers, so it can put its bytes on the wire beside the formula:
+Every lab talks through these wrappers. The book never mixes the three kinds, and neither does a
+`Tally` (`comm.counting()`):
 
-    with comm.counting() as tally:
-        comm.all_reduce(grad)
-    tally.bytes_sent  # what this rank sent
+- **counted messages** (`bytes_sent`, `bytes_received`): every point-to-point message, counted
+  as it is posted. A hand collective (`hand_collectives()`: ring reduce-scatter, all-gather and
+  all-reduce built from `isend`/`irecv`, chapter 2) is counted message by message, under its
+  collective's name.
+- **formula bytes** (`formula_bytes_sent`, `formula_bytes_received`): what the bandwidth-optimal
+  ring would move for a *library* collective (the definition behind nccl-tests' "bus bandwidth"):
+  for M bytes on N ranks all-reduce sends 2(N-1)/N * M per rank, all-gather and reduce-scatter
+  (N-1)/N * M of the full buffer, a broadcast chain M. A formula is not a measurement: never
+  compare it with itself.
+- **the library's wire bytes** (`wire_bytes()`, or `counting(wire=True)`): on Linux with gloo,
+  the increase of `wchar` in /proc/self/io, the bytes this process handed to `write`/`writev`,
+  which is how gloo's TCP transport sends. It includes gloo's 48-byte message preambles.
+  Where it cannot be read (NCCL, no /proc/self/io) it is None with a reason, never a guess.
 
-Point-to-point calls are counted exactly. A library collective is counted as the bandwidth-optimal
-ring would move it (the definition behind nccl-tests' "bus bandwidth"): for M bytes on N ranks,
-all-reduce sends 2(N-1)/N * M per rank, all-gather and reduce-scatter (N-1)/N * M of the full
-buffer. These are logical bytes: the library may choose another algorithm (gloo runs
-reduce-scatter as a full all-reduce, NCCL picks trees for small messages), which the book
-measures separately.
+Each call also records its payload (``payload_bytes``, and ``payloads``, one entry per call): the
+bytes of the tensor it was called with (all_gather: the shard sent; reduce_scatter: the full input),
+so a lab takes message sizes from what it actually communicated.
+
+    with comm.counting() as tally, comm.hand_collectives():
+        comm.reduce_scatter(shard, flat)     # counted messages
+    tally.bytes_sent
 """
 import contextlib
 from collections import defaultdict
 
+import torch
 import torch.distributed as dist
 
-_active = []  # the tallies currently counting, innermost last
+_active = []    # the tallies currently counting, innermost last
+_hand = []      # non-empty inside hand_collectives()
+_op_name = []   # the hand collective whose messages are being counted, innermost last
+
+FIELDS = ("calls", "bytes_sent", "bytes_received", "formula_bytes_sent", "formula_bytes_received",
+          "wire_bytes_sent", "payload_bytes")
 
 
 class Tally:
-    """Calls and bytes per operation, for one rank."""
+    """Calls and bytes per operation, for one rank; each kind of byte count in its own field."""
 
-    def __init__(self):
-        self.ops = defaultdict(lambda: {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
+    def __init__(self, wire=False):
+        self.wire = wire          # measure the wire around every synchronous library collective
+        self.wire_missing = []    # why some collectives' wire bytes are not in wire_bytes_sent
+        self.ops = defaultdict(lambda: dict.fromkeys(FIELDS, 0) | {"payloads": []})
 
-    def add(self, op, sent, received):
-        entry = self.ops[op]
-        entry["calls"] += 1
-        entry["bytes_sent"] += sent
-        entry["bytes_received"] += received
+    def call(self, op, payload):
+        self.ops[op]["calls"] += 1
+        self.ops[op]["payload_bytes"] += payload
+        self.ops[op]["payloads"].append(payload)
 
-    @property
-    def bytes_sent(self):
-        return sum(e["bytes_sent"] for e in self.ops.values())
+    def add(self, op, **fields):
+        for name, value in fields.items():
+            self.ops[op][name] += value
 
-    @property
-    def bytes_received(self):
-        return sum(e["bytes_received"] for e in self.ops.values())
+    def _sum(self, field):
+        return sum(e[field] for e in self.ops.values())
+
+    bytes_sent = property(lambda self: self._sum("bytes_sent"))        # counted messages only
+    bytes_received = property(lambda self: self._sum("bytes_received"))
+    formula_bytes_sent = property(lambda self: self._sum("formula_bytes_sent"))
+    formula_bytes_received = property(lambda self: self._sum("formula_bytes_received"))
+    wire_bytes_sent = property(lambda self: self._sum("wire_bytes_sent"))
+    payload_bytes = property(lambda self: self._sum("payload_bytes"))
 
     def calls(self, op):
         return self.ops[op]["calls"] if op in self.ops else 0
 
     def as_dict(self):
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "ops": {op: dict(entry) for op, entry in sorted(self.ops.items())}}
+        out = {f: getattr(self, f) for f in FIELDS[1:]}
+        out["wire_missing"] = sorted(set(self.wire_missing))
+        out["ops"] = {op: dict(e, payloads=list(e["payloads"])) for op, e in sorted(self.ops.items())}
+        return out
 
 
 @contextlib.contextmanager
-def counting():
-    """Count every call made through this module inside the block (tallies may nest)."""
-    tally = Tally()
+def counting(wire=False):
+    """Count every call made through this module inside the block (tallies may nest).
+
+    ``wire=True`` also measures the wire bytes of each synchronous library collective (a barrier
+    before each one: slower, so opt-in); async ones are listed in ``tally.wire_missing``.
+    """
+    tally = Tally(wire)
     _active.append(tally)
     try:
         yield tally
@@ -60,10 +91,92 @@ def counting():
         _active.remove(tally)
 
 
-def _record(op, sent, received):
+def _call(op, payload):
     for tally in _active:
-        tally.add(op, sent, received)
+        tally.call(op, payload)
 
+
+def _add(op, **fields):
+    for tally in _active:
+        tally.add(op, **fields)
+
+
+# ---- the library's wire bytes ------------------------------------------------------------------
+
+def _wchar():
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise OSError("/proc/self/io has no wchar line")
+
+
+def wire_unavailable(group=None):
+    """None if this process's wire bytes can be read, else a one-sentence reason why not."""
+    backend = dist.get_backend(group)
+    if backend != "gloo":
+        return (f"the {backend} backend moves data without the process's write calls (GPU copies, "
+                "network verbs), so /proc/self/io cannot see it; only formula bytes are available")
+    try:
+        _wchar()
+    except OSError as e:
+        return f"/proc/self/io cannot be read here ({e}): not Linux, or a restricted /proc"
+    return None
+
+
+class Wire:
+    """What `wire_bytes` measured: ``bytes`` written in the window, or None and the ``reason``."""
+
+    def __init__(self, reason):
+        self.bytes, self.reason = None, reason
+
+    def as_dict(self):
+        return {"bytes": self.bytes, "reason": self.reason}
+
+
+@contextlib.contextmanager
+def wire_bytes(group=None):
+    """Bytes this process wrote to its sockets inside the block (gloo on Linux), else None + reason.
+
+    The window is tight: a barrier first, so every rank has finished the barrier's own messages
+    before the start value is read, and the end value is read as soon as the block returns. The
+    block must finish its communication (synchronous calls, or ``wait()``) and write nothing else
+    (no prints, no warnings, no files): wchar counts every write of the process, all threads.
+    gloo's source also has a shared-memory all-reduce for ranks on one node (chosen when
+    LOCAL_WORLD_SIZE equals the group size); the torch 2.13 CPU build used here does not take it
+    (checked with LOCAL_WORLD_SIZE set), but a build that did would show (close to) zero here.
+    """
+    wire = Wire(wire_unavailable(group))
+    if wire.reason is None:
+        dist.barrier(group=group)
+        start = _wchar()
+    yield wire
+    if wire.reason is None:
+        wire.bytes = _wchar() - start
+
+
+def _library(op, payload, sent, received, group, async_op, run):
+    """Run a library collective: record its payload and formula bytes, and its wire bytes if asked."""
+    _call(op, payload)
+    _add(op, formula_bytes_sent=sent, formula_bytes_received=received)
+    wanted = [t for t in _active if t.wire]
+    if not wanted:
+        return run()
+    if async_op:
+        for t in wanted:
+            t.wire_missing.append(f"{op}: async_op=True, the window cannot close when the data has gone")
+        return run()
+    with wire_bytes(group) as wire:
+        work = run()
+    for t in wanted:
+        if wire.bytes is None:
+            t.wire_missing.append(f"{op}: {wire.reason}")
+        else:
+            t.add(op, wire_bytes_sent=wire.bytes)
+    return work
+
+
+# ---- formula bytes of the ring -----------------------------------------------------------------
 
 def _size(group):
     return dist.get_world_size(group)
@@ -82,73 +195,152 @@ def ring_chunks(numel, n):
 def ring_allreduce_elements(numel, n, rank):
     """Elements rank ``rank`` sends in a ring all-reduce (reduce-scatter then all-gather).
 
-    Reduce-scatter step s sends chunk (rank - s) mod n and all-gather step s sends chunk
-    (rank + 1 - s) mod n, for s = 0 .. n-2; so each phase skips exactly one chunk.
+    Rank r ends the reduce-scatter owning chunk r, so it sends every chunk but its own in that
+    phase, and every chunk but (r + 1) mod n, the one its right neighbour owns, in the all-gather.
     """
     chunks = ring_chunks(numel, n)
-    reduce_scatter = sum(chunks[(rank - s) % n] for s in range(n - 1))
-    all_gather = sum(chunks[(rank + 1 - s) % n] for s in range(n - 1))
-    return reduce_scatter + all_gather
+    return 2 * numel - chunks[rank] - chunks[(rank + 1) % n]
+
+
+# ---- collectives: the library's (formula bytes) or the hand ring's (counted messages) ----------
+
+@contextlib.contextmanager
+def hand_collectives():
+    """Inside the block all_reduce, all_gather and reduce_scatter run as hand rings of counted messages.
+
+    Same signatures as the library calls; the hand ring runs synchronously even with
+    ``async_op=True`` and returns an already-completed work object.
+    """
+    _hand.append(True)
+    try:
+        yield
+    finally:
+        _hand.pop()
+
+
+class Completed:
+    """What a hand collective returns for ``async_op=True``: the work is already done."""
+
+    def __init__(self, tensor):
+        self.future = torch.futures.Future()
+        self.future.set_result([tensor])
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def get_future(self):
+        return self.future
+
+
+@contextlib.contextmanager
+def _counted_as(op, tensor):
+    """Attribute the point-to-point messages inside the block to the hand collective ``op``."""
+    _call(op, _nbytes(tensor))
+    _op_name.append(op)
+    try:
+        yield
+    finally:
+        _op_name.pop()
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    if _hand:
+        from labs import ring_allreduce as ra
+        with _counted_as("all_reduce", tensor):
+            ra.ring_allreduce(tensor, group=group, op=op)
+        return Completed(tensor) if async_op else None
     n, rank = _size(group), dist.get_rank(group)
-    moved = ring_allreduce_elements(tensor.numel(), n, rank) * tensor.element_size()
-    received = ring_allreduce_elements(tensor.numel(), n, (rank - 1) % n) * tensor.element_size()
-    _record("all_reduce", moved, received)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    es = tensor.element_size()
+    return _library("all_reduce", _nbytes(tensor), ring_allreduce_elements(tensor.numel(), n, rank) * es,
+                    ring_allreduce_elements(tensor.numel(), n, (rank - 1) % n) * es, group, async_op,
+                    lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+
+
+def _check_sizes(op, small, big, n):
+    if big.numel() != n * small.numel():
+        raise ValueError(f"{op} needs the full tensor to be {n} times the shard: got {big.numel()} and "
+                         f"{small.numel()} elements on {n} ranks.")
 
 
 def all_gather(output, input, group=None, async_op=False):
     """Concatenate every rank's ``input`` into ``output`` (n times larger)."""
     n = _size(group)
-    _record("all_gather", (n - 1) * _nbytes(input), (n - 1) * _nbytes(input))
-    return dist.all_gather_single(output, input, group=group, async_op=async_op)
+    _check_sizes("all_gather", input, output, n)
+    if _hand:
+        from labs import ring_allreduce as ra
+        with _counted_as("all_gather", input):
+            ra.ring_all_gather_into(output, input, group=group)
+        return Completed(output) if async_op else None
+    moved = (n - 1) * _nbytes(input)
+    return _library("all_gather", _nbytes(input), moved, moved, group, async_op,
+                    lambda: dist.all_gather_single(output, input, group=group, async_op=async_op))
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
     """Sum ``input`` over ranks and keep this rank's 1/n slice in ``output``."""
     n = _size(group)
-    _record("reduce_scatter", (n - 1) * _nbytes(output), (n - 1) * _nbytes(output))
-    return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    _check_sizes("reduce_scatter", output, input, n)
+    if _hand:
+        from labs import ring_allreduce as ra
+        with _counted_as("reduce_scatter", input):
+            flat, k = input.reshape(-1), output.numel()
+            ra.ring_reduce_scatter(output, [flat[i * k:(i + 1) * k] for i in range(n)], group=group, op=op)
+        return Completed(output) if async_op else None
+    moved = (n - 1) * _nbytes(output)
+    return _library("reduce_scatter", _nbytes(input), moved, moved, group, async_op,
+                    lambda: dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op))
 
 
 def broadcast(tensor, src, group=None, async_op=False):
-    """Counted as a pipelined chain from ``src``: every rank but the last sends M, all but src receive M."""
+    """Formula: a pipelined chain from ``src``: every rank but the last sends M, all but src receive M."""
     n, rank = _size(group), dist.get_rank(group)
     src_local = dist.get_group_rank(group, src) if group is not None else src
-    position = (rank - src_local) % n
-    _record("broadcast", _nbytes(tensor) if position < n - 1 else 0, _nbytes(tensor) if position else 0)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    position, m = (rank - src_local) % n, _nbytes(tensor)
+    return _library("broadcast", m, m if position < n - 1 else 0, m if position else 0, group, async_op,
+                    lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
 def all_to_all(output, input, group=None, async_op=False):
     """Equal splits: each rank keeps 1/n of ``input`` and sends the rest, one slice per peer."""
     n = _size(group)
-    _record("all_to_all", _nbytes(input) * (n - 1) // n, _nbytes(output) * (n - 1) // n)
-    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    return _library("all_to_all", _nbytes(input), _nbytes(input) * (n - 1) // n, _nbytes(output) * (n - 1) // n,
+                    group, async_op, lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op))
+
+
+# ---- point-to-point: counted messages ----------------------------------------------------------
+
+def _message(default_op, **fields):
+    """Count one message, under the hand collective that sends it if there is one."""
+    if _op_name:
+        _add(_op_name[-1], **fields)
+    else:
+        _call(default_op, sum(fields.values()))
+        _add(default_op, **fields)
 
 
 def send(tensor, dst, group=None):
-    _record("send", _nbytes(tensor), 0)
+    _message("send", bytes_sent=_nbytes(tensor))
     dist.send(tensor, dst=dst, group=group)
 
 
 def recv(tensor, src, group=None):
-    _record("recv", 0, _nbytes(tensor))
+    _message("recv", bytes_received=_nbytes(tensor))
     dist.recv(tensor, src=src, group=group)
 
 
 def isend(tensor, dst, group=None, tag=0):
-    _record("send", _nbytes(tensor), 0)
+    _message("send", bytes_sent=_nbytes(tensor))
     return dist.isend(tensor, dst=dst, group=group, tag=tag)
 
 
 def irecv(tensor, src, group=None, tag=0):
-    _record("recv", 0, _nbytes(tensor))
+    _message("recv", bytes_received=_nbytes(tensor))
     return dist.irecv(tensor, src=src, group=group, tag=tag)
 
 
 def barrier(group=None):
-    _record("barrier", 0, 0)
+    _call("barrier", 0)
     dist.barrier(group=group)

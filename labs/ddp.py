@@ -12,6 +12,7 @@ Distributed", arXiv 2006.15704). Two refinements make it fast:
     python -m labs.ddp --world-size 2 --steps 3 --json
 """
 import contextlib
+import statistics
 import time
 
 import torch
@@ -22,79 +23,111 @@ from labs import comm, launch, model as tiny
 
 
 class Bucket:
-    def __init__(self, params):
-        self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                  device=params[0].device)
-        self.reset()
+    """Gradients of one dtype packed into one flat buffer: one all-reduce instead of many."""
 
-    def reset(self):
+    def __init__(self, params):
+        self.params = params  # all of one dtype: a bucket never changes a gradient's precision
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self.ready, self.work, self.times = 0, None, {}
 
 
 class HandDDP:
-    """Bucketed, overlapped gradient all-reduce through hooks; call `finish` after backward."""
+    """Bucketed, overlapped gradient all-reduce through hooks, with torch DDP's semantics.
 
-    def __init__(self, model, bucket_cap_bytes=25 * 2**20):
-        self.model = model
+    As in torch DDP (Li et al. 2020, section 3.2): buckets by dtype in reverse parameter order,
+    launched in bucket order (every rank must issue the same all-reduces in the same order);
+    gradients divided by N before the sum (no overflow in low precision); when backward ends the
+    averages are in ``.grad``, so a second backward before the optimizer step adds to them and
+    is reduced in turn (both count); frozen parameters are left out; a parameter that gets no
+    gradient on this rank in a step is reduced as zeros (torch needs find_unused_parameters=True
+    for that). One difference: a parameter no rank used ends with a zero gradient where torch
+    leaves None, which is the same for SGD without momentum or weight decay.
+    ``overlap=False`` launches every all-reduce only after autograd has finished.
+    `finish()` returns the step's per-bucket timeline.
+    """
+
+    def __init__(self, model, bucket_cap_bytes=25 * 2**20, overlap=True):
+        if bucket_cap_bytes < 1:
+            raise ValueError(f"bucket_cap_bytes must be at least 1, got {bucket_cap_bytes}.")
+        self.model, self.overlap, self.sync = model, overlap, True
         self.world_size = dist.get_world_size()
-        self.sync = True
         with torch.no_grad():  # replicas must start equal: everyone takes rank 0's weights
             for p in model.parameters():
                 comm.broadcast(p.data, src=0)
         self.buckets = self._make_buckets([p for p in model.parameters() if p.requires_grad], bucket_cap_bytes)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.next, self.in_backward, self.synced, self.backward_end = 0, False, False, None
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     @staticmethod
     def _make_buckets(params, cap):
-        """Fill buckets in reverse registration order, the order backward produces gradients."""
-        buckets, current, size = [], [], 0
+        """One open bucket per dtype, filled in reverse registration order (backward's order)."""
+        buckets, open_ = [], {}
         for p in reversed(params):
+            current = open_.setdefault(p.dtype, [])
             current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= cap:
-                buckets.append(Bucket(current))
-                current, size = [], 0
-        if current:
-            buckets.append(Bucket(current))
-        return buckets
+            if sum(q.numel() * q.element_size() for q in current) >= cap:
+                buckets.append(Bucket(open_.pop(p.dtype)))
+        return buckets + [Bucket(current) for current in open_.values()]
+
+    def __call__(self, *args, **kwargs):  # like torch DDP, the wrapper runs the model's forward
+        return self.model(*args, **kwargs)
 
     def _grad_ready(self, p):
         if not self.sync:
             return  # no_sync: let .grad accumulate locally
+        if not self.in_backward:  # the first gradient of this backward: settle up when autograd ends
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         b = self.bucket_of[p]
         b.ready += 1
         if b.ready == len(b.params):
+            b.times["ready"] = time.perf_counter()
+        while self.overlap and self.next < len(self.buckets) and \
+                self.buckets[self.next].ready == len(self.buckets[self.next].params):
+            self._launch(self.buckets[self.next])
+
+    def _end_of_backward(self):
+        self.backward_end = time.perf_counter()  # autograd's last gradient is computed
+        self._settle()
+        self.in_backward = False
+
+    def _settle(self):
+        """Launch what is left, in order (no gradient: zeros), wait, and put the averages in ``.grad``."""
+        for b in self.buckets[self.next:]:
+            for p in b.params:
+                if p.grad is None:  # unused in this step on this rank
+                    p.grad = torch.zeros_like(p)
+            b.times.setdefault("ready", time.perf_counter())
             self._launch(b)
-
-    def _launch(self, b):
-        b.times["ready"] = time.perf_counter()
-        torch.cat([p.grad.view(-1) for p in b.params], out=b.buffer)
-        b.work = comm.all_reduce(b.buffer, async_op=True)
-        b.times["start"] = time.perf_counter()
-        # The future completes on the communication thread: the true end of the all-reduce,
-        # not the moment the training loop gets round to waiting for it.
-        b.work.get_future().then(lambda fut, b=b: b.times.__setitem__("done", time.perf_counter()))
-
-    def finish(self):
-        """Wait for what is still in flight, then average and copy back into ``.grad``."""
         for b in self.buckets:
-            if b.work is None:  # e.g. a parameter that got no gradient this step
-                for p in b.params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                self._launch(b)
             b.work.wait()
-            b.buffer.div_(self.world_size)
             offset = 0
             for p in b.params:
                 p.grad.copy_(b.buffer[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
+            b.ready, b.work = 0, None
+        self.next, self.synced = 0, True
+
+    def _launch(self, b):
+        b.times["start"] = time.perf_counter()
+        torch.cat([p.grad.view(-1) for p in b.params], out=b.buffer)
+        b.buffer.div_(self.world_size)
+        b.work = comm.all_reduce(b.buffer, async_op=True)
+        # The future completes on the communication thread: the true end of the all-reduce,
+        # not the moment the training loop gets round to waiting for it.
+        b.work.get_future().then(lambda fut, b=b: b.times.__setitem__("done", time.perf_counter()))
+        self.next += 1
+
+    def finish(self):
+        """The step's per-bucket timeline; syncs now if no synced backward reached the hooks."""
+        if not self.synced:
+            self._settle()
         timeline = [dict(b.times, bytes=b.buffer.numel() * b.buffer.element_size()) for b in self.buckets]
         for b in self.buckets:
-            b.reset()
+            b.times = {}
+        self.synced = False
         return timeline
 
     @contextlib.contextmanager
@@ -113,23 +146,27 @@ def overlap_fraction(timeline, backward_end):
     return hidden / total if total > 0 else 0.0
 
 
+def exposed_comm(timeline, backward_end):
+    """Seconds from the end of backward to the end of the last all-reduce: what overlap could not hide."""
+    return max(0.0, max(t["done"] for t in timeline) - backward_end)
+
+
 def _batch(cfg, step, micro, rank, batch_size, device):
     return tiny.synthetic_batch(cfg, batch_size, seed=10_000 * step + 100 * micro + rank, device=device)
 
 
-def _train(net, wrapper, no_sync, cfg, steps, accumulation, batch_size, lr):
+def _train(wrapper, opt, no_sync, cfg, steps, accumulation, batch_size):
     """SGD with gradient accumulation; ``no_sync`` is the wrapper's or a no-op context."""
     rank, dev = dist.get_rank(), launch.device()
-    opt = torch.optim.SGD(net.parameters(), lr=lr)
     for step in range(steps):
         for micro in range(accumulation):
             x, y = _batch(cfg, step, micro, rank, batch_size, dev)
             sync_now = micro == accumulation - 1 or no_sync is None
             with contextlib.nullcontext() if sync_now else no_sync():
                 (wrapper(x, y) / accumulation).backward()
-            if sync_now and hasattr(wrapper, "finish"):  # the hand DDP waits here; torch's already did
-                # Averaging an accumulated .grad is exact: the part from earlier synced
-                # micro-batches is already identical on every rank.
+            # Averaging an accumulated .grad is exact: the part from earlier synced
+            # micro-batches is already identical on every rank.
+            if sync_now and hasattr(wrapper, "finish"):
                 wrapper.finish()
         opt.step()
         opt.zero_grad()
@@ -149,35 +186,38 @@ def _single_process(cfg, steps, accumulation, batch_size, lr, world_size):
     return net
 
 
-class _Forward:
-    """Lets a plain module and HandDDP share one training loop (HandDDP does not wrap forward)."""
-
-    def __init__(self, ddp):
-        self.ddp, self.finish = ddp, ddp.finish
-
-    def __call__(self, x, y):
-        return self.ddp.model(x, y)
-
-
 def _max_diff(a, b):
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
 def run(rank, world_size, steps=3, accumulation=1, batch_size=2, lr=0.1, bucket_cap_bytes=16_384,
-        use_no_sync=True):
-    """Hand DDP, torch DDP and one process on the full batch: same parameters after ``steps``."""
+        use_no_sync=True, counted=False):
+    """Hand DDP, torch DDP and one process on the full batch: same parameters after ``steps``.
+
+    The hand DDP's all-reduce bytes over all steps, one key per kind (`labs.comm`):
+    allreduce_formula_bytes (the ring formula for the library all-reduce), allreduce_wire_bytes
+    (what gloo wrote to its sockets during the training loop, preambles included; None with
+    wire_reason where it cannot be read), allreduce_payload_bytes (the buckets handed to the
+    all-reduces); ``counted=True`` runs them as hand rings: allreduce_counted_bytes, message by message.
+    """
     cfg, dev = tiny.GPTConfig(), launch.device()
     hand = tiny.build(cfg, seed=0, device=dev)
     ddp = HandDDP(hand, bucket_cap_bytes)
-    with comm.counting() as tally:
-        _train(hand, _Forward(ddp), ddp.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size, lr)
+    opt = torch.optim.SGD(hand.parameters(), lr=lr)  # outside the wire window: its first build writes 4 bytes
+    rings = comm.hand_collectives() if counted else contextlib.nullcontext()
+    with comm.wire_bytes() as wire, comm.counting() as tally, rings:
+        _train(ddp, opt, ddp.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size)
     ref = DistributedDataParallel(tiny.build(cfg, seed=0, device=dev))
-    _train(ref.module, ref, ref.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size, lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    _train(ref, ref_opt, ref.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size)
     single = _single_process(cfg, steps, accumulation, batch_size, lr, world_size)
+    ar = tally.ops["all_reduce"]
     return {"max_param_diff_vs_torch_ddp": _max_diff(hand, ref.module),
             "max_param_diff_vs_single_process": _max_diff(hand, single),
-            "allreduce_calls": tally.calls("all_reduce"), "buckets": len(ddp.buckets),
-            "allreduce_bytes": tally.ops["all_reduce"]["bytes_sent"] if tally.calls("all_reduce") else 0}
+            "allreduce_calls": ar["calls"], "buckets": len(ddp.buckets),
+            "allreduce_formula_bytes": ar["formula_bytes_sent"], "allreduce_counted_bytes": ar["bytes_sent"],
+            "allreduce_payload_bytes": ar["payload_bytes"], "allreduce_payloads": ar["payloads"],
+            "allreduce_wire_bytes": wire.bytes, "wire_reason": wire.reason}
 
 
 def replica_spread(net):
@@ -210,24 +250,61 @@ def drift(rank, world_size, steps_off=3, steps_on=3, batch_size=2, lr=0.1):
     return {"spread": spread, "steps_off": steps_off}
 
 
-def timeline(rank, world_size, steps=3, bucket_cap_bytes=1 << 20, batch_size=8):
-    """Per-bucket ready/start/done times of the last step, relative to the start of backward."""
-    cfg, dev = tiny.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, hidden=128), launch.device()
-    net = tiny.build(cfg, seed=0, device=dev)
-    ddp = HandDDP(net, bucket_cap_bytes)
+def _timed_step(net, ddp, x, y):
+    """One forward + backward with gradient sync; times relative to the start of backward."""
+    loss = net(x, y)
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss.backward()  # the hand DDP settles at the end of autograd, so .grad holds the averages here
+    events, end = ddp.finish(), time.perf_counter()
+    net.zero_grad()
+    shifted = [{k: (v - t0 if k != "bytes" else v) for k, v in e.items()} for e in events]
+    return {"buckets": shifted, "backward_end": ddp.backward_end - t0, "finish_end": end - t0,
+            "exposed_comm": exposed_comm(events, ddp.backward_end)}
+
+
+def _timeline_model():
+    cfg = tiny.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, hidden=128)
+    return cfg, tiny.build(cfg, seed=0, device=launch.device())
+
+
+def timeline(rank, world_size, steps=3, bucket_cap_bytes=1 << 20, batch_size=8, overlap=True):
+    """Per-bucket ready/start/done times of the last step, relative to the start of backward.
+
+    backward_end: autograd's last gradient; finish_end: gradients averaged in ``.grad``;
+    exposed_comm: seconds from backward_end to the end of the last all-reduce.
+    """
+    cfg, net = _timeline_model()
+    ddp = HandDDP(net, bucket_cap_bytes, overlap=overlap)
     for step in range(steps):  # the first steps warm up allocator and connections
-        x, y = _batch(cfg, step, 0, rank, batch_size, dev)
-        loss = net(x, y)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss.backward()
-        backward_end = time.perf_counter()
-        events = ddp.finish()
-        step_end = time.perf_counter()
-        net.zero_grad()
-    shift = [{k: (v - t0 if k != "bytes" else v) for k, v in e.items()} for e in events]
-    return {"buckets": shift, "backward_end": backward_end - t0, "finish_end": step_end - t0,
-            "overlap_fraction": overlap_fraction(events, backward_end), "params": tiny.num_params(net)}
+        r = _timed_step(net, ddp, *_batch(cfg, step, 0, rank, batch_size, launch.device()))
+    return dict(r, overlap=overlap, params=tiny.num_params(net),
+                overlap_fraction=overlap_fraction(r["buckets"], r["backward_end"]))
+
+
+def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_size=8):
+    """Overlap on vs off in one run (alternating steps): exposed communication and step time.
+
+    Per mode, medians over ``steps`` steps after two warm-up steps: step_s (backward start to
+    averaged gradients), backward_s (autograd alone), exposed_comm_s (end of autograd to end of
+    the last all-reduce). step_ratio_off_over_on > 1 is what overlap buys. first_start_s is the
+    earliest all-reduce start relative to the end of autograd: never negative with overlap off.
+    """
+    cfg, net = _timeline_model()
+    ddp = HandDDP(net, bucket_cap_bytes)
+    runs = {True: [], False: []}
+    for step in range(2 + 2 * steps):
+        ddp.overlap = step % 2 == 0
+        r = _timed_step(net, ddp, *_batch(cfg, step, 0, rank, batch_size, launch.device()))
+        if step >= 2:
+            runs[ddp.overlap].append(r)
+    out = {}
+    for mode, rs in (("on", runs[True]), ("off", runs[False])):
+        first = [min(b["start"] for b in r["buckets"]) - r["backward_end"] for r in rs]
+        out[mode] = {"step_s": statistics.median(r["finish_end"] for r in rs),
+                     "backward_s": statistics.median(r["backward_end"] for r in rs),
+                     "exposed_comm_s": statistics.median(r["exposed_comm"] for r in rs), "first_start_s": first}
+    return dict(out, buckets=len(ddp.buckets), step_ratio_off_over_on=out["off"]["step_s"] / out["on"]["step_s"])
 
 
 def main(argv=None):
@@ -244,11 +321,14 @@ def main(argv=None):
     result = {"world_size": len(results), "steps": args.steps, "accumulation": args.accumulation,
               "max_param_diff_vs_torch_ddp": max(r["max_param_diff_vs_torch_ddp"] for r in results),
               "max_param_diff_vs_single_process": max(r["max_param_diff_vs_single_process"] for r in results),
-              "allreduce_calls": results[0]["allreduce_calls"], "buckets": results[0]["buckets"]}
+              "allreduce_calls": results[0]["allreduce_calls"], "buckets": results[0]["buckets"],
+              "allreduce_formula_bytes": results[0]["allreduce_formula_bytes"],
+              "allreduce_wire_bytes": [r["allreduce_wire_bytes"] for r in results], "wire_reason": results[0]["wire_reason"]}
     cli.report(result, args, f"{result['world_size']} ranks, {args.steps} steps x {args.accumulation} micro-batches: "
                f"max |hand - torch DDP| = {result['max_param_diff_vs_torch_ddp']:.2e}, max |hand - one process| = "
                f"{result['max_param_diff_vs_single_process']:.2e}, {result['allreduce_calls']} all-reduces "
-               f"({result['buckets']} buckets)")
+               f"({result['buckets']} buckets); rank 0's all-reduce bytes: ring formula "
+               f"{result['allreduce_formula_bytes']}, wire {result['allreduce_wire_bytes'][0]}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Chapter 2: hand-built all-reduces equal the exact sum and move exactly the formula's bytes."""
+"""Chapter 2: hand-built all-reduces equal the exact sum, move exactly the formula's bytes, and the
+wire sees exactly those messages."""
+import functools
 import json
 import os
 import subprocess
@@ -6,40 +8,56 @@ import sys
 
 import pytest
 
+import workers
 from labs import comm, launch, ring_allreduce as ra
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32 sums of N standard normals in another order than the float64 reference: a few ulps of the
 # sum's magnitude (~sqrt(N) * 4); 1e-5 is far below any wrong-chunk error (order 1).
 TOL = 1e-5
+NUMELS = [1, 7, 1000, 4099]  # fewer elements than ranks, and uneven chunks
+
+
+@functools.lru_cache(maxsize=None)
+def suite(world_size):
+    """One spawn per world size for the checks below (a spawn costs seconds on 2 cores)."""
+    return launch.spawn(workers.ring_runs, world_size, NUMELS, timeout=180)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
-@pytest.mark.parametrize("numel", [1, 7, 1000, 4099])  # fewer elements than ranks, and uneven chunks
-def test_ring_equals_the_exact_sum_and_the_formula(world_size, numel):
-    results = launch.spawn(ra.run, world_size, numel, "ring", 1, timeout=90)
-    m = numel * 4
-    assert max(r["max_abs_error"] for r in results) < TOL
-    sent = [r["bytes_sent"] for r in results]
-    assert sum(sent) == 2 * (world_size - 1) * m  # every element sent 2(N-1) times in all
-    assert sent == [4 * comm.ring_allreduce_elements(numel, world_size, r) for r in range(world_size)]
-    # each rank within one element of 2(N-1)/N * M per phase
-    assert all(abs(s - 2 * (world_size - 1) / world_size * m) <= 2 * 4 for s in sent)
-    assert sum(sent) == sum(r["bytes_received"] for r in results)
-
-
-@pytest.mark.parametrize("world_size", [2, 3, 5])
-def test_naive_puts_the_load_on_the_root(world_size):
-    numel = 101
-    results = launch.spawn(ra.run, world_size, numel, "naive", 1, timeout=90)
+def test_ring_and_naive_equal_the_exact_sum_and_the_formulas(world_size):
+    runs = suite(world_size)
+    for i, numel in enumerate(NUMELS):
+        results = [r["ring"][i] for r in runs]
+        m = numel * 4
+        assert max(r["max_abs_error"] for r in results) < TOL
+        sent = [r["bytes_sent"] for r in results]
+        assert sum(sent) == 2 * (world_size - 1) * m  # every element sent 2(N-1) times in all
+        assert sent == [4 * comm.ring_allreduce_elements(numel, world_size, r) for r in range(world_size)]
+        # each rank within one element of 2(N-1)/N * M per phase
+        assert all(abs(s - 2 * (world_size - 1) / world_size * m) <= 2 * 4 for s in sent)
+        assert sum(sent) == sum(r["bytes_received"] for r in results)
+        # the wire carries exactly the counted messages, each with three 48-byte gloo preambles
+        # (two written by the sender, one by the receiver): nothing else was sent
+        assert sum(r["wire_bytes"] for r in results) == sum(sent) + 3 * workers.PREAMBLE * sum(
+            r["messages_sent"] for r in results)
+        assert all(r["formula_bytes_sent"] == 0 for r in results)
+    # naive: the root receives and sends (N-1) * M, everyone else M each way
+    numel, results = 101, [r["naive"] for r in runs]
     assert max(r["max_abs_error"] for r in results) < TOL
     assert results[0]["bytes_sent"] == results[0]["bytes_received"] == (world_size - 1) * numel * 4
     assert all(r["bytes_sent"] == numel * 4 for r in results[1:])
+    assert sum(r["wire_bytes"] for r in results) == 2 * (world_size - 1) * (numel * 4 + 3 * workers.PREAMBLE)
 
 
-def test_hand_ring_equals_the_library():
-    results = launch.spawn(ra.run, 3, 1000, "library", 1, timeout=90)
+def test_hand_ring_equals_the_library_whose_bytes_are_formula_and_wire():
+    numel, n = 1000, 3
+    results = [r["library"] for r in suite(n)]
     assert max(r["max_abs_error"] for r in results) < TOL
+    assert [r["bytes_sent"] for r in results] == [0] * n  # the library sends no counted message
+    assert [r["formula_bytes_sent"] for r in results] == [4 * comm.ring_allreduce_elements(numel, n, r)
+                                                          for r in range(n)]
+    assert sum(r["wire_bytes"] for r in results) == workers.gloo_allreduce_wire_all_ranks(numel * 4, n)
 
 
 def test_bad_inputs_are_refused():
@@ -54,7 +72,9 @@ def test_command_line_contract():
                           "--algorithm", "ring", "--json"], cwd=REPO, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
-    assert r["bytes_sent"] == [56, 52, 52] and r["max_abs_error"] < TOL and r["seconds"] > 0
+    # chunks [4, 3, 3]: rank r sends all but chunk r (reduce-scatter) and all but chunk r+1 (all-gather)
+    assert r["bytes_sent"] == [52, 56, 52] and r["max_abs_error"] < TOL and r["seconds"] > 0
+    assert r["formula_bytes_sent"] == [0, 0, 0] and r["wire_reason"] is None
 
 
 def test_eight_ranks_with_uneven_chunks():

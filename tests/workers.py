@@ -67,7 +67,7 @@ def count_collectives(rank, world_size, numel):
             for r in reqs:
                 r.wait()
             out["ring_p2p"] = recv_buf
-    return {"out": out, "tally": tally.as_dict()}
+    return {"out": out, "tally": tally.as_dict(), "wire_checks": wire_checks(rank, world_size)}
 
 
 def tp_group_sum(rank, world_size, tp):
@@ -76,3 +76,225 @@ def tp_group_sum(rank, world_size, tp):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=g.tp)
     return {"coords": g.coords, "tp_ranks": g.tp_ranks, "dp_ranks": g.dp_ranks, "tp_sum": t.item()}
+
+
+# ---- hand collectives (labs.comm.hand_collectives) ---------------------------------------------
+
+def _integer_valued(numel, rank, dtype, salt=0):
+    """Small integers, exact in bf16 whatever the order of the sum: equality can be exact."""
+    return ((torch.arange(numel) * (rank + 3) + salt) % 11).to(dtype)
+
+
+def _hand_vs_library(rank, n, group, dtype, k):
+    """Each collective by hand and by the library on ``group``; equality and counted bytes per op."""
+    es = torch.empty(0, dtype=dtype).element_size()
+    full = _integer_valued(n * k, rank, dtype)
+    lib = {"all_reduce": full.clone(), "reduce_scatter": torch.empty(k, dtype=dtype),
+           "all_gather": torch.empty(n * k, dtype=dtype)}
+    dist.all_reduce(lib["all_reduce"], group=group)
+    dist.reduce_scatter_single(lib["reduce_scatter"], full, group=group)
+    dist.all_gather_single(lib["all_gather"], full[:k].contiguous(), group=group)
+    hand = {"all_reduce": full.clone(), "reduce_scatter": torch.empty(k, dtype=dtype),
+            "all_gather": torch.empty(n * k, dtype=dtype)}
+    with comm.counting() as tally, comm.hand_collectives():
+        work = comm.all_reduce(hand["all_reduce"], group=group, async_op=True)
+        work.wait()
+        comm.reduce_scatter(hand["reduce_scatter"], full, group=group)
+        comm.all_gather(hand["all_gather"], full[:k].contiguous(), group=group)
+    return {"equal": {op: torch.equal(hand[op], lib[op]) for op in lib}, "async_done": work.is_completed(),
+            "sent": {op: tally.ops[op]["bytes_sent"] for op in lib},
+            "received": {op: tally.ops[op]["bytes_received"] for op in lib},
+            "formula": tally.formula_bytes_sent, "payload": {op: tally.ops[op]["payload_bytes"] for op in lib},
+            "element_size": es}
+
+
+def _uneven(rank, n, group, numel):
+    """Uneven chunks (numel not a multiple of n): the ring halves against the library all-reduce."""
+    from labs import ring_allreduce as ra
+    x = _integer_valued(numel, rank, torch.float32, salt=5)
+    exact = x.clone()
+    dist.all_reduce(exact, group=group)
+    sizes = comm.ring_chunks(numel, n)
+    r = dist.get_rank(group)
+    with comm.counting() as tally:
+        mine = torch.empty(sizes[r])
+        ra.ring_reduce_scatter(mine, list(x.split(sizes)), group=group)
+        chunks = list(torch.zeros(numel).split(sizes))
+        chunks[r].copy_(mine)
+        ra.ring_all_gather_(chunks, group=group)
+        m = x.clone()
+        ra.ring_allreduce(m, group=group, op=dist.ReduceOp.MAX)
+    lib_max = x.clone()
+    dist.all_reduce(lib_max, op=dist.ReduceOp.MAX, group=group)
+    return {"rs_equal": torch.equal(mine, exact.split(sizes)[r]), "ag_equal": torch.equal(torch.cat(chunks), exact),
+            "max_equal": torch.equal(m, lib_max), "sizes": sizes, "sent": tally.bytes_sent}
+
+
+def hand_collectives(rank, world_size, k=10, numel=13):
+    """Hand rings vs library on the whole world, and on the subgroup [0, 2, 3] when there are 4 ranks."""
+    out = {"world": {str(dt): _hand_vs_library(rank, world_size, None, dt, k) for dt in (torch.float32, torch.bfloat16)},
+           "uneven": _uneven(rank, world_size, None, numel)}
+    sub_ranks = [0, 2, 3] if world_size == 4 else None
+    sub = dist.new_group(sub_ranks) if sub_ranks else None  # every rank must call new_group
+    if sub_ranks and rank in sub_ranks:
+        out["subgroup"] = _hand_vs_library(rank, 3, sub, torch.bfloat16, k)
+        out["subgroup_uneven"] = _uneven(rank, 3, sub, numel)
+    errors = []
+    with comm.hand_collectives():
+        for bad in (lambda: comm.reduce_scatter(torch.empty(3), torch.empty(3 * world_size + 1)),
+                    lambda: comm.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND)):
+            try:
+                bad()
+            except ValueError as e:
+                errors.append(str(e))
+    out["errors"] = errors
+    return out
+
+
+# ---- the wire: gloo's traffic as read from gloo's source, to check the measurement against ------
+
+PREAMBLE = 48  # gloo/transport/tcp/pair.h: every operation starts with six size_t
+
+
+def gloo_allreduce_wire_all_ranks(nbytes, n, element_size=4, max_segment=1 << 20):
+    """Bytes all ranks together write for one gloo ring all-reduce (gloo/allreduce.cc, `ring`).
+
+    gloo cuts the buffer into a multiple of n segments, at least 2n, at most 1 MiB each; each
+    non-empty segment travels n-1 hops in reduce-scatter and n-1 in all-gather; a message costs
+    three preambles (sender: NOTIFY_SEND_READY and the data's own; receiver: NOTIFY_RECV_READY).
+    """
+    seg_max = element_size * max(1, max_segment // element_size)
+    segments = -(-max(-(-nbytes // seg_max), 2 * n) // n) * n
+    seg_bytes = -(-(-(-nbytes // segments)) // element_size) * element_size
+    messages = 2 * (n - 1) * -(-nbytes // seg_bytes)
+    return 2 * (n - 1) * nbytes + 3 * PREAMBLE * messages
+
+
+def gloo_broadcast_messages(n, rank, root=0):
+    """(sent, received) messages of gloo's binomial-tree broadcast for ``rank`` (gloo/broadcast.cc)."""
+    v, dim = (rank - root) % n, (n - 1).bit_length()
+    mask, sent, received = (1 << dim) - 1, 0, 0
+    for i in range(dim):
+        mask ^= 1 << i
+        if v & mask or (v ^ (1 << i)) >= n:
+            continue
+        if v & (1 << i):
+            received += 1
+        else:
+            sent += 1
+    return sent, received
+
+
+def wire_checks(rank, world_size):
+    """counting(wire=True) per op, an async call it cannot measure, and an unreadable /proc/self/io."""
+    x = torch.ones(1000)
+    with comm.counting(wire=True) as tally:
+        comm.all_reduce(x)
+        comm.all_reduce(x, async_op=True).wait()
+    with comm.wire_bytes() as wire:
+        comm.all_reduce(x)
+    real, comm._wchar = comm._wchar, lambda: (_ for _ in ()).throw(OSError("no such file"))
+    try:
+        with comm.wire_bytes() as missing:
+            pass
+    finally:
+        comm._wchar = real
+    return {"tally": tally.as_dict(), "wire": wire.bytes, "missing": missing.as_dict()}
+
+
+# ---- HandDDP semantics beside torch DDP ---------------------------------------------------------
+
+class MixedNet(torch.nn.Module):
+    """fp32 layers, a bf16 head registered last (so backward's first bucket starts in bf16), a frozen
+    input layer, and a branch that some steps leave without a gradient."""
+
+    def __init__(self, head_dtype=torch.bfloat16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.inp = torch.nn.Linear(8, 16)
+        self.branch = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4).to(head_dtype)
+
+    def forward(self, x, use_branch=True):
+        h = torch.tanh(self.inp(self.frozen(x)))
+        y = self.out(h) + (self.branch(h) if use_branch else 0)
+        return (self.head(torch.tanh(y).to(self.head.weight.dtype)).float() ** 2).mean()
+
+
+def _mixed_input(step, micro, rank):
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank))
+
+
+def _uses_branch(step, rank):
+    """Step 0: everyone; step 1: rank 0 only (the others reduce zeros); step 2: nobody."""
+    return step == 0 or (step == 1 and rank == 0)
+
+
+def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16, steps=3, lr=0.5):
+    """Two backward() per step, mixed dtypes, a frozen layer, unused parameters: hand vs torch DDP vs one process."""
+    from torch.nn.parallel import DistributedDataParallel
+    from labs import ddp
+    hand_net, ref_net, single = (MixedNet(head_dtype) for _ in range(3))
+    hand = ddp.HandDDP(hand_net, bucket_cap_bytes=1 << 20)
+    ref = DistributedDataParallel(ref_net, find_unused_parameters=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (hand_net, ref_net, single)]
+    for step in range(steps):
+        for micro in range(2):  # two backward() calls before the optimizer step, no no_sync
+            x = _mixed_input(step, micro, rank)
+            hand_net(x, _uses_branch(step, rank)).backward()
+            ref(x, _uses_branch(step, rank)).backward()
+            for r in range(world_size):  # one process: the same micro-batches, the loss averaged over ranks
+                (single(_mixed_input(step, micro, r), _uses_branch(step, r)) / world_size).backward()
+        hand.finish()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    def diff(other, dtype):
+        return max([(p - q).abs().max().item() for p, q in zip(hand_net.parameters(), other.parameters())
+                    if p.dtype == dtype and p.requires_grad], default=None)
+    try:
+        ddp.HandDDP(MixedNet(), bucket_cap_bytes=0)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"fp32_vs_torch_ddp": diff(ref_net, torch.float32), "bf16_vs_torch_ddp": diff(ref_net, torch.bfloat16),
+            "fp32_vs_single": diff(single, torch.float32), "bf16_vs_single": diff(single, torch.bfloat16),
+            "bucket_dtypes": sorted(str(b.buffer.dtype) for b in hand.buckets),
+            "frozen_unchanged": torch.equal(hand_net.frozen.weight, MixedNet().frozen.weight)
+            and hand_net.frozen.weight.grad is None,
+            "bad_cap_error": error}
+
+
+def ring_runs(rank, world_size, numels, naive_numel=101):
+    """labs.ring_allreduce.run: ring for several sizes, naive and library for one, in one job (one spawn)."""
+    from labs import ring_allreduce as ra
+    return {"ring": [ra.run(rank, world_size, numel, "ring", 1) for numel in numels],
+            "naive": ra.run(rank, world_size, naive_numel, "naive", 1),
+            "library": ra.run(rank, world_size, 1000, "library", 1)}
+
+
+def ddp_suite(rank, world_size):
+    """Every HandDDP check of tests/test_ddp.py for one world size, in one job (spawns are slow)."""
+    from labs import ddp
+    if world_size == 2:
+        return {"run": ddp.run(rank, world_size, 3), "semantics": ddp_semantics(rank, world_size),
+                "no_sync_off": ddp.run(rank, world_size, 2, 3, use_no_sync=False),
+                "timeline": ddp.timeline(rank, world_size, 2, overlap=False),
+                "overlap": ddp.overlap_on_off(rank, world_size, 2)}
+    return {"run": ddp.run(rank, world_size, 3), "semantics": ddp_semantics(rank, world_size, torch.float32),
+            "no_sync_counted": ddp.run(rank, world_size, 2, 3, counted=True),
+            "drift": ddp.drift(rank, world_size, 3, 3)}
+
+
+def comm_suite(rank, world_size):
+    """Every labs.comm check of tests/test_comm.py for one world size, in one job."""
+    from labs import ring_allreduce as ra
+    out = {"hand": hand_collectives(rank, world_size)}
+    if world_size == 3:
+        out["library"] = count_collectives(rank, world_size, 10)
+    if world_size == 4:
+        out["wire_table"] = ra.library_wire_table(rank, world_size, 4_000_000)
+    return out
