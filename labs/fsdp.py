@@ -239,15 +239,42 @@ def _name(model, place):
     return f"{prefix}.{name}" if prefix else name
 
 
-def fully_shard_units(net, units, mesh, param_dtype=None, cpu_offload=False):
-    """PyTorch's FSDP2 on the same units: ``fully_shard`` each unit, then the root."""
+def fully_shard_units(net, units, mesh, param_dtype=None, cpu_offload=False, hand_comm=False):
+    """PyTorch's FSDP2 on the same units: ``fully_shard`` each unit, then the root.
+
+    ``hand_comm=True`` routes FSDP2's all-gathers and reduce-scatters through `labs.comm` with
+    FSDP2's own extension points (``set_custom_all_gather``, ``set_custom_reduce_scatter``), so
+    inside ``comm.hand_collectives()`` they are hand rings of counted messages."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     policy = {"mesh": mesh}
     if param_dtype is not None:
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
     if cpu_offload:
         policy["offload_policy"] = CPUOffloadPolicy()
-    for unit in units:  # one unit each: gathered just before it runs, freed after
+    for unit in list(units) + [net]:  # one unit each: gathered just before it runs, freed after; the root last
         fully_shard(unit, **policy)
-    fully_shard(net, **policy)
+        if hand_comm:
+            unit.set_custom_all_gather(CommAllGather())
+            unit.set_custom_reduce_scatter(CommReduceScatter())
     return net
+
+
+class CommAllGather:
+    """FSDP2's all-gather (its ``AllGather`` interface: ``allocate`` and a call) through `labs.comm`."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return comm.all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class CommReduceScatter(CommAllGather):
+    """FSDP2's reduce-scatter through `labs.comm`; its AVG (bf16 gradients) as a SUM, then / N."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if op != dist.ReduceOp.AVG:
+            return comm.reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        comm.reduce_scatter(output_tensor, input_tensor, group=group)   # synchronous: the sum is complete
+        output_tensor.div_(dist.get_world_size(group))
+        return None

@@ -3,16 +3,20 @@
 ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054) removes data parallelism's redundancy by giving
 each of N ranks a 1/N shard of what the mixed-precision recipe holds (chapter 1: 2 + 2 + 12 bytes
 per parameter): stage 1 shards the optimizer state (4 + 12/N), stage 2 also the gradients
-(2 + 14/N), stage 3 also the weights (16/N; `labs.fsdp`). Per step each rank sends, with the
-ring's (N-1)/N factor and Psi bf16 elements (2 bytes each):
+(2 + 14/N), stage 3 also the weights (16/N). Per optimizer step of one micro-batch each rank
+sends, with the ring's (N-1)/N factor and Psi bf16 elements (2 bytes each):
 - DDP (stage 0): all-reduce of the gradients, 2(N-1)/N * 2Psi bytes;
 - ZeRO-1 and 2: reduce-scatter of the gradients + all-gather of the updated weights: the same;
 - ZeRO-3: all-gather before forward, again before backward, reduce-scatter: 3(N-1)/N * 2Psi, 1.5x.
+With A micro-batches accumulated per step, DDP and ZeRO-1 still reduce once, ZeRO-2 reduce-scatters
+A times ((A+1)/2 x DDP) and ZeRO-3 does all three A times (3A/2 x DDP): `accumulation`.
 
 The hand pieces are drop-ins for the library's: stages 0-2 are `labs.sharded_optimizer`'s
 `ShardedOptimizer` around ``torch.optim.Adam``, stage 3 is `labs.fsdp`'s `HandFSDP`. This file is the
-lab that trains the tiny GPT under each of them and under FSDP2 (`run`, `all_stages`, `peaks`,
+lab that trains the tiny GPT under each of them and under FSDP2 (`run`, `all_stages`,
 `accumulation`, `fsdp2`) and the bound on how far two Adam runs can drift apart (`param_bound`).
+By default the hand stages run every collective as chapter 2's ring of point-to-point messages
+(`comm.hand_collectives`), so their bytes sent are counted messages, not a formula.
 
     python -m labs.zero --world-size 3 --stage 3 --steps 3 --json
 """
@@ -172,6 +176,21 @@ def _single_process(cfg, steps, batch_size, world_size, lr):
     return torch.cat([p.detach().float().view(-1) for p in net.parameters()]), first_grad
 
 
+COMM_KINDS = {"hand": "counted messages", "library": "formula bytes"}
+
+
+def _collectives(kind):
+    """"hand": every collective in the block is a ring of counted point-to-point messages (chapter 2);
+    "library": torch.distributed's collectives, whose bytes `labs.comm` can only give as the formula's."""
+    if kind not in COMM_KINDS:
+        raise ValueError(f"collectives must be one of {', '.join(COMM_KINDS)}, got {kind!r}.")
+    return comm.hand_collectives() if kind == "hand" else contextlib.nullcontext()
+
+
+def _bytes_sent(tally, kind):
+    return tally.bytes_sent if kind == "hand" else tally.formula_bytes_sent
+
+
 def _working_weights(net, hand, cfg):
     """The full bf16 weights forward uses, as one flat fp32 vector in the reference's order."""
     if hand is None:
@@ -181,24 +200,27 @@ def _working_weights(net, hand, cfg):
     return torch.cat([full[n].to(torch.bfloat16).float().view(-1) for n in names])
 
 
-def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, lr=1e-3, units="blocks", cfg=None):
+def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, lr=1e-3, units="blocks", cfg=None,
+        collectives="hand"):
     """Train with one stage; report bytes held between steps, the peak during the last step, bytes
     sent per step, and the distance to one process.
 
     Result: numel, padded (the sharded element count, padding included), held (`held_bytes`),
     peak (`memory.PeakMemory.result` over the last step: zero_grad, forward, backward, step),
-    comm_bytes_per_step and comm_ops_per_step (the last step's, from `labs.comm`: the calls and the
-    ring formula's bytes for each library collective), losses, params (the bf16 weights after
-    training), grad_rel_error_vs_single_process (the first step's averaged gradient of this rank's shard),
+    comm_bytes_per_step and comm_ops_per_step (the last step's, from `labs.comm`), comm_kind (what
+    those bytes are: with ``collectives="hand"`` every collective is a hand ring of point-to-point
+    messages and the bytes are counted messages; with "library" they are the ring formula's bytes
+    for each library call), losses, params (the bf16 weights after training),
+    grad_rel_error_vs_single_process (the first step's averaged gradient of this rank's shard),
     max_param_diff_vs_single_process and param_bound (Adam's drift bound, `param_bound`).
     """
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     net, opt, hand = build(stage, cfg, lr, zero1_allreduce, units, dev)
-    losses, sent = [], []
+    losses = []
     for step in range(steps):
         x, y = _batch(cfg, step, rank, batch_size, dev)
         window = memory.PeakMemory(net, opt, x, y) if step == steps - 1 else contextlib.nullcontext()
-        with comm.counting() as tally, window:
+        with _collectives(collectives), comm.counting() as tally, window:
             opt.zero_grad()
             loss = net(x, y)
             loss.backward()
@@ -206,15 +228,14 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
                 first_grad = _shard_grads(net, opt)
             opt.step()
         losses.append(loss.item())
-        sent.append(tally.bytes_sent)
-        ops = tally.as_dict()["ops"]
     held = held_bytes(net, opt)
     params = _working_weights(net, hand, cfg)
     reference, ref_grad = single_process(cfg, steps, batch_size, world_size, lr)
     numel = tiny.num_params(tiny.GPT(cfg))
     padded = sum(b.padded for b in (opt.buckets if hand is None else hand.units))
     return {"numel": numel, "padded": padded, "held": held, "peak": window.result(),
-            "comm_bytes_per_step": sent[-1], "comm_ops_per_step": ops, "losses": losses, "params": params,
+            "comm_bytes_per_step": _bytes_sent(tally, collectives), "comm_kind": COMM_KINDS[collectives],
+            "comm_ops_per_step": tally.as_dict()["ops"], "losses": losses, "params": params,
             "max_param_diff_vs_single_process": (params - reference).abs().max().item(),
             "param_bound": param_bound(reference, steps, lr),
             "grad_rel_error_vs_single_process": _grad_error(first_grad, ref_grad)}
@@ -230,21 +251,23 @@ def all_stages(rank, world_size, steps=2, batch_size=2):
     return out
 
 
-def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, cfg=None):
+def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, cfg=None, collectives="hand"):
     """The same training with PyTorch's FSDP2 (``fully_shard`` per block, then the root, bf16
-    compute and reduction): losses, how each weight is split, bytes held and the last step's peak."""
+    compute and reduction): losses, how each weight is split, bytes held, the last step's peak and
+    bytes sent. ``collectives="hand"`` gives FSDP2 the hand rings through its custom-collective
+    hooks (`fsdp.fully_shard_units`): counted messages, and no collective on gloo's threads."""
     from torch.distributed.device_mesh import init_device_mesh
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     # fp32 masters that start from the bf16-rounded weights, exactly as the hand recipe's do
     net = tiny.build(cfg, seed=0, device=dev).to(torch.bfloat16).float()
     mesh = init_device_mesh(dev.type, (world_size,))
-    fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload)
+    fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload, hand_comm=collectives == "hand")
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses = []
     for step in range(steps):
         x, y = _batch(cfg, step, rank, batch_size, dev)
         window = memory.PeakMemory(net, opt, x, y) if step == steps - 1 else contextlib.nullcontext()
-        with window:
+        with _collectives(collectives), comm.counting() as tally, window:
             opt.zero_grad()
             loss = net(x, y)
             loss.backward()
@@ -254,53 +277,34 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, c
                      "local_shape": tuple(p.to_local().shape), "device": str(p.to_local().device)}
               for name, p in net.named_parameters()}
     return {"losses": losses, "shards": shards, "held": held_bytes(net, opt), "peak": window.result(),
+            # FSDP2's own collectives bypass labs.comm: with "library" there is nothing to count
+            "comm_bytes_per_step": tally.bytes_sent if collectives == "hand" else None,
+            "comm_kind": COMM_KINDS[collectives], "comm_ops_per_step": tally.as_dict()["ops"],
             "local_numel": sum(p.to_local().numel() for p in net.parameters()),
             "numel": sum(p.numel() for p in net.parameters())}
 
 
-PEAK_KEYS = ("0", "1", "2", "3", "3-whole", "fsdp2")
-
-
-def peaks(rank, world_size, steps=2, batch_size=1, cfg=None):
-    """Peak bytes during a training step beside the bytes held between steps, on this rank, for
-    DDP ("0"), ZeRO-1, ZeRO-2, ZeRO-3 by units ("3"), ZeRO-3 gathering the whole model
-    ("3-whole") and FSDP2 ("fsdp2"). At batch 1 the tiny GPT's parameters dominate its activations.
-
-    Result per key: peak_bytes, baseline_bytes (what the step started with), held_bytes (`held_bytes`
-    total), peak_op (the operator at the peak).
-    """
-    out = {}
-    for key in PEAK_KEYS:
-        if key == "fsdp2":
-            r = fsdp2(rank, world_size, steps, batch_size, cfg=cfg)
-        else:
-            r = run(rank, world_size, int(key[0]), steps, batch_size, units="whole" if key == "3-whole" else "blocks",
-                    cfg=cfg)
-        out[key] = {"peak_bytes": r["peak"]["peak_bytes"], "baseline_bytes": r["peak"]["baseline_bytes"],
-                    "held_bytes": r["held"]["total"], "peak_op": r["peak"]["peak_op"]}
-    return out
-
-
-def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None):
+def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None, collectives="hand"):
     """Bytes each rank sends in one optimizer step that accumulates A micro-batches (dispute 3).
 
     DDP and ZeRO-1 reduce once per optimizer step (gradients accumulate locally, as under DDP's
     ``no_sync``); ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 also gathers the weights twice
     every micro-batch. Result: {stage: {A: {"bytes_sent", "ops": {op: calls and bytes}}}}, keys as
-    strings, counted by labs.comm.
+    strings; the bytes are counted messages of the hand rings (``collectives="hand"``) or the
+    formula bytes of the library's collectives ("library"), as in `run`.
     """
     cfg, dev, out = cfg or tiny.GPTConfig(), launch.device(), {}
     for stage in STAGES:
         out[str(stage)] = {}
         for a in accum_steps:
             net, opt, _ = build(stage, cfg, device=dev)
-            with comm.counting() as tally:
+            with _collectives(collectives), comm.counting() as tally:
                 opt.zero_grad()
                 for micro in range(a):
                     x, y = _batch(cfg, micro, rank, batch_size, dev)
                     (net(x, y) / a).backward()
                 opt.step()
-            out[str(stage)][str(a)] = {"bytes_sent": tally.bytes_sent, "ops": tally.as_dict()["ops"]}
+            out[str(stage)][str(a)] = {"bytes_sent": _bytes_sent(tally, collectives), "ops": tally.as_dict()["ops"]}
     return out
 
 
@@ -342,7 +346,7 @@ def main(argv=None):
     cli.report(result, args, f"ZeRO-{args.stage} on {n} ranks, Psi = {r0['numel']} (padded {r0['padded']}): "
                f"{result['state_bytes'][0] / r0['numel']:.3f} bytes/param held per rank (formula "
                f"{result['state_bytes_formula'] / r0['numel']:.3f}), peak during a step {result['peak_bytes'][0]} "
-               f"bytes, {result['comm_bytes_per_step'][0]} bytes sent per step (formula "
+               f"bytes, {result['comm_bytes_per_step'][0]} bytes sent per step ({r0['comm_kind']}; formula "
                f"{result['comm_bytes_formula']}), max |w - one process| "
                f"{result['max_param_diff_vs_single_process']:.4f} (bound {r0['param_bound']:.4f})")
 
