@@ -36,6 +36,7 @@ def test_bytes_held_and_sent_equal_the_formulas(world_size, two_ranks, three_ran
         stage, padded = int(key[0]), results[0][key]["padded"]
         assert padded % world_size == 0
         for r in (r[key] for r in results):
+            assert r["comm_kind"] == "counted messages"   # hand rings: every message counted as sent
             assert r["held"]["total"] == zero.formula_bytes(stage, padded, world_size), key
             assert r["comm_bytes_per_step"] == zero.formula_comm(stage, padded, world_size, key == "1-allreduce"), key
             assert r["grad_rel_error_vs_single_process"] < GRAD_TOL, key
@@ -80,6 +81,23 @@ def test_fsdp2_matches_hand_zero3_and_shards_every_weight(two_ranks):
     for r, hand in zip(fsdp, two_ranks):   # FSDP2 shards and frees like ZeRO-3, unlike DDP
         assert r["peak"]["peak_bytes"] < hand["0"]["peak"]["peak_bytes"]
         assert r["held"]["total"] < hand["1"]["held"]["total"]
+        # on the hand rings (FSDP2's custom-collective hooks): counted, and the root is gathered
+        # once, not twice (FSDP2 keeps the root unsharded from forward to backward)
+        ops = r["comm_ops_per_step"]
+        assert ops["all_gather"]["calls"] == 5 and ops["reduce_scatter"]["calls"] == 3
+        assert r["comm_bytes_per_step"] < hand["3"]["comm_bytes_per_step"]
+
+
+def test_library_collectives_train_the_same_and_give_formula_bytes():
+    # The same stage on torch.distributed's own collectives: the same training (a 2-term sum is
+    # order-free), and bytes that labs.comm can only state as the ring formula
+    lib = launch.spawn(zero.run, 2, 2, 2, collectives="library", timeout=180)
+    hand = launch.spawn(zero.run, 2, 2, 2, timeout=180)
+    for a, b in zip(lib, hand):
+        assert a["comm_kind"] == "formula bytes" and b["comm_kind"] == "counted messages"
+        assert a["comm_bytes_per_step"] == b["comm_bytes_per_step"] == zero.formula_comm(2, a["padded"], 2)
+        assert a["losses"] == b["losses"]
+        assert torch.equal(a["params"], b["params"])
 
 
 def test_gradient_accumulation_traffic():
