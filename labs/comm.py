@@ -12,10 +12,10 @@ Every lab talks through these wrappers. The book never mixes the three kinds, an
   for M bytes on N ranks all-reduce sends 2(N-1)/N * M per rank, all-gather and reduce-scatter
   (N-1)/N * M of the full buffer, a broadcast chain M. A formula is not a measurement: never
   compare it with itself.
-- **the library's wire bytes** (`wire_bytes()`, or `counting(wire=True)`): on Linux with gloo,
-  the increase of `wchar` in /proc/self/io, the bytes this process handed to `write`/`writev`,
-  which is how gloo's TCP transport sends. It includes gloo's 48-byte message preambles.
-  Where it cannot be read (NCCL, no /proc/self/io) it is None with a reason, never a guess.
+- **the library's wire bytes** (`wire_bytes_sent` with `counting(wire=True)`, or the block
+  `wire_bytes()`): the bytes this process handed to its sockets, measured by `labs.wire` (wchar
+  in /proc/self/io, gloo on Linux; gloo's 48-byte message preambles included). Where it cannot
+  be read (NCCL, no /proc/self/io) it is None with a reason, never a guess.
 
 Each call also records its payload (``payload_bytes``, and ``payloads``, one entry per call): the
 bytes of the tensor it was called with (all_gather: the shard sent; reduce_scatter: the full input),
@@ -30,6 +30,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from labs import wire
 
 _active = []    # the tallies currently counting, innermost last
 _hand = []      # non-empty inside hand_collectives()
@@ -101,58 +103,10 @@ def _add(op, **fields):
         tally.add(op, **fields)
 
 
-# ---- the library's wire bytes ------------------------------------------------------------------
+# ---- the library's wire bytes (labs.wire) -----------------------------------------------------
 
-def _wchar():
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    raise OSError("/proc/self/io has no wchar line")
-
-
-def wire_unavailable(group=None):
-    """None if this process's wire bytes can be read, else a one-sentence reason why not."""
-    backend = dist.get_backend(group)
-    if backend != "gloo":
-        return (f"the {backend} backend moves data without the process's write calls (GPU copies, "
-                "network verbs), so /proc/self/io cannot see it; only formula bytes are available")
-    try:
-        _wchar()
-    except OSError as e:
-        return f"/proc/self/io cannot be read here ({e}): not Linux, or a restricted /proc"
-    return None
-
-
-class Wire:
-    """What `wire_bytes` measured: ``bytes`` written in the window, or None and the ``reason``."""
-
-    def __init__(self, reason):
-        self.bytes, self.reason = None, reason
-
-    def as_dict(self):
-        return {"bytes": self.bytes, "reason": self.reason}
-
-
-@contextlib.contextmanager
-def wire_bytes(group=None):
-    """Bytes this process wrote to its sockets inside the block (gloo on Linux), else None + reason.
-
-    The window is tight: a barrier first, so every rank has finished the barrier's own messages
-    before the start value is read, and the end value is read as soon as the block returns. The
-    block must finish its communication (synchronous calls, or ``wait()``) and write nothing else
-    (no prints, no warnings, no files): wchar counts every write of the process, all threads.
-    gloo's source also has a shared-memory all-reduce for ranks on one node (chosen when
-    LOCAL_WORLD_SIZE equals the group size); the torch 2.13 CPU build used here does not take it
-    (checked with LOCAL_WORLD_SIZE set), but a build that did would show (close to) zero here.
-    """
-    wire = Wire(wire_unavailable(group))
-    if wire.reason is None:
-        dist.barrier(group=group)
-        start = _wchar()
-    yield wire
-    if wire.reason is None:
-        wire.bytes = _wchar() - start
+wire_bytes = wire.measure           # comm.wire_bytes(group): the block's wire bytes, or None + reason
+wire_unavailable = wire.unavailable
 
 
 def _library(op, payload, sent, received, group, async_op, run):
@@ -166,13 +120,13 @@ def _library(op, payload, sent, received, group, async_op, run):
         for t in wanted:
             t.wire_missing.append(f"{op}: async_op=True, the window cannot close when the data has gone")
         return run()
-    with wire_bytes(group) as wire:
+    with wire.measure(group) as w:
         work = run()
     for t in wanted:
-        if wire.bytes is None:
-            t.wire_missing.append(f"{op}: {wire.reason}")
+        if w.bytes is None:
+            t.wire_missing.append(f"{op}: {w.reason}")
         else:
-            t.add(op, wire_bytes_sent=wire.bytes)
+            t.add(op, wire_bytes_sent=w.bytes)
     return work
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from labs import comm, launch, model as tiny
+from labs import comm, launch, model as tiny, wire
 
 
 class Bucket:
@@ -139,13 +139,6 @@ class HandDDP:
             self.sync = True
 
 
-def overlap_fraction(timeline, backward_end):
-    """Share of all-reduce time spent while backward was still running."""
-    total = sum(t["done"] - t["start"] for t in timeline)
-    hidden = sum(max(0.0, min(t["done"], backward_end) - t["start"]) for t in timeline)
-    return hidden / total if total > 0 else 0.0
-
-
 def exposed_comm(timeline, backward_end):
     """Seconds from the end of backward to the end of the last all-reduce: what overlap could not hide."""
     return max(0.0, max(t["done"] for t in timeline) - backward_end)
@@ -205,7 +198,7 @@ def run(rank, world_size, steps=3, accumulation=1, batch_size=2, lr=0.1, bucket_
     ddp = HandDDP(hand, bucket_cap_bytes)
     opt = torch.optim.SGD(hand.parameters(), lr=lr)  # outside the wire window: its first build writes 4 bytes
     rings = comm.hand_collectives() if counted else contextlib.nullcontext()
-    with comm.wire_bytes() as wire, comm.counting() as tally, rings:
+    with wire.measure() as w, comm.counting() as tally, rings:
         _train(ddp, opt, ddp.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size)
     ref = DistributedDataParallel(tiny.build(cfg, seed=0, device=dev))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
@@ -217,7 +210,59 @@ def run(rank, world_size, steps=3, accumulation=1, batch_size=2, lr=0.1, bucket_
             "allreduce_calls": ar["calls"], "buckets": len(ddp.buckets),
             "allreduce_formula_bytes": ar["formula_bytes_sent"], "allreduce_counted_bytes": ar["bytes_sent"],
             "allreduce_payload_bytes": ar["payload_bytes"], "allreduce_payloads": ar["payloads"],
-            "allreduce_wire_bytes": wire.bytes, "wire_reason": wire.reason}
+            "allreduce_wire_bytes": w.bytes, "wire_reason": w.reason}
+
+
+class MixedNet(torch.nn.Module):
+    """A frozen input layer, fp32 layers, a branch some steps leave without a gradient, and a head
+    in ``head_dtype`` registered last, so backward's first bucket is of that dtype."""
+
+    def __init__(self, head_dtype=torch.bfloat16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.inp, self.branch, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4).to(head_dtype)
+
+    def forward(self, x, use_branch=True):
+        h = torch.tanh(self.inp(self.frozen(x)))
+        y = self.out(h) + (self.branch(h) if use_branch else 0)
+        return (self.head(torch.tanh(y).to(self.head.weight.dtype)).float() ** 2).mean()
+
+
+def semantics(rank, world_size, head_dtype=torch.bfloat16, steps=3, lr=0.5):
+    """HandDDP, torch DDP (find_unused_parameters=True) and one process on `MixedNet`, two backward()
+    calls per step without no_sync; the branch is used by every rank in step 0, by rank 0 only in
+    step 1, by none in step 2. Returns the largest parameter difference per dtype, the buckets'
+    dtypes, and whether the frozen layer stayed as built with no gradient."""
+    def data(step, micro, r):
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + r))
+
+    def used(step, r):
+        return step == 0 or (step == 1 and r == 0)
+    hand_net, ref_net, single = (MixedNet(head_dtype) for _ in range(3))
+    hand = HandDDP(hand_net, bucket_cap_bytes=1 << 20)
+    ref = DistributedDataParallel(ref_net, find_unused_parameters=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (hand_net, ref_net, single)]
+    for step in range(steps):
+        for micro in range(2):  # two backward() calls before the optimizer step: both must count
+            hand(data(step, micro, rank), used(step, rank)).backward()
+            ref(data(step, micro, rank), used(step, rank)).backward()
+            for r in range(world_size):  # one process: every rank's micro-batch, the loss averaged over ranks
+                (single(data(step, micro, r), used(step, r)) / world_size).backward()
+        hand.finish()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    def diff(other, dtype):
+        return max([(p - q).abs().max().item() for p, q in zip(hand_net.parameters(), other.parameters())
+                    if p.dtype == dtype and p.requires_grad], default=None)
+    return {"fp32_vs_torch_ddp": diff(ref_net, torch.float32), "bf16_vs_torch_ddp": diff(ref_net, torch.bfloat16),
+            "fp32_vs_single": diff(single, torch.float32), "bf16_vs_single": diff(single, torch.bfloat16),
+            "bucket_dtypes": [str(b.buffer.dtype) for b in hand.buckets],
+            "frozen_unchanged": torch.equal(hand_net.frozen.weight, MixedNet().frozen.weight)
+            and hand_net.frozen.weight.grad is None}
 
 
 def replica_spread(net):
@@ -259,38 +304,23 @@ def _timed_step(net, ddp, x, y):
     events, end = ddp.finish(), time.perf_counter()
     net.zero_grad()
     shifted = [{k: (v - t0 if k != "bytes" else v) for k, v in e.items()} for e in events]
-    return {"buckets": shifted, "backward_end": ddp.backward_end - t0, "finish_end": end - t0,
-            "exposed_comm": exposed_comm(events, ddp.backward_end)}
-
-
-def _timeline_model():
-    cfg = tiny.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, hidden=128)
-    return cfg, tiny.build(cfg, seed=0, device=launch.device())
-
-
-def timeline(rank, world_size, steps=3, bucket_cap_bytes=1 << 20, batch_size=8, overlap=True):
-    """Per-bucket ready/start/done times of the last step, relative to the start of backward.
-
-    backward_end: autograd's last gradient; finish_end: gradients averaged in ``.grad``;
-    exposed_comm: seconds from backward_end to the end of the last all-reduce.
-    """
-    cfg, net = _timeline_model()
-    ddp = HandDDP(net, bucket_cap_bytes, overlap=overlap)
-    for step in range(steps):  # the first steps warm up allocator and connections
-        r = _timed_step(net, ddp, *_batch(cfg, step, 0, rank, batch_size, launch.device()))
-    return dict(r, overlap=overlap, params=tiny.num_params(net),
-                overlap_fraction=overlap_fraction(r["buckets"], r["backward_end"]))
+    backward_end = ddp.backward_end - t0
+    return {"buckets": shifted, "backward_end": backward_end, "finish_end": end - t0,
+            "exposed_comm": exposed_comm(shifted, backward_end)}
 
 
 def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_size=8):
     """Overlap on vs off in one run (alternating steps): exposed communication and step time.
 
-    Per mode, medians over ``steps`` steps after two warm-up steps: step_s (backward start to
-    averaged gradients), backward_s (autograd alone), exposed_comm_s (end of autograd to end of
-    the last all-reduce). step_ratio_off_over_on > 1 is what overlap buys. first_start_s is the
-    earliest all-reduce start relative to the end of autograd: never negative with overlap off.
+    A four-layer model (h = 128) in 1 MiB buckets. Per mode, medians over ``steps`` steps after two
+    warm-up steps: step_s (backward start to averaged gradients), backward_s (autograd alone),
+    exposed_comm_s (end of autograd to end of the last all-reduce); step_ratio_off_over_on > 1 is
+    what overlap buys. first_start_s: each step's earliest all-reduce start relative to the end of
+    autograd, never negative with overlap off. timeline: the mode's last step, per bucket
+    ready/start/done in seconds since backward started.
     """
-    cfg, net = _timeline_model()
+    cfg = tiny.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, hidden=128)
+    net = tiny.build(cfg, seed=0, device=launch.device())
     ddp = HandDDP(net, bucket_cap_bytes)
     runs = {True: [], False: []}
     for step in range(2 + 2 * steps):
@@ -300,11 +330,13 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
             runs[ddp.overlap].append(r)
     out = {}
     for mode, rs in (("on", runs[True]), ("off", runs[False])):
-        first = [min(b["start"] for b in r["buckets"]) - r["backward_end"] for r in rs]
         out[mode] = {"step_s": statistics.median(r["finish_end"] for r in rs),
                      "backward_s": statistics.median(r["backward_end"] for r in rs),
-                     "exposed_comm_s": statistics.median(r["exposed_comm"] for r in rs), "first_start_s": first}
-    return dict(out, buckets=len(ddp.buckets), step_ratio_off_over_on=out["off"]["step_s"] / out["on"]["step_s"])
+                     "exposed_comm_s": statistics.median(r["exposed_comm"] for r in rs),
+                     "first_start_s": [min(b["start"] for b in r["buckets"]) - r["backward_end"] for r in rs],
+                     "timeline": rs[-1]}
+    return dict(out, buckets=len(ddp.buckets), params=tiny.num_params(net),
+                step_ratio_off_over_on=out["off"]["step_s"] / out["on"]["step_s"])
 
 
 def main(argv=None):

@@ -211,13 +211,22 @@ def _wait(procs, tmp, deadline, grace=2.0):
             procs[r].join()
             pending.discard(r)
             if r not in failures and (procs[r].exitcode != 0 or not os.path.exists(_path(tmp, r, "result"))):
-                failures[r] = {"time": time.time(), "type": "died", "traceback": "",
+                failures[r] = {"time": _last_sign_of_life(tmp, r), "type": "died", "traceback": "",
                                "message": _exit_reason(procs[r].exitcode)}
         if failures:
             deadline = min(deadline, time.monotonic() + grace)
             if all(r in failures for r in pending):
                 break
     return sorted(pending), [(record, r) for r, record in failures.items()]
+
+
+def _last_sign_of_life(tmp, rank):
+    """When a rank that died was last seen alive: its logs' last write. We notice a death only when we
+    poll, which on a busy machine can be after a peer has already reported the broken connection;
+    the death itself came before that, and after the rank's last write."""
+    times = [os.path.getmtime(_path(tmp, rank, kind)) for kind in ("stdout", "stderr")
+             if os.path.exists(_path(tmp, rank, kind))]
+    return max(times) if times else time.time()
 
 
 def _exit_reason(code):

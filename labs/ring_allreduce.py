@@ -12,7 +12,7 @@ model: 2(N-1)*alpha + 2(N-1)/N * M * beta. The two halves are also the hand redu
 all-gather that `comm.hand_collectives()` runs in place of the library's (any process group).
 
 What the library sends is measured, not assumed: `library_wire_table` reads the bytes gloo
-writes to its sockets (`comm.wire_bytes`) beside what the ring needs.
+writes to its sockets (`labs.wire`) beside what the ring needs.
 
     python -m labs.ring_allreduce --world-size 4 --numel 1000003 --algorithm ring --json
 """
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labs import comm, launch
+from labs import comm, launch, wire
 
 ALGORITHMS = ("ring", "naive", "library")
 
@@ -182,7 +182,7 @@ def run(rank, world_size, numel, algorithm="ring", repeats=3):
     x = rank_input(rank, numel).to(dev)
     exact = sum(rank_input(r, numel).double() for r in range(world_size))
     out = x.clone()
-    with comm.wire_bytes() as wire, comm.counting() as tally:
+    with wire.measure() as w, comm.counting() as tally:
         allreduce(out, algorithm)
     times = []
     for _ in range(repeats):
@@ -195,8 +195,9 @@ def run(rank, world_size, numel, algorithm="ring", repeats=3):
         times.append(time.perf_counter() - start)
     return {"max_abs_error": (out.double().cpu() - exact).abs().max().item(),
             "bytes_sent": tally.bytes_sent, "bytes_received": tally.bytes_received,
-            "formula_bytes_sent": tally.formula_bytes_sent, "messages_sent": tally.calls("send"),
-            "wire_bytes": wire.bytes, "wire_reason": wire.reason,
+            "formula_bytes_sent": tally.formula_bytes_sent,
+            "messages_sent": tally.calls("send"), "messages_received": tally.calls("recv"),
+            "wire_bytes": w.bytes, "wire_reason": w.reason,
             "seconds": statistics.median(times)}
 
 
@@ -204,14 +205,12 @@ def library_wire_table(rank, world_size, nbytes=4_000_000):
     """What the library really sends per rank (wire bytes) beside what the ring needs (formula bytes).
 
     One fp32 buffer of ``nbytes``: all_reduce it, reduce_scatter it into nbytes/N, all_gather
-    nbytes/N into it, broadcast it from rank 0. gloo's TCP transport writes a 48-byte preamble
-    (six size_t: nbytes, opcode, slot, offset, length, roffset; gloo/transport/tcp/pair.h) for
-    each operation: a data message costs its sender two (NOTIFY_SEND_READY, then the data) and
-    its receiver one (NOTIFY_RECV_READY); gloo cuts all-reduce chunks into segments of at most
-    1 MiB, at least two per chunk, and all-gather chunks into two halves. Measured here (4 ranks,
-    4,000,000 bytes, per rank): all_reduce 6,001,728 = 2(N-1)/N*M + 36 preambles; reduce_scatter
-    the same (gloo runs a full all-reduce); all_gather 3,000,864; broadcast from the root
-    8,000,192 (a binomial tree: the root sends M to ceil(log2 N) peers), a leaf 48.
+    nbytes/N into it, broadcast it from rank 0. `labs.wire` models what gloo sends from its
+    source: payload plus 48-byte preambles; reduce_scatter runs a full all-reduce; all_gather
+    passes each shard in two halves; broadcast is a binomial tree (the root sends M to
+    ceil(log2 N) peers, a leaf writes one preamble). Measured here (4 ranks, 4,000,000 bytes,
+    per rank): all_reduce 6,001,728; reduce_scatter the same; all_gather 3,000,864; broadcast
+    from the root 8,000,192.
     Returns per op: wire_bytes (None where it cannot be read, see wire_reason), formula_bytes,
     payload_bytes (the tensor the call was made with) and wire_minus_formula.
     """
@@ -224,13 +223,13 @@ def library_wire_table(rank, world_size, nbytes=4_000_000):
              "all_gather": lambda: comm.all_gather(full, shard), "broadcast": lambda: comm.broadcast(full, src=0)}
     ops = {}
     for op, call in calls.items():
-        with comm.wire_bytes() as wire, comm.counting() as tally:
+        with wire.measure() as w, comm.counting() as tally:
             call()
-        ops[op] = {"wire_bytes": wire.bytes, "formula_bytes": tally.formula_bytes_sent,
+        ops[op] = {"wire_bytes": w.bytes, "formula_bytes": tally.formula_bytes_sent,
                    "payload_bytes": tally.payload_bytes,
-                   "wire_minus_formula": None if wire.bytes is None else wire.bytes - tally.formula_bytes_sent}
+                   "wire_minus_formula": None if w.bytes is None else w.bytes - tally.formula_bytes_sent}
     return {"rank": rank, "world_size": n, "nbytes": nbytes, "broadcast_role": "root" if rank == 0 else "non-root",
-            "backend": dist.get_backend(), "wire_reason": wire.reason, "ops": ops}
+            "backend": dist.get_backend(), "wire_reason": w.reason, "ops": ops}
 
 
 def compare(rank, world_size, numel):

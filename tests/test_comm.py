@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import workers
-from labs import comm, launch
+from labs import comm, launch, wire
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +63,7 @@ def test_library_collectives_are_correct_and_recorded_as_formula_not_counted():
             "all_reduce: async_op=True, the window cannot close when the data has gone"]
         assert x["missing"]["bytes"] is None
         assert x["missing"]["reason"].startswith("/proc/self/io cannot be read here (no such file)")
-    assert sum(x["wire"] for x in checks) == workers.gloo_allreduce_wire_all_ranks(4000, n)
+    assert sum(x["wire"] for x in checks) == wire.gloo_allreduce_all_ranks(4000, n)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -95,26 +95,26 @@ def test_hand_rings_equal_the_library_and_count_n_minus_1_chunks(world_size):
 
 
 # gloo's wire, exactly: payload plus 48-byte preambles, three per message (two written by the
-# sender, one by the receiver; see workers.gloo_allreduce_wire_all_ranks). No tolerance is needed
+# sender, one by the receiver), as labs.wire models it from gloo's source. No tolerance is needed
 # because wchar counts bytes handed to writev, partial writes included; a window that caught a
 # barrier (96-144 bytes per rank), a printed warning or a file write would break the equality.
 def test_wire_table_is_gloo_payload_plus_preambles():
     world_size, nbytes = 4, 4_000_000
     results = [r["wire_table"] for r in suite(world_size)]
-    n, pre = world_size, workers.PREAMBLE
-    wire = {op: [r["ops"][op]["wire_bytes"] for r in results] for op in results[0]["ops"]}
+    n = world_size
+    measured = {op: [r["ops"][op]["wire_bytes"] for r in results] for op in results[0]["ops"]}
     ring = {op: [r["ops"][op]["formula_bytes"] for r in results] for op in results[0]["ops"]}
     assert all(r["wire_reason"] is None for r in results)
-    assert sum(wire["all_reduce"]) == workers.gloo_allreduce_wire_all_ranks(nbytes, n)
-    assert sum(wire["all_reduce"]) - sum(ring["all_reduce"]) < 0.001 * sum(ring["all_reduce"])
-    assert wire["reduce_scatter"] == wire["all_reduce"]  # gloo runs a full all-reduce for reduce-scatter
+    assert sum(measured["all_reduce"]) == wire.gloo_allreduce_all_ranks(nbytes, n)
+    assert sum(measured["all_reduce"]) - sum(ring["all_reduce"]) < 0.001 * sum(ring["all_reduce"])
+    assert measured["reduce_scatter"] == measured["all_reduce"]  # gloo runs a full all-reduce for reduce-scatter
     assert sum(ring["reduce_scatter"]) * 2 == sum(ring["all_reduce"])  # twice what the ring needs
     # all-gather: (N-1) shards, each step in two halves: 2(N-1) messages sent and as many received
-    assert wire["all_gather"] == [(n - 1) * nbytes // n + 3 * pre * 2 * (n - 1)] * n
-    for rank in range(n):  # binomial tree: the root sends M to ceil(log2 N) peers, leaves only listen
-        sent, received = workers.gloo_broadcast_messages(n, rank)
-        assert wire["broadcast"][rank] == sent * (nbytes + 2 * pre) + received * pre
+    assert measured["all_gather"] == [(n - 1) * nbytes // n + 3 * wire.PREAMBLE * 2 * (n - 1)] * n
+    assert measured["all_gather"] == [wire.gloo_all_gather(nbytes, n)] * n
+    # binomial tree: the root sends M to ceil(log2 N) peers, leaves only listen
+    assert measured["broadcast"] == [wire.gloo_broadcast(nbytes, n, rank) for rank in range(n)]
+    assert [wire.gloo_broadcast_messages(n, rank) for rank in range(n)] == [(2, 0), (1, 1), (0, 1), (0, 1)]
     # the figures, per rank: 6.0, 6.0, 3.0 and 8.0 MB
-    assert [w // 1000 for w in (wire["all_reduce"][0], wire["reduce_scatter"][0], wire["all_gather"][0],
-                                wire["broadcast"][0])] == [6001, 6001, 3000, 8000]
-
+    assert [w // 1000 for w in (measured["all_reduce"][0], measured["reduce_scatter"][0], measured["all_gather"][0],
+                                measured["broadcast"][0])] == [6001, 6001, 3000, 8000]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import workers
-from labs import comm, ddp, launch, model as tiny
+from labs import comm, ddp, launch, model as tiny, wire
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # All three runs sum the same fp32 gradients in different orders (bucket layout, ring chunks, one
@@ -41,7 +41,7 @@ def test_hand_ddp_equals_torch_ddp_and_one_process(world_size):
         assert r["allreduce_counted_bytes"] == 0  # library all-reduces: formula and wire bytes only
     # what gloo wrote during training is the ring payload plus its preambles, call by call: the
     # window around the training loop caught all-reduce traffic and nothing else
-    expected = sum(workers.gloo_allreduce_wire_all_ranks(m, world_size) for m in results[0]["allreduce_payloads"])
+    expected = sum(wire.gloo_allreduce_all_ranks(m, world_size) for m in results[0]["allreduce_payloads"])
     assert sum(r["allreduce_wire_bytes"] for r in results) == expected
     assert all(r["wire_reason"] is None for r in results)
 
@@ -73,7 +73,7 @@ def test_two_backwards_mixed_dtypes_frozen_and_unused_parameters_match_torch_ddp
     """
     for r in (x["semantics"] for x in suite(2)):
         assert r["fp32_vs_torch_ddp"] == 0.0 and r["bf16_vs_torch_ddp"] == 0.0
-        assert r["bucket_dtypes"] == ["torch.bfloat16", "torch.float32"]
+        assert r["bucket_dtypes"] == ["torch.bfloat16", "torch.float32"]  # backward's order: the bf16 head first
         assert r["frozen_unchanged"]
         assert r["bad_cap_error"] == "bucket_cap_bytes must be at least 1, got 0."
 
@@ -99,7 +99,7 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     r = suite(2)[0]["overlap"]
     assert r["buckets"] > 1
     for mode in ("on", "off"):
-        assert set(r[mode]) == {"step_s", "backward_s", "exposed_comm_s", "first_start_s"}
+        assert set(r[mode]) == {"step_s", "backward_s", "exposed_comm_s", "first_start_s", "timeline"}
         assert len(r[mode]["first_start_s"]) == 2
     # off: every all-reduce starts after autograd's last gradient; on: the first bucket's starts
     # inside backward, from its hook, while the earlier layers' gradients are still being computed
@@ -111,11 +111,15 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
 
 
 def test_timeline_orders_each_bucket():
-    r = suite(2)[0]["timeline"]
-    assert len(r["buckets"]) > 1 and r["overlap"] is False
-    for b in r["buckets"]:
-        assert 0 <= b["ready"] <= r["backward_end"] <= b["start"] <= b["done"] <= r["finish_end"]
-    assert r["overlap_fraction"] == 0.0 and r["exposed_comm"] == max(b["done"] for b in r["buckets"]) - r["backward_end"]
+    r = suite(2)[0]["overlap"]
+    off, on = r["off"]["timeline"], r["on"]["timeline"]
+    assert len(off["buckets"]) == len(on["buckets"]) == r["buckets"] > 1
+    for b in off["buckets"]:  # overlap off: ready during backward, all-reduced after it
+        assert 0 <= b["ready"] <= off["backward_end"] <= b["start"] <= b["done"] <= off["finish_end"]
+    for b in on["buckets"]:   # overlap on: launched when ready, done before the gradients are handed back
+        assert 0 <= b["ready"] <= b["start"] <= b["done"] <= on["finish_end"]
+    for t in (off, on):
+        assert t["exposed_comm"] == max(0.0, max(b["done"] for b in t["buckets"]) - t["backward_end"])
 
 
 def test_command_line_contract():

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import workers
-from labs import comm, launch, ring_allreduce as ra
+from labs import comm, launch, ring_allreduce as ra, wire
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32 sums of N standard normals in another order than the float64 reference: a few ulps of the
@@ -38,16 +38,18 @@ def test_ring_and_naive_equal_the_exact_sum_and_the_formulas(world_size):
         assert all(abs(s - 2 * (world_size - 1) / world_size * m) <= 2 * 4 for s in sent)
         assert sum(sent) == sum(r["bytes_received"] for r in results)
         # the wire carries exactly the counted messages, each with three 48-byte gloo preambles
-        # (two written by the sender, one by the receiver): nothing else was sent
-        assert sum(r["wire_bytes"] for r in results) == sum(sent) + 3 * workers.PREAMBLE * sum(
+        # (two written by the sender, one by the receiver): nothing else was sent, rank by rank
+        assert sum(r["wire_bytes"] for r in results) == sum(sent) + 3 * wire.PREAMBLE * sum(
             r["messages_sent"] for r in results)
+        assert [r["wire_bytes"] for r in results] == [
+            wire.gloo_messages(r["bytes_sent"], r["messages_sent"], r["messages_received"]) for r in results]
         assert all(r["formula_bytes_sent"] == 0 for r in results)
     # naive: the root receives and sends (N-1) * M, everyone else M each way
     numel, results = 101, [r["naive"] for r in runs]
     assert max(r["max_abs_error"] for r in results) < TOL
     assert results[0]["bytes_sent"] == results[0]["bytes_received"] == (world_size - 1) * numel * 4
     assert all(r["bytes_sent"] == numel * 4 for r in results[1:])
-    assert sum(r["wire_bytes"] for r in results) == 2 * (world_size - 1) * (numel * 4 + 3 * workers.PREAMBLE)
+    assert sum(r["wire_bytes"] for r in results) == 2 * (world_size - 1) * (numel * 4 + 3 * wire.PREAMBLE)
 
 
 def test_hand_ring_equals_the_library_whose_bytes_are_formula_and_wire():
@@ -57,7 +59,7 @@ def test_hand_ring_equals_the_library_whose_bytes_are_formula_and_wire():
     assert [r["bytes_sent"] for r in results] == [0] * n  # the library sends no counted message
     assert [r["formula_bytes_sent"] for r in results] == [4 * comm.ring_allreduce_elements(numel, n, r)
                                                           for r in range(n)]
-    assert sum(r["wire_bytes"] for r in results) == workers.gloo_allreduce_wire_all_ranks(numel * 4, n)
+    assert sum(r["wire_bytes"] for r in results) == wire.gloo_allreduce_all_ranks(numel * 4, n)
 
 
 def test_bad_inputs_are_refused():

@@ -5,7 +5,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labs import comm
+from labs import comm, wire
 
 
 def report_rank(rank, world_size):
@@ -151,121 +151,34 @@ def hand_collectives(rank, world_size, k=10, numel=13):
     return out
 
 
-# ---- the wire: gloo's traffic as read from gloo's source, to check the measurement against ------
-
-PREAMBLE = 48  # gloo/transport/tcp/pair.h: every operation starts with six size_t
-
-
-def gloo_allreduce_wire_all_ranks(nbytes, n, element_size=4, max_segment=1 << 20):
-    """Bytes all ranks together write for one gloo ring all-reduce (gloo/allreduce.cc, `ring`).
-
-    gloo cuts the buffer into a multiple of n segments, at least 2n, at most 1 MiB each; each
-    non-empty segment travels n-1 hops in reduce-scatter and n-1 in all-gather; a message costs
-    three preambles (sender: NOTIFY_SEND_READY and the data's own; receiver: NOTIFY_RECV_READY).
-    """
-    seg_max = element_size * max(1, max_segment // element_size)
-    segments = -(-max(-(-nbytes // seg_max), 2 * n) // n) * n
-    seg_bytes = -(-(-(-nbytes // segments)) // element_size) * element_size
-    messages = 2 * (n - 1) * -(-nbytes // seg_bytes)
-    return 2 * (n - 1) * nbytes + 3 * PREAMBLE * messages
-
-
-def gloo_broadcast_messages(n, rank, root=0):
-    """(sent, received) messages of gloo's binomial-tree broadcast for ``rank`` (gloo/broadcast.cc)."""
-    v, dim = (rank - root) % n, (n - 1).bit_length()
-    mask, sent, received = (1 << dim) - 1, 0, 0
-    for i in range(dim):
-        mask ^= 1 << i
-        if v & mask or (v ^ (1 << i)) >= n:
-            continue
-        if v & (1 << i):
-            received += 1
-        else:
-            sent += 1
-    return sent, received
-
-
 def wire_checks(rank, world_size):
     """counting(wire=True) per op, an async call it cannot measure, and an unreadable /proc/self/io."""
     x = torch.ones(1000)
     with comm.counting(wire=True) as tally:
         comm.all_reduce(x)
         comm.all_reduce(x, async_op=True).wait()
-    with comm.wire_bytes() as wire:
+    with comm.wire_bytes() as measured:
         comm.all_reduce(x)
-    real, comm._wchar = comm._wchar, lambda: (_ for _ in ()).throw(OSError("no such file"))
+    real, wire._wchar = wire._wchar, lambda: (_ for _ in ()).throw(OSError("no such file"))
     try:
         with comm.wire_bytes() as missing:
             pass
     finally:
-        comm._wchar = real
-    return {"tally": tally.as_dict(), "wire": wire.bytes, "missing": missing.as_dict()}
+        wire._wchar = real
+    return {"tally": tally.as_dict(), "wire": measured.bytes, "missing": missing.as_dict()}
 
 
 # ---- HandDDP semantics beside torch DDP ---------------------------------------------------------
 
-class MixedNet(torch.nn.Module):
-    """fp32 layers, a bf16 head registered last (so backward's first bucket starts in bf16), a frozen
-    input layer, and a branch that some steps leave without a gradient."""
-
-    def __init__(self, head_dtype=torch.bfloat16):
-        super().__init__()
-        torch.manual_seed(0)
-        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
-        self.inp = torch.nn.Linear(8, 16)
-        self.branch = torch.nn.Linear(16, 16)
-        self.out = torch.nn.Linear(16, 16)
-        self.head = torch.nn.Linear(16, 4).to(head_dtype)
-
-    def forward(self, x, use_branch=True):
-        h = torch.tanh(self.inp(self.frozen(x)))
-        y = self.out(h) + (self.branch(h) if use_branch else 0)
-        return (self.head(torch.tanh(y).to(self.head.weight.dtype)).float() ** 2).mean()
-
-
-def _mixed_input(step, micro, rank):
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank))
-
-
-def _uses_branch(step, rank):
-    """Step 0: everyone; step 1: rank 0 only (the others reduce zeros); step 2: nobody."""
-    return step == 0 or (step == 1 and rank == 0)
-
-
-def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16, steps=3, lr=0.5):
-    """Two backward() per step, mixed dtypes, a frozen layer, unused parameters: hand vs torch DDP vs one process."""
-    from torch.nn.parallel import DistributedDataParallel
+def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16):
+    """labs.ddp.semantics, plus the error a bucket cap below one byte raises."""
     from labs import ddp
-    hand_net, ref_net, single = (MixedNet(head_dtype) for _ in range(3))
-    hand = ddp.HandDDP(hand_net, bucket_cap_bytes=1 << 20)
-    ref = DistributedDataParallel(ref_net, find_unused_parameters=True)
-    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (hand_net, ref_net, single)]
-    for step in range(steps):
-        for micro in range(2):  # two backward() calls before the optimizer step, no no_sync
-            x = _mixed_input(step, micro, rank)
-            hand_net(x, _uses_branch(step, rank)).backward()
-            ref(x, _uses_branch(step, rank)).backward()
-            for r in range(world_size):  # one process: the same micro-batches, the loss averaged over ranks
-                (single(_mixed_input(step, micro, r), _uses_branch(step, r)) / world_size).backward()
-        hand.finish()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-
-    def diff(other, dtype):
-        return max([(p - q).abs().max().item() for p, q in zip(hand_net.parameters(), other.parameters())
-                    if p.dtype == dtype and p.requires_grad], default=None)
     try:
-        ddp.HandDDP(MixedNet(), bucket_cap_bytes=0)
+        ddp.HandDDP(ddp.MixedNet(), bucket_cap_bytes=0)
         error = None
     except ValueError as e:
         error = str(e)
-    return {"fp32_vs_torch_ddp": diff(ref_net, torch.float32), "bf16_vs_torch_ddp": diff(ref_net, torch.bfloat16),
-            "fp32_vs_single": diff(single, torch.float32), "bf16_vs_single": diff(single, torch.bfloat16),
-            "bucket_dtypes": sorted(str(b.buffer.dtype) for b in hand.buckets),
-            "frozen_unchanged": torch.equal(hand_net.frozen.weight, MixedNet().frozen.weight)
-            and hand_net.frozen.weight.grad is None,
-            "bad_cap_error": error}
+    return dict(ddp.semantics(rank, world_size, head_dtype), bad_cap_error=error)
 
 
 def ring_runs(rank, world_size, numels, naive_numel=101):
@@ -282,7 +195,6 @@ def ddp_suite(rank, world_size):
     if world_size == 2:
         return {"run": ddp.run(rank, world_size, 3), "semantics": ddp_semantics(rank, world_size),
                 "no_sync_off": ddp.run(rank, world_size, 2, 3, use_no_sync=False),
-                "timeline": ddp.timeline(rank, world_size, 2, overlap=False),
                 "overlap": ddp.overlap_on_off(rank, world_size, 2)}
     return {"run": ddp.run(rank, world_size, 3), "semantics": ddp_semantics(rank, world_size, torch.float32),
             "no_sync_counted": ddp.run(rank, world_size, 2, 3, counted=True),
