@@ -200,6 +200,24 @@ def _working_weights(net, hand, cfg):
     return torch.cat([full[n].to(torch.bfloat16).float().view(-1) for n in names])
 
 
+def _train(net, opt, cfg, steps, rank, batch_size, dev, collectives, after_first_backward=None):
+    """The training loop every scheme shares; the last step runs inside a peak-memory window and a
+    byte tally, which are returned with the losses."""
+    losses = []
+    for step in range(steps):
+        x, y = _batch(cfg, step, rank, batch_size, dev)
+        window = memory.PeakMemory(net, opt, x, y) if step == steps - 1 else contextlib.nullcontext()
+        with _collectives(collectives), comm.counting() as tally, window:
+            opt.zero_grad()
+            loss = net(x, y)
+            loss.backward()
+            if step == 0 and after_first_backward is not None:
+                after_first_backward()
+            opt.step()
+        losses.append(loss.item())
+    return losses, tally, window
+
+
 def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, lr=1e-3, units="blocks", cfg=None,
         collectives="hand"):
     """Train with one stage; report bytes held between steps, the peak during the last step, bytes
@@ -216,18 +234,10 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
     """
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     net, opt, hand = build(stage, cfg, lr, zero1_allreduce, units, dev)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(cfg, step, rank, batch_size, dev)
-        window = memory.PeakMemory(net, opt, x, y) if step == steps - 1 else contextlib.nullcontext()
-        with _collectives(collectives), comm.counting() as tally, window:
-            opt.zero_grad()
-            loss = net(x, y)
-            loss.backward()
-            if step == 0:
-                first_grad = _shard_grads(net, opt)
-            opt.step()
-        losses.append(loss.item())
+    first = []  # the first step's gradients, taken between backward and the optimizer step
+    losses, tally, window = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives,
+                                   after_first_backward=lambda: first.append(_shard_grads(net, opt)))
+    first_grad = first[0]
     held = held_bytes(net, opt)
     params = _working_weights(net, hand, cfg)
     reference, ref_grad = single_process(cfg, steps, batch_size, world_size, lr)
@@ -263,16 +273,7 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, c
     mesh = init_device_mesh(dev.type, (world_size,))
     fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload, hand_comm=collectives == "hand")
     opt = torch.optim.Adam(net.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(cfg, step, rank, batch_size, dev)
-        window = memory.PeakMemory(net, opt, x, y) if step == steps - 1 else contextlib.nullcontext()
-        with _collectives(collectives), comm.counting() as tally, window:
-            opt.zero_grad()
-            loss = net(x, y)
-            loss.backward()
-            opt.step()
-        losses.append(loss.item())
+    losses, tally, window = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives)
     shards = {name: {"placements": str(p.placements), "full_shape": tuple(p.shape),
                      "local_shape": tuple(p.to_local().shape), "device": str(p.to_local().device)}
               for name, p in net.named_parameters()}
