@@ -294,7 +294,7 @@ def main(argv=None):
     p.add_argument("--model", default="7B", choices=list(MODELS))
     p.add_argument("--tp", type=cli.positive_int, default=1)
     p.add_argument("--pp", type=cli.positive_int, default=1)
-    p.add_argument("--zero-stage", type=int, default=0, help="0 = plain data parallel, 1, 2 or 3")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="0 = plain data parallel, 1, 2 or 3")
     p.add_argument("--recipe", default="mixed", choices=list(precision.RECIPES))
     p.add_argument("--seq", type=cli.positive_int, default=4096)
     p.add_argument("--micro-batch", type=cli.positive_int, default=1)
@@ -302,7 +302,7 @@ def main(argv=None):
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--attention", default="materialized", choices=["materialized", "flash"],
                    help="attention scores written out, or a fused kernel (FlashAttention, SDPA)")
-    p.add_argument("--gpu-gib", type=float, default=GPU_GIB, help="memory per GPU in GiB (default 80: an H100)")
+    p.add_argument("--gpu-gib", type=cli.positive_float, default=GPU_GIB, help="memory per GPU in GiB (default 80: an H100)")
     args = cli.parse(p, argv)
     if args.world_size is None:
         args.world_size = 2 if args.measure else 8

@@ -23,6 +23,34 @@ def positive_int(text):
     return value
 
 
+def positive_float(text, most=None):
+    """argparse type: a finite number above 0 (and at most ``most``), else one clear sentence."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
+    if most is not None and value > most:
+        raise argparse.ArgumentTypeError(f"expected at most {most:,}, got {text}")
+    return value
+
+
+def at_most(limit, why):
+    """argparse type: a positive integer no larger than ``limit`` (``why`` says what it bounds)."""
+    def check(text):
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"expected at most {limit:,} ({why}), got {value:,}")
+        return value
+    return check
+
+
+def timeout_seconds(text):
+    from labs.launch import MAX_TIMEOUT_S
+    return positive_float(text, MAX_TIMEOUT_S)
+
+
 def parser(description, world_size_default=2):
     p = argparse.ArgumentParser(description=description)
     default = f"default {world_size_default}; " if world_size_default else ""
@@ -30,7 +58,7 @@ def parser(description, world_size_default=2):
                    help=f"number of ranks ({default}under torchrun, torchrun's WORLD_SIZE, "
                    "which --world-size must match if given)")
     p.set_defaults(world_size_default=world_size_default)
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=timeout_seconds, default=120.0,
                    help="seconds before a stuck run is stopped and its stuck ranks are named (default 120)")
     p.add_argument("--json", action="store_true",
                    help="print the result as one JSON object on the last line of stdout")
@@ -44,6 +72,10 @@ def parse(p, argv=None):
         torchrun_size = os.environ.get("WORLD_SIZE") if "TORCHELASTIC_RUN_ID" in os.environ else None
         args.world_size = int(torchrun_size) if torchrun_size else args.world_size_default
     return args
+
+
+def under_torchrun():
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
 def main(run):
@@ -73,7 +105,9 @@ def _plain(value):
 
 
 def report(result, args, summary):
-    """Print the summary, or the JSON object when --json was given."""
+    """Print the summary, or the JSON object when --json was given (under torchrun: rank 0 only)."""
+    if under_torchrun() and os.environ["RANK"] != "0":
+        return
     if args.json:
         print(json.dumps(_plain(result), sort_keys=True))
     else:

@@ -7,36 +7,47 @@ their return values, in rank order. The same lab also runs under ``torchrun`` (o
 GPU, across nodes): `launch` notices torchrun's environment and calls ``fn`` in this process.
 
 Promises, because a distributed job that hangs teaches nothing:
-- a rank that raises makes the call raise `RankError`, naming the rank, with its traceback;
-- a rank that hangs makes the call raise `RankTimeout` at ``timeout``, naming the ranks that did
-  not finish and showing where each one was stuck;
-- no process outlives the call, and the rendezvous goes through a file in a fresh temporary
-  folder, so two calls at once on one machine never fight over a port.
+- a rank that raises or dies makes the call raise `RankError`, naming that rank (not the peers
+  that lost their connection to it), with its traceback;
+- a rank that hangs makes the call raise `RankTimeout` at ``timeout``, naming the rank the others
+  waited for (from each rank's heartbeat, `labs.heartbeat`) and showing where each one was stuck;
+- no process outlives the call, not even when the caller is killed (each rank asks the kernel to
+  kill it with its parent, before it imports torch), and no temporary file is left behind;
+- the rendezvous goes through a file in a fresh temporary folder, so two calls at once on one
+  machine never fight over a port;
+- bad input (world size, timeout, a run larger than the machine's memory) is refused in one
+  sentence before any process starts.
 
 Backend: NCCL with one GPU per rank when the machine has at least ``world_size`` GPUs, else gloo
 on the CPU. ``LABS_BACKEND=gloo`` or ``LABS_BACKEND=nccl`` forces one.
 """
-import datetime
-import faulthandler
 import importlib
 import json
-import multiprocessing as mp
-import multiprocessing.connection
+import math
 import os
+import pickle
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
+
+from labs import heartbeat
 
 BACKENDS = ("gloo", "nccl")
 BACKEND_ENV = "LABS_BACKEND"
 # The process group's own timeout is longer than ours, so a rank blocked on a hung peer does not
 # raise a generic gloo timeout first: our deadline fires and names the rank that really hung.
 _GROUP_TIMEOUT_MARGIN_S = 30.0
+MAX_TIMEOUT_S = 86_400
+# Resident size of one rank on gloo once torch is imported (measured: about 440 MiB).
+RANK_BYTES = 450 * 1024 ** 2
+MAX_RANKS_ENV = "LABS_MAX_RANKS"
+_RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank.py")
 
 
 class RankError(RuntimeError):
@@ -48,11 +59,12 @@ class RankError(RuntimeError):
 
 
 class RankTimeout(RankError):
-    """Some ranks did not finish within the timeout. ``ranks`` lists them."""
+    """Some ranks did not finish within the timeout. ``ranks`` lists them; ``culprits`` the ones the
+    others waited for, and ``rank`` the first of those (the first of ``ranks`` if none is known)."""
 
-    def __init__(self, message, ranks):
-        super().__init__(message, ranks[0])
-        self.ranks = ranks
+    def __init__(self, message, ranks, culprits=()):
+        super().__init__(message, (list(culprits) or list(ranks))[0])
+        self.ranks, self.culprits = list(ranks), list(culprits)
 
 
 def check_world_size(world_size):
@@ -98,37 +110,91 @@ def launch(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
     spawn, or global rank 0 under torchrun) and None on the other torchrun ranks.
     """
     if under_torchrun():
-        return _run_under_torchrun(fn, world_size, args, kwargs, timeout, backend)
+        from labs import torchrun
+        return torchrun.run(fn, world_size, args, kwargs, timeout, backend)
     return spawn(fn, world_size, *args, timeout=timeout, backend=backend, **kwargs)
 
 
 def spawn(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` new processes."""
     check_world_size(world_size)
+    timeout = check_timeout(timeout)
     backend = choose_backend(world_size, backend)
+    check_fits(world_size)
     fn = _importable(fn)
-    ctx = mp.get_context("spawn")  # fresh interpreters: safe with CUDA and with threads
-    with tempfile.TemporaryDirectory(prefix="labs-spawn-") as tmp:
-        procs = [ctx.Process(target=_worker, daemon=True, name=f"labs-rank-{rank}",
-                             args=(rank, world_size, backend, tmp, timeout, fn, args, kwargs))
-                 for rank in range(world_size)]
-        try:
-            for p in procs:
-                p.start()
-            unfinished, failures = _wait(procs, tmp, time.monotonic() + timeout)
-            if failures:  # a failure outranks a timeout: the stuck ranks wait on the failed one
-                raise _rank_error(failures, world_size, tmp)
-            if unfinished:
-                raise _timeout_error(procs, unfinished, world_size, timeout, tmp)
-            results = [torch.load(_path(tmp, r, "result"), weights_only=False) for r in range(world_size)]
-            _replay_stdout(tmp, world_size)
-            return results
-        finally:
-            _stop(procs)
+    spec = _spec(fn, args, kwargs, world_size, backend, timeout)
+    tmp = tempfile.mkdtemp(prefix="labs-spawn-")
+    janitor = _start_janitor(tmp)  # removes tmp if this process is killed before its `finally`
+    procs = []
+    try:
+        with open(os.path.join(tmp, "sys_path.json"), "w") as f:
+            json.dump([os.path.abspath(p) if p else os.getcwd() for p in sys.path], f)
+        with open(os.path.join(tmp, "spec.pkl"), "wb") as f:
+            f.write(spec)
+        for rank in range(world_size):
+            procs.append(_start_rank(tmp, rank))
+        unfinished, failures = _wait(procs, tmp, time.monotonic() + timeout)
+        if failures:  # a failure outranks a timeout: the stuck ranks wait on the failed one
+            raise _rank_error(failures, world_size, tmp)
+        if unfinished:
+            raise _timeout_error(procs, unfinished, world_size, timeout, tmp)
+        results = [torch.load(_path(tmp, r, "result"), weights_only=False) for r in range(world_size)]
+        _replay_stdout(tmp, world_size)
+        return results
+    finally:
+        _stop(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+        _dismiss(janitor)
+
+
+def check_timeout(timeout):
+    """A number of seconds, positive and finite: 0, -1, nan and inf are refused in one sentence."""
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not ok or not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:,}, "
+                         f"got {timeout!r}; pass e.g. 60.")
+    return float(timeout)
+
+
+def available_bytes():
+    """Memory the machine can still give (MemAvailable on Linux), or None where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(world_size, bytes_per_rank=0, what=""):
+    """Refuse, before anything starts, a run this machine's memory cannot hold.
+
+    Each rank is a Python process that has imported torch (RANK_BYTES, measured as its resident
+    size), plus ``bytes_per_rank`` for the lab's own tensors. $LABS_MAX_RANKS overrides the limit.
+    """
+    override = os.environ.get(MAX_RANKS_ENV)
+    if override:
+        if not override.isdigit() or int(override) < 1:
+            raise ValueError(f"{MAX_RANKS_ENV}={override!r} is not a positive integer; unset it or set e.g. 64.")
+        if world_size > int(override):
+            raise ValueError(f"world_size {world_size} is above {MAX_RANKS_ENV}={override}; raise it or use fewer ranks.")
+        return
+    free = available_bytes()
+    need = world_size * (RANK_BYTES + bytes_per_rank)
+    if free is None or need <= free:
+        return
+    most = int(free // (RANK_BYTES + bytes_per_rank))
+    gib = 1024 ** 3
+    extra = f" and {bytes_per_rank / gib:.3g} GiB for {what}" if bytes_per_rank else ""
+    raise ValueError(f"{world_size} ranks need about {need / gib:.3g} GiB ({RANK_BYTES / gib:.2f} GiB per "
+                     f"process{extra}) but this machine has {free / gib:.3g} GiB available; use at most "
+                     f"{most} ranks{', or less ' + what if what else ''}, or set {MAX_RANKS_ENV} to try anyway.")
 
 
 def _importable(fn):
-    """Spawned processes import ``fn`` by name, so it must live in a module, not a notebook cell."""
+    """Ranks import ``fn`` by name, so it must live in a module, not a notebook cell or a script."""
     if getattr(fn, "__module__", None) != "__main__":
         return fn
     spec = getattr(sys.modules["__main__"], "__spec__", None)
@@ -140,79 +206,85 @@ def _importable(fn):
                      "spawned process cannot import; move it into a module under labs/.")
 
 
+def _spec(fn, args, kwargs, world_size, backend, timeout):
+    try:
+        return pickle.dumps({"fn": fn, "args": args, "kwargs": kwargs, "world_size": world_size,
+                             "backend": backend, "timeout": timeout})
+    except Exception as exc:
+        raise ValueError(f"cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to the ranks "
+                         f"({type(exc).__name__}: {exc}); pass a module-level function and plain values.") from None
+
+
 def _path(tmp, rank, kind):
     return os.path.join(tmp, f"rank{rank}.{kind}")
 
 
-def _worker(rank, world_size, backend, tmp, timeout, fn, args, kwargs):
-    """Body of one spawned rank: redirect output, join the group, run, leave a result file."""
-    _die_with_parent()
-    out = open(_path(tmp, rank, "stdout"), "w", buffering=1)
-    err = open(_path(tmp, rank, "stderr"), "w", buffering=1)
-    # Redirect the file descriptors too, so C++ warnings from gloo/NCCL land in the log, and the
-    # parent can replay each rank's output in rank order instead of an interleaved jumble.
-    os.dup2(out.fileno(), 1)
-    os.dup2(err.fileno(), 2)
-    sys.stdout, sys.stderr = out, err
-    if hasattr(signal, "SIGUSR1"):  # the parent asks a stuck rank where it is with SIGUSR1
-        faulthandler.register(signal.SIGUSR1, file=err, all_threads=True)
-    if backend == "gloo":
-        # Every rank shares the CPU: one intra-op thread each avoids oversubscribing small machines.
-        torch.set_num_threads(1)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
-    else:
-        torch.cuda.set_device(rank)
+def _start_rank(tmp, rank):
+    """A fresh interpreter running labs/_rank.py, its stdout and stderr going to files in tmp."""
+    with open(_path(tmp, rank, "stdout"), "wb") as out, open(_path(tmp, rank, "stderr"), "wb") as err:
+        return subprocess.Popen([sys.executable, _RANK_SCRIPT, tmp, str(rank), str(os.getpid())],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, close_fds=True)
+
+
+def _start_janitor(tmp):
+    """A tiny process that outlives us only to remove ``tmp`` if we are killed (SIGTERM, SIGKILL).
+
+    It waits on a pipe from us: "done" means we cleaned up ourselves; end-of-file without it means
+    we died, and our ranks with us (parent-death signal), so it removes their folder."""
+    return subprocess.Popen([sys.executable, "-c", _JANITOR, tmp], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+_JANITOR = """import shutil, sys, time
+if sys.stdin.read() != "done":
+    for _ in range(5):
+        shutil.rmtree(sys.argv[1], ignore_errors=True)
+        time.sleep(0.2)
+"""
+
+
+def _dismiss(janitor):
     try:
-        store = dist.FileStore(os.path.join(tmp, "store"), world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout + _GROUP_TIMEOUT_MARGIN_S))
-        result = fn(rank, world_size, *args, **kwargs)
-        torch.save(result, _path(tmp, rank, "tmp"))
-        os.replace(_path(tmp, rank, "tmp"), _path(tmp, rank, "result"))  # atomic: never half a file
-    except BaseException as exc:
-        record = {"time": time.time(), "type": type(exc).__name__, "message": str(exc),
-                  "traceback": traceback.format_exc()}
-        with open(_path(tmp, rank, "errtmp"), "w") as f:
-            json.dump(record, f)
-        os.replace(_path(tmp, rank, "errtmp"), _path(tmp, rank, "error"))  # the parent polls: never half a file
-        sys.exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        janitor.communicate("done".encode(), timeout=5)
+    except subprocess.TimeoutExpired:
+        janitor.kill()
+        janitor.wait()
 
 
-def _die_with_parent():
-    """On Linux, ask the kernel to kill this rank if the launching process dies first."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _write_json(path, record):
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)  # the parent polls: never half a file
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _wait(procs, tmp, deadline, grace=2.0):
     """Wait until every rank exits, one fails, or the deadline passes.
 
-    After the first failure the others get ``grace`` seconds to report theirs, so the earliest
-    failure (the cause) is named, not a peer that merely lost its connection to it.
+    After the first failure the others get ``grace`` seconds to report theirs, so that the cause,
+    not a peer that merely lost its connection to it, can be named.
     """
     pending = set(range(len(procs)))
     failures = {}  # rank -> error record
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        mp.connection.wait([procs[r].sentinel for r in pending], timeout=min(left, 0.2))
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.05)
         for r in sorted(pending):
-            if os.path.exists(_path(tmp, r, "error")):
-                with open(_path(tmp, r, "error")) as f:
-                    failures[r] = json.load(f)
-            if procs[r].is_alive():
+            if r not in failures and os.path.exists(_path(tmp, r, "error")):
+                failures[r] = _read_json(_path(tmp, r, "error"))
+            code = procs[r].poll()
+            if code is None:
                 continue
-            procs[r].join()
             pending.discard(r)
-            if r not in failures and (procs[r].exitcode != 0 or not os.path.exists(_path(tmp, r, "result"))):
-                failures[r] = {"time": _last_sign_of_life(tmp, r), "type": "died", "traceback": "",
-                               "message": _exit_reason(procs[r].exitcode)}
+            if r not in failures and (code != 0 or not os.path.exists(_path(tmp, r, "result"))):
+                failures[r] = {"time": _last_sign_of_life(tmp, r), "type": "died", "phase": "run",
+                               "traceback": "", "message": _exit_reason(code)}
         if failures:
             deadline = min(deadline, time.monotonic() + grace)
             if all(r in failures for r in pending):
@@ -221,17 +293,17 @@ def _wait(procs, tmp, deadline, grace=2.0):
 
 
 def _last_sign_of_life(tmp, rank):
-    """When a rank that died was last seen alive: its logs' last write. We notice a death only when we
-    poll, which on a busy machine can be after a peer has already reported the broken connection;
-    the death itself came before that, and after the rank's last write."""
-    times = [os.path.getmtime(_path(tmp, rank, kind)) for kind in ("stdout", "stderr")
+    """When a rank that died was last seen alive: its last heartbeat or log write, whichever is
+    later. We notice a death only when we poll, after its peers may have reported the broken
+    connection; the death came before that, and after these."""
+    times = [os.path.getmtime(_path(tmp, rank, kind)) for kind in ("stdout", "stderr", "beat")
              if os.path.exists(_path(tmp, rank, kind))]
     return max(times) if times else time.time()
 
 
 def _exit_reason(code):
     if code is not None and code < 0:
-        return f"killed by signal {signal.Signals(-code).name}"
+        return f"was killed by signal {signal.Signals(-code).name}"
     return f"exited with code {code} without returning a result"
 
 
@@ -244,11 +316,17 @@ def _tail(path, lines=40):
 
 
 def _rank_error(failures, world_size, tmp):
-    failures.sort(key=lambda item: item[0]["time"])
+    """Name the cause: a rank that died or raised its own error, the earliest first; the ranks
+    whose error only says that a peer went away come last, whatever their time."""
+    failures.sort(key=lambda item: (item[0]["type"] != "died" and heartbeat.is_symptom(item[0]["message"]), item[0]["time"]))
     record, rank = failures[0]
     if record["type"] == "died":
         head = f"rank {rank} of {world_size} {record['message']}"
         detail = _tail(_path(tmp, rank, "stderr"))
+    elif record["phase"] == "start":
+        head = (f"rank {rank} of {world_size} failed to start: {record['type']}: {record['message']} (a rank "
+                "imports the function's module afresh: it must import without error in a new process)")
+        detail = record["traceback"]
     else:
         head = f"rank {rank} of {world_size} raised {record['type']}: {record['message']}"
         detail = record["traceback"]
@@ -258,61 +336,65 @@ def _rank_error(failures, world_size, tmp):
 
 
 def _timeout_error(procs, unfinished, world_size, timeout, tmp):
-    """Ask each stuck rank for its stack (SIGUSR1 -> faulthandler) before it is killed."""
-    for r in unfinished:
-        if hasattr(signal, "SIGUSR1") and procs[r].is_alive():
+    """Name the ranks the others waited for, from their heartbeats; show every stuck rank's stack."""
+    now = time.time()
+    beats = {r: _read_json(_path(tmp, r, "beat")) for r in unfinished}
+    for r in unfinished:  # SIGUSR1 -> faulthandler writes the rank's stack to its stderr
+        if hasattr(signal, "SIGUSR1") and procs[r].poll() is None:
             os.kill(procs[r].pid, signal.SIGUSR1)
     time.sleep(0.5)
     stacks = "\n".join(f"--- rank {r} was here ---\n{_tail(_path(tmp, r, 'stderr'), 25)}" for r in unfinished)
-    names = ", ".join(str(r) for r in unfinished)
-    return RankTimeout(f"rank{'s' if len(unfinished) > 1 else ''} {names} of {world_size} did not finish "
-                       f"within {timeout:g} s; all ranks were stopped. A rank waiting in a collective "
-                       f"is usually waiting for a peer that is stuck elsewhere.\n\n{stacks}", unfinished)
+    head = heartbeat.timeout_message(beats, unfinished, world_size, timeout, now)
+    culprits, _ = heartbeat.verdict(beats, unfinished, now)
+    return RankTimeout(f"{head}\n\n{stacks}", unfinished, sorted(culprits))
 
 
 def _stop(procs):
     for p in procs:
-        if p.is_alive():
+        if p.poll() is None:
             p.terminate()
     for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             p.kill()
-            p.join()
+            p.wait()
 
 
-def _replay_stdout(tmp, world_size):
+def _replay_stdout(tmp, world_size, keep=10_000):
     """Print what each rank printed, in rank order, so notebooks show a deterministic log."""
     for r in range(world_size):
-        text = _tail(_path(tmp, r, "stdout"), lines=10_000)
-        for line in text.splitlines():
+        with open(_path(tmp, r, "stdout"), errors="replace") as f:
+            lines = f.read().splitlines()
+        if len(lines) > keep:
+            print(f"[rank {r}] ({len(lines) - keep:,} earlier lines of {len(lines):,} not shown)")
+        for line in lines[-keep:]:
             print(f"[rank {r}] {line}")
 
 
-def _run_under_torchrun(fn, world_size, args, kwargs, timeout, backend):
-    """torchrun started us: join its group (env://), run, and gather the results on rank 0."""
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world_size is not None and world_size != size:
-        raise ValueError(f"--world-size {world_size} disagrees with torchrun's WORLD_SIZE={size}; "
-                         "drop --world-size or make them equal.")
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-    backend = choose_backend(local_size, backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    try:
-        result = fn(rank, size, *args, **kwargs)
-        gathered = [None] * size if rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-        return gathered
-    finally:
-        dist.destroy_process_group()
+FAULTS = ("raise", "exit", "kill", "hang")
 
 
-def hello(rank, world_size):
-    """The smallest lab: every rank contributes its rank to an all-reduce."""
+def hello(rank, world_size, fault=None, fault_rank=None):
+    """The smallest lab: every rank contributes its rank to an all-reduce.
+
+    ``fault`` makes rank ``fault_rank`` raise, exit, be killed (SIGKILL) or hang in its own code
+    between two collectives, while its peers wait for it in the second: the launcher's promises,
+    tried on purpose (`python -m labs.launch --fault hang --fault-rank 1`).
+    """
     t = torch.tensor([float(rank)], device=device())
     dist.all_reduce(t)
+    if rank == fault_rank:
+        if fault == "raise":
+            raise RuntimeError(f"injected failure on rank {rank}")
+        if fault == "exit":
+            os._exit(3)
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "hang":
+            while True:  # busy in its own code, as a rank in an endless data-loading loop would be
+                time.sleep(0.1)
+    dist.barrier()
     return {"rank": rank, "pid": os.getpid(), "sum_of_ranks": t.item(), "backend": dist.get_backend()}
 
 
@@ -320,9 +402,15 @@ def main(argv=None):
     """`python -m labs.launch --world-size N`: measure what starting N ranks costs here."""
     from labs import cli
     parser = cli.parser("Start N ranks, all-reduce their ranks, and time the whole call.")
+    parser.add_argument("--fault", choices=FAULTS, help="make --fault-rank raise, exit, be killed or hang")
+    parser.add_argument("--fault-rank", type=int, default=1, help="the rank --fault applies to (default 1)")
     args = cli.parse(parser, argv)
+    if args.fault and not 0 <= args.fault_rank < args.world_size:
+        raise ValueError(f"--fault-rank {args.fault_rank} is not a rank of {args.world_size}; "
+                         f"pick one from 0 to {args.world_size - 1}.")
     start = time.perf_counter()
-    results = launch(hello, args.world_size, timeout=args.timeout)
+    results = launch(hello, args.world_size, args.fault, args.fault_rank if args.fault else None,
+                     timeout=args.timeout)
     if results is None:
         return
     seconds = time.perf_counter() - start
@@ -335,5 +423,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from labs import cli
-    cli.main(main)
+    # Run the copy of this module that `import labs.launch` gives, so the RankError it raises is
+    # the class cli.main catches (this file's own classes live in a module named __main__).
+    from labs import cli, launch as imported
+    cli.main(imported.main)

@@ -293,9 +293,13 @@ def main(argv=None):
     parser.add_argument("--schedule", choices=schedules.SCHEDULES, default="1f1b")
     parser.add_argument("--microbatches", type=cli.positive_int, default=8)
     parser.add_argument("--chunks", type=cli.positive_int, default=1, help="model chunks per rank (interleaved)")
-    parser.add_argument("--unit-ms", type=float, default=50.0, help="wall-clock milliseconds per work unit")
+    parser.add_argument("--unit-ms", type=cli.positive_float, default=50.0, help="wall-clock milliseconds per work unit")
     args = cli.parse(parser, argv)
     schedules.build(args.schedule, args.world_size, args.microbatches, args.chunks)  # refuse bad input here
+    least = 3 * args.microbatches * args.unit_ms / 1e3  # every stage runs m forwards (1 unit) and backwards (2)
+    if least > args.timeout:
+        raise ValueError(f"{args.microbatches} micro-batches at --unit-ms {args.unit_ms:g} take at least {least:,.0f} s, "
+                         f"above --timeout {args.timeout:g}; lower --microbatches or --unit-ms, or raise --timeout.")
     if config().n_layer % (args.world_size * args.chunks):
         split(tiny.build(config()), args.world_size * args.chunks)
     results = launch.launch(run, args.world_size, args.schedule, args.microbatches, args.chunks,

@@ -281,6 +281,8 @@ def main(argv=None):
     p.add_argument("--algorithm", choices=ALGORITHMS, default="ring")
     p.add_argument("--repeats", type=cli.positive_int, default=5)
     args = cli.parse(p, argv)
+    # per element: the input, its copy and the result in fp32, the exact sum in fp64 and its terms
+    launch.check_fits(args.world_size, 40 * args.numel, "--numel")
     results = launch.launch(run, args.world_size, args.numel, args.algorithm, args.repeats, timeout=args.timeout)
     if results is None:
         return

@@ -117,11 +117,17 @@ def greedy_bfw(p, m):
     return _greedy(p, m, priority="BFW", limit=lambda s: p - s, hold=lambda s: 2 * p - 1 - s)
 
 
+MAX_ACTIONS = 3_000_000
+
+
 def build(name, p, m, v=1):
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}.")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"stages, micro-batches and chunks must be at least 1 (got p={p}, m={m}, v={v}).")
+    if 3 * p * m * v > MAX_ACTIONS:  # a schedule is a list of F, B and W actions per stage and chunk
+        raise ValueError(f"p={p} stages x m={m:,} micro-batches x v={v} chunks make {3 * p * m * v:,} actions, "
+                         f"above the {MAX_ACTIONS:,} this lab builds in memory; lower the micro-batches.")
     if name == "interleaved":
         return interleaved(p, m, v)
     if v != 1:

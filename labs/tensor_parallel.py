@@ -342,6 +342,10 @@ def main(argv=None):
     if args.hidden % 12:
         raise ValueError(f"--hidden {args.hidden} is not a multiple of the 12 heads; use e.g. 48.")
     check_degree(config(hidden=args.hidden), args.world_size)
+    # fp32: the block's 12 h^2 weights and b*s*h activations, for the reference, the shard and their
+    # gradients (a generous x8), so an impossible size is refused before any rank starts
+    h, bsh = args.hidden, args.batch * args.seq * args.hidden
+    launch.check_fits(args.world_size, 8 * 4 * (12 * h * h + 16 * bsh), "--hidden, --batch or --seq")
     results = launch.launch(check_block, args.world_size, args.block, args.batch, args.seq, args.hidden,
                             timeout=args.timeout)
     if results is None:

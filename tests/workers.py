@@ -19,6 +19,12 @@ def print_then_return(rank, world_size):
     return rank
 
 
+def print_lines(rank, world_size, n):
+    for i in range(n):
+        print(f"line {i}")
+    return rank
+
+
 def raise_on(rank, world_size, bad_rank):
     if rank == bad_rank:
         raise ValueError(f"deliberate failure on rank {rank}")
