@@ -24,6 +24,9 @@ CLEAN = {
         <div class="cell_input"><pre>print("| a |\\n|---|")  # prose code may show anything</pre></div>
         <div class="cell_output"><pre>a short output line</pre></div>""",
     "other.html": '<h1>Other</h1><section id="part"><p>The part.</p></section>',
+    # a table wider than the column scrolls inside it: listed as a note, not a failure
+    "wide.html": '<div class="cell_output"><div style="width: 200px; overflow-x: auto"><table><tr>'
+                 + "<td>wide_column_of_text</td>" * 20 + "</tr></table></div></div>",
 }
 
 # page -> (body, what the report must say about that page)
@@ -71,14 +74,16 @@ def test_each_defect_fails_and_is_named(tmp_path):
     for page, (_, defect) in BROKEN.items():
         assert any(line.startswith(f"{page}: ") and defect in line for line in lines), (page, defect, r.stdout)
     assert not any(line.startswith(("clean.html", "other.html")) for line in lines), r.stdout
+    assert not any(line.startswith("wide.html") and "note:" not in line for line in lines), r.stdout
 
 
 def test_clean_site_passes_with_math_typeset(tmp_path):
     write_site(tmp_path, CLEAN)
     r = check(tmp_path, "--screenshots", str(tmp_path / "shots"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "2 pages" in r.stdout and "no defects" in r.stdout
-    assert sorted(os.listdir(tmp_path / "shots")) == ["clean.png", "other.png"]
+    assert "3 pages" in r.stdout and "no defects" in r.stdout
+    assert "wide.html: note: an output table scrolls sideways: wide_column_of_text" in r.stdout
+    assert sorted(os.listdir(tmp_path / "shots")) == ["clean.png", "other.png", "wide.png"]
 
 
 def test_missing_browser_fails_with_the_install_command(tmp_path):

@@ -64,8 +64,12 @@ async () => {
   const overflow = wide.filter(pre => pre.closest('.cell_output')).map(longest);
   const wideCode = wide.filter(pre => !pre.closest('.cell_output') && !pre.closest('.cell_input')).map(longest);
   const wideInputs = wide.filter(pre => pre.closest('.cell_input')).map(longest);
+  const wideTables = Array.from(document.querySelectorAll('div.cell_output table'))
+    .filter(t => t.parentElement.scrollWidth > t.parentElement.clientWidth + 1)
+    .map(t => (t.querySelector('tr') || t).textContent.trim().replace(/\\s+/g, ' ').slice(0, 60));
   return {
     text: clone.textContent,
+    wideTables: wideTables,
     mathErrors: Array.from(document.querySelectorAll('mjx-merror'), e => e.getAttribute('data-mjx-error') || e.textContent),
     mathCount: document.querySelectorAll('mjx-container').length,
     brokenImages: imgs.filter(img => img.naturalWidth === 0).map(img => img.getAttribute('src')),
@@ -216,6 +220,8 @@ async def check_page(context, site, page, shots, timeout_s):
         site.add(page, f"output cut off at the right edge: {line.strip()[:100]}")
     for line in info["wideCode"]:
         site.add(page, f"code block wider than the column (scrolls sideways): {line.strip()[:100]}")
+    for head in info["wideTables"]:  # it scrolls inside the column: readable, a note
+        site.notes.append((page, f"an output table scrolls sideways: {head}..."))
     if info["wideInputs"]:  # notebook code scrolls like code in any editor: a note, not a defect
         longest = max(info["wideInputs"], key=len).strip()
         site.notes.append((page, f"{len(info['wideInputs'])} code cells scroll sideways; the longest line "
