@@ -15,7 +15,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run make PYTHON=/path/to/python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements.txt 2>&1 | grep -v "is ignored: it is neither" || true
-	$(BIN)/python -c "import torch, myst_nb, nbval" # fail here, not later, if the install did not finish
+	$(BIN)/python -c "import torch, myst_nb, nbval, playwright" # fail here, not later, if the install did not finish
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -35,6 +35,7 @@ BROKEN = {
     "dash.html": ("<p>| a | b |\n|\u2014|\u2014|\n| 1 | 2 |</p>", "raw pipe table"),  # after smartquotes
     "tex.html": ("<p>$$x^2$$</p>", "raw TeX"),
     "begin.html": ("<p>\\begin{aligned} a &amp;= b \\end{aligned}</p>", "raw TeX"),
+    "nomath.html": ('<span class="math">\\(x^2\\)</span>', "formulas not typeset: 1"),  # no MathJax on it
     "glue.html": ("<p>{glue:text}`n_params`</p>", "unresolved glue"),
     "image.html": ('<img src="missing.png" alt="x">', "broken image"),
     "link.html": ('<a href="nowhere.html">a</a>', "broken link: nowhere.html (no such file)"),

@@ -6,7 +6,8 @@ The site is served on 127.0.0.1 (a free port), every request to another host is 
 reported), and each page is checked once its math is typeset and its fonts and images loaded:
 
 - raw pipe-table text (`|---|`): a Markdown table that did not render;
-- raw TeX (`\\(`, `\\[`, `$$`, `\\begin{`, `\\frac`, ...) outside rendered math, and MathJax errors;
+- raw TeX (`\\(`, `\\[`, `$$`, `\\begin{`, `\\frac`, ...) outside rendered math, formulas that
+  MathJax did not typeset, and MathJax errors;
 - unresolved `{glue` text and visible `NBVAL_` markers;
 - console errors and uncaught exceptions;
 - images that did not load (naturalWidth 0), local files that answer 404;
@@ -71,7 +72,8 @@ async () => {
     text: clone.textContent,
     wideTables: wideTables,
     mathErrors: Array.from(document.querySelectorAll('mjx-merror'), e => e.getAttribute('data-mjx-error') || e.textContent),
-    mathCount: document.querySelectorAll('mjx-container').length,
+    untypeset: Array.from(document.querySelectorAll('span.math, div.math'))
+      .filter(e => !e.querySelector('mjx-container')).map(e => e.textContent.trim().slice(0, 80)),
     brokenImages: imgs.filter(img => img.naturalWidth === 0).map(img => img.getAttribute('src')),
     links: Array.from(document.querySelectorAll('a[href]'), a => a.href),
     ids: Array.from(document.querySelectorAll('[id]'), e => e.id)
@@ -113,8 +115,12 @@ def serve(site):
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            if not isinstance(sys.exc_info()[1], ConnectionError):  # a tab closed mid-transfer
+                super().handle_error(request, client_address)
     handler = functools.partial(Quiet, directory=site)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = Server(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -128,6 +134,7 @@ class Site:
         self.ids = {}              # page path -> set of element ids seen in the browser
         self.links = []            # (page, absolute href)
         self.notes = []            # (page, note): shown, never a failure
+        self.shot_lock = asyncio.Lock()
 
     def add(self, page, defect):
         if (page, defect) not in self.defects:
@@ -198,7 +205,9 @@ async def check_page(context, site, page, shots, timeout_s):
         if shots and not tab.is_closed():
             name = page.replace("/", "__").removesuffix(".html") + ".png"
             try:
-                await tab.screenshot(path=os.path.join(shots, name), full_page=True)
+                async with site.shot_lock:  # one at a time, in front: background tabs tile badly
+                    await tab.bring_to_front()
+                    await tab.screenshot(path=os.path.join(shots, name), full_page=True)
             except Exception as e:
                 print(f"note: no screenshot of {page}: {e}", file=sys.stderr)
         await tab.close()
@@ -212,6 +221,8 @@ async def check_page(context, site, page, shots, timeout_s):
     for text in info["inputs"]:  # code cells: only markers meant for nbval, never for a reader
         for m in TEXT_DEFECTS[-1][1].finditer(text):
             site.add(page, f"nbval marker in a code cell: {m.group(0)} (use a cell tag)")
+    if info["untypeset"]:
+        site.add(page, f"formulas not typeset: {len(info['untypeset'])}, the first: {info['untypeset'][0]}")
     for err in info["mathErrors"]:
         site.add(page, f"MathJax error: {err[:200]}")
     for src in info["brokenImages"]:
