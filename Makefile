@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine with Python 3.11:
 #   make book   builds the site into _build/html, re-executing every notebook
-#   make test   runs every test: labs (pytest), notebooks (nbval), and the book build with -W
+#   make test   runs every test: labs (pytest), notebooks (nbval), the book build with -W, and
+#               the browser check of every page (headless Chromium, network blocked)
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: book test test-labs test-notebooks test-book env clean
+.PHONY: book test test-labs test-notebooks test-book check-site chromium env clean
 
 env: $(STAMP)
 
@@ -14,9 +15,19 @@ $(STAMP): requirements.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run make PYTHON=/path/to/python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements.txt 2>&1 | grep -v "is ignored: it is neither" || true
-	$(BIN)/python -c "import torch, myst_nb, nbval" # fail here, not later, if the install did not finish
+	$(BIN)/python -c "import torch, myst_nb, nbval, playwright" # fail here, not later, if the install did not finish
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# Debian's chromium for the browser check (tools/check_site.py): installed with apt-get when it is
+# missing and we are root; otherwise one sentence says what to run. Nothing downloads a browser.
+chromium:
+	@if [ -n "$$CHROMIUM" ] || command -v chromium >/dev/null || [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing chromium for the browser check (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+	  || { echo "error: apt-get could not install chromium, which the browser check needs; install it by hand (apt-get install chromium) or set CHROMIUM=/path/to/chromium"; exit 1; }; \
+	else echo "error: the browser check needs Chromium: run 'sudo apt-get install chromium' (Debian/Ubuntu) or set CHROMIUM=/path/to/chromium"; exit 1; fi
 
 book: $(STAMP)
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
@@ -28,12 +39,19 @@ NBVAL := $(BIN)/python -m pytest --nbval notebooks --nbval-current-env --nbval-c
 # outputs, twice: with this CPU's own vectorised kernels and with ATEN_CPU_CAPABILITY=default
 # (no vectorisation), so the rounding of another machine is always exercised (notebooks state
 # floats only to the precision they assert, see labs/report.py). Then the site is built from
-# the verified outputs with warnings as errors.
-test: $(STAMP)
+# the verified outputs with warnings as errors, and every page is opened in headless Chromium
+# with the network blocked (tools/check_site.py). Chromium is checked first, so a machine
+# without it fails in seconds, not after the notebooks.
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest tests -q
 	$(NBVAL)
 	ATEN_CPU_CAPABILITY=default $(NBVAL)
 	$(BIN)/python tools/build_book.py --no-execute
+	$(BIN)/python tools/check_site.py
+
+# The browser check alone, on the site already in _build/html (after `make book`, say).
+check-site: $(STAMP) chromium
+	$(BIN)/python tools/check_site.py
 
 clean:
 	rm -rf _build
