@@ -39,7 +39,7 @@ def where(frame):
             if f.f_code.co_filename.endswith("distributed_c10d.py"):
                 break
     if frame is None:
-        return "torch internals", collective
+        return "no Python frame", collective
     code = frame.f_code
     here = f"{code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
     if collective is None and not library and ".wait(" in linecache.getline(code.co_filename, frame.f_lineno):
