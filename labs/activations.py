@@ -198,3 +198,56 @@ def measure_llama(shapes=((1, 8), (2, 5), (2, 16)), device="cpu"):
     return {f"{attention}/{mode}": measure_llama_activations(tiny.LlamaConfig(attention=attention), shapes, mode,
                                                               device=device)
             for attention in ("sdpa", "materialized") for mode in ("none", "selective", "full")}
+
+
+# --- FlashAttention: the s^2 term, measured present and absent -------------------------------------
+
+def attention_core_saved(s_values=(4, 8, 12, 16), b=2, cfg=None, dtype=torch.bfloat16, device="cpu"):
+    """Bytes the attention core alone (`LlamaAttention.core`: q, k, v in, output out) keeps for
+    backward at each s, with the scores written out and with SDPA's fused kernel, and the s^2
+    coefficient read off the measurements by second differences (equally spaced s: f(s + 2D) -
+    2f(s + D) + f(s) = 2 alpha D^2 for f = alpha s^2 + beta s + gamma).
+
+    Formulas (h = a d, k KV heads): materialized q, the copies of k and v at a heads, the softmax
+    output: 6bsh + 2abs^2, so alpha = 2ab; fused: q, k and v (k heads), the output, an fp32 log-sum-exp
+    per query and head: 4bsh + 4bskd + 4bsa, alpha = 0 (Dao et al. 2022, arXiv 2205.14135, §3.1).
+    """
+    cfg = cfg or tiny.LlamaConfig(seq_len=max(s_values))
+    steps = {j - i for i, j in zip(s_values, s_values[1:])}
+    if len(s_values) < 3 or len(steps) != 1 or max(s_values) > cfg.seq_len:
+        raise ValueError(f"s_values must be 3 or more equally spaced lengths up to seq_len={cfg.seq_len}, "
+                         f"got {s_values}.")
+    (step,) = steps
+    a, kv, d = cfg.n_head, cfg.n_kv_head, cfg.hidden // cfg.n_head
+    out = {}
+    for attention in ("materialized", "sdpa"):
+        attn = tiny.LlamaAttention(tiny.LlamaConfig(**{**cfg.__dict__, "attention": attention})).to(device)
+        rows = []
+        for s in s_values:
+            q, k, v = (torch.randn(b, n, s, d, dtype=dtype, device=device, requires_grad=True) for n in (a, kv, kv))
+            with memory.saved_for_backward(attn) as saved:
+                attn.core(q, k, v)
+            h = q.size(1) * q.size(-1)            # sizes from the tensors the core ran on
+            formula = (6 * b * s * h + 2 * a * b * s * s if attention == "materialized"
+                       else 4 * b * s * h + 4 * b * s * kv * d + 4 * b * s * a)
+            rows.append({"s": s, "measured": saved.bytes, "formula": formula})
+        f = [r["measured"] for r in rows]
+        second = {(f[i + 2] - 2 * f[i + 1] + f[i]) / (2 * step ** 2) for i in range(len(f) - 2)}
+        out[attention] = {"rows": rows, "s2_coefficient": second.pop() if len(second) == 1 else sorted(second),
+                          "s2_formula": 2 * a * b if attention == "materialized" else 0}
+    return out
+
+
+def flash_at_scale(models=("7B", "70B"), seq=4096, micro_batch=1):
+    """What FlashAttention does to the Llama activation figures (`labs.budget.model_activations`, no
+    recomputation): all layers with the scores written out and fused, the bytes removed, and the part
+    of them that is the softmax output alone, L * 2as^2b (the rest: k and v copies to a heads, less
+    the log-sum-exp)."""
+    from labs.budget import MODELS, model_activations
+    out = {}
+    for name in models:
+        m, f = (model_activations(name, seq, micro_batch, attention=k)["total_bytes"] for k in ("materialized", "flash"))
+        arch = MODELS[name]
+        out[name] = {"materialized_bytes": m, "flash_bytes": f, "removed_bytes": m - f, "removed_fraction": (m - f) / m,
+                     "scores_bytes": arch.layers * 2 * arch.heads * seq * seq * micro_batch}
+    return out
