@@ -33,8 +33,8 @@ from labs import comm, launch, memory, tensor_parallel as tpl
 def check_vocab(vocab, tp):
     """Refuse a tp that does not divide V, before any process starts."""
     if vocab % tp:
-        raise ValueError(f"the vocabulary V = {vocab} is not divisible by tp = {tp}; pad V to a multiple of "
-                         f"tp (as Megatron does) or choose a tp that divides it.")
+        raise ValueError(f"the vocabulary V = {vocab} is not divisible by tp = {tp}; choose a tp that divides V "
+                         f"(padding V, as Megatron does, would put padded logits in the softmax).")
     return vocab // tp
 
 
@@ -148,7 +148,7 @@ def check(rank, world_size, b=2, s=8, hidden=16, vocab=96):
         loss.backward()
     grads = {"embedding": (emb.weight.grad, emb_full.weight.grad[start:end]),
              "head": (head.weight.grad, head_full.weight.grad[start:end])}
-    counts = {name: {"calls": t.calls("all_reduce"), "payloads": t.ops["all_reduce"]["payloads"] if t.calls("all_reduce") else []}
+    counts = {name: {"calls": t.calls("all_reduce"), "payloads": list(t.ops["all_reduce"]["payloads"])}
               for name, t in (("embedding", count_emb), ("loss", count_loss), ("backward", count_bwd))}
     return {"loss": loss.detach().cpu(), "loss_ref": loss_ref.detach().cpu(),
             "grads": {k: (a.cpu(), r.cpu()) for k, (a, r) in grads.items()}, "counts": counts,
@@ -173,6 +173,9 @@ def main(argv=None):
     p.add_argument("--vocab", type=cli.positive_int, default=96)
     args = cli.parse(p, argv)
     check_vocab(args.vocab, args.world_size)
+    # fp32: embedding and head (V x h each) with gradients, the reference's b*s*V logits, softmax and
+    # gradient (a generous x4), so an impossible --vocab is refused before any rank starts
+    launch.check_fits(args.world_size, 4 * (4 * args.vocab * 16 + 4 * 2 * 8 * args.vocab), "--vocab")
     results = launch.launch(check, args.world_size, vocab=args.vocab, timeout=args.timeout)
     if results is None:
         return
