@@ -1,9 +1,8 @@
 """Chapter 4: the vocabulary split over tp ranks, embedding and cross-entropy, built by hand.
 
-Shoeybi et al. 2019 (arXiv 1909.08053), §3, "Input embedding ... parallelized along the vocabulary
-dimension E = [E_1, E_2] (column-wise)", and the fused loss that never gathers the logits: "we fuse
-the output of the parallel GEMM [X Y_1, X Y_2] with the cross entropy loss which reduces the
-dimension to b x s". Megatron-LM's VocabParallelEmbedding and _VocabParallelCrossEntropy
+Shoeybi et al. 2019 (arXiv 1909.08053), §3: the input embedding E is split along the vocabulary,
+E = [E_1, E_2], shared with the output layer, and the parallel GEMM's output is fused with the
+cross-entropy so that only b x s numbers cross ranks, never the b x s x V logits. Megatron-LM's VocabParallelEmbedding and _VocabParallelCrossEntropy
 (megatron/core/tensor_parallel/layers.py, cross_entropy.py) are the reference implementation.
 
 Rank i holds rows [i V/tp, (i+1) V/tp) of the embedding E (V x h) and of the head W (V x h):
