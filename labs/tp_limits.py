@@ -1,8 +1,9 @@
 """Chapter 4: when tensor parallelism stops paying, the communication/compute condition per layer.
 
 The argument of Austin et al., "How to Scale Your Model" (2025), Part 5 ("How to Parallelize a
-Transformer for Training"), tensor parallelism section: per layer, TP's communication is a fixed number of activation-sized collectives,
-while its compute shrinks as 1/tp; once T_comm exceeds T_math no overlap can hide it. Written
+Transformer for Training"), tensor parallelism section: per layer, TP's communication is a fixed
+number of activation-sized collectives while its compute shrinks as 1/tp; once T_comm exceeds
+T_math no overlap can hide it. Written
 for the Megatron layer of `labs.tensor_parallel` (Shoeybi et al. 2019, §3), forward pass:
 
     T_comm = 2 all-reduces x 2(tp-1)/tp x b s h B / W          (B bytes per element, W a link's
