@@ -1,0 +1,128 @@
+"""Chapter 4, when TP stops paying: vocabulary-parallel loss, GQA under TP, the comm/compute condition.
+
+One job per world size (2 and 3) runs all three labs; the tests share it.
+"""
+import functools
+
+import pytest
+import torch
+
+from labs import gqa_parallel as gqa, launch, tp_limits as tl, vocab_parallel as vp
+
+B, S, H, V = 2, 8, 16, 96            # vocabulary lab: V divisible by 2 and 3
+KV = {2: (1, 2), 3: (1, 3)}          # GQA lab, 12 query heads: replicate at kv = 1, split at kv = tp
+
+
+def suite(rank, world_size):
+    return {"vocab": vp.check(rank, world_size, B, S, H, V),
+            "gqa": gqa.check_many(rank, world_size, KV[world_size]),
+            "layer": tl.measure_layer(rank, world_size)}
+
+
+@functools.lru_cache(maxsize=None)
+def run(world_size):
+    return launch.spawn(suite, world_size, timeout=120)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_vocab_parallel_loss_and_gradients_equal_the_unsharded(world_size):
+    for r in (x["vocab"] for x in run(world_size)):
+        # fp32: the sharded loss sums exp over V/tp logits per rank, then over ranks; the unsharded
+        # one over V at once: the same terms in another order, a few ulps of a loss of about 5.
+        torch.testing.assert_close(r["loss"], r["loss_ref"], rtol=1e-6, atol=0)
+        for name, (local, ref) in r["grads"].items():
+            # gradients of order 1e-3 (softmax / (b s) times weights): 1e-5 relative is ~100 ulps.
+            # A missing f all-reduce before the head, or an unmasked embedding, errs by 100 %.
+            assert ref.abs().max() > 1e-4, name
+            torch.testing.assert_close(local, ref, rtol=1e-5, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_vocab_parallel_all_reduces_and_logits_memory(world_size):
+    for r in (x["vocab"] for x in run(world_size)):
+        c = r["counts"]
+        # read from the tensors handed to labs.comm: the embedding's b*s*h sum; the loss's three
+        # (b, s) fp32 reductions (max, target logit, sum of exps); f's b*s*h in backward. Gathering
+        # the logits instead would show b*s*V/tp-sized payloads here.
+        assert c["embedding"] == {"calls": 1, "payloads": [B * S * H * 4]}
+        assert c["loss"] == {"calls": 3, "payloads": [B * S * 4] * 3}
+        assert c["backward"] == {"calls": 1, "payloads": [B * S * H * 4]}
+        per = V // world_size
+        assert r["logits_shape"] == (B, S, per) and r["logits_dtype"] == "torch.float32"
+        assert r["logits_bytes"] == {"per_rank": B * S * per * 4, "unsharded": B * S * V * 4}
+        # what the loss keeps for backward, by storage: the fp32 softmax slice, the local target
+        # index (int64) and the out-of-range mask (bool); the unsharded loss keeps the whole log-softmax
+        assert r["loss_saved_bytes"]["per_rank"] == B * S * per * 4 + B * S * (8 + 1)
+        assert r["loss_saved_bytes"]["unsharded"] >= B * S * V * 4
+        assert r["params"]["per_rank"] * world_size == r["params"]["unsharded"]
+
+
+def test_vocab_not_divisible_by_tp_is_refused():
+    # refused, not padded: padded logits would enter the softmax and change the loss (see labs.vocab_parallel)
+    with pytest.raises(ValueError, match="V = 100 is not divisible by tp = 3"):
+        vp.check(0, 3, vocab=100)
+    big = vp.logits_bytes_at_scale(b=1, s=8192, vocab=128256, tp=8)
+    assert big["unsharded"] == 8192 * 128256 * 4 and big["unsharded"] == 8 * big["per_rank"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gqa_under_tp_equals_the_unsharded_layer(world_size):
+    d, h = 48 // 12, 48
+    for rank_result in run(world_size):
+        for kv, r in rank_result["gqa"].items():
+            mode = "split" if kv % world_size == 0 else "replicate"
+            assert r["layout"]["mode"] == mode
+            # fp32 gradients of order 10: 2e-5 absolute is a few ulps of them
+            assert max(r["errors"].values()) < 2e-5, (kv, r["errors"])
+            p = r["allreduce_payloads"]
+            assert p["forward"] == [2 * 8 * h * 4] and p["backward"] == [2 * 8 * h * 4]
+            if mode == "replicate":
+                # a copy's gradient is partial until summed over its tp/kv holders: d x h per K and V
+                assert r["kv_grad_error_unsummed"] > 1 and p["kv_grad_sum"] == [d * h * 4] * 2
+                assert r["kv_params"]["per_rank"] == r["kv_params"]["unsharded"] // kv
+            else:
+                assert r["kv_grad_error_unsummed"] == 0 and p["kv_grad_sum"] == []
+                assert r["kv_params"]["per_rank"] * world_size == r["kv_params"]["unsharded"]
+
+
+def test_gqa_layouts_and_the_divisibility_error():
+    assert gqa.kv_layout(64, 8, 8)["mode"] == "split" and gqa.kv_layout(64, 8, 8)["kv_heads_per_rank"] == 1
+    assert gqa.kv_layout(64, 8, 16) | {} == {"mode": "replicate", "q_heads_per_rank": 4, "kv_heads_per_rank": 1,
+                                             "copies_per_kv_head": 2, "kv_fraction_per_rank": 1 / 8}
+    with pytest.raises(ValueError, match="^3 KV heads cannot be split or replicated over tp = 2: tp must divide"):
+        gqa.kv_layout(12, 3, 2)
+    with pytest.raises(ValueError, match="query heads = 64 is not divisible by tp = 3"):
+        gqa.kv_layout(64, 8, 3)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tiny_layer_flops_and_bytes_match_the_condition(world_size):
+    results = [x["layer"] for x in run(world_size)]
+    assert all(r["payloads"] == results[0]["payloads"] for r in results)
+    for r in results[:1]:  # FLOPs are counted on rank 0 (see tp_limits.measure_layer)
+        # FlopCounterMode: 2 * 12h^2 / tp per token plus q k^T and scores x v, 4 b s^2 h / tp;
+        # forgetting the 1/tp on either term, or counting the MLP at 8h^2, would break equality
+        assert r["flops"] == r["flops_formula"]
+        assert r["payloads"] == [2 * 8 * 48 * 4] * 2     # two all-reduces of b*s*h fp32: h, not 4h
+        assert r["ratio_measured"] == pytest.approx(r["ratio_formula"], rel=1e-12)
+
+
+def test_comm_compute_condition_at_scale():
+    c = tl.condition("70B")
+    nv, ib = c["links"][tl.NVLINK], c["links"][tl.INFINIBAND]
+    for link in (nv, ib):
+        for row in link["rows"]:   # the closed form in h agrees with layer_costs' two times
+            assert row["ratio"] == pytest.approx(tl.ratio(8192, row["tp"], link["bandwidth"], 989e12, 4096,
+                                                          c["layer_params"]), rel=1e-12)
+        assert tl.ratio(8192, link["crossover_tp"], link["bandwidth"], 989e12, 4096, c["layer_params"]) == \
+            pytest.approx(1)
+    assert nv["crossover_tp"] == pytest.approx(13.81, abs=0.01) and ib["crossover_tp"] == pytest.approx(2.42, abs=0.01)
+    assert nv["first_comm_bound_tp"] == 16 and ib["first_comm_bound_tp"] == 4
+    # b cancels: the messages grow with the micro-batch as fast as the FLOPs do
+    big = tl.condition("70B", micro_batch=4)["links"][tl.NVLINK]["rows"]
+    assert [r["ratio"] for r in big] == pytest.approx([r["ratio"] for r in nv["rows"]], rel=1e-12)
+    # a wider h moves the crossover out, about as 1 + 3 h W / C
+    cross = [row[tl.NVLINK] for row in tl.crossover_table()]
+    assert cross == sorted(cross)
+    with pytest.raises(ValueError, match="need tp >= 1"):
+        tl.ratio(8192, 0, 450e9, 989e12)
