@@ -38,7 +38,7 @@ def run(tmp, rank, parent_pid):
     def file(kind):
         return launch._path(tmp, rank, kind)
 
-    pulse = heartbeat.Heartbeat(lambda beat: launch._write_json(file("beat"), beat), parent_pid).start()
+    pulse = heartbeat.Heartbeat(heartbeat.MappedBeat(file("beat")), parent_pid).start()
     phase = "start"
     try:
         with open(os.path.join(tmp, "spec.pkl"), "rb") as f:

@@ -7,7 +7,9 @@ operations it has entered on each process group (c10d's per-group sequence numbe
 timeout the launcher reads the last beat of each rank that did not finish and names the ranks the
 others were waiting for: the ones outside any collective, silent, or behind their peers.
 """
+import json
 import linecache
+import mmap
 import os
 import re
 import sys
@@ -68,17 +70,26 @@ def beat(phase="run", done=False):
 
 
 class Heartbeat:
-    """A daemon thread calling ``write(beat())`` every PERIOD seconds; ``parent_pid`` set: it also
-    ends the rank if that process is gone (where the kernel's parent-death signal does not exist)."""
+    """A daemon thread calling ``write(beat())`` every ``period`` seconds (None: only at start and
+    stop); with ``parent_pid`` it also ends the rank if that process is gone (where the kernel's
+    parent-death signal does not exist).
 
-    def __init__(self, write, parent_pid=None):
-        self.write, self.parent_pid = write, parent_pid
+    ``write`` must not make a system call that writes: chapter 2 measures the library's wire bytes
+    as the growth of this process's written bytes (`labs.wire`), and a beat written inside that
+    window would be counted as traffic. `MappedBeat` writes into shared memory instead.
+    """
+
+    def __init__(self, write, parent_pid=None, period=PERIOD):
+        self.write, self.parent_pid, self.period = write, parent_pid, period
         self.phase = "start"  # the rank sets "run" once it has joined the group
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="labs-heartbeat", daemon=True)
 
     def start(self):
-        self._thread.start()
+        if self.period is None:
+            self._safe_write()
+        else:
+            self._thread.start()
         return self
 
     def stop(self, done=False):
@@ -96,17 +107,48 @@ class Heartbeat:
     def _run(self):
         while True:
             self._safe_write()
-            if self._stop.wait(PERIOD):
+            if self._stop.wait(self.period):
                 return
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 os._exit(1)
 
 
-def verdict(beats, unfinished, now):
+class MappedBeat:
+    """A beat file the rank writes through shared memory (no write system call, so no byte of it
+    is counted by /proc/self/io) and the launcher reads as an ordinary file."""
+
+    SIZE = 8192
+
+    def __init__(self, path):
+        with open(path, "w+b") as f:
+            f.truncate(self.SIZE)
+            self.map = mmap.mmap(f.fileno(), self.SIZE)
+
+    def __call__(self, beat):
+        data = json.dumps(beat).encode()
+        if len(data) < self.SIZE:
+            self.map[:] = data + bytes(self.SIZE - len(data))
+
+
+def read_beat(path, tries=3):
+    """The last beat in a MappedBeat file, or None; a read that met a write half-done is retried."""
+    for _ in range(tries):
+        try:
+            with open(path, "rb") as f:
+                data = f.read().rstrip(b"\0")
+            return json.loads(data) if data else None
+        except OSError:
+            return None
+        except ValueError:
+            time.sleep(0.01)
+    return None
+
+
+def verdict(beats, unfinished, now, stale_s=STALE_S):
     """Split the ranks that did not finish into the ones the others waited for and the waiters.
 
     Returns (culprits: {rank: reason}, waiters: {rank: collective}). A rank is a culprit when it is
-    outside any collective, silent for STALE_S, or, if every rank is inside one, when it entered
+    outside any collective, silent for ``stale_s``, or, if every rank is inside one, when it entered
     fewer operations on a group than a peer did: it never reached the collective the others are in.
     """
     culprits, waiters = {}, {}
@@ -116,7 +158,7 @@ def verdict(beats, unfinished, now):
             culprits[r] = "it had not started (no heartbeat: still importing torch, or stuck before)"
         elif b.get("phase") == "start":
             culprits[r] = f"it was still starting, in {b['where']} (joining the process group)"
-        elif now - b["time"] > STALE_S:
+        elif now - b["time"] > stale_s:
             culprits[r] = f"it stopped running Python {now - b['time']:.0f} s before the timeout, in {b['where']}"
         elif b["collective"] is None:
             culprits[r] = f"it was in {b['where']}, outside any collective"
@@ -139,8 +181,8 @@ def is_symptom(message):
     return bool(SYMPTOMS.search(message or ""))
 
 
-def timeout_message(beats, unfinished, world_size, timeout, now):
-    culprits, waiters = verdict(beats, unfinished, now)
+def timeout_message(beats, unfinished, world_size, timeout, now, stale_s=STALE_S):
+    culprits, waiters = verdict(beats, unfinished, now, stale_s)
     lines = [f"rank {r} of {world_size} did not finish within {timeout:g} s: {why}" for r, why in sorted(culprits.items())]
     if all((beats.get(r) or {}).get("phase", "start") == "start" for r in unfinished):
         lines.append(f"(starting a rank imports torch and joins the group: about a second per rank on a "

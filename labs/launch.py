@@ -296,8 +296,10 @@ def _last_sign_of_life(tmp, rank):
     """When a rank that died was last seen alive: its last heartbeat or log write, whichever is
     later. We notice a death only when we poll, after its peers may have reported the broken
     connection; the death came before that, and after these."""
-    times = [os.path.getmtime(_path(tmp, rank, kind)) for kind in ("stdout", "stderr", "beat")
+    times = [os.path.getmtime(_path(tmp, rank, kind)) for kind in ("stdout", "stderr")
              if os.path.exists(_path(tmp, rank, kind))]
+    beat = heartbeat.read_beat(_path(tmp, rank, "beat"))
+    times += [beat["time"]] if beat else []
     return max(times) if times else time.time()
 
 
@@ -338,7 +340,7 @@ def _rank_error(failures, world_size, tmp):
 def _timeout_error(procs, unfinished, world_size, timeout, tmp):
     """Name the ranks the others waited for, from their heartbeats; show every stuck rank's stack."""
     now = time.time()
-    beats = {r: _read_json(_path(tmp, r, "beat")) for r in unfinished}
+    beats = {r: heartbeat.read_beat(_path(tmp, r, "beat")) for r in unfinished}
     for r in unfinished:  # SIGUSR1 -> faulthandler writes the rank's stack to its stderr
         if hasattr(signal, "SIGUSR1") and procs[r].poll() is None:
             os.kill(procs[r].pid, signal.SIGUSR1)

@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from labs import heartbeat, launch
 
+WATCHDOG_WAIT_S = 2.0
+
 
 def run(fn, world_size, args, kwargs, timeout, backend):
     """torchrun started us: join its group (env://), run under a watchdog, gather results on rank 0.
@@ -40,7 +42,9 @@ def run(fn, world_size, args, kwargs, timeout, backend):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout + launch._GROUP_TIMEOUT_MARGIN_S))
     board = _StoreBoard(rank)
-    pulse = heartbeat.Heartbeat(board.write)
+    # One beat now, the last one at the deadline (the watchdog's): beats through the store are
+    # socket writes, which chapter 2's wire measurement would count if they came in between.
+    pulse = heartbeat.Heartbeat(board.write, period=None)
     pulse.phase = "run"  # torchrun has already started us and init_process_group has returned
     pulse.start()
     dog = threading.Timer(timeout, _torchrun_timeout, args=(board, rank, size, timeout))
@@ -89,10 +93,12 @@ def _torchrun_timeout(board, rank, size, timeout):
     """The watchdog, on every rank at the deadline: name the hung ranks, show our stack, exit."""
     try:
         board.write(heartbeat.beat())
-        time.sleep(1.0)  # every rank's watchdog writes its last beat; then all read the same board
+        # Every rank's watchdog writes its beat at its own deadline, within a second or so of ours
+        # (init_process_group returned on all ranks together); then all read the same board.
+        time.sleep(WATCHDOG_WAIT_S)
         beats = board.read(size)
         unfinished = [r for r in range(size) if not beats.get(r, {}).get("done")]
-        message = heartbeat.timeout_message(beats, unfinished, size, timeout, time.time())
+        message = heartbeat.timeout_message(beats, unfinished, size, timeout, time.time(), stale_s=2 * WATCHDOG_WAIT_S)
     except Exception as exc:  # the store itself may be gone: still stop, and say why the verdict is missing
         message = f"rank {rank} of {size}: the run did not finish within {timeout:g} s (no verdict: {exc})"
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
