@@ -19,6 +19,9 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = sorted(f for f in os.listdir(os.path.join(REPO, "notebooks")) if f.endswith(".ipynb"))
+# cell tags with which nbval does not compare a cell's output (timings) or does not run the cell
+UNCHECKED = {"nbval-ignore-output", "nbval-skip"}
 
 
 def _truncated(notebook, marker):
@@ -96,8 +99,7 @@ def test_a_schedule_with_one_action_moved_fails(tmp_path):
     _assert_only_cell_fails(*_nbval(nb, tmp_path), index)
 
 
-@pytest.mark.parametrize("notebook", sorted(f for f in os.listdir(os.path.join(REPO, "notebooks"))
-                                            if f.endswith(".ipynb")))
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
 def test_no_checked_output_prints_a_float_at_full_precision(notebook):
     """A float printed with all its digits (like 0.030286453664302826) changes with the CPU.
 
@@ -109,10 +111,20 @@ def test_no_checked_output_prints_a_float_at_full_precision(notebook):
     long_float = re.compile(r"\d\.\d{9,}")
     for cell in nb["cells"]:
         source = "".join(cell.get("source", ""))
-        if cell["cell_type"] != "code" or "NBVAL_IGNORE_OUTPUT" in source:
+        if cell["cell_type"] != "code" or UNCHECKED & set(cell["metadata"].get("tags", [])):
             continue
         for out in cell["outputs"]:
             texts = [out.get("text", "")] + [out.get("data", {}).get(k, "") for k in ("text/plain", "text/markdown")]
             for text in texts:
                 text = "".join(text)
                 assert not long_float.search(text), (notebook, source[:80], long_float.search(text).group(0))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_nbval_markers_are_cell_tags(notebook):
+    """Cells whose output nbval must not compare carry the tag `nbval-ignore-output`, which the site
+    does not show; an in-source comment such as `# NBVAL_IGNORE_OUTPUT` is visible on every page."""
+    nb = json.load(open(os.path.join(REPO, "notebooks", notebook)))
+    for cell in nb["cells"]:
+        source = "".join(cell.get("source", ""))
+        assert not re.search(r"#\s*NBVAL_", source), (notebook, source[:80])
