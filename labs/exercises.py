@@ -25,5 +25,5 @@ def demonstrate(check, answers, question, wrong, how):
         refused = not check(question, wrong)
     verdict = printed.getvalue().splitlines()[-1]
     text = (f"the computed answers, each accepted: exercises {', '.join(accepted)}\n"
-            f"a wrong answer is refused (a demonstration: {how}):\n    {verdict}")
+            f"a wrong answer is refused, as a demonstration:\n  given {how}\n  the checker says \"{verdict}\"")
     return {"accepted": accepted, "refused": refused, "text": text}
