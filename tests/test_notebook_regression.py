@@ -128,3 +128,42 @@ def test_nbval_markers_are_cell_tags(notebook):
     for cell in nb["cells"]:
         source = "".join(cell.get("source", ""))
         assert not re.search(r"#\s*NBVAL_", source), (notebook, source[:80])
+
+
+WIDTH = 88  # characters of printed output a lab page shows on one line; longer lines are cut off
+RICH = ("text/markdown", "text/html", "image/png", "application/papermill.record/text/plain",
+        "application/vnd.jupyter.widget-view+json")
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_no_printed_line_is_cut_off_on_the_page(notebook):
+    """Printed output (streams, and plain text where nothing richer is shown) fits the page's width,
+    in every cell, timings included: print less, split the line, or show a Markdown table."""
+    nb = json.load(open(os.path.join(REPO, "notebooks", notebook)))
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        for out in cell["outputs"]:
+            data = out.get("data", {})
+            text = out.get("text", "") if out["output_type"] == "stream" else \
+                "" if any(k in data for k in RICH) else data.get("text/plain", "")
+            for line in "".join(text).splitlines():
+                assert len(line) <= WIDTH, (notebook, "".join(cell["source"])[:80], line)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_widgets_stay_out_of_every_executed_path(notebook):
+    """ipywidgets need a running kernel. A cell that uses them is run by neither the book build
+    (tag skip-execution) nor nbval (tag nbval-skip) and keeps no output; the notebook keeps no
+    widget state, which would make the static page load widget scripts from a CDN."""
+    nb = json.load(open(os.path.join(REPO, "notebooks", notebook)))
+    assert "widgets" not in nb["metadata"], notebook
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        if "ipywidgets" in source or "interact(" in source:
+            assert {"skip-execution", "nbval-skip"} <= set(cell["metadata"].get("tags", [])), (notebook, source[:80])
+            assert cell["outputs"] == [], (notebook, source[:80])
+        for out in cell["outputs"]:
+            assert "application/vnd.jupyter.widget-view+json" not in out.get("data", {}), (notebook, source[:80])
