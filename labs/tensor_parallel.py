@@ -303,7 +303,7 @@ def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100
     / tp) * b * s (Kaplan et al. 2020, §2.1), plus the two s x s attention matmuls, q k^T and scores
     times v, 4 * b * s^2 * h / tp (Narayanan et al. 2021, arXiv 2104.04473, FLOPs appendix; a causal
     kernel can skip about half of them, not counted here).
-    weight_bytes_002: one h x h weight in bf16, h^2 * 2 bytes (128 MiB at h = 8192), the size the
+    hh_weight_bytes: one h x h weight in bf16, h^2 * 2 bytes (128 MiB at h = 8192), the size the
     notes gave the all-reduce; weights never travel in tensor parallelism.
     Link speeds are one direction and the peak is dense bf16, from the vendors' data sheets.
     """
@@ -316,7 +316,7 @@ def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100
     flops = matmul_flops + attention_flops
     return {"message_bytes": message, "sent_bytes": sent, "comm_s": sent / budget.LINKS[link],
             "matmul_flops": matmul_flops, "attention_flops": attention_flops, "flops": flops,
-            "compute_s": flops / budget.PEAK_FLOPS[device], "weight_bytes_002": arch.hidden ** 2 * bytes_per_elem}
+            "compute_s": flops / budget.PEAK_FLOPS[device], "hh_weight_bytes": arch.hidden ** 2 * bytes_per_elem}
 
 
 # Chapter 4's exercises: the answers are computed here, so the book never types them.

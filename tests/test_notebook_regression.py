@@ -19,6 +19,9 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = sorted(f for f in os.listdir(os.path.join(REPO, "notebooks")) if f.endswith(".ipynb"))
+# cell tags with which nbval does not compare a cell's output (timings) or does not run the cell
+UNCHECKED = {"nbval-ignore-output", "nbval-skip"}
 
 
 def _truncated(notebook, marker):
@@ -96,8 +99,7 @@ def test_a_schedule_with_one_action_moved_fails(tmp_path):
     _assert_only_cell_fails(*_nbval(nb, tmp_path), index)
 
 
-@pytest.mark.parametrize("notebook", sorted(f for f in os.listdir(os.path.join(REPO, "notebooks"))
-                                            if f.endswith(".ipynb")))
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
 def test_no_checked_output_prints_a_float_at_full_precision(notebook):
     """A float printed with all its digits (like 0.030286453664302826) changes with the CPU.
 
@@ -109,10 +111,59 @@ def test_no_checked_output_prints_a_float_at_full_precision(notebook):
     long_float = re.compile(r"\d\.\d{9,}")
     for cell in nb["cells"]:
         source = "".join(cell.get("source", ""))
-        if cell["cell_type"] != "code" or "NBVAL_IGNORE_OUTPUT" in source:
+        if cell["cell_type"] != "code" or UNCHECKED & set(cell["metadata"].get("tags", [])):
             continue
         for out in cell["outputs"]:
             texts = [out.get("text", "")] + [out.get("data", {}).get(k, "") for k in ("text/plain", "text/markdown")]
             for text in texts:
                 text = "".join(text)
                 assert not long_float.search(text), (notebook, source[:80], long_float.search(text).group(0))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_nbval_markers_are_cell_tags(notebook):
+    """Cells whose output nbval must not compare carry the tag `nbval-ignore-output`, which the site
+    does not show; an in-source comment such as `# NBVAL_IGNORE_OUTPUT` is visible on every page."""
+    nb = json.load(open(os.path.join(REPO, "notebooks", notebook)))
+    for cell in nb["cells"]:
+        source = "".join(cell.get("source", ""))
+        assert not re.search(r"#\s*NBVAL_", source), (notebook, source[:80])
+
+
+WIDTH = 88  # characters of printed output a lab page shows on one line; longer lines are cut off
+RICH = ("text/markdown", "text/html", "image/png", "application/papermill.record/text/plain",
+        "application/vnd.jupyter.widget-view+json")
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_no_printed_line_is_cut_off_on_the_page(notebook):
+    """Printed output (streams, and plain text where nothing richer is shown) fits the page's width,
+    in every cell, timings included: print less, split the line, or show a Markdown table."""
+    nb = json.load(open(os.path.join(REPO, "notebooks", notebook)))
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        for out in cell["outputs"]:
+            data = out.get("data", {})
+            text = out.get("text", "") if out["output_type"] == "stream" else \
+                "" if any(k in data for k in RICH) else data.get("text/plain", "")
+            for line in "".join(text).splitlines():
+                assert len(line) <= WIDTH, (notebook, "".join(cell["source"])[:80], line)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_widgets_stay_out_of_every_executed_path(notebook):
+    """ipywidgets need a running kernel. A cell that uses them is run by neither the book build
+    (tag skip-execution) nor nbval (tag nbval-skip) and keeps no output; the notebook keeps no
+    widget state, which would make the static page load widget scripts from a CDN."""
+    nb = json.load(open(os.path.join(REPO, "notebooks", notebook)))
+    assert "widgets" not in nb["metadata"], notebook
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        if "ipywidgets" in source or "interact(" in source:
+            assert {"skip-execution", "nbval-skip"} <= set(cell["metadata"].get("tags", [])), (notebook, source[:80])
+            assert cell["outputs"] == [], (notebook, source[:80])
+        for out in cell["outputs"]:
+            assert "application/vnd.jupyter.widget-view+json" not in out.get("data", {}), (notebook, source[:80])

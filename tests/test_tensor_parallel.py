@@ -72,7 +72,7 @@ def test_command_line_contract():
 
 def test_layer_costs_at_70b_scale():
     c = tp.layer_costs("70B", tp=8, seq=4096, micro_batch=1)
-    assert c["weight_bytes_002"] == 128 * 2**20      # 8192 x 8192 x 2 bytes: 128 MiB, not 256
+    assert c["hh_weight_bytes"] == 128 * 2**20      # 8192 x 8192 x 2 bytes: 128 MiB, not 256
     assert c["message_bytes"] == 64 * 2**20           # 4096 x 8192 x 2 bytes
     assert c["sent_bytes"] == 2 * 2 * 7 / 8 * 64 * 2**20
     # Llama 2 70B layer: q, o 8192^2; k, v 8192 x 1024; SwiGLU 3 x 8192 x 28672; two norms of 8192
