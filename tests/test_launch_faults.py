@@ -130,14 +130,6 @@ def test_a_hung_rank_is_named_and_its_waiters_are_told_apart(tmp_path):
     run.assert_clean()
 
 
-def test_a_hung_rank_is_named_by_the_api(tmp_path, monkeypatch):
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    with pytest.raises(launch.RankTimeout) as info:
-        launch.spawn(launch.hello, 3, "hang", 1, timeout=12)
-    assert info.value.rank == 1 and info.value.culprits == [1] and info.value.ranks == [0, 1, 2]
-    assert os.listdir(tmp_path) == []
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 @pytest.mark.parametrize("when", ["early", "late"])
 def test_a_killed_parent_leaves_no_rank_and_no_folder(tmp_path, sig, when):
