@@ -33,7 +33,7 @@ book: $(STAMP)
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
 	@echo "site: $(CURDIR)/_build/html/index.html"
 
-NBVAL := $(BIN)/python -m pytest --nbval notebooks --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider -q
+NBVAL := $(BIN)/python -m pytest --nbval notebooks --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider -q
 
 # Labs first (fast failures), then every notebook re-executed and compared with its committed
 # outputs, twice: with this CPU's own vectorised kernels and with ATEN_CPU_CAPABILITY=default
