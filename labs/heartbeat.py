@@ -1,11 +1,12 @@
-"""Where each rank is, four times a second: how the launcher names the rank that hung (see intro).
+"""Where each rank is, a few times a second: how the launcher names the rank that hung (see intro).
 
 From outside, a rank blocked in a collective and the rank it waits for look alike: neither makes
 progress. So every rank runs a thread that writes, every `PERIOD` seconds, a beat: where its main
 thread is (the innermost frame of user code, and the collective it is inside, if any) and how many
 operations it has entered on each process group (c10d's per-group sequence numbers). At the
 timeout the launcher reads the last beat of each rank that did not finish and names the ranks the
-others were waiting for: the ones outside any collective, silent, or behind their peers.
+others were waiting for: the ones outside any collective, silent, or behind their peers. Spawned
+ranks write their beats into shared memory, torchrun ranks through torchrun's store.
 """
 import json
 import linecache
@@ -24,8 +25,8 @@ STALE_S = 3.0  # a rank silent this long is not running Python at all (stopped, 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # What a rank raises when a peer, not its own code, failed: the peer is the one to name.
 SYMPTOMS = re.compile(r"Connection (reset|closed) by peer|Broken pipe|connection closed|Socket Timeout|"
-                       r"Timed out waiting|timed out|NCCL communicator was aborted|Read error|"
-                       r"remote process exited|ECONNRESET|EPIPE", re.IGNORECASE)
+                      r"Timed out waiting|timed out|NCCL communicator was aborted|Read error|"
+                      r"remote process exited|ECONNRESET|EPIPE", re.IGNORECASE)
 _COLLECTIVE_DIRS = tuple(os.path.join(_TORCH_DIR, d) + os.sep for d in ("distributed", os.path.join("nn", "parallel")))
 
 
