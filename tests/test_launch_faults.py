@@ -198,32 +198,34 @@ def test_under_torchrun_a_hung_rank_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["-m", "labs.launch", "--world-size", "10000"], "10000 ranks need about"),
-    (["-m", "labs.launch", "--timeout", "0"], "argument --timeout: expected a positive finite number, got 0"),
-    (["-m", "labs.launch", "--timeout", "-1"], "argument --timeout: expected a positive finite number, got -1"),
-    (["-m", "labs.launch", "--timeout", "nan"], "argument --timeout: expected a positive finite number, got nan"),
-    (["-m", "labs.launch", "--timeout", "inf"], "argument --timeout: expected a positive finite number, got inf"),
-    (["-m", "labs.launch", "--timeout", "1e12"], "argument --timeout: expected at most 86,400, got 1e12"),
-    (["-m", "labs.launch", "--fault", "hang", "--fault-rank", "5"], "--fault-rank 5 is not a rank of 2"),
-    (["-m", "labs.pipeline", "--world-size", "4", "--microbatches", "100000000"], "above the 3,000,000 this lab builds"),
-    (["-m", "labs.pipeline", "--microbatches", "2000", "--timeout", "60"], "take at least 300 s, above --timeout 60"),
-    (["-m", "labs.pipeline", "--unit-ms", "-1"], "argument --unit-ms: expected a positive finite number, got -1"),
-    (["-m", "labs.ring_allreduce", "--numel", "1000000000000"], "for --numel) but this machine has"),
-    (["-m", "labs.tensor_parallel", "--hidden", "1200000"], "for --hidden, --batch or --seq) but this machine has"),
-    (["-m", "labs.budget", "--gpu-gib", "-5"], "argument --gpu-gib: expected a positive finite number, got -5"),
-    (["-m", "labs.budget", "--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
+    (["labs.launch", "--world-size", "10000"], "10000 ranks need about"),
+    (["labs.launch", "--timeout", "0"], "argument --timeout: expected a positive finite number, got 0"),
+    (["labs.launch", "--timeout", "-1"], "argument --timeout: expected a positive finite number, got -1"),
+    (["labs.launch", "--timeout", "nan"], "argument --timeout: expected a positive finite number, got nan"),
+    (["labs.launch", "--timeout", "inf"], "argument --timeout: expected a positive finite number, got inf"),
+    (["labs.launch", "--timeout", "1e12"], "argument --timeout: expected at most 86,400, got 1e12"),
+    (["labs.launch", "--fault", "hang", "--fault-rank", "5"], "--fault-rank 5 is not a rank of 2"),
+    (["labs.pipeline", "--world-size", "4", "--microbatches", "100000000"], "above the 3,000,000 this lab builds"),
+    (["labs.pipeline", "--microbatches", "2000", "--timeout", "60"], "take at least 300 s, above --timeout 60"),
+    (["labs.pipeline", "--unit-ms", "-1"], "argument --unit-ms: expected a positive finite number, got -1"),
+    (["labs.ring_allreduce", "--numel", "1000000000000"], "for --numel) but this machine has"),
+    (["labs.tensor_parallel", "--hidden", "1200000"], "for --hidden, --batch or --seq) but this machine has"),
+    (["labs.budget", "--gpu-gib", "-5"], "argument --gpu-gib: expected a positive finite number, got -5"),
+    (["labs.budget", "--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
 ])
-def test_bad_input_is_one_sentence_before_anything_starts(tmp_path, args, message):
-    tmpdir = str(tmp_path)
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=dict(os.environ, TMPDIR=tmpdir),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    children = set()
-    while proc.poll() is None:
-        children |= _ours(tmpdir) - {proc.pid}
-        time.sleep(0.05)
-    err = proc.stderr.read()
-    assert proc.returncode == 2
+def test_bad_input_is_one_sentence_before_anything_starts(monkeypatch, capsys, args, message):
+    """Each lab's command line, run in this process with starting a rank made impossible."""
+    import importlib
+    from labs import cli
+
+    def no_start(*_):
+        raise AssertionError("a process was started before the input was refused")
+    monkeypatch.setattr(launch, "_start_rank", no_start)
+    monkeypatch.setattr(launch, "_start_janitor", no_start)
+    module = importlib.import_module(args[0])
+    with pytest.raises(SystemExit) as info:
+        cli.main(lambda: module.main(args[1:]))
+    err = capsys.readouterr().err
+    assert info.value.code == 2
     assert message in err and "Traceback" not in err
     assert len([line for line in err.splitlines() if "error" in line]) == 1
-    assert not children, "a process was started before the input was refused"
-    assert os.listdir(tmpdir) == []
