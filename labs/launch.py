@@ -187,10 +187,12 @@ def check_fits(world_size, bytes_per_rank=0, what=""):
         return
     most = int(free // (RANK_BYTES + bytes_per_rank))
     gib = 1024 ** 3
-    extra = f" and {bytes_per_rank / gib:.3g} GiB for {what}" if bytes_per_rank else ""
-    raise ValueError(f"{world_size} ranks need about {need / gib:.3g} GiB ({RANK_BYTES / gib:.2f} GiB per "
-                     f"process{extra}) but this machine has {free / gib:.3g} GiB available; use at most "
-                     f"{most} ranks{', or less ' + what if what else ''}, or set {MAX_RANKS_ENV} to try anyway.")
+    extra = f" and {bytes_per_rank / gib:,.1f} GiB for {what}" if bytes_per_rank else ""
+    fix = (f"use at most {most} ranks" + (f" or lower {what}" if what else "") if most
+           else f"lower {what}")
+    raise ValueError(f"{world_size} ranks need about {need / gib:,.1f} GiB ({RANK_BYTES / gib:.2f} GiB per "
+                     f"process{extra}) but this machine has {free / gib:,.1f} GiB available; {fix}, "
+                     f"or set {MAX_RANKS_ENV} to try anyway.")
 
 
 def _importable(fn):
