@@ -111,7 +111,7 @@ def single_process(world_size, accumulation, micro_batch=2, seed=0, weighted=Fal
     cfg = gpt.GPTConfig()
     inputs, targets = global_batch(cfg, world_size, accumulation, micro_batch, seed, padded)
     net = gpt.build(cfg, seed=1)
-    b, s = micro_batch, cfg.seq_len
+    s = cfg.seq_len
     logits = net(inputs.reshape(-1, s))                                      # (R K b, s, V)
     y = targets.reshape(-1)
     losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y, ignore_index=IGNORE, reduction="none")
