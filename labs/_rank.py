@@ -29,14 +29,14 @@ def run(tmp, rank, parent_pid):
     import torch
     import torch.distributed as dist
 
-    from labs import heartbeat, launch
+    from labs import heartbeat, launch, supervise
 
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     if hasattr(signal, "SIGUSR1"):  # the parent asks a stuck rank where it is with SIGUSR1
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     def file(kind):
-        return launch._path(tmp, rank, kind)
+        return supervise.path(tmp, rank, kind)
 
     pulse = heartbeat.Heartbeat(heartbeat.MappedBeat(file("beat")), parent_pid).start()
     phase = "start"
@@ -59,7 +59,7 @@ def run(tmp, rank, parent_pid):
         os.replace(file("tmp"), file("result"))  # atomic: the parent never reads half a file
         pulse.stop(done=True)
     except BaseException as exc:
-        launch._write_json(file("error"), {"time": time.time(), "type": type(exc).__name__, "phase": phase,
+        supervise.write_json(file("error"), {"time": time.time(), "type": type(exc).__name__, "phase": phase,
                                            "message": str(exc), "traceback": traceback.format_exc()})
         sys.exit(1)
     finally:

@@ -36,7 +36,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from labs import heartbeat
+from labs import supervise
+from labs.supervise import RankError, RankTimeout  # noqa: F401  (the launcher's public errors)
 
 BACKENDS = ("gloo", "nccl")
 BACKEND_ENV = "LABS_BACKEND"
@@ -48,23 +49,6 @@ MAX_TIMEOUT_S = 86_400
 RANK_BYTES = 450 * 1024 ** 2
 MAX_RANKS_ENV = "LABS_MAX_RANKS"
 _RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank.py")
-
-
-class RankError(RuntimeError):
-    """A rank raised or died. ``rank`` is the first rank that failed."""
-
-    def __init__(self, message, rank):
-        super().__init__(message)
-        self.rank = rank
-
-
-class RankTimeout(RankError):
-    """Some ranks did not finish within the timeout. ``ranks`` lists them; ``culprits`` the ones the
-    others waited for, and ``rank`` the first of those (the first of ``ranks`` if none is known)."""
-
-    def __init__(self, message, ranks, culprits=()):
-        super().__init__(message, (list(culprits) or list(ranks))[0])
-        self.ranks, self.culprits = list(ranks), list(culprits)
 
 
 def check_world_size(world_size):
@@ -133,16 +117,16 @@ def spawn(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
             f.write(spec)
         for rank in range(world_size):
             procs.append(_start_rank(tmp, rank))
-        unfinished, failures = _wait(procs, tmp, time.monotonic() + timeout)
+        unfinished, failures = supervise.wait(procs, tmp, time.monotonic() + timeout)
         if failures:  # a failure outranks a timeout: the stuck ranks wait on the failed one
-            raise _rank_error(failures, world_size, tmp)
+            raise supervise.rank_error(failures, world_size, tmp)
         if unfinished:
-            raise _timeout_error(procs, unfinished, world_size, timeout, tmp)
-        results = [torch.load(_path(tmp, r, "result"), weights_only=False) for r in range(world_size)]
-        _replay_stdout(tmp, world_size)
+            raise supervise.timeout_error(procs, unfinished, world_size, timeout, tmp)
+        results = [torch.load(supervise.path(tmp, r, "result"), weights_only=False) for r in range(world_size)]
+        supervise.replay_stdout(tmp, world_size)
         return results
     finally:
-        _stop(procs)
+        supervise.stop(procs)
         shutil.rmtree(tmp, ignore_errors=True)
         _dismiss(janitor)
 
@@ -217,13 +201,9 @@ def _spec(fn, args, kwargs, world_size, backend, timeout):
                          f"({type(exc).__name__}: {exc}); pass a module-level function and plain values.") from None
 
 
-def _path(tmp, rank, kind):
-    return os.path.join(tmp, f"rank{rank}.{kind}")
-
-
 def _start_rank(tmp, rank):
     """A fresh interpreter running labs/_rank.py, its stdout and stderr going to files in tmp."""
-    with open(_path(tmp, rank, "stdout"), "wb") as out, open(_path(tmp, rank, "stderr"), "wb") as err:
+    with open(supervise.path(tmp, rank, "stdout"), "wb") as out, open(supervise.path(tmp, rank, "stderr"), "wb") as err:
         return subprocess.Popen([sys.executable, _RANK_SCRIPT, tmp, str(rank), str(os.getpid())],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, close_fds=True)
 
@@ -251,129 +231,6 @@ def _dismiss(janitor):
     except subprocess.TimeoutExpired:
         janitor.kill()
         janitor.wait()
-
-
-def _write_json(path, record):
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)  # the parent polls: never half a file
-
-
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _wait(procs, tmp, deadline, grace=2.0):
-    """Wait until every rank exits, one fails, or the deadline passes.
-
-    After the first failure the others get ``grace`` seconds to report theirs, so that the cause,
-    not a peer that merely lost its connection to it, can be named.
-    """
-    pending = set(range(len(procs)))
-    failures = {}  # rank -> error record
-    while pending and time.monotonic() < deadline:
-        time.sleep(0.05)
-        for r in sorted(pending):
-            if r not in failures and os.path.exists(_path(tmp, r, "error")):
-                failures[r] = _read_json(_path(tmp, r, "error"))
-            code = procs[r].poll()
-            if code is None:
-                continue
-            pending.discard(r)
-            if r not in failures and (code != 0 or not os.path.exists(_path(tmp, r, "result"))):
-                failures[r] = {"time": _last_sign_of_life(tmp, r), "type": "died", "phase": "run",
-                               "traceback": "", "message": _exit_reason(code)}
-        if failures:
-            deadline = min(deadline, time.monotonic() + grace)
-            if all(r in failures for r in pending):
-                break
-    return sorted(pending), [(record, r) for r, record in failures.items()]
-
-
-def _last_sign_of_life(tmp, rank):
-    """When a rank that died was last seen alive: its last heartbeat or log write, whichever is
-    later. We notice a death only when we poll, after its peers may have reported the broken
-    connection; the death came before that, and after these."""
-    times = [os.path.getmtime(_path(tmp, rank, kind)) for kind in ("stdout", "stderr")
-             if os.path.exists(_path(tmp, rank, kind))]
-    beat = heartbeat.read_beat(_path(tmp, rank, "beat"))
-    times += [beat["time"]] if beat else []
-    return max(times) if times else time.time()
-
-
-def _exit_reason(code):
-    if code is not None and code < 0:
-        return f"was killed by signal {signal.Signals(-code).name}"
-    return f"exited with code {code} without returning a result"
-
-
-def _tail(path, lines=40):
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _rank_error(failures, world_size, tmp):
-    """Name the cause: a rank that died or raised its own error, the earliest first; the ranks
-    whose error only says that a peer went away come last, whatever their time."""
-    failures.sort(key=lambda item: (item[0]["type"] != "died" and heartbeat.is_symptom(item[0]["message"]), item[0]["time"]))
-    record, rank = failures[0]
-    if record["type"] == "died":
-        head = f"rank {rank} of {world_size} {record['message']}"
-        detail = _tail(_path(tmp, rank, "stderr"))
-    elif record["phase"] == "start":
-        head = (f"rank {rank} of {world_size} failed to start: {record['type']}: {record['message']} (a rank "
-                "imports the function's module afresh: it must import without error in a new process)")
-        detail = record["traceback"]
-    else:
-        head = f"rank {rank} of {world_size} raised {record['type']}: {record['message']}"
-        detail = record["traceback"]
-    others = ", ".join(str(r) for _, r in failures[1:])
-    also = f"\n(ranks {others} failed after it)" if others else ""
-    return RankError(f"{head}{also}\n\n--- rank {rank} ---\n{detail}", rank)
-
-
-def _timeout_error(procs, unfinished, world_size, timeout, tmp):
-    """Name the ranks the others waited for, from their heartbeats; show every stuck rank's stack."""
-    now = time.time()
-    beats = {r: heartbeat.read_beat(_path(tmp, r, "beat")) for r in unfinished}
-    for r in unfinished:  # SIGUSR1 -> faulthandler writes the rank's stack to its stderr
-        if hasattr(signal, "SIGUSR1") and procs[r].poll() is None:
-            os.kill(procs[r].pid, signal.SIGUSR1)
-    time.sleep(0.5)
-    stacks = "\n".join(f"--- rank {r} was here ---\n{_tail(_path(tmp, r, 'stderr'), 25)}" for r in unfinished)
-    head = heartbeat.timeout_message(beats, unfinished, world_size, timeout, now)
-    culprits, _ = heartbeat.verdict(beats, unfinished, now)
-    return RankTimeout(f"{head}\n\n{stacks}", unfinished, sorted(culprits))
-
-
-def _stop(procs):
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _replay_stdout(tmp, world_size, keep=10_000):
-    """Print what each rank printed, in rank order, so notebooks show a deterministic log."""
-    for r in range(world_size):
-        with open(_path(tmp, r, "stdout"), errors="replace") as f:
-            lines = f.read().splitlines()
-        if len(lines) > keep:
-            print(f"[rank {r}] ({len(lines) - keep:,} earlier lines of {len(lines):,} not shown)")
-        for line in lines[-keep:]:
-            print(f"[rank {r}] {line}")
 
 
 FAULTS = ("raise", "exit", "kill", "hang")
