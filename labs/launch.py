@@ -13,6 +13,8 @@ Promises, because a distributed job that hangs teaches nothing:
   waited for (from each rank's heartbeat, `labs.heartbeat`) and showing where each one was stuck;
 - no process outlives the call, not even when the caller is killed (each rank asks the kernel to
   kill it with its parent, before it imports torch), and no temporary file is left behind;
+- a rank costs milliseconds to start, not an `import torch`: it is forked from a process that
+  imported torch once (`labs.zygote`), and imports the lab's own module afresh;
 - the rendezvous goes through a file in a fresh temporary folder, so two calls at once on one
   machine never fight over a port;
 - bad input (world size, timeout, a run larger than the machine's memory) is refused in one
@@ -36,7 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labs import supervise
+from labs import supervise, zygote
 from labs.supervise import RankError, RankTimeout  # noqa: F401  (the launcher's public errors)
 
 BACKENDS = ("gloo", "nccl")
@@ -202,7 +204,10 @@ def _spec(fn, args, kwargs, world_size, backend, timeout):
 
 
 def _start_rank(tmp, rank):
-    """A fresh interpreter running labs/_rank.py, its stdout and stderr going to files in tmp."""
+    """A rank running labs/_rank.py, its stdout and stderr going to files in tmp: forked by this
+    process's zygote (`labs.zygote`: torch already imported), or a fresh interpreter."""
+    if zygote.enabled():
+        return zygote.start_rank(tmp, rank)
     with open(supervise.path(tmp, rank, "stdout"), "wb") as out, open(supervise.path(tmp, rank, "stderr"), "wb") as err:
         return subprocess.Popen([sys.executable, _RANK_SCRIPT, tmp, str(rank), str(os.getpid())],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, close_fds=True)

@@ -126,7 +126,7 @@ def timeout_error(procs, unfinished, world_size, timeout, tmp):
     beats = {r: heartbeat.read_beat(path(tmp, r, "beat")) for r in unfinished}
     for r in unfinished:  # SIGUSR1 -> faulthandler writes the rank's stack to its stderr
         if hasattr(signal, "SIGUSR1") and procs[r].poll() is None:
-            os.kill(procs[r].pid, signal.SIGUSR1)
+            procs[r].send_signal(signal.SIGUSR1)
     time.sleep(0.5)
     stacks = "\n".join(f"--- rank {r} was here ---\n{_tail(path(tmp, r, 'stderr'), 25)}" for r in unfinished)
     head = heartbeat.timeout_message(beats, unfinished, world_size, timeout, now)

@@ -216,3 +216,22 @@ def comm_suite(rank, world_size):
     if world_size == 4:
         out["wire_table"] = ra.library_wire_table(rank, world_size, 4_000_000)
     return out
+
+
+def process_facts(rank, world_size, names=()):
+    """Where this rank came from and what it sees: its parent, its environment, its threads."""
+    import sys
+    return {"pid": os.getpid(), "ppid": os.getppid(), "env": {n: os.environ.get(n) for n in names},
+            "argv0": os.path.basename(sys.argv[0]), "cwd": os.getcwd(), "threads": torch.get_num_threads()}
+
+
+def kill_parent_then_wait(rank, world_size, pid_dir):
+    """Rank 0 kills the process that started it (the zygote); everyone then waits in a collective."""
+    import signal
+    with open(os.path.join(pid_dir, f"{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    dist.barrier()
+    if rank == 0:
+        os.kill(os.getppid(), signal.SIGKILL)
+    dist.barrier()
+    time.sleep(60)
