@@ -134,9 +134,10 @@ def llama3_405b(m=16, p=16):
     """Per-stage FLOPs per sequence of 8,192 tokens (formula, `compute.flops_per_token` per layer
     at s = 8,192; head 6hV forward + backward; embedding 0) for three splits, and 1F1B on them.
 
-    step: the simulated 1F1B step (F = 1/3, B = 2/3 of a stage's FLOPs). bound: sum_s t_s +
-    (m-1) max_s t_s, which every stage's last backward obeys (see the chapter's dropdown); pace:
-    the step's growth per extra micro-batch, which is max_s t_s for m >= p.
+    step: the simulated 1F1B step (F = 1/3, B = 2/3 of a stage's FLOPs); step_gpipe: GPipe's.
+    bound: sum_s t_s + (m-1) max_s t_s, GPipe's step exactly (a flow shop of m identical jobs),
+    1F1B's exactly when the last stage is the slowest (the chapter's dropdown derives both);
+    pace: the simulated step's growth per extra micro-batch.
     """
     from labs.budget import MODELS
     arch, seq = MODELS["405B"], 8192
@@ -152,13 +153,13 @@ def llama3_405b(m=16, p=16):
     for name, counts in splits.items():
         t = [c * layer + (head if s == p - 1 else 0) for s, c in enumerate(counts)]   # ints: exact
         costs = [{"F": x // 3, "B": 2 * x // 3, "W": 0} for x in t]
-        def step(mm):
-            return max(e for tl in schedules.simulate(schedules.one_f_one_b(p, mm), costs) for _, _, e in tl)
+        def step(mm, build=schedules.one_f_one_b):
+            return max(e for tl in schedules.simulate(build(p, mm), costs) for _, _, e in tl)
         total = step(m)
         weights = [c * params["total"] + (arch.vocab * arch.hidden if s == 0 else 0)
                    + (arch.vocab * arch.hidden + arch.hidden if s == p - 1 else 0) for s, c in enumerate(counts)]
         out["splits"][name] = {"layers": counts, "stage_flops": t, "stage_params": weights, "max_stage": max(t), "step": total,
-                               "bound": sum(t) + (m - 1) * max(t), "pace": step(m + 1) - total,
+                               "bound": sum(t) + (m - 1) * max(t), "pace": step(m + 1) - total, "step_gpipe": step(m, schedules.gpipe),
                                "busy_fraction": m * sum(t) / (p * total),
                                "slowest": [s for s in range(p) if t[s] == max(t)]}
     return out

@@ -39,7 +39,7 @@ def test_llama3_405b_split_and_pace():
     assert eq["slowest"] == [15] and llama["slowest"] == list(range(1, 15))
     for s in (eq, llama, even):
         assert s["pace"] == s["max_stage"]                    # the slowest stage sets the pace
-        assert s["step"] <= s["bound"]
+        assert s["step"] <= s["bound"] == s["step_gpipe"]      # GPipe: the flow-shop formula
     assert eq["step"] == eq["bound"]                          # last stage slowest: exact
     assert llama["max_stage"] == 8 * r["layer_flops"] < eq["max_stage"]
     with pytest.raises(ValueError, match="equally"):
