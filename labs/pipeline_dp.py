@@ -13,7 +13,7 @@ overlap the s t_B of backwards that stages 0 .. s-1 still run; only stage 0's is
 The global batch (item "m >= p"): a bubble target sets m (`schedules.microbatches_for`), and
 global batch = m x micro-batch x dp sequences. `global_batch` works it for Llama 3 405B's Table 4.
 
-    python -m labs.pipeline_dp     (or from a notebook: launch.spawn(pipeline_dp.run, 4, 2))
+    launch.spawn(pipeline_dp.run, 4, 2)      # 4 ranks, pp = 2, dp = 2
 """
 import time
 
