@@ -1,0 +1,46 @@
+"""Chapter 5: stage imbalance with a real vocabulary, measured per stage; Llama 3 405B's split in FLOPs."""
+import pytest
+import torch
+
+from labs import stage_balance as sb
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield sb.measure(sb.config(hidden=64, n_layer=8), p=4, timed=False)
+    torch.set_num_threads(threads)
+
+
+def test_per_stage_bytes_and_flops(tiny):
+    b_s, h, V = tiny["tokens"], tiny["hidden"], tiny["vocab"]
+    for stages in tiny["splits"].values():
+        layer = stages[1]["activation_bytes"] // stages[1]["layers"]
+        for s in stages:
+            assert s["flops"] == s["flops_formula"]               # FlopCounterMode == the formula
+        last = stages[-1]
+        extra = last["activation_bytes"] - last["layers"] * layer
+        # fp32 log-probabilities (b s V), ln_f's input and the head's input (b s h each), ln_f's
+        # mean and rstd (b s each), the int64 targets (b s) and the loss's total weight
+        assert extra == 4 * b_s * V + 8 * b_s * h + 16 * b_s + 4
+        assert stages[0]["param_bytes"] - stages[0]["layers"] * tiny["layer_param_bytes"] == 4 * (V + 16) * h
+    equal, balanced = tiny["splits"]["equal"], tiny["splits"]["balanced"]
+    assert [s["layers"] for s in equal] == [2, 2, 2, 2]
+    assert sum(s["layers"] for s in balanced) == 8 and balanced[-1]["layers"] < 2
+    assert max(s["flops"] for s in balanced) < max(s["flops"] for s in equal)
+
+
+def test_llama3_405b_split_and_pace():
+    r = sb.llama3_405b(m=16, p=16)
+    eq, llama, even = (r["splits"][k] for k in ("equal_128", "llama3_126", "even_126"))
+    assert sum(llama["layers"]) == 126 == 16 * 8 - 2 and llama["layers"][0] == llama["layers"][-1] == 7
+    assert 0.5 < r["head_in_layers"] < 1                     # the head: less than one layer's FLOPs
+    assert eq["slowest"] == [15] and llama["slowest"] == list(range(1, 15))
+    for s in (eq, llama, even):
+        assert s["pace"] == s["max_stage"]                    # the slowest stage sets the pace
+        assert s["step"] <= s["bound"] == s["step_gpipe"]      # GPipe: the flow-shop formula
+    assert eq["step"] == eq["bound"]                          # last stage slowest: exact
+    assert llama["max_stage"] == 8 * r["layer_flops"] < eq["max_stage"]
+    with pytest.raises(ValueError, match="equally"):
+        sb.equal(sb.config(n_layer=7), 4)
