@@ -1,10 +1,12 @@
 """Chapter 2: four things of torch's DistributedDataParallel that a user meets (Li et al. 2020).
 
 Li et al. 2020 ("PyTorch Distributed", arXiv 2006.15704, §3.2-3.3; torch's Reducer):
-1. **Bucket order.** Buckets are first filled in reverse registration order, a guess at the
-   order backward produces gradients. During the first iteration the Reducer records the order
-   in which gradients really become ready, and before the second forward rebuilds the buckets in
-   that order (`Reducer::rebuild_buckets`), so the first bucket is complete first.
+1. **Bucket order.** The paper fills buckets in reverse registration order, a guess at the
+   order backward produces gradients; torch 2.13 does that only with find_unused_parameters and
+   otherwise starts with one bucket of everything (`compute_bucket_size_limits`). During the
+   first iteration the Reducer records the order in which gradients really become ready, and
+   before the second forward rebuilds the buckets in that order (`Reducer::rebuild_buckets`),
+   so the first bucket is complete first. It never rebuilds with find_unused_parameters alone.
 2. **gradient_as_bucket_view.** Each ``param.grad`` is a view into its bucket's flat buffer
    instead of a tensor of its own that is copied in and out: one copy of the gradients less.
 3. **Unused parameters.** The Reducer waits for every parameter's gradient before a bucket is
