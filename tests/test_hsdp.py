@@ -68,7 +68,7 @@ def test_hsdp_and_full_sharding_train_like_one_process(run):
 def test_fsdp2_keeps_fp32_shards_of_params_grads_and_adam_state(run):
     for layout, d in (("hsdp", SHARD), ("full", WORLD)):
         # HSDP shards over the node only: the replicas keep the same shards, so 16 P / s, not / N
-        states = [r[layout]["state"] for r in run[:d]] if layout == "full" else [run[0][layout]["state"], run[1][layout]["state"]]
+        states = [r[layout]["state"] for r in run[:d]]   # HSDP: ranks 0 and 1 are one node
         got = dopt.check_fsdp2(states, run[0]["params"])
         assert got["bytes_per_param_per_rank"] == got["formula"] == 16 / d
         assert run[0][layout]["state"]["dtypes"] == {"params": "torch.float32", "grads": "torch.float32",
