@@ -118,7 +118,7 @@ def spawn(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
         with open(os.path.join(tmp, "spec.pkl"), "wb") as f:
             f.write(spec)
         for rank in range(world_size):
-            procs.append(_start_rank(tmp, rank))
+            procs.append(_start_rank(tmp, rank, backend))
         unfinished, failures = supervise.wait(procs, tmp, time.monotonic() + timeout)
         if failures:  # a failure outranks a timeout: the stuck ranks wait on the failed one
             raise supervise.rank_error(failures, world_size, tmp)
@@ -203,10 +203,12 @@ def _spec(fn, args, kwargs, world_size, backend, timeout):
                          f"({type(exc).__name__}: {exc}); pass a module-level function and plain values.") from None
 
 
-def _start_rank(tmp, rank):
+def _start_rank(tmp, rank, backend):
     """A rank running labs/_rank.py, its stdout and stderr going to files in tmp: forked by this
-    process's zygote (`labs.zygote`: torch already imported), or a fresh interpreter."""
-    if zygote.enabled():
+    process's zygote (`labs.zygote`: torch already imported), or a fresh interpreter. NCCL ranks
+    are always fresh: CUDA must not have been touched in a process before it forks, and a fresh
+    interpreter is the only way to be sure of that."""
+    if backend == "gloo" and zygote.enabled():
         return zygote.start_rank(tmp, rank)
     with open(supervise.path(tmp, rank, "stdout"), "wb") as out, open(supervise.path(tmp, rank, "stderr"), "wb") as err:
         return subprocess.Popen([sys.executable, _RANK_SCRIPT, tmp, str(rank), str(os.getpid())],

@@ -8,7 +8,9 @@ rank per request. The fork has imported nothing of the caller's: it imports the 
 sees the caller's current working directory, ``sys.path`` and environment (a change in a variable
 that libraries read when imported, `IMPORT_TIME`, starts a new zygote), and runs exactly the code
 a fresh rank runs. Forking is safe here because
-the zygote never initialises CUDA or a thread pool: it only imports.
+the zygote only imports: it starts no thread pool and runs no kernel. The launcher forks gloo
+ranks only; NCCL ranks start as fresh interpreters, since a process must not fork once CUDA has
+been touched and only a fresh one is sure not to have been.
 
 `Rank` is what the launcher holds for each rank: the slice of `subprocess.Popen` that
 `labs.supervise` uses (``pid``, ``poll``, ``terminate``, ``kill``, ``wait``). The zygote reports
