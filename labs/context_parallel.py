@@ -128,6 +128,24 @@ def check_many(rank, world_size, cases):
     return {name: check(rank, world_size, **kw) for name, kw in cases.items()}
 
 
+def cases(world_size, seq_len=24, head_dim=8, batch=2):
+    """The standard comparison (tests and notebook): every method, causal and not, both splits, with
+    GQA (one KV head for ring and all-gather; half the heads for Ulysses, which needs cp | k) and
+    without. Query heads 6 at cp = 3, else 8, so that Ulysses can split them."""
+    h, k = (6, 3) if world_size == 3 else (8, 4)
+    common = dict(seq_len=seq_len, head_dim=head_dim, batch=batch)
+    return {
+        "ring_zigzag_gqa": dict(method="ring", order="zigzag", heads=h, kv_heads=1, **common),
+        "ring_contiguous": dict(method="ring", order="contiguous", heads=h, kv_heads=h, **common),
+        "ring_full": dict(method="ring", order="contiguous", causal=False, heads=h, kv_heads=k, **common),
+        "allgather_zigzag_gqa": dict(method="allgather", order="zigzag", heads=h, kv_heads=1, **common),
+        "allgather_contiguous": dict(method="allgather", order="contiguous", heads=h, kv_heads=h, **common),
+        "ulysses_zigzag_gqa": dict(method="ulysses", order="zigzag", heads=h, kv_heads=k, **common),
+        "ulysses_contiguous": dict(method="ulysses", order="contiguous", heads=h, kv_heads=h, **common),
+        "ulysses_library": dict(method="ulysses", order="zigzag", heads=h, kv_heads=k, hand=False, **common),
+    }
+
+
 def work_formula(cp, order, causal=True):
     """Score entries per rank in units of (T/cp)^2 / 2 per head: a causal kernel computes a tile below
     the diagonal in full and half of one on it. Contiguous: rank i does i full tiles and one half,

@@ -97,15 +97,12 @@ def merge(out, lse, o, l):
 def attend(q, k, v, q_chunks, k_chunks, causal, work=None):
     """Blockwise attention of q (B, a, Tq, d) over k, v (B, k, Tk, d): (out, lse). Differentiable."""
     scale = q.shape[-1] ** -0.5
-    outs, lses = [], []
-    for qs, ql in q_chunks:
-        outs.append(q.new_zeros(q.shape[0], q.shape[1], ql, q.shape[3]))
-        lses.append(q.new_full((q.shape[0], q.shape[1], ql), NEG_INF))
-    starts = {}
-    for i, (qs, ql) in enumerate(q_chunks):
-        starts[sum(l for _, l in q_chunks[:i])] = i
+    b, a, _, d = q.shape
+    outs = [q.new_zeros(b, a, ql, d) for _, ql in q_chunks]         # each query chunk's running O
+    lses = [q.new_full((b, a, ql), NEG_INF) for _, ql in q_chunks]  # and its L: no key seen yet
+    first_row = [sum(ql for _, ql in q_chunks[:i]) for i in range(len(q_chunks))]
     for qsl, ksl, mask in tiles(q_chunks, k_chunks, causal, q.device):
-        i = starts[qsl.start]
+        i = first_row.index(qsl.start)
         count(work, q[:, :, qsl], k[:, :, ksl], mask)
         o, l = tile_forward(q[:, :, qsl], k[:, :, ksl], v[:, :, ksl], mask, scale)
         outs[i], lses[i] = merge(outs[i], lses[i], o, l)

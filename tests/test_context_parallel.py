@@ -19,19 +19,7 @@ B, D, T = 2, 8, 24
 
 
 def cases(world_size):
-    """Per world size: every method, causal and not, both splits, with GQA and without."""
-    h, k = (6, 3) if world_size == 3 else (8, 4)                     # Ulysses: cp divides both
-    common = dict(seq_len=T, head_dim=D, batch=B)
-    return {
-        "ring_zigzag_gqa": dict(method="ring", order="zigzag", heads=h, kv_heads=1, **common),
-        "ring_contiguous": dict(method="ring", order="contiguous", heads=h, kv_heads=h, **common),
-        "ring_full": dict(method="ring", order="contiguous", causal=False, heads=h, kv_heads=k, **common),
-        "allgather_zigzag_gqa": dict(method="allgather", order="zigzag", heads=h, kv_heads=1, **common),
-        "allgather_contiguous": dict(method="allgather", order="contiguous", heads=h, kv_heads=h, **common),
-        "ulysses_zigzag_gqa": dict(method="ulysses", order="zigzag", heads=h, kv_heads=k, **common),
-        "ulysses_contiguous": dict(method="ulysses", order="contiguous", heads=h, kv_heads=h, **common),
-        "ulysses_library": dict(method="ulysses", order="zigzag", heads=h, kv_heads=k, hand=False, **common),
-    }
+    return cp.cases(world_size, T, D, B)
 
 
 @functools.lru_cache(maxsize=None)
