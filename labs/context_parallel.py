@@ -95,8 +95,9 @@ def check(rank, world_size, method="ring", seq_len=24, causal=True, order="zigza
           head_dim=8, batch=2, hand=True):
     """One method against one process's attention, on this rank's rows.
 
-    Returns ``errors`` (max abs difference: output, dq, dk, dv), ``bytes_sent`` and ``bytes_formula``
-    (forward, backward: counted messages against the derivation, sizes read from this rank's K and Q),
+    Returns ``errors`` (max abs difference: output, dq, dk, dv), ``bytes_sent`` (counted messages,
+    forward and backward; 0 for Ulysses with ``hand=False``, whose all_to_all_single is a library
+    collective: see its ``payloads``) and ``bytes_formula`` (the derivation, from this rank's Q and K sizes),
     ``payloads`` (per operation, from labs.comm), ``work`` (tiles computed: full, diagonal; score
     entries a causal kernel computes; unmasked entries) and ``flops`` (FlopCounterMode, forward).
     """

@@ -83,6 +83,9 @@ def test_zigzag_balances_the_causal_work(world_size):
         h = cases(world_size)["ring_contiguous"]["heads"]
         assert r["ring_contiguous"]["flops"] == 4 * D * B * h * c * c * (w["tiles_full"] + w["tiles_diagonal"])
     assert [r["ring_contiguous"]["work"]["tiles_full"] for r in results] == list(range(world_size))
+    # Ulysses splits heads, not tokens: every rank sees the whole triangle for h/cp heads, cp units
+    for name in ("ulysses_contiguous", "ulysses_zigzag_gqa"):
+        assert [cp.work_units(r[name], world_size, T) for r in results] == [world_size] * world_size
 
 
 def test_ulysses_needs_cp_to_divide_the_heads():
