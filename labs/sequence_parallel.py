@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labs import comm, launch, model as tiny, tensor_parallel as tp
+from labs import activations, comm, launch, model as tiny, tensor_parallel as tp
 
 
 def _log(op, x):
@@ -279,6 +279,27 @@ def lab(rank, world_size, b=2, s=12, hidden=48):
     """`check_block` (counted messages) and `sequence_parallel_activations.activation_table` in one job."""
     from labs import sequence_parallel_activations as spa
     return {"check": check_block(rank, world_size, b, s, hidden), "table": spa.activation_table(rank, world_size, b, s, hidden)}
+
+
+def forward_bytes_per_layer(b, s, h, t, bytes_per_elem=2):
+    """Formula bytes one rank sends in one layer's forward on a ring (Patarasuk & Yuan 2009): TP's
+    two all-reduces of M = b*s*h*bytes, 2(t-1)/t * M each, against SP's two all-gathers and two
+    reduce-scatters, (t-1)/t * M each. Equal: an all-reduce is a reduce-scatter and an all-gather."""
+    m = b * s * h * bytes_per_elem
+    return {"message_bytes": m, "tp": 2 * 2 * (t - 1) / t * m, "sp": 2 * ((t - 1) / t * m + (t - 1) / t * m)}
+
+
+# Chapter 6's exercises: GPT-3 175B shapes (Brown et al. 2020, Table 2.1: h = 12288, 96 heads,
+# s = 2048) at t = 8, b = 1; the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96, tp=8, sp=True) / 2**20,
+    "2": lambda: forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2**20,
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
 
 
 def main(argv=None):

@@ -80,3 +80,11 @@ def test_command_line_contract():
     bad = subprocess.run(run + ["--world-size", "2", "--seq", "7"], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--seq 7 must be divisible" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_sp_sends_what_tp_sends_at_gpt3_scale():
+    f = sp.forward_bytes_per_layer(1, 2048, 12288, 8)
+    assert f["message_bytes"] == 48 * 2**20 and f["sp"] == f["tp"] == 2 * 2 * 7 / 8 * 48 * 2**20
+    # 34/8 + 5 * 96 * 2048 / (12288 * 8) = 14.25 bytes per s*b*h, 2048 * 12288 of them: 342 MiB
+    assert sp.check("1", 342) and not sp.check("1", 14.25 * 2048 * 12288 * 8 / 2**20)
+    assert sp.check("2", 168)
