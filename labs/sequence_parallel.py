@@ -10,9 +10,11 @@ row-parallel layer). An all-reduce is a reduce-scatter followed by an all-gather
 a ring are those of TP; the activations in the sequence-split regions shrink t-fold.
 
 The column-parallel layer keeps only its s/t-token input shard for backward and gathers it again
-there for the weight gradient (Megatron-LM's linear layer with sequence parallelism): that is what
-makes the per-rank activations sbh * 34/t rather than sbh(4 + 30/t) (`regather=False` keeps the
-gathered input instead, to show the difference). LayerNorm weights and the row-parallel biases
+there for the weight gradient, as Megatron-LM does (megatron/core/tensor_parallel/layers.py,
+LinearWithGradAccumulationAndAsyncCommunication, which overlaps that gather with the input-gradient
+matmul; the lab runs it synchronously). That is what makes the per-rank activations
+sbh(34/t + 5as/(ht)) rather than sbh(4 + 30/t + 5as/(ht)) (`regather=False` keeps the gathered
+input instead, to show the difference). LayerNorm weights and the row-parallel biases
 see only their rank's tokens, so their gradients are partial: `sync_grads` all-reduces them.
 
     python -m labs.sequence_parallel --world-size 2 --json
