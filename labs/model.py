@@ -62,9 +62,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         # Widths come from the tensors, not the config: under tensor parallelism this module sees
-        # only its rank's heads (n_head / tp of them, and 3h / tp columns of qkv).
-        B, T, _ = x.shape
+        # only its rank's heads (n_head / tp of them, and 3h / tp columns of qkv); under sequence
+        # parallelism x holds s/tp tokens and qkv's output all s of them, so T is read from that.
         q, k, v = self.qkv(x).chunk(3, dim=2)                     # 3 x (B, T, a*d)
+        B, T, _ = q.shape
         d = q.size(-1) // self.n_head
         q, k, v = (t.view(B, T, self.n_head, d).transpose(1, 2) for t in (q, k, v))  # (B, a, T, d)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))    # (B, a, T, T)

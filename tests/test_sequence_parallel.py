@@ -1,0 +1,90 @@
+"""Chapter 6: Megatron sequence parallelism equals TP and one process, moves TP's bytes as an
+all-gather plus a reduce-scatter, and keeps Table 2's activations per rank (Korthikanti et al. 2022)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from labs import launch, sequence_parallel as sp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fp32: TP and TP+SP sum t partial products where one process sums one long dot product, and the
+# LayerNorm gradients add t partial sums: the same additions in another order, a few ulps of
+# values of order 1. A wrong token slice, a missing reduce-scatter or an unsynced LayerNorm
+# gradient errs by order 1.
+TOL = 1e-5
+FORWARD = ["g forward all-gather", "g-bar forward reduce-scatter"] * 2
+BACKWARD = ["g-bar backward all-gather", "g backward reduce-scatter", "backward re-gather of the input"] * 2
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sp_block_equals_tp_and_one_process_and_keeps_table_2(world_size):
+    b, s, h, t = 2, 12, 48, world_size
+    bsh4 = b * s * h * 4                                      # one fp32 activation of the whole sequence
+    for r in launch.spawn(sp.lab, t, b, s, h, timeout=120):
+        c = r["check"]
+        assert max(c["max_abs_error"], c["max_abs_error_grad"]) < TOL, c
+        assert max(c["max_abs_error_vs_tp"], c["max_abs_error_grad_vs_tp"]) < TOL, c
+        # 2 all-gathers + 2 reduce-scatters in forward, the conjugates in backward, read from the
+        # tensors handed over: an all-gather sends its s/t-token shard, a reduce-scatter takes all s
+        assert c["forward_ops"] == FORWARD and c["backward_ops"] == BACKWARD
+        assert c["forward_payloads"] == [bsh4 // t, bsh4] * 2
+        assert c["tp_payloads"] == [bsh4] * 4
+        # counted messages of the hand rings: SP's forward sends exactly what TP's all-reduces send,
+        # 2 x 2(t-1)/t x bsh; backward adds the two re-gathers, (t-1)/t x bsh each
+        sent = c["counted_bytes_sent"]
+        assert sent["sp_forward"] == sent["tp_forward"] == 2 * 2 * (t - 1) * bsh4 // t
+        assert sent["sp_backward"] - sent["tp_backward"] == 2 * (t - 1) * bsh4 // t
+        # the LayerNorm weights and biases and the two row-parallel biases: h fp32 values each
+        assert c["param_ops"] == ["parameter-gradient all-reduce"] * 6 and c["param_payloads"] == [h * 4] * 6
+        table = r["table"]
+        for row, v in table.items():
+            assert v["measured"] == v["formula"] + v["layernorm_stats"], (row, v)
+        # written out here rather than through labs.activations: TP+SP with selective recompute keeps
+        # 34 bytes per token and hidden unit, split t ways; saving the gathered input would not
+        assert table["tp_sp_selective"]["measured"] == 34 * s * b * h // t + 2 * (s * b // t) * 4
+        assert table["tp_sp_keep_gathered"]["measured"] > table["tp_sp"]["measured"]
+        assert table["tp_sp_full"]["measured"] * t == table["tp_full"]["measured"] == 2 * s * b * h
+
+
+def test_keeping_the_gathered_input_makes_backward_exactly_tps():
+    for c in launch.spawn(sp.check_block, 2, 2, 12, 48, False, timeout=120):
+        assert max(c["max_abs_error"], c["max_abs_error_grad"]) < TOL, c
+        assert c["backward_ops"] == ["g-bar backward all-gather", "g backward reduce-scatter"] * 2
+        assert c["counted_bytes_sent"]["sp_backward"] == c["counted_bytes_sent"]["tp_backward"]
+
+
+def test_pytorch_sequence_parallel_matches_the_hand_version():
+    for r in launch.spawn(sp.dtensor_block, 3, timeout=120):
+        assert r["max_abs_error"] < TOL and r["max_abs_error_grad"] < TOL, r["grad_errors"]
+        # DTensor leaves the LayerNorm gradients as unsummed partials, the sum `sync_grads` does
+        assert r["partial_grads"] == ["ln1.bias", "ln1.weight", "ln2.bias", "ln2.weight"]
+        assert r["placements"]["attn.qkv.weight"] == "(Shard(dim=0),)"
+
+
+def test_a_sequence_that_does_not_split_is_refused():
+    with pytest.raises(launch.RankError, match="s = 10 is not divisible by tp = 4"):
+        launch.spawn(sp.check_block, 4, 2, 10, timeout=120)
+
+
+def test_command_line_contract():
+    run = [sys.executable, "-m", "labs.sequence_parallel"]
+    out = subprocess.run(run + ["--world-size", "2", "--json"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["max_abs_error"] < TOL and r["max_abs_error_grad"] < TOL and r["forward_ops"] == FORWARD
+    assert {row: v["measured"] - v["layernorm_stats"] for row, v in r["activation_bytes"].items()} == \
+        {row: v["formula"] for row, v in r["activation_bytes"].items()}
+    bad = subprocess.run(run + ["--world-size", "2", "--seq", "7"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--seq 7 must be divisible" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_sp_sends_what_tp_sends_at_gpt3_scale():
+    f = sp.forward_bytes_per_layer(1, 2048, 12288, 8)
+    assert f["message_bytes"] == 48 * 2**20 and f["sp"] == f["tp"] == 2 * 2 * 7 / 8 * 48 * 2**20
+    # 34/8 + 5 * 96 * 2048 / (12288 * 8) = 14.25 bytes per s*b*h, 2048 * 12288 of them: 342 MiB
+    assert sp.check("1", 342) and not sp.check("1", 14.25 * 2048 * 12288 * 8 / 2**20)
+    assert sp.check("2", 168)
