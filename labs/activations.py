@@ -67,7 +67,7 @@ def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute=
 
     flash:        sbh(12 + 4k/a) + 8sbf + sb(8 + 4a)
     materialized: sbh(16 + 2as/h) + 8sbf + 8sb      (Llama has no dropout and no 4h GeLU MLP)
-    recompute="selective" recomputes the attention core (Korthikanti §4.2) from q, k, v: scores and
+    recompute="selective" recomputes the attention core (Korthikanti et al. 2022, §5) from q, k, v: scores and
     log-sum-exp go, k and v stay at k heads. "full" keeps only the layer input, 2sbh. Under tensor
     parallelism (Shoeybi et al. 2019) heads and f split over tp; the norms, their statistics and
     the projections' inputs are replicated unless sequence parallelism (sp) splits them too; KV
@@ -158,7 +158,7 @@ class _AttentionOps(TorchDispatchMode):
 
 
 def recompute_attention_core(block):
-    """Selective recomputation (Korthikanti et al. 2022, §4.2), applied from outside the model: the
+    """Selective recomputation (Korthikanti et al. 2022, §5), applied from outside the model: the
     attention core runs under a reentrant checkpoint, which saves only its inputs q, k, v (through
     save_for_backward, where `memory.saved_for_backward` sees them; the non-reentrant checkpoint
     keeps them out of sight of saved-tensor hooks) and recomputes scores or log-sum-exp in backward."""
