@@ -202,7 +202,7 @@ class ExpertParallelMoE(nn.Module):
             m = (local == j).nonzero().squeeze(1)
             y = y.index_add(0, m, ex(rows[m]))
         back = _AllToAll.apply(y, send_splits, recv_splits, self.group, "combine")      # (S, h)
-        self.sent_to = e // self.per                           # destination rank of each row sent
+        self.sent_rank, self.sent_token = e // self.per, t     # where each row sent went, and its token
         return x + torch.zeros_like(x).index_add(0, t, r.gates[t, slot, None] * back)
 
 
@@ -219,7 +219,8 @@ def _sent(log, what, rank):
     return sum(b for entry in log if entry["what"] == what for d, b in enumerate(entry["to"]) if d != rank)
 
 
-def check_layer(rank, world_size, tokens=32, hidden=16, experts=8, top_k=2, capacity_factor=None, seed=0):
+def check_layer(rank, world_size, tokens=32, hidden=16, experts=8, top_k=2, capacity_factor=None, seed=0,
+                node_limit=None):
     """The expert-parallel layer beside the single-process one with the same weights, on the same
     tokens (rank r's T tokens are rows rT ... rT + T - 1 of the reference batch; capacity is per
     rank's batch, so the reference routes each rank's rows as one batch).
@@ -232,6 +233,7 @@ def check_layer(rank, world_size, tokens=32, hidden=16, experts=8, top_k=2, capa
     per = check_ep(experts, world_size)
     dev = launch.device()
     full = MoE(hidden, experts, top_k, capacity_factor, seed=seed).to(dev)
+    full.node_limit = node_limit  # (experts per node, M): DeepSeek-V3's node-limited routing
     g = torch.Generator().manual_seed(seed + 1)
     x_all = torch.randn(world_size * tokens, hidden, generator=g).to(dev)
     up = torch.randn(world_size * tokens, hidden, generator=g).to(dev)  # a fixed dL/dy
@@ -242,7 +244,9 @@ def check_layer(rank, world_size, tokens=32, hidden=16, experts=8, top_k=2, capa
         routings.append(full.routing)
     ref = torch.cat(chunks)
     (ref * up).sum().backward()
-    layer = ExpertParallelMoE(MoE(hidden, experts, top_k, capacity_factor, seed=seed).to(dev))
+    twin = MoE(hidden, experts, top_k, capacity_factor, seed=seed).to(dev)  # the same weights, fresh grads
+    twin.node_limit = node_limit
+    layer = ExpertParallelMoE(twin)
     mine = slice(rank * tokens, (rank + 1) * tokens)
     x = x_all[mine].clone().requires_grad_()
     with payloads() as forward, comm.counting() as tally:
