@@ -168,3 +168,23 @@ def node_limited(rank, world_size, ranks_per_node=2, tokens=64, hidden=16, exper
                      "dispatch_bytes": sum(to), "once_per_node_bytes": pairs * hidden * x.element_size(),
                      "max_nodes_per_token": max(nodes), "row_bytes": hidden * x.element_size()}
     return out
+
+
+def dispatch_bytes(tokens, top_k, ep, hidden, bytes_per_elem=2):
+    """Formula bytes one rank's dispatch sends when routing is uniform and nothing is dropped:
+    each of its T*k (token, expert) rows leaves with probability (ep - 1)/ep, h elements each.
+    Combine sends the same back; backward repeats both."""
+    return tokens * top_k * (ep - 1) / ep * hidden * bytes_per_elem
+
+
+# Chapter 7's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: moe.capacity(4096, 64, 1, 1.25),
+    "2": lambda: dispatch_bytes(4096, 8, 64, 7168) / 2**20,
+    "3": lambda: 4 * 7168 * 2,
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
