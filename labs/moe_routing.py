@@ -119,14 +119,16 @@ def train_balance(mode, steps=300, tokens=128, hidden=16, experts=8, top_k=2, al
 
 def uniform_floor(tokens=128, experts=8, top_k=2, trials=200, seed=0):
     """max/mean load of a router with no preference at all (uniform random scores): the noise
-    floor a perfectly balanced router still shows at this batch size (mean over ``trials``)."""
+    floor a perfectly balanced router still shows at this batch size. Returns the mean over
+    ``trials`` batches and the standard deviation of one batch's value."""
     g = torch.Generator().manual_seed(seed)
     ratios = []
     for _ in range(trials):
         idx = moe.route(torch.rand(tokens, experts, generator=g), top_k).idx
         loads = torch.bincount(idx.reshape(-1), minlength=experts)
         ratios.append((loads.max() / loads.float().mean()).item())
-    return sum(ratios) / trials
+    r = torch.tensor(ratios, dtype=torch.float64)
+    return r.mean().item(), r.std().item()
 
 
 def balance_runs(steps=300, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-3, last=20):
@@ -140,7 +142,7 @@ def balance_runs(steps=300, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-
             r["final"] = sum(r["max_over_mean"][-last:]) / last
             r["final_loss"] = sum(r["losses"][-last:]) / last
             out[name] = r
-    out["uniform_floor"] = uniform_floor(tokens)
+    out["uniform_floor"], out["uniform_spread"] = uniform_floor(tokens)
     return out
 
 
