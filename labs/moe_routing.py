@@ -152,12 +152,12 @@ def node_limited(rank, world_size, ranks_per_node=2, tokens=64, hidden=16, exper
     other nodes (from the payloads per destination), the same if each token went once per remote
     node (the distinct (token, node) pairs among the rows sent), and the most nodes one token used."""
     epn = experts // world_size * ranks_per_node  # experts per node
-    out = {}
+    out, dev = {}, launch.device()
     for name, limit in (("unlimited", None), ("one_node", (epn, 1))):
-        full = moe.MoE(hidden, experts, top_k, None, seed=seed)
+        full = moe.MoE(hidden, experts, top_k, None, seed=seed).to(dev)
         full.node_limit = limit
         layer = moe.ExpertParallelMoE(full)
-        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1 + rank))
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1 + rank)).to(dev)
         with moe.payloads() as log:
             layer(x)
         to = next(e["to"] for e in log if e["what"] == "dispatch")
