@@ -257,11 +257,23 @@ def broadcast(tensor, src, group=None, async_op=False):
                     lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
-def all_to_all(output, input, group=None, async_op=False):
-    """Equal splits: each rank keeps 1/n of ``input`` and sends the rest, one slice per peer."""
-    n = _size(group)
-    return _library("all_to_all", _nbytes(input), _nbytes(input) * (n - 1) // n, _nbytes(output) * (n - 1) // n,
-                    group, async_op, lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op))
+def all_to_all(output, input, group=None, async_op=False, output_split_sizes=None, input_split_sizes=None):
+    """Rank j gets slice j of ``input``: equal slices, or the rows named by the split sizes (uneven,
+    as expert parallelism needs; every rank must know its ``output_split_sizes`` beforehand).
+
+    Formula bytes: everything but the slice a rank keeps for itself.
+    """
+    n, rank = _size(group), dist.get_rank(group)
+    if input_split_sizes is None:
+        sent, received = _nbytes(input) * (n - 1) // n, _nbytes(output) * (n - 1) // n
+    else:
+        row_in = _nbytes(input) // max(input.shape[0], 1)
+        row_out = _nbytes(output) // max(output.shape[0], 1)
+        sent = (sum(input_split_sizes) - input_split_sizes[rank]) * row_in
+        received = (sum(output_split_sizes) - output_split_sizes[rank]) * row_out
+    return _library("all_to_all", _nbytes(input), sent, received, group, async_op,
+                    lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                   group=group, async_op=async_op))
 
 
 # ---- point-to-point: counted messages ----------------------------------------------------------
