@@ -227,6 +227,32 @@ def empty_row(safe):
     return {"output": o2[0, 0].tolist(), "lse": lse2[0, 0].tolist()}
 
 
+# ---- exercises 3 and 4 of chapter 6 (1 and 2 are sequence_parallel's) ------------------------
+
+def min_block(peak_flops, link_bytes_per_s, kv_fraction=1.0):
+    """Liu et al. 2023, §3 (Table 2): a block of c tokens costs 4dc^2 FLOPs of attention (QK^T and PV)
+    and brings 4cd bytes of K and V in bf16, so the ring hides its sends when 4dc^2/F >= 4cd/B, that is
+    c >= F/B tokens per rank. With GQA only k/a of those bytes travel (``kv_fraction``): c >= (k/a) F/B."""
+    return kv_fraction * peak_flops / link_bytes_per_s
+
+
+def _h100_over(link, kv_fraction=1.0):
+    from labs import budget
+    return min_block(budget.PEAK_FLOPS["H100 SXM, bf16 dense"], budget.LINKS[link], kv_fraction)
+
+
+EXERCISES = {
+    "3": lambda: _h100_over("InfiniBand NDR (400 Gb/s)"),
+    "4": lambda: _h100_over("InfiniBand NDR (400 Gb/s)", kv_fraction=8 / 64),   # Llama 3 70B: 8 KV of 64 heads
+}
+
+
+def check_answer(question, answer, rel=0.01):
+    """The exercise checker (``check`` is the lab's run of one method)."""
+    from labs import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
+
+
 def main(argv=None):
     from labs import cli
     p = cli.parser("Context parallelism: ring, Ulysses or all-gather attention against one process.")
