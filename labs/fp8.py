@@ -218,3 +218,28 @@ def allgather_bytes(world_size=2, numel=4096, timeout=60.0):
     keys = ("bf16_payload", "fp8_payload", "scale_payload", "bf16_formula_sent", "fp8_formula_sent",
             "gloo_refuses_fp8")
     return {"world_size": world_size, "numel": numel, **{k: r0[k] for k in keys}}
+
+
+def _fp8_scaling(args):
+    r = matmul_error()
+    return r, "\n".join(f"{g}: relative error {e:.4f}, X zeros {r['x_zero_fraction'][g]:.4f}"
+                        for g, e in r["errors"].items())
+
+
+def _accumulation(args):
+    r = accumulation()
+    return r, "\n".join(f"K={k}: limited {a:.2e}, promoted every {r['interval']} {b:.2e}"
+                        for k, a, b in zip(r["K"], r["limited"], r["promoted"]))
+
+
+def _allgather(args):
+    r = allgather_bytes(args.world_size, timeout=args.timeout)
+    return r, (f"all-gather payload per rank: bf16 {r['bf16_payload']} B, fp8 {r['fp8_payload']} B "
+               f"+ scale {r['scale_payload']} B (counted); gloo on raw fp8: {r['gloo_refuses_fp8']}")
+
+
+EXPERIMENTS = {"fp8-scaling": _fp8_scaling, "accumulation": _accumulation, "fp8-allgather": _allgather}
+
+if __name__ == "__main__":
+    from labs import cli, precision
+    cli.main(lambda: precision.main(experiments=EXPERIMENTS))

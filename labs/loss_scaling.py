@@ -178,3 +178,28 @@ def track(mode, steps=30, loss_weight=2.0 ** -24, lr=3e-3, seed=0):
             scaler.update()
         losses.append(loss.item())
     return {"mode": mode, "losses": losses, "zero_grad_fraction": zero_grads}
+
+
+def _underflow(args):
+    r = underflow()
+    lines = [f"{row['format']} x{row['scale']:>9,}: zero {row['zero']:.3f}, inf {row['inf']:.5f}" for row in r["rows"]]
+    return {"formats": formats(), **r}, "\n".join(lines)
+
+
+def _loss_scaling(args):
+    r = scaler_trace(steps=args.steps)
+    lines = [f"step {h['step']}: S = {h['scale']:.0f}{' skipped' if h['skipped'] else ''}" for h in r["hand"]]
+    same = r["hand"] == r["torch"] and r["params_equal"]
+    return r, "\n".join(lines + [f"hand scaler == GradScaler('cpu'): {same}"])
+
+
+def _track(args):
+    r = {m: track(m, steps=args.steps) for m in TRACK_MODES}
+    return r, "\n".join(f"{m}: final loss {v['losses'][-1]:.4f}" for m, v in r.items())
+
+
+EXPERIMENTS = {"underflow": _underflow, "loss-scaling": _loss_scaling, "track": _track}
+
+if __name__ == "__main__":
+    from labs import cli, precision
+    cli.main(lambda: precision.main(experiments=EXPERIMENTS))
