@@ -200,6 +200,26 @@ def _track(args):
 
 EXPERIMENTS = {"underflow": _underflow, "loss-scaling": _loss_scaling, "track": _track}
 
+
+# Chapter 8's exercises: the answers are computed here (from torch.finfo), so the book never types them.
+def _e4m3_flush_below(amax):
+    f = formats()["fp8_e4m3"]
+    return f["smallest_subnormal"] / 2 * amax / f["max"]  # half the smallest step rounds to zero
+
+
+EXERCISES = {
+    "1": lambda: formats()["fp16"]["smallest_normal"] / 2.0 ** -30,  # S lifting 2^-30 to FP16's smallest normal
+    "2": lambda: _e4m3_flush_below(1792.0),
+    # ring all-gather on 8 ranks: each rank sends 7 shards of 2^20 FP8 elements, each with its fp32 scale
+    "3": lambda: 7 * (2 ** 20 * formats()["fp8_e4m3"]["bits"] // 8 + formats()["fp32"]["bits"] // 8),
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
+
+
 if __name__ == "__main__":
     from labs import cli, precision
     cli.main(lambda: precision.main(experiments=EXPERIMENTS))
