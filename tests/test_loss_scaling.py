@@ -60,3 +60,13 @@ def test_bf16_tracks_fp32_fp16_stalls_and_loss_scaling_recovers():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="unknown mode 'fp8'"):
         ls.track("fp8")
+
+
+def test_exercise_answers_agree_with_a_cast():
+    from labs import fp8
+    bound = ls.EXERCISES["2"]()
+    x = torch.tensor([[1792.0, bound * 1.01, bound * 0.99]])  # amax 1792 sets the per-tensor scale
+    q, _ = fp8.quantize(x, "tensor")
+    assert q.float()[0, 1] != 0 and q.float()[0, 2] == 0  # the flush-to-zero bound, measured
+    s = ls.EXERCISES["1"]()
+    assert torch.tensor(2.0 ** -30 * s, dtype=torch.float16).item() == torch.finfo(torch.float16).smallest_normal
