@@ -1,0 +1,72 @@
+"""Chapter 8: bit layouts from torch.finfo, FP16 underflow, the hand scaler beside GradScaler."""
+import pytest
+import torch
+
+from labs import loss_scaling as ls
+
+
+def test_formats_match_the_published_maxima_and_layouts():
+    f = ls.formats()
+    # E4M3 448 and E5M2 57,344: Micikevicius et al. 2022, Table 1; FP16 65,504: IEEE 754 binary16.
+    assert (f["fp8_e4m3"]["max"], f["fp8_e5m2"]["max"], f["fp16"]["max"]) == (448.0, 57344.0, 65504.0)
+    assert [(f[k]["exponent_bits"], f[k]["mantissa_bits"]) for k in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")] \
+        == [(5, 10), (8, 7), (4, 3), (5, 2)]
+    # the notes' FP16 range starts at 6e-5, the smallest *normal*; subnormals reach 2^-24 (about 6e-8)
+    assert f["fp16"]["smallest_subnormal"] == 2.0 ** -24 and f["fp16"]["smallest_normal"] == 2.0 ** -14
+    assert f["bf16"]["smallest_normal"] == f["fp32"]["smallest_normal"]  # same 8-bit exponent
+
+
+def test_loss_scale_rescues_fp16_gradients_and_bf16_never_loses_them():
+    rows = {(r["format"], r["scale"]): r for r in ls.underflow()["rows"]}
+    assert rows[("fp16", 1)]["zero"] > 0.5                    # most of the sample is below 2^-24
+    assert rows[("fp16", 2 ** 16)]["zero"] < rows[("fp16", 1)]["zero"] / 10
+    assert rows[("fp16", 2 ** 24)]["inf"] > 0                 # too large a scale overflows the top
+    assert all(rows[("bf16", s)]["zero"] == 0 for s in (1, 2 ** 24))
+
+
+def test_hand_scaler_follows_gradscaler_step_by_step():
+    r = ls.scaler_trace(steps=12, init_scale=2.0 ** 22, growth_interval=3)
+    assert r["hand"] == r["torch"] and r["params_equal"]  # same scales, same skips, same weights
+    scales = [s["scale"] for s in r["hand"]]
+    skipped = [s["skipped"] for s in r["hand"]]
+    # back-off: overflowing steps are skipped and halve S; growth: 3 clean steps double it
+    for i in range(len(scales) - 1):
+        if skipped[i]:
+            assert scales[i + 1] == scales[i] / 2
+    first_clean = skipped.index(False)
+    assert skipped[first_clean:first_clean + 3] == [False] * 3
+    assert scales[first_clean + 3] == 2 * scales[first_clean]
+
+
+def test_a_scaler_that_never_backs_off_is_caught():
+    r = ls.scaler_trace(steps=6)
+    wrong = ls.DynamicScaler(init_scale=2.0 ** 22, backoff_factor=1.0, growth_interval=3)
+    trace, _ = ls._run_scaler(wrong, 6)
+    assert trace != r["torch"]
+    assert all(s["skipped"] for s in trace)  # stuck above FP16's range: no step is ever taken
+
+
+def test_bf16_tracks_fp32_fp16_stalls_and_loss_scaling_recovers():
+    runs = {m: ls.track(m, steps=6) for m in ls.TRACK_MODES}
+    ref = torch.tensor(runs["fp32"]["losses"])
+    # BF16 autocast rounds activations to 8 significant bits: losses agree to about 1e-2 relative
+    torch.testing.assert_close(torch.tensor(runs["bf16"]["losses"]), ref, rtol=1e-2, atol=0)
+    # FP16 loss scaling recovers the FP32 run up to FP16 rounding (11 bits): 1e-3 relative
+    torch.testing.assert_close(torch.tensor(runs["fp16_scaled"]["losses"]), ref, rtol=1e-3, atol=0)
+    assert runs["fp16"]["zero_grad_fraction"][0] == 1.0   # every gradient underflowed
+    assert runs["fp16"]["losses"][-1] > ref[-1] + 0.1     # and the model did not learn
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="unknown mode 'fp8'"):
+        ls.track("fp8")
+
+
+def test_exercise_answers_agree_with_a_cast():
+    from labs import fp8
+    bound = ls.EXERCISES["2"]()
+    x = torch.tensor([[1792.0, bound * 1.01, bound * 0.99]])  # amax 1792 sets the per-tensor scale
+    q, _ = fp8.quantize(x, "tensor")
+    assert q.float()[0, 1] != 0 and q.float()[0, 2] == 0  # the flush-to-zero bound, measured
+    s = ls.EXERCISES["1"]()
+    assert torch.tensor(2.0 ** -30 * s, dtype=torch.float16).item() == torch.finfo(torch.float16).smallest_normal
