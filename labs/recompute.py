@@ -153,19 +153,25 @@ def compare(cfg=None, batch=2, k=2, dtype=torch.bfloat16, policies=POLICIES):
     return rows
 
 
-def timing(cfg=None, batch=4, k=2, repeats=5, dtype=torch.float32):
-    """Wall-clock seconds of one forward and backward per policy (the fastest of ``repeats``) and the
-    ratio to "none". One machine, one run: the ratio, not the seconds, is the result."""
+def timing(cfg=None, batch=4, k=2, repeats=7, dtype=torch.float32, threads=1):
+    """Wall-clock seconds of one forward and backward per policy (the fastest of ``repeats``, taken
+    in turns) and the ratio to "none". One thread: on a shared CPU, threads that wait for a busy core
+    time the neighbours, not the policy. One machine, one run: the ratio, not the seconds, is the result."""
     cfg = cfg or config(layers=4, hidden=128, heads=4, seq=128)
     steps = {p: _step(cfg, batch, p, k, dtype) for p in POLICIES}
     seconds = dict.fromkeys(POLICIES, float("inf"))
-    with set_checkpoint_early_stop(False):
-        for i in range(repeats + 1):         # round robin, so a busy moment hits every policy alike
-            for policy, (_, x, run) in steps.items():
-                start = time.perf_counter()
-                run(x).sum().backward()
-                if i:                          # the first round warms up and is dropped
-                    seconds[policy] = min(seconds[policy], time.perf_counter() - start)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with set_checkpoint_early_stop(False):
+            for i in range(repeats + 1):         # round robin, so a busy moment hits every policy alike
+                for policy, (_, x, run) in steps.items():
+                    start = time.perf_counter()
+                    run(x).sum().backward()
+                    if i:                          # the first round warms up and is dropped
+                        seconds[policy] = min(seconds[policy], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
     return {"seconds": seconds, "ratio_vs_none": {p: t / seconds["none"] for p, t in seconds.items()}}
 
 
