@@ -1,0 +1,89 @@
+"""Chapter 10: every collective built from point-to-point messages equals the library's and moves
+exactly Thakur-Rabenseifner-Gropp's rounds and bytes; AR = RS then AG; the alpha-beta fit is sane."""
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from labs import alpha_beta, collectives as col, launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fp32 sums of at most 5 standard normals in another order than the library's: a few ulps of
+# numbers of size ~5 (~5e-7); 1e-5 is far below what a wrong block or a missed addend gives (~1).
+TOL = 1e-5
+NUMEL = 60  # divisible by 2, 3, 4 and 5: equal blocks on every world size tested
+
+
+@functools.lru_cache(maxsize=None)
+def every(world_size):
+    """One spawn per world size runs every algorithm it allows."""
+    return col.every(world_size, NUMEL, timeout=180)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_every_collective_equals_the_library_and_the_formula(world_size):
+    results = every(world_size)
+    power_of_two = not world_size & (world_size - 1)
+    assert len(results) == (10 if power_of_two else 6)  # doubling/halving only where p = 2^k
+    for key, r in results.items():
+        f = r["formula"]
+        assert r["max_abs_error"] < TOL, key
+        assert r["steps"] == f["steps"], key
+        assert max(r["bytes_sent"]) == f["max_bytes_sent"], key
+        assert r["total_bytes_sent"] == f["total_bytes_sent"], key
+
+
+def test_the_count_can_disagree_with_the_wrong_formula():
+    # recursive doubling sends the whole buffer lg p times; counted as a ring it would be wrong
+    r = every(4)["all_reduce/recursive_doubling"]
+    ring = col.formula("all_reduce", "ring", 4, r["nbytes"])
+    assert max(r["bytes_sent"]) == 2 * r["nbytes"] != ring[1]
+    # Rabenseifner has the ring's bytes in fewer rounds: 2 lg p = 4 against 2(p-1) = 6
+    rab = every(4)["all_reduce/rabenseifner"]
+    assert (rab["steps"], max(rab["bytes_sent"])) == (4, ring[1]) and ring[0] == 6
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_all_reduce_is_reduce_scatter_then_all_gather(world_size):
+    for r in launch.spawn(col.rank_rs_then_ag, world_size, NUMEL, timeout=120):
+        assert r["max_abs_error"] < TOL
+        assert r["identical"]  # the same additions in the same order as the ring all-reduce
+        assert r["rs_bytes"] + r["ag_bytes"] == r["ar_bytes"] == 2 * (world_size - 1) * NUMEL * 4 // world_size
+
+
+def test_bad_input_is_one_sentence():
+    with pytest.raises(ValueError, match="power-of-two"):
+        col.check("all_reduce", "recursive_doubling", 6, 60)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        col.check("all_gather", "ring", 4, 10)
+    with pytest.raises(ValueError, match="not 'ring'"):
+        col.check("broadcast", "ring", 4, 10)
+    out = subprocess.run([sys.executable, "-m", "labs.collectives", "--world-size", "3", "--algorithm",
+                          "recursive_doubling"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "power-of-two" in out.stderr
+
+
+def test_cli_json():
+    out = subprocess.run([sys.executable, "-m", "labs.collectives", "--world-size", "2", "--op", "all_to_all",
+                          "--numel", "8", "--json"], capture_output=True, text=True, cwd=REPO, check=True)
+    r = json.loads(out.stdout.splitlines()[-1])
+    assert r["bytes_sent"] == [16, 16] and r["steps"] == 1 and r["max_abs_error"] == 0.0
+
+
+def test_alpha_beta_fit_and_crossover_are_sane():
+    fit = alpha_beta.fit(sizes=[4, 4096, 65536, 262144], repeats=5)
+    assert len(fit["predicted"]) == 4 and all(s > 0 for s in fit["seconds"])
+    assert alpha_beta.crossover(1e-5, 1e-9, 2) is None          # p = 2: doubling always wins
+    assert alpha_beta.crossover(1e-5, 1e-9, 4) == pytest.approx(4 * 1e-5 / (0.5 * 1e-9))
+    with pytest.raises(ValueError):
+        alpha_beta.crossover(1e-5, 1e-9, 6)
+
+
+def test_bench_rows_use_nccl_tests_factors():
+    result = alpha_beta.bench(2, ops=("all_reduce", "all_gather"), sizes=[4096], repeats=2)
+    ar, ag = result["rows"]
+    assert ar["busbw"] == pytest.approx(ar["algbw"])          # 2(n-1)/n = 1 at n = 2
+    assert ag["busbw"] == pytest.approx(ag["algbw"] / 2)      # (n-1)/n
