@@ -1,6 +1,6 @@
 """Chapter 10: the alpha-beta model fitted on this machine, and an nccl-tests-style table.
 
-Hockney's model, as Thakur, Rabenseifner & Gropp (2005, section 3) use it: a message of n bytes
+Hockney's model, as Thakur, Rabenseifner & Gropp (2005) use it: a message of n bytes
 takes alpha + n * beta. `fit` estimates alpha and beta by least squares from measured times of
 one exchange (both ranks send and receive n bytes at once, as in every round of chapter 10's
 algorithms) on 2 ranks. With them, recursive doubling's all-reduce, lg p * alpha + n lg p * beta,

@@ -1,7 +1,7 @@
 """Chapter 10: every collective built from point-to-point messages, counted against its cost formula.
 
 Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH"
-(IJHPCA 2005), sections 4-5, give each algorithm's rounds and bytes on p ranks for n bytes
+(IJHPCA 19(1), 2005) give each algorithm's rounds and bytes on p ranks for n bytes
 (time = rounds * alpha + bytes * beta, plus gamma per reduced byte):
 
     broadcast, binomial tree        ceil(lg p) rounds; the root sends n each round
@@ -15,7 +15,7 @@ Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operatio
     all-to-all, pairwise exchange   p-1 rounds, (p-1)/p * n per rank
 
 Recursive doubling and halving pair rank r with r XOR 2^k, so they need p a power of two; here
-any other p is refused (MPICH folds the extra ranks onto a power of two first, section 4.4).
+any other p is refused (MPICH folds the extra ranks onto a power of two first).
 The ring halves are chapter 2's (`labs.ring_allreduce`); every message goes through `labs.comm`,
 so `bytes_sent` are counted messages, and `rounds` are the exchanges a rank took part in.
 
@@ -56,7 +56,7 @@ def _pow2(p, what):
 
 
 def tree_broadcast(x, rounds, root=0):
-    """Binomial tree (TRG 2005, section 4.1): in round k every rank v < 2^k (relative to the root)
+    """Binomial tree (TRG 2005): in round k every rank v < 2^k (relative to the root)
     that holds the data sends it to v + 2^k; ceil(lg p) rounds."""
     p, r = dist.get_world_size(), dist.get_rank()
     v, mask = (r - root) % p, 1
@@ -99,7 +99,7 @@ def ring_reduce_scatter(out, x, rounds):
 
 
 def doubling_all_gather(out, shard, rounds):
-    """Recursive doubling (TRG 2005, section 4.2): in round k rank r swaps the 2^k blocks it holds
+    """Recursive doubling (TRG 2005): in round k rank r swaps the 2^k blocks it holds
     with rank r XOR 2^k; lg p rounds, (p-1)/p of ``out`` sent."""
     p, r = dist.get_world_size(), dist.get_rank()
     _pow2(p, "recursive doubling")
@@ -115,7 +115,7 @@ def doubling_all_gather(out, shard, rounds):
 
 
 def halving_reduce_scatter(out, x, rounds):
-    """Recursive halving (TRG 2005, section 4.3): in round k rank r sends the half of its current
+    """Recursive halving (TRG 2005): in round k rank r sends the half of its current
     range that its partner r XOR 2^k keeps and adds the partner's copy of its own half; lg p rounds,
     (p-1)/p of ``x`` sent. Rank r ends with block r of the sum."""
     p, r = dist.get_world_size(), dist.get_rank()
@@ -138,7 +138,7 @@ def ring_all_reduce(x, rounds):
 
 
 def doubling_all_reduce(x, rounds):
-    """Recursive doubling (TRG 2005, section 5): lg p rounds, each swapping the whole buffer with
+    """Recursive doubling (TRG 2005): lg p rounds, each swapping the whole buffer with
     r XOR 2^k and adding it: latency-optimal, n lg p bytes per rank."""
     p, r = dist.get_world_size(), dist.get_rank()
     _pow2(p, "recursive doubling")
@@ -151,7 +151,7 @@ def doubling_all_reduce(x, rounds):
 
 
 def rabenseifner_all_reduce(x, rounds):
-    """Rabenseifner (TRG 2005, section 5): recursive-halving reduce-scatter, then recursive-doubling
+    """Rabenseifner (TRG 2005): recursive-halving reduce-scatter, then recursive-doubling
     all-gather: 2 lg p rounds and the ring's 2(p-1)/p * n bytes."""
     p = dist.get_world_size()
     block = torch.empty(x.numel() // p, dtype=x.dtype, device=x.device)
@@ -160,7 +160,7 @@ def rabenseifner_all_reduce(x, rounds):
 
 
 def pairwise_all_to_all(out, x, rounds):
-    """Pairwise exchange (TRG 2005, section 4.5): in round s = 1..p-1 rank r sends block (r+s) mod p
+    """Pairwise exchange (TRG 2005): in round s = 1..p-1 rank r sends block (r+s) mod p
     to rank r+s and receives block r from rank r-s; p-1 rounds, (p-1)/p of ``x`` sent."""
     p, r = dist.get_world_size(), dist.get_rank()
     src, dst = x.view(-1).chunk(p), out.view(-1).chunk(p)
@@ -297,6 +297,19 @@ def every(world_size, numel, timeout=120.0):
     """`run` for every (op, algorithm) ``world_size`` allows, in one spawn: {"op/algorithm": result}."""
     ranks = launch.spawn(rank_every, world_size, numel, timeout=timeout)
     return {key: summarize([r[key] for r in ranks], *key.split("/"), numel) for key in ranks[0]}
+
+
+# Chapter 10's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: formula("all_reduce", "ring", 8, 2 ** 30)[1],                 # bytes one rank sends
+    "2": lambda: formula("all_reduce", "recursive_doubling", 8, 2 ** 20)[1],   # bytes one rank sends
+    "3": lambda: __import__("labs.alpha_beta").alpha_beta.crossover(5e-6, 1 / 25e9, 8),  # n*, bytes
+}
+
+
+def check_answer(question, answer, rel=0.01):
+    from labs import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
 
 
 def main(argv=None):
