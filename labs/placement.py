@@ -185,3 +185,19 @@ def simulate(rank, world_size, p, numel):
         crosses = dst is not None and dst // p.gpus_per_node != node
         crossed[axis] = tally.bytes_sent if crosses else 0
     return crossed
+
+
+def _tp_traffic(order):
+    layout = Placement({"tp": 8, "cp": 1, "pp": 16, "dp": 128}, order=order)
+    return plan(LLAMA3_405B, layout)["tp"]
+
+
+ANSWERS = {  # chapter 11's exercises, computed by the calculator above
+    "11.1": lambda: _tp_traffic(ORDER)["bytes_per_rank"] / 1e9,          # GB per rank per step
+    "11.2": lambda: _tp_traffic(tuple(reversed(ORDER)))["seconds"],      # s, TP over NDR
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs import exercises
+    return exercises.check(ANSWERS, question, answer, rel)
