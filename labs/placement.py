@@ -160,7 +160,9 @@ def crossing_formula(p, payloads):
 def simulate(rank, world_size, p, numel):
     """Run one ring all-reduce (TP, CP, DP) and one PP send per axis over ``p``'s groups, counting
     the bytes this rank sends to a rank on another simulated node (node = rank // gpus_per_node).
+    ``numel``: fp32 elements per call, one number for every axis or a dict {axis: numel}.
     """
+    sizes = numel if isinstance(numel, dict) else dict.fromkeys(ORDER, numel)
     node = rank // p.gpus_per_node
     crossed = {}
     for axis in ORDER:
@@ -170,7 +172,7 @@ def simulate(rank, world_size, p, numel):
             if rank in ranks:
                 mine, my_group = ranks, group
         i, n = mine.index(rank), len(mine)
-        x = torch.full((numel,), float(rank))
+        x = torch.full((sizes[axis],), float(rank))
         with comm.counting() as tally:
             if axis == "pp":
                 if i + 1 < n:

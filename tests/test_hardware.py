@@ -14,8 +14,7 @@ PAYLOADS = {a: ("send" if a == "pp" else "all_reduce", 4 * NUMEL) for a in P.ORD
 
 
 @pytest.mark.parametrize("degrees,per_node", [({"tp": 2, "pp": 2, "dp": 2}, 2),
-                                              ({"tp": 2, "cp": 3}, 2),
-                                              ({"tp": 2, "dp": 2}, 2)])
+                                              ({"tp": 2, "cp": 3}, 2)])
 def test_counted_boundary_bytes_match_the_calculator_in_both_orders(degrees, per_node):
     for order in (P.ORDER, tuple(reversed(P.ORDER))):
         p = P.Placement(degrees, gpus_per_node=per_node, order=order)
@@ -69,3 +68,17 @@ def test_cli_prints_the_figures():
     bad = subprocess.run([sys.executable, "-m", "labs.hardware", "--world-size", "3"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_chattier_tp_crosses_more_when_reversed():
+    """TP with 4x the bytes: the reversed order must put more bytes on the network, and count them."""
+    numel = {"tp": 4 * NUMEL, "cp": NUMEL, "pp": NUMEL, "dp": NUMEL}
+    payloads = {a: ("send" if a == "pp" else "all_reduce", 4 * numel[a]) for a in P.ORDER}
+    totals = []
+    for order in (P.ORDER, tuple(reversed(P.ORDER))):
+        p = P.Placement({"tp": 2, "dp": 2}, gpus_per_node=2, order=order)
+        ranks = launch.spawn(P.simulate, 4, p, numel)
+        counted = {a: sum(r[a] for r in ranks) for a in P.ORDER}
+        assert counted == P.crossing_formula(p, payloads)
+        totals.append(sum(counted.values()))
+    assert totals[1] == 4 * totals[0]
