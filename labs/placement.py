@@ -203,3 +203,29 @@ ANSWERS = {  # chapter 11's exercises, computed by the calculator above
 def check(question, answer, rel=0.01):
     from labs import exercises
     return exercises.check(ANSWERS, question, answer, rel)
+
+
+def main(argv=None):
+    from labs import cli
+    p = cli.parser("Bytes per step and time on each link tier for a Llama 3 405B layout "
+                   "(formula values at data-sheet speeds).", world_size_default=None)
+    for axis, default in (("tp", 8), ("cp", 1), ("pp", 16), ("dp", 128)):
+        p.add_argument(f"--{axis}", type=cli.positive_int, default=default)
+    p.add_argument("--gpus-per-node", type=cli.positive_int, default=8)
+    p.add_argument("--reversed", action="store_true", help="order [DP, PP, CP, TP] instead of Llama 3's")
+    args = cli.parse(p, argv)
+    degrees = {a: getattr(args, a) for a in ORDER}
+    order = tuple(reversed(ORDER)) if args.reversed else ORDER
+    layout = Placement(degrees, gpus_per_node=args.gpus_per_node, order=order)
+    if args.world_size not in (None, layout.world_size):
+        raise ValueError(f"--world-size {args.world_size} is not tp*cp*pp*dp = {layout.world_size}; "
+                         "drop --world-size or change the degrees.")
+    rows = plan(LLAMA3_405B, layout)
+    lines = [f"{a}: {r['tier']} {r['bytes_per_rank'] / 1e9:.2f} GB/rank {r['seconds'] * 1e3:.1f} ms"
+             for a, r in rows.items()]
+    cli.report({"order": list(order), "degrees": degrees, "rows": rows}, args, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    from labs import cli
+    cli.main(main)
