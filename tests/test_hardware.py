@@ -62,7 +62,10 @@ def test_cli_prints_the_figures():
     out = subprocess.run([sys.executable, "-m", "labs.hardware", "--json"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, check=True).stdout
     r = json.loads(out.splitlines()[-1])
-    assert r["host_copy"]["bytes_per_s"] > 0 and r["gloo_loopback"]["latency_s"] > 0
+    # each rate is the bytes the lab moved over the seconds it measured, for the sizes it states
+    copy, loop = r["host_copy"], r["gloo_loopback"]
+    assert copy["bytes"] == 1 << 26 and copy["bytes_per_s"] == pytest.approx(copy["bytes"] / copy["seconds"])
+    assert loop["latency_bytes"] == 8 and loop["bandwidth_bytes"] == 1 << 24
     if not r["gpu"].get("device"):
         assert "no CUDA device" in r["gpu"]["skipped"]
     with pytest.raises(ValueError, match="exactly 2 ranks"):  # cli.main prints it as one line
