@@ -95,8 +95,8 @@ def _library_call(op, s, p):
         return (lambda: dist.broadcast(x, 0)), x
     big, small = torch.ones(s // 4, device=dev), torch.ones(s // 4 // p, device=dev)
     if op == "all_gather":
-        return (lambda: dist.all_gather_into_tensor(big, small)), big
-    return (lambda: dist.reduce_scatter_tensor(small, big)), big
+        return (lambda: comm.all_gather_single(big, small)), big
+    return (lambda: comm.reduce_scatter_single(small, big)), big
 
 
 def rank_bench(rank, world_size, ops, sizes, repeats):

@@ -37,6 +37,12 @@ _active = []    # the tallies currently counting, innermost last
 _hand = []      # non-empty inside hand_collectives()
 _op_name = []   # the hand collective whose messages are being counted, innermost last
 
+# torch >= 2.12 renamed the single-tensor collectives (all_gather_into_tensor -> all_gather_single,
+# reduce_scatter_tensor -> reduce_scatter_single) and deprecated the old names; torch 2.11, which
+# GPU boxes run today, has only the old ones. Every lab calls these two, never a name of its own.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 FIELDS = ("calls", "bytes_sent", "bytes_received", "formula_bytes_sent", "formula_bytes_received",
           "wire_bytes_sent", "payload_bytes")
 
@@ -230,7 +236,7 @@ def all_gather(output, input, group=None, async_op=False):
         return Completed(output) if async_op else None
     moved = (n - 1) * _nbytes(input)
     return _library("all_gather", _nbytes(input), moved, moved, group, async_op,
-                    lambda: dist.all_gather_single(output, input, group=group, async_op=async_op))
+                    lambda: all_gather_single(output, input, group=group, async_op=async_op))
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -245,7 +251,7 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
         return Completed(output) if async_op else None
     moved = (n - 1) * _nbytes(output)
     return _library("reduce_scatter", _nbytes(input), moved, moved, group, async_op,
-                    lambda: dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op))
+                    lambda: reduce_scatter_single(output, input, op=op, group=group, async_op=async_op))
 
 
 def broadcast(tensor, src, group=None, async_op=False):

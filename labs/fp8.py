@@ -174,7 +174,7 @@ def _gloo_refuses_fp8(shard):
     """Whether the process group refuses an FP8 tensor (gloo has no FP8 type); the message if so."""
     out = torch.empty(dist.get_world_size() * shard.numel(), dtype=shard.dtype)
     try:
-        dist.all_gather_single(out, shard)
+        comm.all_gather_single(out, shard)
         return None
     except (RuntimeError, TypeError, ValueError) as exc:
         return str(exc).splitlines()[0][:120]

@@ -227,7 +227,7 @@ class HandFSDP:
         out = {}
         for u in self.units:
             flat = u.flat_shard.new_empty(u.padded)
-            dist.all_gather_into_tensor(flat, u.flat_shard, group=self.group)
+            comm.all_gather_single(flat, u.flat_shard, group=self.group)
             for shape, s, places in zip(u.shapes, u.start, u.where):
                 out[_name(self.model, places[0])] = flat[s:s + shape.numel()].view(shape).clone()
         return out

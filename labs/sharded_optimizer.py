@@ -244,7 +244,7 @@ class ShardedOptimizer:
             if self.stage == 0:
                 flat.copy_(b.master)
             else:
-                dist.all_gather_into_tensor(flat, b.master.contiguous(), group=self.group)
+                comm.all_gather_single(flat, b.master.contiguous(), group=self.group)
             for p in b.params:
                 out[p] = flat[b.start[p]:b.start[p] + p.numel()].view(p.shape).clone()
         return out

@@ -98,8 +98,8 @@ def _hand_vs_library(rank, n, group, dtype, k):
     lib = {"all_reduce": full.clone(), "reduce_scatter": torch.empty(k, dtype=dtype),
            "all_gather": torch.empty(n * k, dtype=dtype)}
     dist.all_reduce(lib["all_reduce"], group=group)
-    dist.reduce_scatter_single(lib["reduce_scatter"], full, group=group)
-    dist.all_gather_single(lib["all_gather"], full[:k].contiguous(), group=group)
+    comm.reduce_scatter_single(lib["reduce_scatter"], full, group=group)
+    comm.all_gather_single(lib["all_gather"], full[:k].contiguous(), group=group)
     hand = {"all_reduce": full.clone(), "reduce_scatter": torch.empty(k, dtype=dtype),
             "all_gather": torch.empty(n * k, dtype=dtype)}
     with comm.counting() as tally, comm.hand_collectives():
