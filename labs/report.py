@@ -42,3 +42,22 @@ def stable(value, digits, spread):
 def stable_list(values, digits, spread):
     """`stable` for each of ``values``."""
     return [stable(v, digits, spread) for v in values]
+
+
+# myst-nb's glue marks a display output with this prefix when the value is stored but not shown.
+GLUE_PREFIX = "application/papermill.record/"
+
+
+def glue(name, value, display=True):
+    """Store ``value`` in the cell's output under ``name`` for the book's {glue} roles.
+
+    The same output as ``myst_nb.glue``, written here because importing myst-nb imports Sphinx and
+    docutils: a GPU box that only runs the notebooks (nbval) needs none of the book's toolchain.
+    """
+    from IPython.core.formatters import format_display_data
+    from IPython.display import display as show
+
+    bundle, metadata = format_display_data(value)
+    prefix = "" if display else GLUE_PREFIX
+    metadata["scrapbook"] = {"name": name, "mime_prefix": prefix}
+    show({prefix + mime: data for mime, data in bundle.items()}, raw=True, metadata=metadata)

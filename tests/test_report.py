@@ -1,0 +1,45 @@
+"""`labs.report`: the stable float statements and the glue that needs no book toolchain."""
+import pytest
+
+from labs import report
+
+
+def _captured(monkeypatch, module, attribute, call):
+    """The (bundle, metadata) that ``call`` hands to IPython's display through ``module.attribute``."""
+    seen = []
+    monkeypatch.setattr(module, attribute, lambda obj, raw, metadata: seen.append((obj, metadata)))
+    call()
+    return seen
+
+
+@pytest.mark.parametrize("value", [3, 0.125, "text", [1, 2]])
+@pytest.mark.parametrize("display", [True, False])
+def test_glue_writes_what_myst_nb_writes(monkeypatch, value, display):
+    """The book reads glue outputs with myst-nb, so ours must be byte-for-byte myst-nb's."""
+    import IPython.display
+    myst_glue = pytest.importorskip("myst_nb.ext.glue")
+    theirs = _captured(monkeypatch, myst_glue, "ipy_display", lambda: myst_glue.glue("x", value, display))
+    ours = _captured(monkeypatch, IPython.display, "display", lambda: report.glue("x", value, display))
+    assert ours == theirs and len(ours) == 1
+    assert report.GLUE_PREFIX == myst_glue.GLUE_PREFIX
+
+
+def test_glue_does_not_import_the_book_toolchain():
+    import subprocess
+    import sys
+    code = ("import sys; from labs import report; report.glue('x', 1);"
+            "bad = [m for m in ('docutils', 'sphinx', 'myst_nb') if m in sys.modules];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_stable_refuses_a_value_near_a_rounding_boundary():
+    assert report.stable(0.1234, 2, 1e-4) == 0.12
+    with pytest.raises(AssertionError, match="fewer digits"):
+        report.stable(0.125, 2, 1e-3)
+
+
+def test_below_fails_when_the_value_is_not_below():
+    assert report.below(1e-7, 1e-6) == "< 1e-06"
+    with pytest.raises(AssertionError):
+        report.below(2e-6, 1e-6)
