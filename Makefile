@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: book test test-labs test-notebooks test-book check-site chromium env clean
+.PHONY: book test test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels
 
 env: $(STAMP)
 
@@ -52,6 +52,24 @@ test: $(STAMP) chromium
 # The browser check alone, on the site already in _build/html (after `make book`, say).
 check-site: $(STAMP) chromium
 	$(BIN)/python tools/check_site.py
+
+# A GPU box: its own Python and CUDA torch, no venv, no torch download (tools/box_setup.py).
+# `make box-test WHEELS=dir` installs only what requirements-box.txt lists and the box lacks,
+# under .box/, from the wheels in dir (or from the registry without WHEELS), then runs the labs'
+# tests and every notebook under nbval. No site build: that needs the book toolchain.
+BOX_PYTHON ?= python3
+BOX_NBVAL := $(BOX_PYTHON) -m pytest --nbval notebooks --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider -q
+box-test:
+	$(BOX_PYTHON) tools/box_setup.py $(if $(WHEELS),--wheels $(WHEELS))
+	. .box/env && $(BOX_PYTHON) -m pytest tests -q
+	. .box/env && $(BOX_NBVAL)
+
+# On a machine with network: the wheels a box with Python $(BOX_PY_VERSION) on x86-64 Linux needs
+# for box-test, into wheels/ (copy the folder to the box and pass WHEELS=wheels).
+BOX_PY_VERSION ?= 3.12
+box-wheels:
+	$(BOX_PYTHON) -m pip download -q -d wheels -r requirements-box.txt --only-binary=:all: \
+	  --python-version $(BOX_PY_VERSION) --implementation cp $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64)
 
 clean:
 	rm -rf _build
