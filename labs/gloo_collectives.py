@@ -130,3 +130,24 @@ def beside(world_size, numel, timeout=120.0):
                     "wire_model": [gloo_model(op, n, world_size, i) for i in range(world_size)],
                     "formula_max": col.formula(op, HAND[op], world_size, n)[1]}
     return rows
+
+
+def main(argv=None):
+    from labs import cli
+    p = cli.parser("Per collective: counted hand bytes, gloo's wire bytes (and its source's model), formula.")
+    p.add_argument("--numel", type=cli.positive_int, default=840, help="elements of the full buffer")
+    args = cli.parse(p, argv)
+    for op in col.OPS:   # the hand collectives' block sizes, refused before any rank starts
+        col.check(op, HAND[op], args.world_size, args.numel)
+    rows = beside(args.world_size, args.numel, timeout=args.timeout)
+    lines = [f"{'collective':15s} {'counted (max)':>13s} {'wire (max)':>11s} {'model (max)':>11s} {'formula':>8s}"]
+    for op, r in rows.items():
+        wire_max = "n/a" if None in r["wire"] else max(r["wire"])
+        lines.append(f"{op:15s} {max(r['counted']):>13} {wire_max:>11} {max(r['wire_model']):>11} "
+                     f"{r['formula_max']:>8}")
+    cli.report({"world_size": args.world_size, "numel": args.numel, "rows": rows}, args, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    from labs import cli
+    cli.main(main)

@@ -14,8 +14,6 @@ import torch
 
 from labs import comm
 
-LAYOUT_DOC = "p2 = 2^floor(lg p), r = p - p2"
-
 
 class Rounds:
     """How many exchanges this rank took part in (a round: post every message, then wait)."""

@@ -118,3 +118,15 @@ def test_gloo_wire_bytes_equal_the_model_of_its_source(world_size):
     # gloo's reduce-scatter is a full all-reduce: twice the ring reduce-scatter's payload, and more
     assert rows["reduce_scatter"]["wire"] == rows["all_reduce"]["wire"]
     assert rows["reduce_scatter"]["wire"][0] > 2 * max(rows["reduce_scatter"]["counted"])
+
+
+def test_gloo_cli_json_and_bad_input():
+    out = subprocess.run([sys.executable, "-m", "labs.gloo_collectives", "--world-size", "2", "--numel", "8",
+                          "--json"], capture_output=True, text=True, cwd=REPO, check=True, timeout=60)
+    rows = json.loads(out.stdout.splitlines()[-1])["rows"]
+    if rows["all_to_all"]["wire"][0] is not None:
+        assert all(r["wire"] == r["wire_model"] for r in rows.values())
+    assert rows["all_to_all"]["counted"] == [16, 16] and rows["all_to_all"]["formula_max"] == 16
+    from labs import gloo_collectives as gc
+    with pytest.raises(ValueError, match="multiple of 3"):   # refused before any rank starts
+        gc.main(["--world-size", "3", "--numel", "10"])
