@@ -14,9 +14,10 @@ Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operatio
                                     2(p-1)/p * n per rank
     all-to-all, pairwise exchange   p-1 rounds, (p-1)/p * n per rank
 
-Recursive doubling and halving pair rank r with r XOR 2^k, so they need p a power of two; here
-any other p is refused (MPICH folds the extra ranks onto a power of two first).
-The ring halves are chapter 2's (`labs.ring_allreduce`); every message goes through `labs.comm`,
+Recursive doubling and halving pair rank r with r XOR 2^k, so they need a power of two; on any other
+p, with p2 = 2^floor(lg p) and r = p - p2, the first 2r ranks fold pairwise onto p2 and unfold at
+the end (TRG 2005, section 4; MPICH): two more rounds, and the folded data sent twice
+(`labs.recursive`, `formula`). The ring halves are chapter 2's (`labs.ring_allreduce`); every message goes through `labs.comm`,
 so `bytes_sent` are counted messages, and `rounds` are the exchanges a rank took part in.
 
     python -m labs.collectives --world-size 4 --op all_reduce --algorithm recursive_doubling --json
@@ -27,7 +28,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from labs import comm, launch, ring_allreduce as ra
+from labs import comm, launch, recursive, ring_allreduce as ra
+from labs.recursive import Rounds
 
 OPS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 CHOICES = {"broadcast": ("tree",), "reduce": ("tree",), "all_gather": ("ring", "recursive_doubling"),
@@ -35,24 +37,8 @@ CHOICES = {"broadcast": ("tree",), "reduce": ("tree",), "all_gather": ("ring", "
            "all_reduce": ("ring", "recursive_doubling", "rabenseifner"), "all_to_all": ("pairwise",)}
 
 
-class Rounds:
-    """How many exchanges this rank took part in (a round: post every message, then wait)."""
-
-    def __init__(self):
-        self.count = 0
-
-    def exchange(self, sends=(), recvs=()):
-        """``sends``: (tensor, dst) pairs; ``recvs``: (tensor, src) pairs; all posted, then awaited."""
-        reqs = [comm.isend(t, d) for t, d in sends] + [comm.irecv(t, s) for t, s in recvs]
-        for req in reqs:
-            req.wait()
-        self.count += bool(reqs)
-
-
-def _pow2(p, what):
-    if p & (p - 1):
-        raise ValueError(f"{what} pairs rank r with r XOR 2^k, so it needs a power-of-two world size, "
-                         f"not {p}; use the ring.")
+def _rank_and_size():
+    return dist.get_rank(), dist.get_world_size()
 
 
 def tree_broadcast(x, rounds, root=0):
@@ -99,36 +85,15 @@ def ring_reduce_scatter(out, x, rounds):
 
 
 def doubling_all_gather(out, shard, rounds):
-    """Recursive doubling (TRG 2005): in round k rank r swaps the 2^k blocks it holds
-    with rank r XOR 2^k; lg p rounds, (p-1)/p of ``out`` sent."""
-    p, r = dist.get_world_size(), dist.get_rank()
-    _pow2(p, "recursive doubling")
-    flat, k = out.view(-1), shard.numel()
-    flat[r * k:(r + 1) * k].copy_(shard.view(-1))
-    mask = 1
-    while mask < p:   # the blocks a rank holds are contiguous: [base * k, (base + mask) * k)
-        mine, theirs = (r // mask) * mask * k, ((r ^ mask) // mask) * mask * k
-        rounds.exchange(sends=[(flat[mine:mine + mask * k], r ^ mask)],
-                        recvs=[(flat[theirs:theirs + mask * k], r ^ mask)])
-        mask *= 2
-    return out
+    """Recursive doubling (TRG 2005): in round k a rank swaps the blocks it holds with r XOR 2^k;
+    lg p rounds and (p-1)/p of ``out`` sent when p = 2^k, folded otherwise (`labs.recursive`)."""
+    return recursive.doubling_all_gather(out, shard, rounds, *_rank_and_size())
 
 
 def halving_reduce_scatter(out, x, rounds):
-    """Recursive halving (TRG 2005): in round k rank r sends the half of its current
-    range that its partner r XOR 2^k keeps and adds the partner's copy of its own half; lg p rounds,
-    (p-1)/p of ``x`` sent. Rank r ends with block r of the sum."""
-    p, r = dist.get_world_size(), dist.get_rank()
-    _pow2(p, "recursive halving")
-    acc, k = x.clone().view(-1), x.numel() // p   # partial sums; ``x`` is only read
-    lo, mask = 0, p // 2
-    while mask:   # rank r's range of blocks [lo, lo + 2 mask) halves each round
-        keep, give = (lo + mask, lo) if r & mask else (lo, lo + mask)
-        incoming = torch.empty(mask * k, dtype=x.dtype, device=x.device)
-        rounds.exchange(sends=[(acc[give * k:(give + mask) * k], r ^ mask)], recvs=[(incoming, r ^ mask)])
-        acc[keep * k:(keep + mask) * k].add_(incoming)
-        lo, mask = keep, mask // 2
-    return out.copy_(acc[r * k:(r + 1) * k].view(out.shape))
+    """Recursive halving (TRG 2005): in round k a rank sends the half of its range that r XOR 2^k
+    keeps and adds the partner's copy of its own half; rank r ends with block r of the sum."""
+    return recursive.halving_reduce_scatter(out, x, rounds, *_rank_and_size())
 
 
 def ring_all_reduce(x, rounds):
@@ -138,25 +103,15 @@ def ring_all_reduce(x, rounds):
 
 
 def doubling_all_reduce(x, rounds):
-    """Recursive doubling (TRG 2005): lg p rounds, each swapping the whole buffer with
-    r XOR 2^k and adding it: latency-optimal, n lg p bytes per rank."""
-    p, r = dist.get_world_size(), dist.get_rank()
-    _pow2(p, "recursive doubling")
-    incoming, mask = torch.empty_like(x), 1
-    while mask < p:
-        rounds.exchange(sends=[(x, r ^ mask)], recvs=[(incoming, r ^ mask)])
-        x.add_(incoming)
-        mask *= 2
-    return x
+    """Recursive doubling (TRG 2005): lg p rounds, each swapping the whole buffer with r XOR 2^k and
+    adding it: latency-optimal, n lg p bytes per rank (p = 2^k; folded otherwise)."""
+    return recursive.doubling_all_reduce(x, rounds, *_rank_and_size())
 
 
 def rabenseifner_all_reduce(x, rounds):
-    """Rabenseifner (TRG 2005): recursive-halving reduce-scatter, then recursive-doubling
-    all-gather: 2 lg p rounds and the ring's 2(p-1)/p * n bytes."""
-    p = dist.get_world_size()
-    block = torch.empty(x.numel() // p, dtype=x.dtype, device=x.device)
-    halving_reduce_scatter(block, x, rounds)
-    return doubling_all_gather(x.view(-1), block, rounds).view(x.shape)
+    """Rabenseifner (TRG 2005): recursive-halving reduce-scatter, then recursive-doubling all-gather:
+    2 lg p rounds and the ring's 2(p-1)/p * n bytes (p = 2^k; folded otherwise)."""
+    return recursive.rabenseifner_all_reduce(x, rounds, *_rank_and_size())
 
 
 def pairwise_all_to_all(out, x, rounds):
@@ -180,19 +135,41 @@ HAND = {("broadcast", "tree"): tree_broadcast, ("reduce", "tree"): tree_reduce,
 
 def formula(op, algorithm, p, n):
     """TRG 2005's rounds and bytes for ``n`` bytes (the full buffer) on ``p`` ranks: the most any rank
-    sends (``max_bytes_sent``) and all ranks together (``total_bytes_sent``)."""
+    sends (``max_bytes_sent``) and all ranks together (``total_bytes_sent``). The recursive
+    algorithms on p = p2 + r ranks (p2 = 2^floor(lg p)) are `_folded`'s."""
     check(op, algorithm, p, n)
     lg = math.ceil(math.log2(p))
     share = (p - 1) * n // p
+    if algorithm.startswith("recursive") or algorithm == "rabenseifner":
+        return _folded(op, algorithm, p, n)
     return {("broadcast", "tree"): (lg, lg * n, (p - 1) * n), ("reduce", "tree"): (lg, n, (p - 1) * n),
             ("all_gather", "ring"): (p - 1, share, (p - 1) * n),
-            ("all_gather", "recursive_doubling"): (lg, share, (p - 1) * n),
             ("reduce_scatter", "ring"): (p - 1, share, (p - 1) * n),
-            ("reduce_scatter", "recursive_halving"): (lg, share, (p - 1) * n),
             ("all_reduce", "ring"): (2 * (p - 1), 2 * share, 2 * (p - 1) * n),
-            ("all_reduce", "recursive_doubling"): (lg, lg * n, p * lg * n),
-            ("all_reduce", "rabenseifner"): (2 * lg, 2 * share, 2 * (p - 1) * n),
             ("all_to_all", "pairwise"): (p - 1, share, (p - 1) * n)}[op, algorithm]
+
+
+def _folded(op, algorithm, p, n):
+    """Rounds, most bytes one rank sends, and all bytes, with r ranks folded onto p2 = 2^lg2 (TRG 2005
+    section 4): the fold and the unfold are one round each and carry, per folded pair, the whole
+    buffer n (all-reduce, reduce-scatter's fold, all-gather's unfold) or one block k = n/p. In the
+    all-gather and reduce-scatter virtual rank v speaks for blocks [s(v), s(v+1)), s(v) = v + min(v, r)."""
+    p2, r = recursive.layout(p)
+    lg2, k, extra = p2.bit_length() - 1, n // p, int(r > 0)
+    s = [v + min(v, r) for v in range(p2 + 1)]
+    masks = [1 << j for j in range(lg2)]
+    if algorithm == "recursive_doubling" and op == "all_reduce":   # lg2 swaps of n, and the unfold
+        return lg2 + 2 * extra, (lg2 + extra) * n, 2 * r * n + p2 * lg2 * n
+    if algorithm == "rabenseifner":   # the ring's bytes over p2 equal blocks, and the unfold
+        return 2 * lg2 + 2 * extra, 2 * (p2 - 1) * n // p2 + extra * n, 2 * r * n + 2 * (p2 - 1) * n
+    if op == "all_gather":    # virtual rank 0 (two blocks if r > 0) holds the most every round
+        most = k * sum(s[m] for m in masks) + extra * n
+        return lg2 + 2 * extra, most, r * k + (p2 - 1) * n + r * n
+    if op == "reduce_scatter":   # in round m virtual rank v sends its partner's half, of the 2m-group
+        half = [sum(k * (s[b + m] - s[b]) for m in masks for b in [((v ^ m) // m) * m]) for v in range(p2)]
+        most = max([extra * n] + [h + k * (v < r) for v, h in enumerate(half)])
+        return lg2 + 2 * extra, most, r * n + (p2 - 1) * n + r * k
+    raise AssertionError(op)
 
 
 def check(op, algorithm, p, numel):
@@ -202,11 +179,13 @@ def check(op, algorithm, p, numel):
     if algorithm not in CHOICES[op]:
         raise ValueError(f"{op} is built here as {' or '.join(CHOICES[op])}, not {algorithm!r}.")
     launch.check_world_size(p)
-    if algorithm.startswith("recursive") or algorithm == "rabenseifner":
-        _pow2(p, algorithm.replace("_", " "))
     if op not in ("broadcast", "reduce") and numel % p:
         raise ValueError(f"{op} splits the buffer into {p} equal blocks: make the element count "
                          f"{numel} a multiple of {p}.")
+    p2 = recursive.layout(p)[0]
+    if algorithm == "rabenseifner" and numel % p2:
+        raise ValueError(f"Rabenseifner on {p} ranks folds onto {p2} and splits the buffer into {p2} "
+                         f"equal blocks: make the element count {numel} a multiple of {p2}.")
 
 
 def _inputs(op, numel, p, r):
@@ -287,14 +266,12 @@ def rank_rs_then_ag(rank, world_size, numel):
 
 
 def rank_every(rank, world_size, numel):
-    """One rank: `rank_run` for every (op, algorithm) this world size allows, keyed "op/algorithm"."""
-    ok = [k for k in HAND if not (k[1].startswith("recursive") or k[1] == "rabenseifner")
-          or not world_size & (world_size - 1)]
-    return {f"{op}/{alg}": rank_run(rank, world_size, op, alg, numel) for op, alg in ok}
+    """One rank: `rank_run` for every (op, algorithm), keyed "op/algorithm"."""
+    return {f"{op}/{alg}": rank_run(rank, world_size, op, alg, numel) for op, alg in HAND}
 
 
 def every(world_size, numel, timeout=120.0):
-    """`run` for every (op, algorithm) ``world_size`` allows, in one spawn: {"op/algorithm": result}."""
+    """`run` for every (op, algorithm), in one spawn: {"op/algorithm": result}."""
     ranks = launch.spawn(rank_every, world_size, numel, timeout=timeout)
     return {key: summarize([r[key] for r in ranks], *key.split("/"), numel) for key in ranks[0]}
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from labs import comm
+from labs import comm, launch
 from labs.ring_allreduce import ring_allreduce
 
 BF16 = 2
@@ -157,22 +157,30 @@ def crossing_formula(p, payloads):
     return total
 
 
+def mesh(p):
+    """The simulated cluster as a torch DeviceMesh: dims slowest first (``order`` reversed), named
+    after the axes, so mesh.get_group("tp") is this rank's TP group (the same grid as `groups`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    names = tuple(reversed(p.order))
+    return init_device_mesh(launch.device().type, tuple(p.degrees.get(a, 1) for a in names),
+                            mesh_dim_names=names)
+
+
 def simulate(rank, world_size, p, numel):
-    """Run one ring all-reduce (TP, CP, DP) and one PP send per axis over ``p``'s groups, counting
-    the bytes this rank sends to a rank on another simulated node (node = rank // gpus_per_node).
-    ``numel``: fp32 elements per call, one number for every axis or a dict {axis: numel}.
+    """Run one ring all-reduce (TP, CP, DP) and one PP send per axis over the groups of ``p``'s
+    DeviceMesh, counting the bytes this rank sends to a rank on another simulated node
+    (node = rank // gpus_per_node). ``numel``: fp32 elements per call, one number for every axis
+    or a dict {axis: numel}. Also checks that the mesh's groups are the calculator's.
     """
     sizes = numel if isinstance(numel, dict) else dict.fromkeys(ORDER, numel)
-    node = rank // p.gpus_per_node
+    node, grid = rank // p.gpus_per_node, mesh(p)
     crossed = {}
     for axis in ORDER:
-        mine = None
-        for ranks in p.groups(axis):
-            group = dist.new_group(ranks)  # every rank makes every group, in the same order
-            if rank in ranks:
-                mine, my_group = ranks, group
+        my_group = grid.get_group(axis)
+        mine = dist.get_process_group_ranks(my_group)
+        assert mine in p.groups(axis), f"the mesh's {axis} group {mine} is not the calculator's"
         i, n = mine.index(rank), len(mine)
-        x = torch.full((sizes[axis],), float(rank))
+        x = torch.full((sizes[axis],), float(rank), device=launch.device())
         with comm.counting() as tally:
             if axis == "pp":
                 if i + 1 < n:

@@ -11,10 +11,10 @@ import pytest
 from labs import alpha_beta, collectives as col, launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# fp32 sums of at most 5 standard normals in another order than the library's: a few ulps of
-# numbers of size ~5 (~5e-7); 1e-5 is far below what a wrong block or a missed addend gives (~1).
+# fp32 sums of at most 8 standard normals in another order than the library's: a few ulps of
+# numbers of size ~8 (~1e-6); 1e-5 is far below what a wrong block or a missed addend gives (~1).
 TOL = 1e-5
-NUMEL = 60  # divisible by 2, 3, 4 and 5: equal blocks on every world size tested
+NUMEL = 840  # divisible by 2 to 8: equal blocks on every world size tested
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,17 +23,27 @@ def every(world_size):
     return col.every(world_size, NUMEL, timeout=180)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 7, 8])
 def test_every_collective_equals_the_library_and_the_formula(world_size):
     results = every(world_size)
-    power_of_two = not world_size & (world_size - 1)
-    assert len(results) == (10 if power_of_two else 6)  # doubling/halving only where p = 2^k
+    assert len(results) == 10  # recursive doubling and halving too: folded where p is not 2^k
     for key, r in results.items():
         f = r["formula"]
         assert r["max_abs_error"] < TOL, key
         assert r["steps"] == f["steps"], key
         assert max(r["bytes_sent"]) == f["max_bytes_sent"], key
         assert r["total_bytes_sent"] == f["total_bytes_sent"], key
+
+
+def test_folding_costs_two_rounds_and_the_folded_data_twice():
+    # 6 = 4 + 2: doubling on 4, plus a fold and an unfold of the whole buffer; a formula that forgot
+    # the fold (lg 4 = 2 rounds, 2n) or used ceil(lg 6) = 3 swaps of n would disagree with the count
+    r, n = every(6)["all_reduce/recursive_doubling"], every(6)["all_reduce/recursive_doubling"]["nbytes"]
+    assert (r["steps"], max(r["bytes_sent"]), r["total_bytes_sent"]) == (4, 3 * n, 2 * 2 * n + 4 * 2 * n)
+    # ranks 0, 2 fold (send n once); 1, 3 take their data, swap twice, unfold (3n); 4, 5 only swap (2n)
+    assert r["bytes_sent"] == [n, 3 * n, n, 3 * n, 2 * n, 2 * n]
+    rab = every(7)["all_reduce/rabenseifner"]           # 7 = 4 + 3: the ring's bytes on 4, plus n
+    assert max(rab["bytes_sent"]) == 2 * 3 * n // 4 + n and rab["steps"] == 2 * 2 + 2
 
 
 def test_the_count_can_disagree_with_the_wrong_formula():
@@ -55,15 +65,15 @@ def test_all_reduce_is_reduce_scatter_then_all_gather(world_size):
 
 
 def test_bad_input_is_one_sentence():
-    with pytest.raises(ValueError, match="power-of-two"):
-        col.check("all_reduce", "recursive_doubling", 6, 60)
+    with pytest.raises(ValueError, match="multiple of 4"):   # 6 ranks fold onto 4 blocks
+        col.check("all_reduce", "rabenseifner", 6, 6)
     with pytest.raises(ValueError, match="multiple of 4"):
         col.check("all_gather", "ring", 4, 10)
     with pytest.raises(ValueError, match="not 'ring'"):
         col.check("broadcast", "ring", 4, 10)
-    out = subprocess.run([sys.executable, "-m", "labs.collectives", "--world-size", "3", "--algorithm",
-                          "recursive_doubling"], capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "power-of-two" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "labs.collectives", "--world-size", "6", "--algorithm",
+                          "rabenseifner", "--numel", "6"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "multiple of 4" in out.stderr
 
 
 def test_cli_json():
@@ -87,3 +97,36 @@ def test_bench_rows_use_nccl_tests_factors():
     ar, ag = result["rows"]
     assert ar["busbw"] == pytest.approx(ar["algbw"])          # 2(n-1)/n = 1 at n = 2
     assert ag["busbw"] == pytest.approx(ag["algbw"] / 2)      # (n-1)/n
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_gloo_wire_bytes_equal_the_model_of_its_source(world_size):
+    from labs import gloo_collectives as gc
+    rows = gc.beside(world_size, NUMEL, timeout=120)
+    for op, r in rows.items():
+        if r["wire"][0] is None:
+            pytest.skip(r["wire_reason"])
+        assert r["wire"] == r["wire_model"], op              # measured == gloo's algorithm, per rank
+        assert max(r["counted"]) == r["formula_max"], op      # counted == TRG 2005
+    n = rows["reduce"]["nbytes"]
+    # gloo's reduce is a ring: the root too sends its (p-1)/p n share of the reduce-scatter, the others
+    # that and their chunk of n/p; the hand binomial tree's root sends nothing
+    red = rows["reduce"]
+    assert red["counted"][0] == 0 < red["wire"][0] < red["wire"][1]
+    # the chunk to the root (n/p and two preambles) against the root's p-1 receive notices
+    assert red["wire"][1] - red["wire"][0] == n // world_size + 2 * 48 - (world_size - 1) * 48
+    # gloo's reduce-scatter is a full all-reduce: twice the ring reduce-scatter's payload, and more
+    assert rows["reduce_scatter"]["wire"] == rows["all_reduce"]["wire"]
+    assert rows["reduce_scatter"]["wire"][0] > 2 * max(rows["reduce_scatter"]["counted"])
+
+
+def test_gloo_cli_json_and_bad_input():
+    out = subprocess.run([sys.executable, "-m", "labs.gloo_collectives", "--world-size", "2", "--numel", "8",
+                          "--json"], capture_output=True, text=True, cwd=REPO, check=True, timeout=60)
+    rows = json.loads(out.stdout.splitlines()[-1])["rows"]
+    if rows["all_to_all"]["wire"][0] is not None:
+        assert all(r["wire"] == r["wire_model"] for r in rows.values())
+    assert rows["all_to_all"]["counted"] == [16, 16] and rows["all_to_all"]["formula_max"] == 16
+    from labs import gloo_collectives as gc
+    with pytest.raises(ValueError, match="multiple of 3"):   # refused before any rank starts
+        gc.main(["--world-size", "3", "--numel", "10"])
