@@ -6,7 +6,10 @@ one exchange (both ranks send and receive n bytes at once, as in every round of 
 algorithms) on 2 ranks. With them, recursive doubling's all-reduce, lg p * alpha + n lg p * beta,
 beats the ring's, 2(p-1) * alpha + 2(p-1)/p * n * beta, below the size
 
-    n* = (2(p-1) - lg p) * alpha / ((lg p - 2(p-1)/p) * beta)        (p > 2 a power of two)
+    n* = (2(p-1) - L) * alpha / ((L - 2(p-1)/p) * beta)
+
+with L = lg p rounds for a power of two, lg p' + 2 otherwise (p' = 2^floor(lg p): the extra ranks
+fold in first and unfold last).
 
 `bench` times the library's collectives and reports algbw and busbw with nccl-tests' definitions
 (`labs.bus_bandwidth`), on whatever backend `labs.launch` chose: gloo here, NCCL on a GPU box.
@@ -72,13 +75,24 @@ def fit(sizes=FIT_SIZES, repeats=20, timeout=120.0):
             "predicted": [alpha + n * beta for n in sizes]}
 
 
+def doubling_rounds(p):
+    """Rounds on recursive doubling's critical path: lg p, plus the fold and unfold of the
+    r = p - 2^floor(lg p) extra ranks when p is not a power of two (TRG 2005, section 4)."""
+    lg = p.bit_length() - 1
+    return lg if p & (p - 1) == 0 else lg + 2
+
+
 def crossover(alpha, beta, p):
     """Bytes below which recursive doubling's all-reduce beats the ring's (TRG 2005 costs), or None
-    where one wins at every size (p = 2: doubling saves one alpha and sends the same bytes)."""
-    if p < 2 or p & (p - 1):
-        raise ValueError(f"recursive doubling needs a power-of-two world size, not {p}.")
-    lg = math.log2(p)
-    extra_alpha, saved_beta = 2 * (p - 1) - lg, lg - 2 * (p - 1) / p
+    where one wins at every size (p = 2: doubling saves one alpha and sends the same bytes).
+
+    Every round of doubling, fold and unfold included, moves the whole n bytes, so its time is
+    L (alpha + n beta) with L = `doubling_rounds(p)`; the ring's is 2(p-1) alpha + 2(p-1)/p n beta.
+    """
+    if p < 2:
+        raise ValueError(f"a crossover needs at least 2 ranks, not {p}.")
+    rounds = doubling_rounds(p)
+    extra_alpha, saved_beta = 2 * (p - 1) - rounds, rounds - 2 * (p - 1) / p
     if saved_beta <= 0 or alpha <= 0 or beta <= 0:
         return None
     return extra_alpha * alpha / (saved_beta * beta)

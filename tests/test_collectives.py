@@ -88,8 +88,12 @@ def test_alpha_beta_fit_and_crossover_are_sane():
     assert len(fit["predicted"]) == 4 and all(s > 0 for s in fit["seconds"])
     assert alpha_beta.crossover(1e-5, 1e-9, 2) is None          # p = 2: doubling always wins
     assert alpha_beta.crossover(1e-5, 1e-9, 4) == pytest.approx(4 * 1e-5 / (0.5 * 1e-9))
-    with pytest.raises(ValueError):
-        alpha_beta.crossover(1e-5, 1e-9, 6)
+    # p = 6: 2 doubling rounds among 4 ranks plus fold and unfold, 4 rounds of n, against the ring's 10
+    assert alpha_beta.crossover(1e-5, 1e-9, 6) == pytest.approx(6 * 1e-5 / ((4 - 10 / 6) * 1e-9))
+    for p in range(2, 9):   # the time model walks the same rounds the lab counts
+        assert alpha_beta.doubling_rounds(p) == col.formula("all_reduce", "recursive_doubling", p, 4 * p)[0]
+    with pytest.raises(ValueError, match="at least 2"):
+        alpha_beta.crossover(1e-5, 1e-9, 1)
 
 
 def test_bench_rows_use_nccl_tests_factors():
