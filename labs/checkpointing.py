@@ -213,7 +213,8 @@ def _compare(src, dst, k):
                      "losses_bit_exact": tail == b["losses"],
                      "max_loss_diff": max(abs(x - y) for x, y in zip(tail, b["losses"])),
                      "batches_match": a["batches"][k:] == b["batches"],
-                     "rng_match": a["rng_draw"] == b["rng_draw"]}
+                     "rng_match": a["rng_draw"] == b["rng_draw"],
+                     "uninterrupted": a["losses"], "resumed": b["losses"]}
     out["hand_vs_dcp_max_loss_diff"] = max(abs(x - y) for x, y in zip(dst["hand"]["losses"], dst["dcp"]["losses"]))
     return out
 
