@@ -46,7 +46,7 @@ def shard_range(numel, world_size, rank):
 # Chapter 12's exercises: the answers are computed here, so the book never types them.
 EXERCISES = {
     "1": lambda: write_seconds(checkpoint_bytes("70B"), 10),          # sync write at 10 GB/s, seconds
-    "2": lambda: (lambda r: r[1] - r[0])(shard_range(1000, 3, 2)),    # elements rank 2 of 3 writes
+    "2": lambda: (lambda r: r[1] - r[0])(shard_range(10, 4, 3)),       # elements rank 3 of 4 writes
     "3": lambda: (7 * 12) % 60,                                       # loader position in its epoch
 }
 

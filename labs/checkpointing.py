@@ -11,6 +11,8 @@ loader's position (missing loader state is the restart bug of torchtitan issue #
 - `run`: train, save at step k, keep training (the uninterrupted run); or load at step k, at any
   world size, and continue. `reshard` compares the two.
 - `pauses`: how long training stops for ``dcp.save`` against ``dcp.async_save`` on one state.
+- the loader whose position is saved is `labs.stateful_loader`; what a 70B checkpoint weighs and
+  the chapter's exercises are in `labs.checkpoint_cost`.
 - `killed_save`, `corruption` (in `labs.checkpoint_faults`): a writer process killed half-way,
   and a flipped byte, against the hand format's atomic commit and checksums.
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from labs import fsdp, launch, model as tiny, sharded_checkpoint as sc
 from labs.stateful_loader import StatefulLoader
+from labs.async_checkpoint import measure_pauses, pauses  # noqa: F401  (the pause lab, re-exported)
 
 GLOBAL_BATCH = 12      # samples per step, divisible by world sizes 1, 2, 3 and 4
 NUM_SAMPLES = 60       # one epoch = 5 steps, so a run crosses an epoch boundary
@@ -127,8 +130,8 @@ def run(rank, world_size, kind, root, steps, save_at=None, load_at=None, cfg=Non
 
     Returns losses (the global mean loss of each step run here), batches (the global sample ids of
     each step, gathered from what every rank actually consumed), saved / loaded (full weights at
-    the save, and just after the load), rng_draw (one draw after the save or load), bytes_on_disk
-    and bytes_formula (this rank's file sizes and its shards' bytes; hand: exact, dcp: ``None``)."""
+    the save, and just after the load), rng_draw (one draw after the save or load), and after a
+    save `_disk_bytes`: this rank's file size against the bytes of the shards it holds."""
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     net, hand, opt, sched, loader = _build(kind, rank, world_size, cfg, dev)
     out = {"losses": [], "batches": [], "world_size": world_size, "kind": kind}
@@ -193,7 +196,6 @@ def _dcp_payload(path, name):
     return total
 
 
-    return {"bytes_on_disk": os.path.getsize(os.path.join(path, name)), "bytes_formula": formula}
 def run_both(rank, world_size, root, steps, save_at=None, load_at=None, cfg=None):
     """`run` for the hand format on HandFSDP and for DCP on FSDP2, in one job: {"hand": .., "dcp": ..}."""
     return {kind: run(rank, world_size, kind, os.path.join(root, kind), steps, save_at, load_at, cfg)
@@ -237,45 +239,6 @@ def reshard(pairs=PAIRS, steps=8, save_at=3, root=None, timeout=60.0, cfg=None):
                                timeout=timeout, cfg=cfg)
             out[f"{a}->{b}"] = _compare(sources[a][0], dst[0], save_at)
     return out
-
-
-def pauses(rank, world_size, root, cfg=None):
-    """Seconds training stops for ``dcp.save`` and for ``dcp.async_save`` (until it returns: the
-    copy to CPU memory; the write goes on in the background), on the same FSDP2 state."""
-    import time
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    cfg = cfg or tiny.GPTConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=4, hidden=256)
-    net, _, opt, _, loader = _build("dcp", rank, world_size, cfg, launch.device())
-    net(*_batch(cfg, loader.next(), launch.device())).backward()
-    opt.step()
-    msd, osd = get_state_dict(net, opt)
-    state = {"model": msd, "optim": osd}
-    dist.barrier()
-    t0 = time.perf_counter()
-    dcp.save(state, checkpoint_id=os.path.join(root, "sync"))
-    sync = time.perf_counter() - t0
-    dist.barrier()
-    t0 = time.perf_counter()
-    future = dcp.async_save(state, checkpoint_id=os.path.join(root, "async"))
-    paused = time.perf_counter() - t0
-    future.result()
-    total = time.perf_counter() - t0
-    return {"sync_pause_s": sync, "async_pause_s": paused, "async_total_s": total,
-            "state_bytes_per_rank": sum(t.numel() * t.element_size() for t in _local_tensors(state))}
-
-
-def _local_tensors(state):
-    for _, v in sc._flatten(state):
-        if isinstance(v, torch.Tensor):
-            yield v.to_local() if hasattr(v, "to_local") else v
-
-
-def measure_pauses(world_size=2, timeout=60.0):
-    """`pauses` on ``world_size`` ranks; the slowest rank's figures (the job waits for it)."""
-    with tempfile.TemporaryDirectory(prefix="ckpt-pause-") as root:
-        results = launch.spawn(pauses, world_size, root, timeout=timeout)
-    return {k: max(r[k] for r in results) for k in results[0]}
 
 
 def main(argv=None):

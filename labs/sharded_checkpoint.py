@@ -162,8 +162,8 @@ def _read(checkpoint_id, rank, e, lo, hi):
 
 def load(state, checkpoint_id):
     """Fill ``state`` in place from a verified checkpoint written at any world size; returns the
-    non-tensor values as a nested dict with the same keys (the caller hands them to
-    loader.load_state_dict, scheduler.load_state_dict, ...)."""
+    non-tensor values by their dotted keys, e.g. {"extra.loader.consumed": 36} (the caller hands
+    them to loader.load_state_dict, the LR scheduler, ...)."""
     meta = verify(checkpoint_id)
     saved = _read_index(checkpoint_id, meta["world_size"])
     values = {}
