@@ -1,0 +1,37 @@
+"""Chapter 12: a data loader whose position is part of the checkpoint.
+
+A restart that rebuilds the loader from scratch replays the epoch's first batches (and, if it
+skips ahead by a guess, skips others): the model sees some samples twice and some never, and the
+loss curve after the restart is not the one the uninterrupted run would have had. torchtitan
+issue #811 is this bug in practice. The fix is the one torchdata's StatefulDataLoader offers:
+``state_dict()`` / ``load_state_dict()`` on the loader, saved with the weights.
+"""
+import torch
+
+
+class StatefulLoader:
+    """Global batches of sample ids, a fresh seeded permutation each epoch; rank r takes its slice.
+
+    The position is kept in *global* samples, so a restart at another world size resumes at the
+    same sample; ``state_dict``/``load_state_dict`` as torchdata's StatefulDataLoader has them."""
+
+    def __init__(self, num_samples, global_batch, rank, world_size, seed=0):
+        if global_batch % world_size:
+            raise ValueError(f"the global batch {global_batch} does not split over {world_size} ranks; "
+                             "use a world size that divides it.")
+        self.n, self.b, self.rank, self.world, self.seed = num_samples, global_batch, rank, world_size, seed
+        self.consumed = 0   # samples taken by all ranks together, since the start of training
+
+    def next(self):
+        epoch, pos = divmod(self.consumed, self.n)
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+        batch = order[pos:pos + self.b]                     # (global_batch,) sample ids
+        self.consumed += self.b
+        per = self.b // self.world
+        return batch[self.rank * per:(self.rank + 1) * per].tolist()
+
+    def state_dict(self):
+        return {"consumed": self.consumed, "seed": self.seed}
+
+    def load_state_dict(self, state):
+        self.consumed, self.seed = int(state["consumed"]), int(state["seed"])
