@@ -61,10 +61,28 @@ def ready(rank, world_size):
     return os.getpid()
 
 
+def _record_flight(folder, rank):
+    """torch's flight recorder, dumped a few times a second by a thread (a hung main thread cannot
+    dump): the last collective this rank entered, by name and sequence number."""
+    import json
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+    while True:
+        entries = json.loads(_dump_fr_trace_json(True, True)).get("entries", [])
+        last = entries[-1] if entries else {}
+        _write(folder, f"fr{rank}", json.dumps([last.get("profiling_name"), last.get("collective_seq_id")]))
+        time.sleep(0.2)
+
+
 def hang_rank(rank, world_size, folder, hang_rank_, hang_step, barrier_s=None):
     """Train; rank ``hang_rank_`` hangs before step ``hang_step``. With ``barrier_s``, every step
-    starts with ``dist.monitored_barrier`` (rank 0 names the rank that did not arrive in time)."""
+    starts with ``dist.monitored_barrier`` (rank 0 names the rank that did not arrive in time);
+    without, the flight recorder (TORCH_FR_BUFFER_SIZE, read when a group is made) is on."""
     _write(folder, f"pid{rank}", os.getpid())
+    group = None
+    if not barrier_s:
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "64"
+        group = dist.new_group(list(range(world_size)))
+        threading.Thread(target=_record_flight, args=(folder, rank), daemon=True).start()
     model, opt = ft.make_model()
     for step in range(hang_step + 2):
         if rank == hang_rank_ and step == hang_step:
@@ -75,7 +93,7 @@ def hang_rank(rank, world_size, folder, hang_rank_, hang_step, barrier_s=None):
             except RuntimeError as exc:  # rank 0 names the late rank; its peers only see rank 0 go
                 _write(folder, f"barrier_error{rank}", f"{time.time()} {exc}")
                 raise
-        ft.step(model, opt, step, rank, world_size)
+        ft.step(model, opt, step, rank, world_size, group=group)
 
 
 def hang(world_size=3, hang_rank_=1, hang_step=3, timeout=5.0, barrier_s=1.0):
@@ -96,6 +114,7 @@ def hang(world_size=3, hang_rank_=1, hang_step=3, timeout=5.0, barrier_s=1.0):
             hung_at = float(_read(folder, "hung_at"))
             if way == "heartbeat":
                 out[way] = _heartbeat_verdict(error, world_size, caught - hung_at)
+                out["flight_recorder"] = _recorder_verdict(folder, world_size)
             else:
                 out[way] = _barrier_verdict(_read(folder, "barrier_error0"), hung_at)
         finally:
@@ -105,6 +124,7 @@ def hang(world_size=3, hang_rank_=1, hang_step=3, timeout=5.0, barrier_s=1.0):
             "detected": hb["rank"] is not None, "detected_rank": hb["rank"],
             "seconds_to_detect": hb["seconds"], "steps_lost": None, "final_loss_match": None,
             "collectives": hb["collectives"], "heartbeat": hb, "monitored_barrier": out["monitored_barrier"],
+            "flight_recorder": out["flight_recorder"],
             "timeout_s": timeout, "barrier_s": barrier_s, "pids": pids}
 
 
@@ -118,6 +138,15 @@ def _heartbeat_verdict(error, world_size, seconds):
                    for r in range(world_size)}
     return {"rank": (error.culprits or [None])[0], "seconds": seconds, "collectives": collectives,
             "how": text.splitlines()[0]}
+
+
+def _recorder_verdict(folder, world_size):
+    """Each rank's last collective from its flight-recorder dump; the rank behind is named."""
+    import json
+    last = {r: json.loads(_read(folder, f"fr{r}") or "[null, null]") for r in range(world_size)}
+    seqs = {r: seq or 0 for r, (_, seq) in last.items()}
+    behind = [r for r in seqs if seqs[r] < max(seqs.values())]
+    return {"rank": behind[0] if len(behind) == 1 else None, "last": last}
 
 
 def _barrier_verdict(record, hung_at):

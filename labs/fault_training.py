@@ -68,10 +68,10 @@ def local_grad(model, x, y):
     return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def average(flat, world_size):
+def average(flat, world_size, group=None):
     """DDP's gradient all-reduce on a copy: sum over ranks, divided by world_size."""
     out = flat.clone()
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=group)
     return out / world_size
 
 
@@ -84,17 +84,17 @@ def apply(model, opt, flat):
     opt.step()
 
 
-def mean_loss(loss, world_size):
+def mean_loss(loss, world_size, group=None):
     t = loss.clone().reshape(1)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return (t / world_size).item()
 
 
-def step(model, opt, batch_id, rank, world_size, scale=1.0):
+def step(model, opt, batch_id, rank, world_size, scale=1.0, group=None):
     """One plain DDP step; returns the loss averaged over ranks (the same float on every rank)."""
     loss, g = local_grad(model, *batch(batch_id, rank, world_size, scale))
-    apply(model, opt, average(g, world_size))
-    return mean_loss(loss, world_size)
+    apply(model, opt, average(g, world_size, group))
+    return mean_loss(loss, world_size, group)
 
 
 def digest(t):

@@ -32,6 +32,7 @@ def test_a_hung_rank_is_named_with_the_collective_each_rank_was_in():
     assert r["seconds_to_detect"] >= 4.0 - 1.0  # not before the watchdog (minus the hang's own start)
     assert r["monitored_barrier"]["rank"] == 2  # rank 0's barrier names it, sooner than the watchdog
     assert r["monitored_barrier"]["seconds"] < r["seconds_to_detect"]
+    assert r["flight_recorder"]["rank"] == 2  # its last collective is one behind its peers'
     assert_gone(r["pids"])
 
 
