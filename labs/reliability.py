@@ -118,3 +118,23 @@ def curves(per_gpu_mtbf_h, n_gpus_list=(1_000, 16_000, 100_000), deltas=(0.5 / 6
                                "taus": taus, "goodput": [goodput(t, delta, M, R) for t in taus],
                                "best_goodput": goodput(star, delta, M, R)}
     return out
+
+
+# Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days on 16,384 GPUs.
+LLAMA3_GPUS, LLAMA3_DAYS, LLAMA3_UNEXPECTED = 16_384, 54, 419
+
+
+def llama3_per_gpu_mtbf_h():
+    """Per-GPU mean time between failures implied by Llama 3's count, if failures are independent."""
+    return LLAMA3_DAYS * 24 / LLAMA3_UNEXPECTED * LLAMA3_GPUS
+
+
+EXERCISES = {
+    "1": lambda: job_mtbf(llama3_per_gpu_mtbf_h(), 100_000) * 60,          # minutes
+    "2": lambda: young(1 / 60, job_mtbf(llama3_per_gpu_mtbf_h(), 16_384)) * 60,  # minutes
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs import exercises
+    return exercises.check(EXERCISES, question, answer, rel)

@@ -82,7 +82,7 @@ def spike_rank(rank, world_size, steps, every, bad_batch, scale, skip=(), ratio=
     steps. Batch ``bad_batch`` has its inputs scaled by ``scale``. On a detected spike: roll back to
     the newest checkpoint taken before the spike's first step, skip every batch id seen since."""
     model, opt = ft.make_model()
-    ckpts, history, skipped, rollback = {}, [], list(skip), None
+    ckpts, history, skipped, rollback, log = {}, [], list(skip), None, []
     step, next_batch = 0, 0
     while step < steps:
         if step % every == 0 and step not in ckpts:
@@ -91,6 +91,7 @@ def spike_rank(rank, world_size, steps, every, bad_batch, scale, skip=(), ratio=
             next_batch += 1
         loss = ft.step(model, opt, next_batch, rank, world_size, scale if next_batch == bad_batch else 1.0)
         history.append((step, next_batch, loss))
+        log.append((step, next_batch, loss))  # every step run, the rolled-back ones too
         step, next_batch = step + 1, next_batch + 1
         first = spike_start(history, ratio, confirm, window)
         if first is not None and rollback is None:
@@ -103,7 +104,8 @@ def spike_rank(rank, world_size, steps, every, bad_batch, scale, skip=(), ratio=
             skipped += list(range(resume, next_batch))
             ckpts = {s: c for s, c in ckpts.items() if s <= good}
             history = [h for h in history if h[0] < good]
-    return {"loss": loss, "rollback": rollback, "skipped": skipped, "batches": [h[1] for h in history]}
+    return {"loss": loss, "rollback": rollback, "skipped": skipped, "batches": [h[1] for h in history],
+            "log": log}
 
 
 def spike_start(history, ratio, confirm, window):
@@ -140,4 +142,4 @@ def loss_spike(world_size=2, bad_rank=None, steps=16, every=2, bad_batch=9, scal
             "detected": bool(rb), "detected_rank": None, **rb, "skipped": hurt["skipped"],
             "seconds_to_detect": None, "steps_lost": rb and rb["detected_at_step"] + 1 - rb["chosen_checkpoint"],
             "final_loss": hurt["loss"], "final_loss_match": hurt["loss"] == clean["loss"],
-            "batches": hurt["batches"]}
+            "batches": hurt["batches"], "log": hurt["log"], "clean_log": clean["log"]}
