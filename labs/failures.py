@@ -285,7 +285,8 @@ def main(argv=None):
     from labs import cli
     p = cli.parser("Inject one fault into a small DDP job and report how it was detected.", 3)
     p.add_argument("--scenario", choices=SCENARIOS, required=True)
-    p.add_argument("--rank", type=int, default=1, help="the rank the fault is injected on (default 1)")
+    p.add_argument("--rank", type=int, default=1, help="the rank the fault is injected on (default 1; "
+                   "loss-spike: a bad batch reaches every rank); for hang, --timeout is the watchdog, at most 5 s")
     args = cli.parse(p, argv)
     if args.world_size < 2:
         raise ValueError(f"--world-size {args.world_size} has no peer to detect a fault; use 2 or more.")
@@ -296,8 +297,10 @@ def main(argv=None):
     key = {"hang": "hang_rank_", "kill": "kill_rank", "straggler": "slow_rank"}.get(args.scenario, "bad_rank")
     timeout = min(args.timeout, 5.0) if args.scenario == "hang" else args.timeout  # hang: the watchdog
     result = RUNNERS[args.scenario](world_size=args.world_size, timeout=timeout, **{key: args.rank})
+    secs = result["seconds_to_detect"]
     cli.report(result, args, f"{args.scenario} on rank {args.rank} of {args.world_size}: detected "
-               f"{result['detected']} (rank {result['detected_rank']}) after {result['seconds_to_detect']} s; "
+               f"{result['detected']} (rank {result['detected_rank']}) after "
+               f"{'-' if secs is None else f'{secs:.2f}'} s; "
                f"steps lost {result['steps_lost']}; final loss match {result['final_loss_match']}")
 
 

@@ -83,12 +83,14 @@ def spike_rank(rank, world_size, steps, every, bad_batch, scale, skip=(), ratio=
     the newest checkpoint taken before the spike's first step, skip every batch id seen since."""
     model, opt = ft.make_model()
     ckpts, history, skipped, rollback, log = {}, [], list(skip), None, []
-    step, next_batch = 0, 0
+    step, next_batch, bad_at = 0, 0, None
     while step < steps:
         if step % every == 0 and step not in ckpts:
             ckpts[step] = ft.state(model, opt, step, next_batch)
         while next_batch in skipped:
             next_batch += 1
+        if next_batch == bad_batch:
+            bad_at = time.perf_counter()
         loss = ft.step(model, opt, next_batch, rank, world_size, scale if next_batch == bad_batch else 1.0)
         history.append((step, next_batch, loss))
         log.append((step, next_batch, loss))  # every step run, the rolled-back ones too
@@ -97,6 +99,7 @@ def spike_rank(rank, world_size, steps, every, bad_batch, scale, skip=(), ratio=
         if first is not None and rollback is None:
             good = max(s for s in ckpts if s <= first[0])           # taken before the spike began
             rollback = {"detected_at_step": step - 1, "spike_started_step": first[0],
+                        "seconds": time.perf_counter() - bad_at if bad_at else None,
                         "latest_checkpoint": max(ckpts), "chosen_checkpoint": good,
                         "latest_loss": held_out_loss(ckpts[max(ckpts)], rank, world_size),
                         "chosen_loss": held_out_loss(ckpts[good], rank, world_size)}
@@ -140,6 +143,6 @@ def loss_spike(world_size=2, bad_rank=None, steps=16, every=2, bad_batch=9, scal
     rb = hurt["rollback"] or {}
     return {"scenario": "loss-spike", "world_size": world_size, "bad_batch": bad_batch, "scale": scale,
             "detected": bool(rb), "detected_rank": None, **rb, "skipped": hurt["skipped"],
-            "seconds_to_detect": None, "steps_lost": rb and rb["detected_at_step"] + 1 - rb["chosen_checkpoint"],
+            "seconds_to_detect": rb.get("seconds"), "steps_lost": rb["detected_at_step"] + 1 - rb["chosen_checkpoint"] if rb else None,
             "final_loss": hurt["loss"], "final_loss_match": hurt["loss"] == clean["loss"],
             "batches": hurt["batches"], "log": hurt["log"], "clean_log": clean["log"]}
