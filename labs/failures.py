@@ -73,8 +73,15 @@ def _record_flight(folder, rank):
         time.sleep(0.2)
 
 
-def hang_rank(rank, world_size, folder, hang_rank_, hang_step, barrier_s=None):
-    """Train; rank ``hang_rank_`` hangs before step ``hang_step``. With ``barrier_s``, every step
+def _stuck_in_recv(folder, rank, world_size, group):
+    _write(folder, "hung_at", time.time())
+    t = torch.empty(1)
+    dist.recv(t, src=(rank + 1) % world_size, group=group)  # a message its peer never sends
+
+
+def hang_rank(rank, world_size, folder, hang_rank_, hang_step, barrier_s=None, inside=False):
+    """Train; rank ``hang_rank_`` hangs before step ``hang_step``: in its own code, or ``inside`` a
+    recv whose send never comes (the others wait in the all-reduce). With ``barrier_s``, every step
     starts with ``dist.monitored_barrier`` (rank 0 names the rank that did not arrive in time);
     without, the flight recorder (TORCH_FR_BUFFER_SIZE, read when a group is made) is on."""
     _write(folder, f"pid{rank}", os.getpid())
@@ -86,7 +93,7 @@ def hang_rank(rank, world_size, folder, hang_rank_, hang_step, barrier_s=None):
     model, opt = ft.make_model()
     for step in range(hang_step + 2):
         if rank == hang_rank_ and step == hang_step:
-            _stuck_loading_data(folder)
+            _stuck_in_recv(folder, rank, world_size, group) if inside else _stuck_loading_data(folder)
         if barrier_s:
             try:
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=barrier_s))
@@ -96,9 +103,11 @@ def hang_rank(rank, world_size, folder, hang_rank_, hang_step, barrier_s=None):
         ft.step(model, opt, step, rank, world_size, group=group)
 
 
-def hang(world_size=3, hang_rank_=1, hang_step=3, timeout=5.0, barrier_s=1.0):
-    """Two runs of the same hang: caught by the launcher's heartbeat at ``timeout`` (which names the
-    collective each rank was in), then by monitored_barrier after ``barrier_s``."""
+def hang(world_size=3, hang_rank_=1, hang_step=3, timeout=5.0, barrier_s=1.0, inside=False):
+    """Two runs of the same hang: caught at the watchdog's ``timeout`` by the launcher's heartbeat
+    (each rank's collective) and the flight recorder (each rank's last collective), then by
+    monitored_barrier after ``barrier_s``. The rank named: the heartbeat's culprit; if every rank
+    is inside a collective, the one whose collective differs; else the one the recorder shows behind."""
     out, pids = {}, []
     launch.spawn(ready, world_size, timeout=60)  # start-up (importing torch) must not eat the watchdog
     for way in ("heartbeat", "monitored_barrier"):
@@ -106,7 +115,7 @@ def hang(world_size=3, hang_rank_=1, hang_step=3, timeout=5.0, barrier_s=1.0):
         try:
             try:
                 launch.spawn(hang_rank, world_size, folder, hang_rank_, hang_step,
-                             barrier_s if way == "monitored_barrier" else None, timeout=timeout)
+                             barrier_s if way == "monitored_barrier" else None, inside, timeout=timeout)
                 raise AssertionError("the hung run finished")
             except launch.RankError as exc:
                 caught, error = time.time(), exc
@@ -119,9 +128,10 @@ def hang(world_size=3, hang_rank_=1, hang_step=3, timeout=5.0, barrier_s=1.0):
                 out[way] = _barrier_verdict(_read(folder, "barrier_error0"), hung_at)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-    hb = out["heartbeat"]
-    return {"scenario": "hang", "world_size": world_size, "injected_rank": hang_rank_,
-            "detected": hb["rank"] is not None, "detected_rank": hb["rank"],
+    hb, fr = out["heartbeat"], out["flight_recorder"]
+    named = hb["rank"] if hb["rank"] is not None else fr["rank"]
+    return {"scenario": "hang", "world_size": world_size, "injected_rank": hang_rank_, "inside": inside,
+            "detected": named is not None, "detected_rank": named,
             "seconds_to_detect": hb["seconds"], "steps_lost": None, "final_loss_match": None,
             "collectives": hb["collectives"], "heartbeat": hb, "monitored_barrier": out["monitored_barrier"],
             "flight_recorder": out["flight_recorder"],
@@ -129,15 +139,24 @@ def hang(world_size=3, hang_rank_=1, hang_step=3, timeout=5.0, barrier_s=1.0):
 
 
 def _heartbeat_verdict(error, world_size, seconds):
-    """The rank the launcher named at the timeout and, from its message, each rank's collective."""
+    """The rank the launcher named at the timeout and, from its message, each rank's collective.
+
+    When every rank is inside some collective the launcher names none (a deadlock); the rank
+    whose collective differs from all the others' is then the suspect, if there is exactly one."""
     text = str(error)
+    head = text.splitlines()[0]
     if not isinstance(error, launch.RankTimeout):
-        return {"rank": None, "seconds": seconds, "collectives": None, "how": text.splitlines()[0]}
-    waited = re.search(r"waited for it in ([\w, ]+)\)", text)
-    collectives = {r: (None if r in error.culprits else waited.group(1) if waited else "?")
-                   for r in range(world_size)}
-    return {"rank": (error.culprits or [None])[0], "seconds": seconds, "collectives": collectives,
-            "how": text.splitlines()[0]}
+        return {"rank": None, "seconds": seconds, "collectives": None, "how": head}
+    if error.culprits:
+        waited = re.search(r"waited for it in ([\w, ]+)\)", text)
+        collectives = {r: (None if r in error.culprits else waited.group(1) if waited else "?")
+                       for r in range(world_size)}
+        return {"rank": error.culprits[0], "seconds": seconds, "collectives": collectives, "how": head}
+    found = re.search(r"ranks (.*?) of \d+ did not finish", head)
+    collectives = {int(r): c for r, c in re.findall(r"(\d+) in (\w+)", found.group(1))} if found else {}
+    odd = [r for r, c in collectives.items() if list(collectives.values()).count(c) == 1]
+    rank = odd[0] if len(odd) == 1 and len(collectives) > 2 else None
+    return {"rank": rank, "seconds": seconds, "collectives": collectives, "how": head}
 
 
 def _recorder_verdict(folder, world_size):

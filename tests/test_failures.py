@@ -36,6 +36,17 @@ def test_a_hung_rank_is_named_with_the_collective_each_rank_was_in():
     assert_gone(r["pids"])
 
 
+def test_a_rank_hung_inside_a_recv_is_named_by_the_flight_recorder():
+    """Every rank is inside some collective, so the heartbeat sees a deadlock it cannot resolve with
+    two ranks; the flight recorder shows the rank that never entered the all-reduce."""
+    r = failures.hang(world_size=2, hang_rank_=1, hang_step=2, timeout=4.0, barrier_s=1.0, inside=True)
+    assert r["heartbeat"]["rank"] is None and r["collectives"] == {0: "all_reduce", 1: "recv"}
+    assert r["flight_recorder"]["rank"] == 1 and r["detected_rank"] == 1
+    assert r["flight_recorder"]["last"][0][1] == r["flight_recorder"]["last"][1][1] + 1
+    assert r["monitored_barrier"]["rank"] == 1
+    assert_gone(r["pids"])
+
+
 def test_a_killed_rank_restarts_from_the_checkpoint_to_the_same_loss():
     r = failures.kill(world_size=2, kill_rank=1, steps=10, every=3, kill_after=5)
     print(f"\nkill: {r['error']}; lost {r['steps_lost']} steps, detected in {r['seconds_to_detect']:.2f} s")
