@@ -132,3 +132,18 @@ def test_bad_input_is_one_sentence(capsys, argv, message):
         cli.main(lambda: failures.main(argv))
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_the_hand_momentum_sgd_is_torch_sgd_bit_for_bit():
+    """fault_training writes SGD out (torch.optim imports torch._dynamo, 2 s per forked rank)."""
+    from labs import fault_training as ft
+    model, opt = ft.make_model()
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(ft.DIM, 1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=ft.LR, momentum=ft.MOMENTUM)
+    for step in range(4):
+        x, y = ft.batch(step, 0, 1)
+        ft.apply(model, opt, ft.local_grad(model, x, y)[1])
+        ft.apply(ref, ref_opt, ft.local_grad(ref, x, y)[1])
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)  # same operations in the same order: exact
