@@ -1,0 +1,149 @@
+"""Chapter 13's faults, injected into real ranks: each must be detected, the right rank named, and
+the recovery must end where an undisturbed run ends; no process may outlive its scenario."""
+import math
+import time
+
+import psutil
+import pytest
+import torch
+
+from labs import cli, failures, reliability, silent_faults
+
+
+def assert_gone(pids, within=10):
+    """Every PID the scenario started has exited (a zombie counts as exited)."""
+    assert pids, "the scenario recorded no PID: nothing was checked"
+    deadline = time.monotonic() + within
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    while time.monotonic() < deadline and any(map(alive, pids)):
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], f"orphans: {pids}"
+
+
+def test_a_hung_rank_is_named_with_the_collective_each_rank_was_in():
+    r = failures.hang(world_size=3, hang_rank_=2, hang_step=2, timeout=4.0, barrier_s=1.0)
+    print(f"\nheartbeat: {r['heartbeat']}\nmonitored_barrier: {r['monitored_barrier']}")
+    assert r["detected_rank"] == 2
+    assert r["collectives"] == {0: "all_reduce", 1: "all_reduce", 2: None}  # 2 was in its own code
+    assert r["seconds_to_detect"] >= 4.0 - 1.0  # not before the watchdog (minus the hang's own start)
+    assert r["monitored_barrier"]["rank"] == 2  # rank 0's barrier names it, sooner than the watchdog
+    assert r["monitored_barrier"]["seconds"] < r["seconds_to_detect"]
+    assert r["flight_recorder"]["rank"] == 2  # its last collective is one behind its peers'
+    assert_gone(r["pids"])
+
+
+def test_a_rank_hung_inside_a_recv_is_named_by_the_flight_recorder():
+    """Every rank is inside some collective, so the heartbeat sees a deadlock it cannot resolve with
+    two ranks; the flight recorder shows the rank that never entered the all-reduce."""
+    r = failures.hang(world_size=2, hang_rank_=1, hang_step=2, timeout=4.0, barrier_s=1.0, inside=True)
+    assert r["heartbeat"]["rank"] is None and r["collectives"] == {0: "all_reduce", 1: "recv"}
+    assert r["flight_recorder"]["rank"] == 1 and r["detected_rank"] == 1
+    assert r["flight_recorder"]["last"][0][1] == r["flight_recorder"]["last"][1][1] + 1
+    assert r["monitored_barrier"]["rank"] == 1
+    assert_gone(r["pids"])
+
+
+def test_a_killed_rank_restarts_from_the_checkpoint_to_the_same_loss():
+    r = failures.kill(world_size=2, kill_rank=1, steps=10, every=3, kill_after=5)
+    print(f"\nkill: {r['error']}; lost {r['steps_lost']} steps, detected in {r['seconds_to_detect']:.2f} s")
+    assert r["detected_rank"] == 1 and r["error"] == "rank 1 of 2 was killed by signal SIGKILL"
+    assert r["resumed_at_step"] == 3 * (r["steps_reached"] // 3) > 0  # the latest checkpoint, not step 0
+    assert 1 <= r["steps_lost"] <= r["checkpoint_every"]
+    assert r["final_loss_match"], (r["final_loss"], r["clean_final_loss"])  # bit-exact: same order of sums
+    assert_gone(r["pids"])
+
+
+def test_a_flipped_bit_is_caught_in_its_step_and_the_rank_named():
+    r = silent_faults.sdc(world_size=2, bad_rank=0, steps=5, bad_step=1, bit=20)
+    assert r["detected"] and r["detected_rank"] == 0 and r["detected_at_step"] == 1
+    assert r["false_alarms_clean"] == 0 and r["weights_unchanged_on_reject"]
+    assert r["final_loss_match"] and r["replicas_agree_checked"]
+    assert not r["replicas_agree_unchecked"]  # without the check the replicas drift apart
+
+
+def test_flip_bit_flips_one_bit():
+    x = torch.tensor([1.0, 2.0])
+    silent_faults.flip_bit(x, 1, 0)
+    assert x[1] == torch.nextafter(torch.tensor(2.0), torch.tensor(3.0))  # one ulp up
+    silent_faults.flip_bit(x, 1, 0)
+    assert x[1] == 2.0
+
+
+def test_a_loss_spike_rolls_back_to_the_last_healthy_checkpoint_and_skips_its_batches():
+    r = silent_faults.loss_spike(world_size=3, steps=14, every=2, bad_batch=9)
+    print(f"\nspike: detected at {r['detected_at_step']}, back to {r['chosen_checkpoint']}, skipped {r['skipped']}")
+    assert r["spike_started_step"] == 9 and r["detected_at_step"] == 10
+    assert r["latest_checkpoint"] == 10 and r["chosen_checkpoint"] == 8  # 10 was written after batch 9
+    assert r["latest_loss"] > 100 * r["chosen_loss"]  # the latest checkpoint really is damaged
+    assert r["skipped"] == [8, 9, 10] and 9 not in r["batches"]
+    assert r["final_loss_match"]  # equal to a run that never saw batches 8-10
+
+
+def test_a_straggler_is_named_from_per_rank_compute_times():
+    r = failures.straggler(world_size=3, slow_rank=1, delay_s=0.03, steps=8)
+    print(f"\nstraggler: rank {r['detected_rank']} at step {r['detected_at_step']}, slowdown {r['slowdown']:.2f}x")
+    assert r["detected_rank"] == 1 and r["false_alarm_clean"] is None
+    assert r["final_loss_match"]  # slow, not wrong
+
+
+def test_find_straggler_needs_a_sustained_gap():
+    fast, slow = [0.001] * 6, [0.001, 0.05, 0.001, 0.05, 0.05, 0.05]
+    assert failures.find_straggler([fast, slow, fast]) == (1, 5)  # one blip at step 1 is ignored
+
+
+def test_job_mtbf_and_the_intervals():
+    M = reliability.job_mtbf(50_000, 16_000)
+    assert M == 50_000 / 16_000
+    delta, R = 0.05, 0.1
+    exact = reliability.best_interval(delta, M, R)
+    assert math.isclose(reliability.daly(delta, M), exact, rel_tol=1e-3)  # Daly: higher order
+    assert reliability.young(delta, M) > exact * 1.02  # Young's first order is measurably long
+    assert reliability.daly(3 * M, M) == M  # Daly's rule for delta >= 2M
+
+
+def test_monte_carlo_best_interval_agrees_with_the_closed_form_within_its_noise():
+    a = reliability.agreement(delta=5 / 60, M=3.0, R=10 / 60, trials=300, seed=3)
+    for row in a["rows"]:  # the simulation confirms the formula itself at every interval
+        assert abs(row["goodput"] - row["formula"]) < 4 * row["se"], row
+    assert a["closed_form_agrees"], a["indistinguishable_taus"]
+    assert a["rows"][-1]["tau"] not in a["indistinguishable_taus"]  # 4x too long is told apart
+
+
+def test_cli_reports_the_contract_fields(capsys):
+    cli.main(lambda: failures.main(["--scenario", "sdc", "--world-size", "3", "--rank", "2", "--json"]))
+    import json
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    for key in ("detected", "detected_rank", "seconds_to_detect", "steps_lost", "final_loss_match"):
+        assert key in out
+    assert out["detected_rank"] == 2 and out["final_loss_match"] is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scenario", "kill", "--world-size", "1"], "--world-size 1 has no peer"),
+    (["--scenario", "kill", "--rank", "5"], "--rank 5 is not a rank of 3"),
+    (["--scenario", "hang", "--rank", "0"], "--rank 0 hosts monitored_barrier"),
+])
+def test_bad_input_is_one_sentence(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        cli.main(lambda: failures.main(argv))
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_hand_momentum_sgd_is_torch_sgd_bit_for_bit():
+    """fault_training writes SGD out (torch.optim imports torch._dynamo, 2 s per forked rank)."""
+    from labs import fault_training as ft
+    model, opt = ft.make_model()
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(ft.DIM, 1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=ft.LR, momentum=ft.MOMENTUM)
+    for step in range(4):
+        x, y = ft.batch(step, 0, 1)
+        ft.apply(model, opt, ft.local_grad(model, x, y)[1])
+        ft.apply(ref, ref_opt, ft.local_grad(ref, x, y)[1])
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)  # same operations in the same order: exact
