@@ -96,21 +96,39 @@ def recompute_flops_per_token(block_matmul_params, layers, hidden, seq, recomput
 
 # --- FLOPs per token: the measurement ----------------------------------------------------------
 
-def _cpu_sdpa_mapping():
-    """FlopCounterMode has formulas for the CUDA attention kernels but none for the CPU flash kernel,
-    which it would count as 0 FLOPs. The same formulas (full s x s: 2 matmuls forward; backward 4
-    matmuls plus 1 to recompute the scores, which the CUDA formula counts too) are mapped onto it."""
+def _heads_as_query(q, kv):
+    """A key/value shape with the query's heads: under GQA the kernel broadcasts each KV head over
+    its group, so the matmuls are those of full multi-head attention (torch >= 2.12 counts GQA so;
+    torch 2.11's formulas refuse unequal heads)."""
+    return torch.Size([kv[0], q[1], *kv[2:]])
+
+
+def _sdpa_mapping(cpu_sdpa):
+    """SDPA FLOP formulas for every attention kernel, GQA included, on any torch >= 2.11.
+
+    FlopCounterMode has formulas for the CUDA kernels but none for the CPU flash kernel, which it
+    would count as 0 FLOPs. The same formulas (full s x s: 2 matmuls forward; backward 4 matmuls
+    plus 1 to recompute the scores, which the CUDA formula counts too) are mapped onto it."""
     aten = torch.ops.aten
-    fwd = lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(q, k, v)              # noqa: E731
-    bwd = lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(g, q, k, v)  # noqa: E731
-    return {aten._scaled_dot_product_flash_attention_for_cpu: fwd,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd}
+    fwd = lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(  # noqa: E731
+        q, _heads_as_query(q, k), _heads_as_query(q, v))
+    bwd = lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(  # noqa: E731
+        g, q, _heads_as_query(q, k), _heads_as_query(q, v))
+    kernels = ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_cudnn_attention"]
+    if cpu_sdpa:
+        kernels.append("_scaled_dot_product_flash_attention_for_cpu")
+    mapping = {}
+    for name in kernels:
+        mapping[getattr(aten, name)] = fwd
+        mapping[getattr(aten, name + "_backward")] = bwd
+    return mapping
 
 
 @contextmanager
 def counting(cpu_sdpa=True):
     """A FlopCounterMode that also counts the CPU SDPA kernel (unless cpu_sdpa=False)."""
-    with FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_mapping() if cpu_sdpa else None) as mode:
+    with FlopCounterMode(display=False, custom_mapping=_sdpa_mapping(cpu_sdpa)) as mode:
         yield mode
 
 
