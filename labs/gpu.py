@@ -114,13 +114,20 @@ def sections():
 
 
 def record(device, sizes, argv, only=None, log=sys.stderr):
-    """Run every section (or those in ``only``); print each section's seconds to ``log``."""
+    """Run every section (or those in ``only``); print each section's seconds to ``log``. On a GPU
+    a section that raises is recorded as "error: ..." and the others still run; in the dry run it raises."""
     out = {"provenance": provenance(argv, device), "sizes": asdict(sizes), "seconds": {}, "sections": {}}
     for name, run in sections().items():
         if only and name not in only:
             continue
         start = time.perf_counter()
-        out["sections"][name] = run(device, sizes)
+        try:
+            out["sections"][name] = run(device, sizes)
+        except Exception as exc:  # noqa: BLE001  on a GPU one broken section must not cost the others
+            if device.type != "cuda":
+                raise                 # the dry run is the test: a bug there fails loudly
+            out["sections"][name] = f"error: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+            torch.cuda.empty_cache()
         out["seconds"][name] = round(time.perf_counter() - start, 3)
         print(f"[labs.gpu] {name}: {out['seconds'][name]:.1f} s", file=log, flush=True)
     return out
