@@ -41,7 +41,9 @@ def _truncated(notebook, marker):
 def _nbval(nb, tmp_path):
     path = tmp_path / "perturbed.ipynb"
     path.write_text(json.dumps(nb))
-    env = dict(os.environ, PYTHONPATH=REPO)
+    # the repository first, and whatever else the caller had on the path (a GPU box keeps its extra
+    # packages, nbval among them, under .box/ through PYTHONPATH: see tools/box_setup.py)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     env.pop("PYTEST_ADDOPTS", None)
     proc = subprocess.run([sys.executable, "-m", "pytest", "--nbval", str(path), "--nbval-current-env",
                            "--nbval-cell-timeout=300", "-p", "no:cacheprovider", "-q", "-rf"],
