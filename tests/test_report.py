@@ -43,3 +43,16 @@ def test_below_fails_when_the_value_is_not_below():
     assert report.below(1e-7, 1e-6) == "< 1e-06"
     with pytest.raises(AssertionError):
         report.below(2e-6, 1e-6)
+
+
+def test_no_notebook_imports_the_book_toolchain():
+    """A box that only runs the notebooks has no myst-nb: every notebook glues through labs.report."""
+    import glob
+    import json
+    import os
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+    notebooks = sorted(glob.glob(os.path.join(root, "*.ipynb")))
+    assert notebooks
+    for path in notebooks:
+        code = "".join("".join(c["source"]) for c in json.load(open(path))["cells"] if c["cell_type"] == "code")
+        assert "myst_nb" not in code and "sphinx" not in code, f"{path} imports the book toolchain"
