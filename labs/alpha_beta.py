@@ -14,7 +14,6 @@ fold in first and unfold last).
 `bench` times the library's collectives and reports algbw and busbw with nccl-tests' definitions
 (`labs.bus_bandwidth`), on whatever backend `labs.launch` chose: gloo here, NCCL on a GPU box.
 """
-import math
 import statistics
 import time
 

@@ -18,7 +18,6 @@ measured DTensor shards.
 `fsdp2_state_bytes` measures what FSDP2 keeps from its DTensors' local shards (``to_local()``),
 so a rank holding full tensors, bf16 shards or unsharded gradients would show.
 """
-import torch
 
 RECIPES = {   # bytes per parameter per rank as (whole, sharded over d): whole + sharded / d
     "ZeRO-3 (fp16/bf16 + fp32 Adam)": (0, 16),

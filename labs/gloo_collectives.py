@@ -21,7 +21,6 @@ The wire is checked against a model of the algorithm gloo runs, read from its so
 Every gloo message costs its sender two 48-byte preambles and its receiver one (`wire.gloo_messages`).
 """
 import torch
-import torch.distributed as dist
 
 from labs import collectives as col, comm, launch, wire
 
@@ -81,22 +80,6 @@ def gloo_model(op, nbytes, p, rank):
     return wire.gloo_allreduce_all_ranks(nbytes, p) // p    # all_reduce, and reduce_scatter inside it
 
 
-def _library_call(op, x, out):
-    """The library's collective alone, so the wire window holds nothing else."""
-    if op == "broadcast":
-        dist.broadcast(x, 0)
-    elif op == "reduce":
-        dist.reduce(x, 0)
-    elif op == "all_reduce":
-        dist.all_reduce(x)
-    elif op == "all_gather":
-        dist.all_gather_into_tensor(out, x)
-    elif op == "reduce_scatter":
-        dist.reduce_scatter_tensor(out, x)
-    else:
-        dist.all_to_all_single(out, x)
-
-
 def rank_beside(rank, world_size, numel):
     """One rank, per op: its counted bytes in the hand collective and its wire bytes in gloo's.
 
@@ -109,10 +92,9 @@ def rank_beside(rank, world_size, numel):
             hand = x.clone()
             col.HAND[op, HAND[op]](hand, col.Rounds()) if buf is None else \
                 col.HAND[op, HAND[op]](torch.empty_like(buf), hand, col.Rounds())
-        lib, lib_out = x.clone(), None if buf is None else torch.empty_like(buf)
-        _library_call(op, lib.clone(), None if buf is None else torch.empty_like(buf))  # warm-up
-        with wire.measure() as w:
-            _library_call(op, lib, lib_out)
+        col._library(op, x, buf)   # warm-up: gloo's first call on a pair sets up its connection
+        with wire.measure() as w:   # the library's collective alone (a clone adds no wire bytes)
+            col._library(op, x, buf)
         out[op] = {"nbytes": nbytes, "counted": tally.bytes_sent, "wire": w.bytes, "reason": w.reason}
     return out
 

@@ -14,7 +14,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from labs import fault_training as ft
 from labs import launch

@@ -44,7 +44,7 @@ def test_each_recipe_holds_exactly_its_bytes(name):
 def test_fp32_gradient_buffer_accumulates_micro_batches():
     cfg = model.GPTConfig()
     net = model.build(cfg)
-    opt = precision.prepare(net, "mixed_fp32_grads")
+    precision.prepare(net, "mixed_fp32_grads")   # wires the fp32 gradient buffer into net
     xs, ys = model.synthetic_batch(cfg, 4, seed=0)
     for i in range(2):
         net(xs[2 * i:2 * i + 2], ys[2 * i:2 * i + 2]).backward()
