@@ -39,7 +39,18 @@ def pauses(rank, world_size, root, cfg=None):
     future.result()
     total = time.perf_counter() - t0
     return {"sync_pause_s": sync, "async_pause_s": paused, "async_total_s": total,
+            "async_equals_sync": _same_after_load(state, os.path.join(root, "async")),
             "state_bytes_per_rank": sum(t.numel() * t.element_size() for t in _local_tensors(state))}
+
+
+def _same_after_load(state, checkpoint_id):
+    """Whether the background write holds exactly the state it was given: load it into zeroed
+    copies of every tensor and compare this rank's pieces bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.utils._pytree import tree_map
+    blank = tree_map(lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v, state)
+    dcp.load(blank, checkpoint_id=checkpoint_id)
+    return all(torch.equal(a, b) for a, b in zip(_local_tensors(state), _local_tensors(blank)))
 
 
 def _local_tensors(state):
@@ -52,4 +63,6 @@ def measure_pauses(world_size=2, timeout=60.0):
     """`pauses` on ``world_size`` ranks; the slowest rank's figures (the job waits for it)."""
     with tempfile.TemporaryDirectory(prefix="ckpt-pause-") as root:
         results = launch.spawn(pauses, world_size, root, timeout=timeout)
-    return {k: max(r[k] for r in results) for k in results[0]}
+    out = {k: max(r[k] for r in results) for k in results[0]}
+    out["async_equals_sync"] = all(r["async_equals_sync"] for r in results)   # every rank's pieces
+    return out

@@ -259,6 +259,7 @@ def main(argv=None):
     killed, corrupt = checkpoint_faults.killed_save(args.timeout), checkpoint_faults.corruption()
     ok = lambda c: c["weights_bit_exact"] and c["batches_match"] and c["max_loss_diff"] < LOSS_TOL  # noqa: E731
     result = {"sync_pause_s": pause["sync_pause_s"], "async_pause_s": pause["async_pause_s"],
+              "async_equals_sync": pause["async_equals_sync"],
               "resharded_loss_match": all(ok(pair[k]) for k in ("hand", "dcp")),
               "same_world_bit_exact": all(same[k]["losses_bit_exact"] for k in ("hand", "dcp")),
               "killed_save_recovered": killed["killed_save_recovered"],

@@ -93,7 +93,7 @@ def test_cli_prints_the_contract_fields(capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["resharded_loss_match"] and r["same_world_bit_exact"] and r["resharded_to"] == 2
     assert r["killed_save_recovered"] and r["corruption_detected"]
-    assert r["sync_pause_s"] > 0 and r["async_pause_s"] > 0   # timed, never compared as a target
+    assert r["async_equals_sync"]   # the background write holds the state; its pause is printed, never a target
 
 
 @pytest.mark.parametrize("args, message", [(["--world-size", "5"], "does not divide the global batch"),

@@ -85,7 +85,10 @@ def test_cli_json():
 
 def test_alpha_beta_fit_and_crossover_are_sane():
     fit = alpha_beta.fit(sizes=[4, 4096, 65536, 262144], repeats=5)
-    assert len(fit["predicted"]) == 4 and all(s > 0 for s in fit["seconds"])
+    # least squares: the residuals are orthogonal to both columns of the design (1 and n)
+    residuals = [t - p for t, p in zip(fit["seconds"], fit["predicted"])]
+    assert abs(sum(residuals)) < 1e-9 * len(residuals) + 1e-6 * max(fit["seconds"])
+    assert abs(sum(n * r for n, r in zip(fit["sizes"], residuals))) < 1e-6 * max(fit["seconds"]) * sum(fit["sizes"])
     assert alpha_beta.crossover(1e-5, 1e-9, 2) is None          # p = 2: doubling always wins
     assert alpha_beta.crossover(1e-5, 1e-9, 4) == pytest.approx(4 * 1e-5 / (0.5 * 1e-9))
     # p = 6: 2 doubling rounds among 4 ranks plus fold and unfold, 4 rounds of n, against the ring's 10
