@@ -7,7 +7,7 @@ import psutil
 import pytest
 import torch
 
-from labs import cli, failures, reliability, silent_faults
+from labs import cli, failures, reliability, silent_faults, stragglers
 
 
 def assert_gone(pids, within=10):
@@ -84,7 +84,7 @@ def test_a_loss_spike_rolls_back_to_the_last_healthy_checkpoint_and_skips_its_ba
 
 
 def test_a_straggler_is_named_from_per_rank_compute_times():
-    r = failures.straggler(world_size=3, slow_rank=1, delay_s=0.03, steps=8)
+    r = stragglers.straggler(world_size=3, slow_rank=1, delay_s=0.03, steps=8)
     print(f"\nstraggler: rank {r['detected_rank']} at step {r['detected_at_step']}, slowdown {r['slowdown']:.2f}x")
     assert r["detected_rank"] == 1 and r["false_alarm_clean"] is None
     assert r["final_loss_match"]  # slow, not wrong
@@ -92,7 +92,7 @@ def test_a_straggler_is_named_from_per_rank_compute_times():
 
 def test_find_straggler_needs_a_sustained_gap():
     fast, slow = [0.001] * 6, [0.001, 0.05, 0.001, 0.05, 0.05, 0.05]
-    assert failures.find_straggler([fast, slow, fast]) == (1, 5)  # one blip at step 1 is ignored
+    assert stragglers.find_straggler([fast, slow, fast]) == (1, 5)  # one blip at step 1 is ignored
 
 
 def test_job_mtbf_and_the_intervals():
