@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: book test test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels
+.PHONY: book test test-numerics test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels
 
 env: $(STAMP)
 
@@ -35,19 +35,32 @@ book: $(STAMP)
 
 NBVAL := $(BIN)/python -m pytest --nbval notebooks --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider -q
 
-# Labs first (fast failures), then every notebook re-executed and compared with its committed
-# outputs, twice: with this CPU's own vectorised kernels and with ATEN_CPU_CAPABILITY=default
-# (no vectorisation), so the rounding of another machine is always exercised (notebooks state
-# floats only to the precision they assert, see labs/report.py). Then the site is built from
-# the verified outputs with warnings as errors, and every page is opened in headless Chromium
-# with the network blocked (tools/check_site.py). Chromium is checked first, so a machine
-# without it fails in seconds, not after the notebooks.
+# Another CPU's rounding on this one: ATen's scalar kernels instead of the vectorised ones,
+# oneMKL's most portable code path (its matrix products block and sum in another order) and
+# oneDNN held to SSE4.1. tests/test_numerics.py checks that these settings change the rounding.
+OTHER_CPU := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41
+
+# Labs first (fast failures), then the float-sensitive lab tests (marked `numerics`) again under
+# OTHER_CPU, then every notebook re-executed and compared with its committed outputs, natively and
+# under OTHER_CPU (notebooks state floats only to the precision they assert, see labs/report.py).
+# Then the site is built from the verified outputs with warnings as errors, and every page is
+# opened in headless Chromium with the network blocked (tools/check_site.py). Chromium is checked
+# first, so a machine without it fails in seconds, not after the notebooks.
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest tests -q
+	$(OTHER_CPU) $(BIN)/python -m pytest tests -q -m numerics
 	$(NBVAL)
-	ATEN_CPU_CAPABILITY=default $(NBVAL)
+	$(OTHER_CPU) $(NBVAL)
 	$(BIN)/python tools/build_book.py --no-execute
 	$(BIN)/python tools/check_site.py
+
+# Only the float-sensitive checks, natively and under OTHER_CPU: what to run on another machine
+# to see whether its rounding keeps every exact comparison exact and every bound a bound.
+test-numerics: $(STAMP)
+	$(BIN)/python -m pytest tests -q -m numerics
+	$(OTHER_CPU) $(BIN)/python -m pytest tests -q -m numerics
+	$(NBVAL)
+	$(OTHER_CPU) $(NBVAL)
 
 # The browser check alone, on the site already in _build/html (after `make book`, say).
 check-site: $(STAMP) chromium

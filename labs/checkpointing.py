@@ -33,7 +33,9 @@ NUM_SAMPLES = 60       # one epoch = 5 steps, so a run crosses an epoch boundary
 WARMUP = 4             # LR warm-up steps: a schedule restarted from 0 would change the losses
 LR = 1e-2
 # Another world size splits each step's batch and sums its gradients in another order, so fp32
-# results drift by rounding: a few ulps of a loss near 4 per step (ulp 4.8e-7), over a few steps.
+# results drift by rounding: a few ulps of a loss near 4 per step (ulp 4.8e-7), over a few steps;
+# 1e-5 is about 20 ulps. A resume that restarts Adam's moments misses by about 2e-2
+# (`resume_without`), three orders of magnitude more.
 LOSS_TOL = 1e-5
 
 
@@ -124,9 +126,11 @@ def _load(kind, net, hand, opt, sched, loader, path):
         group["lr"] = base * sched.lr_lambdas[0](sched.last_epoch)
 
 
-def run(rank, world_size, kind, root, steps, save_at=None, load_at=None, cfg=None):
+def run(rank, world_size, kind, root, steps, save_at=None, load_at=None, cfg=None, forget=None):
     """Train ``steps`` steps in all. ``save_at=k``: save to ``root/step-k`` after step k and go on
     (the uninterrupted run). ``load_at=k``: start from ``root/step-k`` (written at any world size).
+    ``forget="optimizer"``: a buggy resume that restores everything but Adam's state (its moments
+    and step count start again from zero), to show the losses' tolerance cannot hide such a bug.
 
     Returns losses (the global mean loss of each step run here), batches (the global sample ids of
     each step, gathered from what every rank actually consumed), saved / loaded (full weights at
@@ -138,6 +142,10 @@ def run(rank, world_size, kind, root, steps, save_at=None, load_at=None, cfg=Non
     first = 0
     if load_at is not None:
         _load(kind, net, hand, opt, sched, loader, os.path.join(root, f"step-{load_at}"))
+        if forget == "optimizer":
+            opt.state.clear()               # Adam re-creates zero moments at its next step
+        elif forget is not None:
+            raise ValueError(f"forget={forget!r}: only 'optimizer' can be left out of a resume.")
         out["loaded"], first = _full(net, hand), load_at
         out["rng_draw"] = torch.rand(()).item()
     for step in range(first, steps):
@@ -238,6 +246,21 @@ def reshard(pairs=PAIRS, steps=8, save_at=3, root=None, timeout=60.0, cfg=None):
             dst = launch.spawn(run_both, b, os.path.join(root, f"ws{a}"), steps, load_at=save_at,
                                timeout=timeout, cfg=cfg)
             out[f"{a}->{b}"] = _compare(sources[a][0], dst[0], save_at)
+    return out
+
+
+def resume_without(part="optimizer", world_size=2, steps=5, save_at=3, timeout=120.0, cfg=None):
+    """The largest loss difference from the uninterrupted run after a correct resume and after one
+    that leaves ``part`` out, both at the same world size and in the hand format:
+    {"correct": 0.0 (bit for bit), "forgot": the bug's difference, which must exceed LOSS_TOL}."""
+    with tempfile.TemporaryDirectory(prefix="ckpt-") as root:
+        src = launch.spawn(run, world_size, "hand", root, steps, save_at, timeout=timeout, cfg=cfg)[0]
+        tail = src["losses"][save_at:]
+        out = {}
+        for name, forget in (("correct", None), ("forgot", part)):
+            dst = launch.spawn(run, world_size, "hand", root, steps, None, save_at, cfg, forget,
+                               timeout=timeout)[0]
+            out[name] = max(abs(x - y) for x, y in zip(tail, dst["losses"]))
     return out
 
 

@@ -147,7 +147,19 @@ class _Null:
 
 
 def reference(world_size, steps=2, lr=1e-3):
-    """One process, fp32: every rank's batch as a micro-batch, gradients averaged, Adam."""
+    """One process, fp32: every rank's batch as a micro-batch, gradients averaged, Adam.
+
+    On one intra-op thread, as each spawned rank: a CPU kernel may split a reduction by thread, so
+    the first step's losses are the ranks' bit for bit only at the ranks' thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(world_size, steps, lr)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(world_size, steps, lr):
     net = tiny.build()
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses = []
@@ -155,9 +167,9 @@ def reference(world_size, steps=2, lr=1e-3):
         losses.append([])
         for r in range(world_size):
             x, y = tiny.synthetic_batch(tiny.GPTConfig(), 2, seed=100 * step + r)
-            loss = net(x, y) / world_size
-            loss.backward()
-            losses[-1].append(loss.item() * world_size)
+            loss = net(x, y)
+            losses[-1].append(loss.item())
+            (loss / world_size).backward()
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in net.named_parameters()}}

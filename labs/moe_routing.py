@@ -13,6 +13,7 @@
   bytes crossing the node boundary are read from the dispatch all-to-all's payloads.
 """
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -61,16 +62,18 @@ def drop_curve(capacity_factors, tokens=256, experts=8, s=1.0, trials=40, seed=0
     rows = []
     for cf in capacity_factors:
         cap = moe.capacity(tokens, experts, 1, cf)
-        measured, from_loads = [], []
+        measured, from_loads, margin = [], [], math.inf
         for logits in batches:
             r = moe.route(logits, 1, cap)
+            margin = min(margin, r.margin)
             measured.append(1 - r.keep.float().mean().item())
             loads = torch.bincount(r.idx.reshape(-1), minlength=experts)
             from_loads.append((loads - cap).clamp(min=0).sum().item() / tokens)
         m = torch.tensor(measured, dtype=torch.float64)
         rows.append({"capacity_factor": cf, "capacity": cap, "measured": m.mean().item(),
                      "stderr": (m.std() / trials ** 0.5).item(), "per_batch": measured,
-                     "from_loads": from_loads, "predicted": expected_dropped(probs, tokens, cap)})
+                     "from_loads": from_loads, "predicted": expected_dropped(probs, tokens, cap),
+                     "routing_margin": margin})
     return rows
 
 
@@ -168,7 +171,8 @@ def node_limited(rank, world_size, ranks_per_node=2, tokens=64, hidden=16, exper
         nodes = [torch.unique(node[layer.sent_token == t]).numel() for t in range(tokens)]
         out[name] = {"cross_node_bytes": sum(b for d, b in enumerate(to) if d // ranks_per_node != me),
                      "dispatch_bytes": sum(to), "once_per_node_bytes": pairs * hidden * x.element_size(),
-                     "max_nodes_per_token": max(nodes), "row_bytes": hidden * x.element_size()}
+                     "max_nodes_per_token": max(nodes), "row_bytes": hidden * x.element_size(),
+                     "routing_margin": layer.routing.margin}
     return out
 
 

@@ -6,6 +6,9 @@ import torch
 
 from labs import fsdp, launch, unseen_model as toy, zero
 
+# compares floating-point results: `make test` runs it again under another CPU's rounding
+pytestmark = pytest.mark.numerics
+
 STEPS, LR = 4, 1e-3
 
 
@@ -66,7 +69,7 @@ def test_hand_fsdp_and_fsdp2_agree_at_three_ranks(runs):
     hand, ref = runs[3][0]["fsdp"], runs[3][0]["fsdp2"]
     bound = zero.param_bound(torch.cat([p.view(-1) for p in ref["params"].values()]), STEPS, LR)
     assert max((hand["params"][k] - v).abs().max().item() for k, v in ref["params"].items()) <= bound
-    assert hand["losses"][0] == ref["losses"][0]
+    assert hand["losses"][0] == ref["losses"][0]   # step 0: the same weights, data and shapes: exact
 
 
 def test_bad_inputs_are_refused():

@@ -10,6 +10,9 @@ import torch
 
 from labs import cli, launch, moe, moe_routing as mr
 
+# compares floating-point results: `make test` runs it again under another CPU's rounding
+pytestmark = pytest.mark.numerics
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32: the expert-parallel layer adds a token's k expert outputs in one index_add where the
 # reference adds them expert by expert, and the router's gradient is an all-reduce of per-rank
@@ -38,6 +41,8 @@ def test_expert_parallel_equals_the_single_process_layer(world_size, capacity_fa
     for r in results:
         assert r["max_abs_error"] < TOL and r["max_abs_error_grad"] < TOL, r["grad_errors"]
         _check_bytes(r, world_size, experts)
+        # no choice is near a tie, so the routing (and the counts below) is the same on any CPU
+        assert r["routing_margin"] > moe.margin_bound(experts), r["routing_margin"]
     # capacity is per rank's batch, so the reference drops the same pairs: equal even with drops
     assert (results[0]["dropped_fraction"] == 0) == (capacity_factor is None)
     # every row dispatched comes back: the ranks' dispatch and combine bytes have equal totals
@@ -49,10 +54,12 @@ def test_node_limited_routing_on_two_nodes():
     limited = launch.spawn(moe.check_layer, 4, 32, 16, 16, 4, None, 0, (8, 1), timeout=120)
     for r in limited:
         assert r["max_abs_error"] < TOL and r["max_abs_error_grad"] < TOL
+        assert r["routing_margin"] > moe.margin_bound(16)
         _check_bytes(r, 4, 16)
     rows = launch.spawn(mr.node_limited, 4, timeout=120)
     for r in rows:
         assert r["unlimited"]["max_nodes_per_token"] == 2 and r["one_node"]["max_nodes_per_token"] == 1
+        assert min(r[k]["routing_margin"] for k in ("unlimited", "one_node")) > moe.margin_bound(16)
         # once per node, a token crosses at most M = 1 time: at most 64 tokens x 64 bytes
         assert r["one_node"]["once_per_node_bytes"] <= 64 * r["one_node"]["row_bytes"]
     once = {k: sum(r[k]["once_per_node_bytes"] for r in rows) for k in ("unlimited", "one_node")}
@@ -96,6 +103,7 @@ def test_dropped_fraction_follows_the_load_distribution():
         assert row["per_batch"] == pytest.approx(row["from_loads"], abs=1e-9)
         # and on average what the Binomial(T, p_i) loads predict: within 4 standard errors
         assert abs(row["measured"] - row["predicted"]) < 4 * row["stderr"]
+        assert row["routing_margin"] > moe.margin_bound(8)   # the same choices on every CPU
     assert [r["measured"] for r in rows] == sorted((r["measured"] for r in rows), reverse=True)
 
 

@@ -10,6 +10,9 @@ import torch
 
 from labs import launch, model as tiny, pipeline, schedules, split_backward
 
+# compares floating-point results: `make test` runs it again under another CPU's rounding
+pytestmark = pytest.mark.numerics
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32 gradients of m micro-batches summed one by one vs one backward over the whole batch:
 # a few ulps of gradients of order 1e-2; a lost or doubled micro-batch errs by order 1e-2.

@@ -11,6 +11,9 @@ import pytest
 import workers
 from labs import comm, launch, ring_allreduce as ra, wire
 
+# compares floating-point results: `make test` runs it again under another CPU's rounding
+pytestmark = pytest.mark.numerics
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32 sums of N standard normals in another order than the float64 reference: a few ulps of the
 # sum's magnitude (~sqrt(N) * 4); 1e-5 is far below any wrong-chunk error (order 1).

@@ -9,6 +9,9 @@ import pytest
 
 from labs import launch, sequence_parallel as sp
 
+# compares floating-point results: `make test` runs it again under another CPU's rounding
+pytestmark = pytest.mark.numerics
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32: TP and TP+SP sum t partial products where one process sums one long dot product, and the
 # LayerNorm gradients add t partial sums: the same additions in another order, a few ulps of

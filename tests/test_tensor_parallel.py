@@ -8,6 +8,9 @@ import pytest
 
 from labs import launch, tensor_parallel as tp
 
+# compares floating-point results: `make test` runs it again under another CPU's rounding
+pytestmark = pytest.mark.numerics
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32: the row-parallel layer sums tp partial products where one process sums one long dot
 # product, a different order of the same additions: a few ulps of outputs of order 1. A wrong

@@ -9,6 +9,9 @@ import torch
 
 from labs import gqa_parallel as gqa, launch, tp_limits as tl, vocab_parallel as vp
 
+# compares floating-point results: `make test` runs it again under another CPU's rounding
+pytestmark = pytest.mark.numerics
+
 B, S, H, V = 2, 8, 16, 96            # vocabulary lab: V divisible by 2 and 3
 KV = {2: (1, 2), 3: (1, 3)}          # GQA lab, 12 query heads: replicate at kv = 1, split at kv = tp
 
@@ -72,7 +75,10 @@ def test_gqa_under_tp_equals_the_unsharded_layer(world_size):
         for kv, r in rank_result["gqa"].items():
             mode = "split" if kv % world_size == 0 else "replicate"
             assert r["layout"]["mode"] == mode
-            # fp32 gradients of order 10: 2e-5 absolute is a few ulps of them
+            # fp32 gradients of order 10 (ulp 9.5e-7), each a sum over b*s = 16 tokens that the sharded
+            # layer's smaller matmuls may block in another order (BLAS picks kernels by shape, and
+            # differently on another CPU): 2e-5 is about 20 ulps. The bug it guards against, a KV
+            # gradient left unsummed over its copies, errs by more than 1 (asserted below).
             assert max(r["errors"].values()) < 2e-5, (kv, r["errors"])
             p = r["allreduce_payloads"]
             assert p["forward"] == [2 * 8 * h * 4] and p["backward"] == [2 * 8 * h * 4]
@@ -81,7 +87,10 @@ def test_gqa_under_tp_equals_the_unsharded_layer(world_size):
                 assert r["kv_grad_error_unsummed"] > 1 and p["kv_grad_sum"] == [d * h * 4] * 2
                 assert r["kv_params"]["per_rank"] == r["kv_params"]["unsharded"] // kv
             else:
-                assert r["kv_grad_error_unsummed"] == 0 and p["kv_grad_sum"] == []
+                # nothing to sum: the KV gradients are the ones compared above, so the same bound
+                # (not 0: the unsharded layer's K and V projections are wider matmuls)
+                assert r["kv_grad_error_unsummed"] == max(r["errors"]["wk"], r["errors"]["wv"]) < 2e-5
+                assert p["kv_grad_sum"] == []
                 assert r["kv_params"]["per_rank"] * world_size == r["kv_params"]["unsharded"]
 
 

@@ -11,6 +11,9 @@ import torch
 from labs import launch, zero
 from labs.sharded_optimizer import ShardedOptimizer
 
+# compares floating-point results: `make test` runs it again under another CPU's rounding
+pytestmark = pytest.mark.numerics
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Each rank's bf16 gradient is rounded before the average, one process rounds the whole batch's:
 # they agree to a few bf16 ulps (2^-8 relative) of the largest entry. A missing 1/N is off by 50%+.
