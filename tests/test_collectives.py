@@ -83,8 +83,8 @@ def test_cli_json():
     out = subprocess.run([sys.executable, "-m", "labs.collectives", "--world-size", "2", "--op", "all_to_all",
                           "--numel", "8", "--json"], capture_output=True, text=True, cwd=REPO, check=True)
     r = json.loads(out.stdout.splitlines()[-1])
-    # an all-to-all only moves elements, no arithmetic: exact on any CPU
-    assert r["bytes_sent"] == [16, 16] and r["steps"] == 1 and r["max_abs_error"] == 0.0
+    assert r["bytes_sent"] == [16, 16] and r["steps"] == 1
+    assert r["max_abs_error"] == 0.0   # an all-to-all moves elements, no arithmetic: exact
 
 
 def test_alpha_beta_fit_and_crossover_are_sane():

@@ -106,7 +106,7 @@ def test_split_backward_counts_and_gradients(costs):
     assert layer["flops_backward_weight"] == s * b * h * 24 * h
     for c in (layer, model):   # the model adds the embeddings and the head, a deferred linear layer
         assert c["flops_backward_input"] + c["flops_backward_weight"] == c["flops_backward_full"]
-    assert costs["flops_split_error"] == 0
+    assert costs["flops_split_error"] == 0   # FLOP counts are integers: exact
     assert {k: layer[k] for k in costs["table_1"]} == costs["table_1"]   # the lab's own Table 1 column
     # After B autograd holds nothing of the layer: W's store is x and dy of its four linear layers,
     # (h + h + h + 4h) + (3h + h + 4h + h) = 16 values per token, Table 1's 32sbh bytes in 16-bit.
