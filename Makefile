@@ -38,7 +38,7 @@ NBVAL := $(BIN)/python -m pytest --nbval notebooks --nbval-current-env --nbval-c
 # Labs first (fast failures), then every notebook re-executed and compared with its committed
 # outputs, twice: with this CPU's own vectorised kernels and with ATEN_CPU_CAPABILITY=default
 # (no vectorisation), so the rounding of another machine is always exercised (notebooks state
-# floats only to the precision they assert, see labs/report.py). Then the site is built from
+# floats only to the precision they assert, see labs/measure/report.py). Then the site is built from
 # the verified outputs with warnings as errors, and every page is opened in headless Chromium
 # with the network blocked (tools/check_site.py). Chromium is checked first, so a machine
 # without it fails in seconds, not after the notebooks.

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from labs import budget, launch, model, precision
+from labs.memory_budget import budget, recipes
+from labs.launcher import launch
+from labs import model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,7 +151,7 @@ def test_the_lab_measures_what_the_calculator_says_on_three_ranks():
     results = launch.spawn(budget.measure, 3, ("mixed", "fp32", "mixed_fp32_accum"), timeout=120)
     for name in ("mixed", "fp32", "mixed_fp32_accum"):
         measured = [r["recipes"][name]["bytes_per_param"] for r in results]
-        assert measured == [precision.recipe(name).bytes_per_param()["total"]] * 3
+        assert measured == [recipes.recipe(name).bytes_per_param()["total"]] * 3
         # data parallel: after the all-reduce every replica holds the same weights
         assert len({r["recipes"][name]["param_checksum"] for r in results}) == 1
     for row in results[0]["activations"]:
@@ -159,7 +161,7 @@ def test_the_lab_measures_what_the_calculator_says_on_three_ranks():
 
 
 def test_calculator_command_line_prints_json():
-    out = subprocess.run([sys.executable, "-m", "labs.budget", "--model", "70B", "--world-size", "64",
+    out = subprocess.run([sys.executable, "-m", "labs.memory_budget.budget", "--model", "70B", "--world-size", "64",
                           "--tp", "8", "--zero-stage", "1", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
@@ -169,6 +171,6 @@ def test_calculator_command_line_prints_json():
 
 
 def test_calculator_command_line_refuses_a_bad_split():
-    proc = subprocess.run([sys.executable, "-m", "labs.budget", "--world-size", "12", "--tp", "8"],
+    proc = subprocess.run([sys.executable, "-m", "labs.memory_budget.budget", "--world-size", "12", "--tp", "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error: world_size 12 is not divisible")

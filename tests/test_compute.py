@@ -3,7 +3,8 @@ each measured (FlopCounterMode, saved-tensor hooks, PeakMemory) and asserted aga
 import pytest
 import torch
 
-from labs import activations, budget, compute, logits, model as tiny
+from labs.memory_budget import activations, budget, compute, logits
+from labs import model as tiny
 
 ODD_GPT = tiny.GPTConfig(vocab_size=80, seq_len=12, n_layer=3, n_head=3, hidden=48)
 

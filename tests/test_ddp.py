@@ -8,7 +8,10 @@ import sys
 import pytest
 
 import workers
-from labs import comm, ddp, launch, model as tiny, wire
+from labs.measure import comm, wire
+from labs.data_parallel import ddp
+from labs.launcher import launch
+from labs import model as tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # All three runs sum the same fp32 gradients in different orders (bucket layout, ring chunks, one
@@ -123,7 +126,7 @@ def test_timeline_orders_each_bucket():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.ddp", "--world-size", "2", "--steps", "2", "--json"],
+    out = subprocess.run([sys.executable, "-m", "labs.data_parallel.ddp", "--world-size", "2", "--steps", "2", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=180, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["max_param_diff_vs_torch_ddp"] < TOL and r["max_param_diff_vs_single_process"] < TOL

@@ -2,7 +2,7 @@
 with its own TMPDIR, and the test asserts the rank named, the time to report, that no process of
 the run survives (every PID seen during the run is checked) and that no temporary file is left.
 
-The faults come from `labs.launch --fault {raise,exit,kill,hang} --fault-rank R`: rank R fails
+The faults come from `labs.launcher.launch --fault {raise,exit,kill,hang} --fault-rank R`: rank R fails
 between two collectives while its peers wait for it in the second.
 """
 import glob
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from labs import launch
+from labs.launcher import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -53,7 +53,7 @@ class Run:
         self.tmpdir = str(tmp_path / "tmp")
         os.mkdir(self.tmpdir)
         env = dict(os.environ, TMPDIR=self.tmpdir, PYTHONPATH=REPO)
-        cmd = [TORCHRUN, "--nproc_per_node=3", "-m", "labs.launch"] if torchrun else [sys.executable, "-m", "labs.launch"]
+        cmd = [TORCHRUN, "--nproc_per_node=3", "-m", "labs.launcher.hello"] if torchrun else [sys.executable, "-m", "labs.launcher.hello"]
         self.start = time.monotonic()
         self.proc = subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.seen, self._done = set(), threading.Event()
@@ -198,25 +198,25 @@ def test_under_torchrun_a_hung_rank_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["labs.launch", "--world-size", "10000"], "10000 ranks need about"),
-    (["labs.launch", "--timeout", "0"], "argument --timeout: expected a positive finite number, got 0"),
-    (["labs.launch", "--timeout", "-1"], "argument --timeout: expected a positive finite number, got -1"),
-    (["labs.launch", "--timeout", "nan"], "argument --timeout: expected a positive finite number, got nan"),
-    (["labs.launch", "--timeout", "inf"], "argument --timeout: expected a positive finite number, got inf"),
-    (["labs.launch", "--timeout", "1e12"], "argument --timeout: expected at most 86,400, got 1e12"),
-    (["labs.launch", "--fault", "hang", "--fault-rank", "5"], "--fault-rank 5 is not a rank of 2"),
-    (["labs.pipeline", "--world-size", "4", "--microbatches", "100000000"], "above the 3,000,000 this lab builds"),
-    (["labs.pipeline", "--microbatches", "2000", "--timeout", "60"], "take at least 300 s, above --timeout 60"),
-    (["labs.pipeline", "--unit-ms", "-1"], "argument --unit-ms: expected a positive finite number, got -1"),
-    (["labs.ring_allreduce", "--numel", "1000000000000"], "for --numel) but this machine has"),
-    (["labs.tensor_parallel", "--hidden", "1200000"], "for --hidden, --batch or --seq) but this machine has"),
-    (["labs.budget", "--gpu-gib", "-5"], "argument --gpu-gib: expected a positive finite number, got -5"),
-    (["labs.budget", "--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
+    (["labs.launcher.hello", "--world-size", "10000"], "10000 ranks need about"),
+    (["labs.launcher.hello", "--timeout", "0"], "argument --timeout: expected a positive finite number, got 0"),
+    (["labs.launcher.hello", "--timeout", "-1"], "argument --timeout: expected a positive finite number, got -1"),
+    (["labs.launcher.hello", "--timeout", "nan"], "argument --timeout: expected a positive finite number, got nan"),
+    (["labs.launcher.hello", "--timeout", "inf"], "argument --timeout: expected a positive finite number, got inf"),
+    (["labs.launcher.hello", "--timeout", "1e12"], "argument --timeout: expected at most 86,400, got 1e12"),
+    (["labs.launcher.hello", "--fault", "hang", "--fault-rank", "5"], "--fault-rank 5 is not a rank of 2"),
+    (["labs.pipeline.executor", "--world-size", "4", "--microbatches", "100000000"], "above the 3,000,000 this lab builds"),
+    (["labs.pipeline.executor", "--microbatches", "2000", "--timeout", "60"], "take at least 300 s, above --timeout 60"),
+    (["labs.pipeline.executor", "--unit-ms", "-1"], "argument --unit-ms: expected a positive finite number, got -1"),
+    (["labs.data_parallel.ring_allreduce", "--numel", "1000000000000"], "for --numel) but this machine has"),
+    (["labs.tensor_parallel.blocks", "--hidden", "1200000"], "for --hidden, --batch or --seq) but this machine has"),
+    (["labs.memory_budget.budget", "--gpu-gib", "-5"], "argument --gpu-gib: expected a positive finite number, got -5"),
+    (["labs.memory_budget.budget", "--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
 ])
 def test_bad_input_is_one_sentence_before_anything_starts(monkeypatch, capsys, args, message):
     """Each lab's command line, run in this process with starting a rank made impossible."""
     import importlib
-    from labs import cli
+    from labs.launcher import cli
 
     def no_start(*_):
         raise AssertionError("a process was started before the input was refused")

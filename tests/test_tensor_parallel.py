@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from labs import launch, tensor_parallel as tp
+from labs.launcher import launch
+from labs.tensor_parallel import blocks as tp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32: the row-parallel layer sums tp partial products where one process sums one long dot
@@ -60,12 +61,12 @@ def test_dtensor_parallelize_module_matches_the_hand_split():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.tensor_parallel", "--world-size", "2", "--block", "attention",
+    out = subprocess.run([sys.executable, "-m", "labs.tensor_parallel.blocks", "--world-size", "2", "--block", "attention",
                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["allreduce_forward"] == r["allreduce_backward"] == 1
     assert r["max_abs_error_output"] < TOL and r["max_abs_error_grad"] < TOL and r["allreduce_bytes"] == 2 * 8 * 48 * 4
-    bad = subprocess.run([sys.executable, "-m", "labs.tensor_parallel", "--world-size", "5"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "labs.tensor_parallel.blocks", "--world-size", "5"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not divisible by tp = 5" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -5,7 +5,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labs import comm, wire
+from labs.measure import comm, wire
 
 
 def report_rank(rank, world_size):
@@ -84,7 +84,7 @@ def tp_group_sum(rank, world_size, tp):
     return {"coords": g.coords, "tp_ranks": g.tp_ranks, "dp_ranks": g.dp_ranks, "tp_sum": t.item()}
 
 
-# ---- hand collectives (labs.comm.hand_collectives) ---------------------------------------------
+# ---- hand collectives (labs.measure.comm.hand_collectives) ---------------------------------------------
 
 def _integer_valued(numel, rank, dtype, salt=0):
     """Small integers, exact in bf16 whatever the order of the sum: equality can be exact."""
@@ -116,7 +116,7 @@ def _hand_vs_library(rank, n, group, dtype, k):
 
 def _uneven(rank, n, group, numel):
     """Uneven chunks (numel not a multiple of n): the ring halves against the library all-reduce."""
-    from labs import ring_allreduce as ra
+    from labs.data_parallel import ring_allreduce as ra
     x = _integer_valued(numel, rank, torch.float32, salt=5)
     exact = x.clone()
     dist.all_reduce(exact, group=group)
@@ -177,8 +177,8 @@ def wire_checks(rank, world_size):
 # ---- HandDDP semantics beside torch DDP ---------------------------------------------------------
 
 def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16):
-    """labs.ddp.semantics, plus the error a bucket cap below one byte raises."""
-    from labs import ddp
+    """labs.data_parallel.ddp.semantics, plus the error a bucket cap below one byte raises."""
+    from labs.data_parallel import ddp
     try:
         ddp.HandDDP(ddp.MixedNet(), bucket_cap_bytes=0)
         error = None
@@ -188,8 +188,8 @@ def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16):
 
 
 def ring_runs(rank, world_size, numels, naive_numel=101):
-    """labs.ring_allreduce.run: ring for several sizes, naive and library for one, in one job (one spawn)."""
-    from labs import ring_allreduce as ra
+    """labs.data_parallel.ring_allreduce.run: ring for several sizes, naive and library for one, in one job (one spawn)."""
+    from labs.data_parallel import ring_allreduce as ra
     return {"ring": [ra.run(rank, world_size, numel, "ring", 1) for numel in numels],
             "naive": ra.run(rank, world_size, naive_numel, "naive", 1),
             "library": ra.run(rank, world_size, 1000, "library", 1)}
@@ -197,7 +197,7 @@ def ring_runs(rank, world_size, numels, naive_numel=101):
 
 def ddp_suite(rank, world_size):
     """Every HandDDP check of tests/test_ddp.py for one world size, in one job (spawns are slow)."""
-    from labs import ddp
+    from labs.data_parallel import ddp
     if world_size == 2:
         return {"run": ddp.run(rank, world_size, 3), "semantics": ddp_semantics(rank, world_size),
                 "no_sync_off": ddp.run(rank, world_size, 2, 3, use_no_sync=False),
@@ -208,8 +208,8 @@ def ddp_suite(rank, world_size):
 
 
 def comm_suite(rank, world_size):
-    """Every labs.comm check of tests/test_comm.py for one world size, in one job."""
-    from labs import ring_allreduce as ra
+    """Every labs.measure.comm check of tests/test_comm.py for one world size, in one job."""
+    from labs.data_parallel import ring_allreduce as ra
     out = {"hand": hand_collectives(rank, world_size)}
     if world_size == 3:
         out["library"] = count_collectives(rank, world_size, 10)

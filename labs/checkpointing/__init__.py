@@ -1,0 +1,1 @@
+"""checkpointing (docstring written below)."""

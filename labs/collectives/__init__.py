@@ -1,0 +1,1 @@
+"""collectives (docstring written below)."""

@@ -1,0 +1,1 @@
+"""context_parallel (docstring written below)."""

@@ -1,0 +1,1 @@
+"""expert_parallel (docstring written below)."""

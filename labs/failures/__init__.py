@@ -1,0 +1,1 @@
+"""failures (docstring written below)."""

@@ -1,0 +1,1 @@
+"""gpu (docstring written below)."""

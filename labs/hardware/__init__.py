@@ -1,0 +1,1 @@
+"""hardware (docstring written below)."""

@@ -1,0 +1,1 @@
+"""launcher (docstring written below)."""

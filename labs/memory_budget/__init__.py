@@ -1,0 +1,1 @@
+"""memory_budget (docstring written below)."""

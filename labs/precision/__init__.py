@@ -1,0 +1,1 @@
+"""precision (docstring written below)."""

@@ -1,0 +1,1 @@
+"""recompute (docstring written below)."""

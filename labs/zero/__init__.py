@@ -1,0 +1,1 @@
+"""zero (docstring written below)."""
