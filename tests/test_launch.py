@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import workers
-from labs.launcher import launch
+from labs.launcher import launch, preflight
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +86,7 @@ def test_bad_timeouts_are_refused_in_one_sentence(bad):
 
 
 def test_more_ranks_than_memory_holds_are_refused_before_start(monkeypatch):
-    monkeypatch.setattr(launch, "available_bytes", lambda: 4 * launch.RANK_BYTES)
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 4 * preflight.RANK_BYTES)
     with pytest.raises(ValueError, match="use at most 4 ranks, or set LABS_MAX_RANKS to try anyway"):
         launch.spawn(workers.report_rank, 5)
     monkeypatch.setenv("LABS_MAX_RANKS", "3")

@@ -122,7 +122,7 @@ def test_a_hung_rank_is_named_and_its_waiters_are_told_apart(tmp_path):
     run = Run(["--world-size", "3", "--fault", "hang", "--fault-rank", "2", "--timeout", "12"], tmp_path).finish()
     print(f"\nhang on rank 2: {run.seconds:.1f} s: {run.err[:300]}")
     assert run.proc.returncode == 1
-    assert _headline(run).startswith("rank 2 of 3 did not finish within 12 s: it was in hello (launch.py:")
+    assert _headline(run).startswith("rank 2 of 3 did not finish within 12 s: it was in hello (hello.py:")
     assert "outside any collective" in _headline(run)
     assert "(ranks 0, 1 waited for it in barrier)" in run.err
     assert "--- rank 2 was here ---" in run.err and "in hello" in run.err  # its stack, from faulthandler
@@ -167,7 +167,8 @@ def test_a_rank_that_cannot_start_says_why(tmp_path, monkeypatch):
 def test_a_script_without_a_main_guard_works(tmp_path):
     """Ranks never import the caller's script, so the guard that multiprocessing's spawn needs is not needed."""
     script = tmp_path / "no_guard.py"
-    script.write_text("from labs import launch\nprint(sum(r['sum_of_ranks'] for r in launch.spawn(launch.hello, 2)))\n")
+    script.write_text("from labs.launcher import hello, launch\n"
+                      "print(sum(r['sum_of_ranks'] for r in launch.spawn(hello.hello, 2)))\n")
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -190,7 +191,7 @@ def test_under_torchrun_a_hung_rank_is_named(tmp_path):
     run = Run(["--fault", "hang", "--fault-rank", "2", "--timeout", "12"], tmp_path, torchrun=True).finish()
     print(f"\ntorchrun hang on rank 2: {run.seconds:.1f} s")
     assert run.proc.returncode != 0
-    assert "rank 2 of 3 did not finish within 12 s: it was in hello (launch.py:" in run.err
+    assert "rank 2 of 3 did not finish within 12 s: it was in hello (hello.py:" in run.err
     assert "(ranks 0, 1 waited for it in barrier)" in run.err
     assert "Current thread" in run.err or "Thread 0x" in run.err  # each rank's stack
     assert 12 <= run.seconds < 12 + START_S + 10  # torchrun's own start and stop come on top

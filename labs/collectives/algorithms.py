@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from labs.measure import comm
-from labs.launcher import launch
+from labs.launcher import launch, preflight
 from labs.collectives import recursive
 from labs.data_parallel import ring_allreduce as ra
 from labs.collectives.recursive import Rounds
@@ -181,7 +181,7 @@ def check(op, algorithm, p, numel):
         raise ValueError(f"unknown collective {op!r}; use one of {', '.join(OPS)}.")
     if algorithm not in CHOICES[op]:
         raise ValueError(f"{op} is built here as {' or '.join(CHOICES[op])}, not {algorithm!r}.")
-    launch.check_world_size(p)
+    preflight.check_world_size(p)
     if op not in ("broadcast", "reduce") and numel % p:
         raise ValueError(f"{op} splits the buffer into {p} equal blocks: make the element count "
                          f"{numel} a multiple of {p}.")

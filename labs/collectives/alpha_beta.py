@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from labs.data_parallel import bus_bandwidth
 from labs.measure import comm
-from labs.launcher import launch
+from labs.launcher import launch, preflight
 
 FIT_SIZES = [4, 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024]   # bytes
 BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -138,7 +138,7 @@ def bench(world_size, ops=BENCH_OPS, sizes=BENCH_SIZES, repeats=5, timeout=300.0
             seconds = max(r[i][j] for r in ranks)
             rows.append({"op": op, "nbytes": s, "seconds": seconds,
                          **bus_bandwidth.bandwidths(s, seconds, world_size, op)})
-    return {"world_size": world_size, "backend": launch.choose_backend(world_size), "rows": rows}
+    return {"world_size": world_size, "backend": preflight.choose_backend(world_size), "rows": rows}
 
 
 def table(result):

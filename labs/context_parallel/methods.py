@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from labs.context_parallel import allgather_cp, ring_attention as ra, ulysses
 from labs.measure import comm
-from labs.launcher import launch
+from labs.launcher import launch, preflight
 
 METHODS = ("ring", "ulysses", "allgather")
 ORDERS = ("contiguous", "zigzag")
@@ -271,7 +271,7 @@ def main(argv=None):
     check_config(args.world_size, args.seq_len, args.order, args.method, args.heads, kv)
     # fp32 Q, K, V, dO, their gradients and one (T x T) score matrix per head, per rank, generously x4
     t, h, d = args.seq_len, args.heads, args.head_dim
-    launch.check_fits(args.world_size, 4 * 4 * args.batch * h * (8 * t * d + t * t), "--seq-len or --batch")
+    preflight.check_fits(args.world_size, 4 * 4 * args.batch * h * (8 * t * d + t * t), "--seq-len or --batch")
     results = launch.launch(check, args.world_size, args.method, args.seq_len, args.causal, args.order, h, kv,
                             d, args.batch, timeout=args.timeout)
     if results is None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from labs.memory_budget import activations
 from labs.measure import comm
-from labs.launcher import launch
+from labs.launcher import launch, preflight
 from labs import model as tiny
 from labs.tensor_parallel import blocks as tp
 
@@ -323,7 +323,7 @@ def main(argv=None):
         raise ValueError(f"--seq {args.seq} must be divisible by the world size {args.world_size} and at most "
                          f"{tp.config().seq_len}; use e.g. 12.")
     h, bsh = args.hidden, args.batch * args.seq * args.hidden   # fp32 weights and activations, generously
-    launch.check_fits(args.world_size, 8 * 4 * (12 * h * h + 40 * bsh), "--hidden, --batch or --seq")
+    preflight.check_fits(args.world_size, 8 * 4 * (12 * h * h + 40 * bsh), "--hidden, --batch or --seq")
     results = launch.launch(lab, args.world_size, args.batch, args.seq, args.hidden, timeout=args.timeout)
     if results is None:
         return

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labs.launcher import launch
+from labs.launcher import launch, preflight
 from labs.measure import wire
 
 FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -35,7 +35,7 @@ def bus_factor(op, world_size):
     """nccl-tests' busbw / algbw for ``op`` on ``world_size`` ranks (doc/PERFORMANCE.md)."""
     if op not in FACTORS:
         raise ValueError(f"unknown collective {op!r}; use one of {', '.join(FACTORS)}.")
-    launch.check_world_size(world_size)
+    preflight.check_world_size(world_size)
     return FACTORS[op](world_size)
 
 
@@ -108,7 +108,7 @@ def summarize(ranks):
                      "wire_all_ranks": sum(wires) if known else None,
                      "wire_all_ranks_model": wire.gloo_allreduce_all_ranks(nbytes, world_size),
                      "preamble_factor": preamble_bytes_all_ranks(nbytes, world_size) / world_size / nbytes})
-    return {"world_size": world_size, "backend": launch.choose_backend(world_size), "rows": rows}
+    return {"world_size": world_size, "backend": preflight.choose_backend(world_size), "rows": rows}
 
 
 def main(argv=None):

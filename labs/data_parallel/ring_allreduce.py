@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from labs.measure import comm, wire
-from labs.launcher import launch
+from labs.launcher import launch, preflight
 
 ALGORITHMS = ("ring", "naive", "library")
 
@@ -283,7 +283,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=cli.positive_int, default=5)
     args = cli.parse(p, argv)
     # per element: the input, its copy and the result in fp32, the exact sum in fp64 and its terms
-    launch.check_fits(args.world_size, 40 * args.numel, "--numel")
+    preflight.check_fits(args.world_size, 40 * args.numel, "--numel")
     results = launch.launch(run, args.world_size, args.numel, args.algorithm, args.repeats, timeout=args.timeout)
     if results is None:
         return

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs.measure import comm
-from labs.launcher import launch
+from labs.launcher import launch, preflight
 
 _logs = []  # the payload logs currently recording, innermost last
 
@@ -287,7 +287,7 @@ def main(argv=None):
     if args.top_k > args.experts:
         raise ValueError(f"top-k = {args.top_k} is more than the {args.experts} experts; choose k <= experts.")
     t, h, n = args.tokens * args.world_size, args.hidden, args.experts
-    launch.check_fits(args.world_size, 16 * 4 * (t * h * (2 + args.top_k) + n * 4 * h * h), "--tokens or --hidden")
+    preflight.check_fits(args.world_size, 16 * 4 * (t * h * (2 + args.top_k) + n * 4 * h * h), "--tokens or --hidden")
     results = launch.launch(check_layer, args.world_size, args.tokens, h, n, args.top_k, args.capacity_factor,
                             timeout=args.timeout)
     if results is None:

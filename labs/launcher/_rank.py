@@ -35,7 +35,7 @@ def run(tmp, rank, parent_pid):
     import torch
     import torch.distributed as dist
 
-    from labs.launcher import heartbeat, launch, supervise
+    from labs.launcher import heartbeat, preflight, supervise
 
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
@@ -57,7 +57,7 @@ def run(tmp, rank, parent_pid):
         else:
             torch.cuda.set_device(rank)
         store = dist.FileStore(os.path.join(tmp, "store"), world_size)
-        timeout = datetime.timedelta(seconds=spec["timeout"] + launch._GROUP_TIMEOUT_MARGIN_S)
+        timeout = datetime.timedelta(seconds=spec["timeout"] + preflight._GROUP_TIMEOUT_MARGIN_S)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         phase = pulse.phase = "run"
         result = spec["fn"](rank, world_size, *spec["args"], **spec["kwargs"])

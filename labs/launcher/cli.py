@@ -11,6 +11,8 @@ import math
 import os
 import sys
 
+from labs.launcher import preflight, supervise
+
 
 def positive_int(text):
     """argparse type: a clear sentence instead of a traceback for 0, -1 or 2.5."""
@@ -47,8 +49,7 @@ def at_most(limit, why):
 
 
 def timeout_seconds(text):
-    from labs.launcher.launch import MAX_TIMEOUT_S
-    return positive_float(text, MAX_TIMEOUT_S)
+    return positive_float(text, preflight.MAX_TIMEOUT_S)
 
 
 def parser(description, world_size_default=2):
@@ -80,13 +81,12 @@ def under_torchrun():
 
 def main(run):
     """Run a lab's main(); a bad input ends with its one-sentence message, not a traceback."""
-    from labs.launcher.launch import RankError
     try:
         run()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except RankError as exc:  # its message already holds the failing rank's own traceback
+    except supervise.RankError as exc:  # its message already holds the failing rank's own traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
 

@@ -25,11 +25,9 @@ on the CPU. ``LABS_BACKEND=gloo`` or ``LABS_BACKEND=nccl`` forces one.
 """
 import importlib
 import json
-import math
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,44 +36,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from labs.launcher import supervise, zygote
+from labs.launcher import preflight, supervise, torchrun, zygote
 from labs.launcher.supervise import RankError, RankTimeout  # noqa: F401  (the launcher's public errors)
 
-BACKENDS = ("gloo", "nccl")
-BACKEND_ENV = "LABS_BACKEND"
-# The process group's own timeout is longer than ours, so a rank blocked on a hung peer does not
-# raise a generic gloo timeout first: our deadline fires and names the rank that really hung.
-_GROUP_TIMEOUT_MARGIN_S = 30.0
-MAX_TIMEOUT_S = 86_400
-# Resident size of one rank on gloo once torch is imported (measured: about 440 MiB).
-RANK_BYTES = 450 * 1024 ** 2
-MAX_RANKS_ENV = "LABS_MAX_RANKS"
 _RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank.py")
-
-
-def check_world_size(world_size):
-    """Refuse anything but a positive integer, in one sentence."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}; pass e.g. 2.")
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}; pass e.g. 2.")
-    return world_size
-
-
-def choose_backend(world_size, backend=None):
-    """NCCL when every rank can have its own GPU, else gloo; ``backend`` or $LABS_BACKEND forces one."""
-    forced = backend or os.environ.get(BACKEND_ENV) or None
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if forced is None:
-        return "nccl" if gpus >= world_size else "gloo"
-    if forced not in BACKENDS:
-        raise ValueError(f"unknown backend {forced!r}; use one of {', '.join(BACKENDS)} "
-                         f"(or unset {BACKEND_ENV} to let the launcher choose).")
-    if forced == "nccl" and gpus < world_size:
-        fix = f"lower the world size to {gpus} or" if gpus else "run on a GPU machine or"
-        raise ValueError(f"NCCL needs one GPU per rank: {world_size} ranks asked, {gpus} GPUs here; "
-                         f"{fix} set {BACKEND_ENV}=gloo.")
-    return forced
 
 
 def device():
@@ -96,17 +60,16 @@ def launch(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
     spawn, or global rank 0 under torchrun) and None on the other torchrun ranks.
     """
     if under_torchrun():
-        from labs.launcher import torchrun
         return torchrun.run(fn, world_size, args, kwargs, timeout, backend)
     return spawn(fn, world_size, *args, timeout=timeout, backend=backend, **kwargs)
 
 
 def spawn(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` new processes."""
-    check_world_size(world_size)
-    timeout = check_timeout(timeout)
-    backend = choose_backend(world_size, backend)
-    check_fits(world_size)
+    preflight.check_world_size(world_size)
+    timeout = preflight.check_timeout(timeout)
+    backend = preflight.choose_backend(world_size, backend)
+    preflight.check_fits(world_size)
     fn = _importable(fn)
     spec = _spec(fn, args, kwargs, world_size, backend, timeout)
     tmp = tempfile.mkdtemp(prefix="labs-spawn-")
@@ -131,54 +94,6 @@ def spawn(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
         supervise.stop(procs)
         shutil.rmtree(tmp, ignore_errors=True)
         _dismiss(janitor)
-
-
-def check_timeout(timeout):
-    """A number of seconds, positive and finite: 0, -1, nan and inf are refused in one sentence."""
-    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-    if not ok or not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
-        raise ValueError(f"timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:,}, "
-                         f"got {timeout!r}; pass e.g. 60.")
-    return float(timeout)
-
-
-def available_bytes():
-    """Memory the machine can still give (MemAvailable on Linux), or None where it cannot tell."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_fits(world_size, bytes_per_rank=0, what=""):
-    """Refuse, before anything starts, a run this machine's memory cannot hold.
-
-    Each rank is a Python process that has imported torch (RANK_BYTES, measured as its resident
-    size), plus ``bytes_per_rank`` for the lab's own tensors. $LABS_MAX_RANKS overrides the limit.
-    """
-    override = os.environ.get(MAX_RANKS_ENV)
-    if override:
-        if not override.isdigit() or int(override) < 1:
-            raise ValueError(f"{MAX_RANKS_ENV}={override!r} is not a positive integer; unset it or set e.g. 64.")
-        if world_size > int(override):
-            raise ValueError(f"world_size {world_size} is above {MAX_RANKS_ENV}={override}; raise it or use fewer ranks.")
-        return
-    free = available_bytes()
-    need = world_size * (RANK_BYTES + bytes_per_rank)
-    if free is None or need <= free:
-        return
-    most = int(free // (RANK_BYTES + bytes_per_rank))
-    gib = 1024 ** 3
-    extra = f" and {bytes_per_rank / gib:,.1f} GiB for {what}" if bytes_per_rank else ""
-    fix = (f"use at most {most} ranks" + (f" or lower {what}" if what else "") if most
-           else f"lower {what}")
-    raise ValueError(f"{world_size} ranks need about {need / gib:,.1f} GiB ({RANK_BYTES / gib:.2f} GiB per "
-                     f"process{extra}) but this machine has {free / gib:,.1f} GiB available; {fix}, "
-                     f"or set {MAX_RANKS_ENV} to try anyway.")
 
 
 def _importable(fn):
@@ -239,59 +154,3 @@ def _dismiss(janitor):
         janitor.kill()
         janitor.wait()
 
-
-FAULTS = ("raise", "exit", "kill", "hang")
-
-
-def hello(rank, world_size, fault=None, fault_rank=None):
-    """The smallest lab: every rank contributes its rank to an all-reduce.
-
-    ``fault`` makes rank ``fault_rank`` raise, exit, be killed (SIGKILL) or hang in its own code
-    between two collectives, while its peers wait for it in the second: the launcher's promises,
-    tried on purpose (`python -m labs.launcher.hello --fault hang --fault-rank 1`).
-    """
-    t = torch.tensor([float(rank)], device=device())
-    dist.all_reduce(t)
-    if rank == fault_rank:
-        if fault == "raise":
-            raise RuntimeError(f"injected failure on rank {rank}")
-        if fault == "exit":
-            os._exit(3)
-        if fault == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if fault == "hang":
-            while True:  # busy in its own code, as a rank in an endless data-loading loop would be
-                time.sleep(0.1)
-    dist.barrier()
-    return {"rank": rank, "pid": os.getpid(), "sum_of_ranks": t.item(), "backend": dist.get_backend()}
-
-
-def main(argv=None):
-    """`python -m labs.launcher.hello --world-size N`: measure what starting N ranks costs here."""
-    from labs.launcher import cli
-    parser = cli.parser("Start N ranks, all-reduce their ranks, and time the whole call.")
-    parser.add_argument("--fault", choices=FAULTS, help="make --fault-rank raise, exit, be killed or hang")
-    parser.add_argument("--fault-rank", type=int, default=1, help="the rank --fault applies to (default 1)")
-    args = cli.parse(parser, argv)
-    if args.fault and not 0 <= args.fault_rank < args.world_size:
-        raise ValueError(f"--fault-rank {args.fault_rank} is not a rank of {args.world_size}; "
-                         f"pick one from 0 to {args.world_size - 1}.")
-    start = time.perf_counter()
-    results = launch(hello, args.world_size, args.fault, args.fault_rank if args.fault else None,
-                     timeout=args.timeout)
-    if results is None:
-        return
-    seconds = time.perf_counter() - start
-    n = len(results)
-    result = {"world_size": n, "backend": results[0]["backend"], "seconds": seconds,
-              "sum_of_ranks": results[0]["sum_of_ranks"], "expected_sum": n * (n - 1) / 2}
-    cli.report(result, args, f"{n} ranks on {result['backend']}: all-reduce of ranks = "
-                             f"{result['sum_of_ranks']:g} (expected {result['expected_sum']:g}); "
-                             f"spawn + init + run took {seconds:.2f} s")
-
-
-if __name__ == "__main__":
-    # Run the copy of this module that `import labs.launcher.launch` gives, so the RankError it raises is
-    # the class cli.main catches (this file's own classes live in a module named __main__).
-    from labs.launcher import cli, launch as imported
-    cli.main(imported.main)

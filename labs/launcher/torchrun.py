@@ -18,7 +18,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from labs.launcher import heartbeat, launch
+from labs.launcher import heartbeat, preflight, supervise
 
 WATCHDOG_WAIT_S = 2.0
 
@@ -31,16 +31,16 @@ def run(fn, world_size, args, kwargs, timeout, backend):
     the root cause); at ``timeout`` every rank stops with one message naming the hung ranks, from
     heartbeats exchanged through torchrun's store.
     """
-    timeout = launch.check_timeout(timeout)
+    timeout = preflight.check_timeout(timeout)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world_size is not None and world_size != size:
         raise ValueError(f"--world-size {world_size} disagrees with torchrun's WORLD_SIZE={size}; "
                          "drop --world-size or make them equal.")
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-    backend = launch.choose_backend(local_size, backend)
+    backend = preflight.choose_backend(local_size, backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout + launch._GROUP_TIMEOUT_MARGIN_S))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout + preflight._GROUP_TIMEOUT_MARGIN_S))
     board = _StoreBoard(rank)
     # One beat now, the last one at the deadline (the watchdog's): beats through the store are
     # socket writes, which chapter 2's wire measurement would count if they came in between.
@@ -56,7 +56,7 @@ def run(fn, world_size, args, kwargs, timeout, backend):
         except Exception as exc:
             if heartbeat.is_symptom(str(exc)):
                 time.sleep(2.0)  # let the rank that failed first report first: torchrun names the earliest
-            error = launch.RankError(f"rank {rank} of {size} raised {type(exc).__name__}: {exc}\n\n--- rank {rank} ---\n"
+            error = supervise.RankError(f"rank {rank} of {size} raised {type(exc).__name__}: {exc}\n\n--- rank {rank} ---\n"
                               f"{traceback.format_exc()}", rank)
             _torchrun_error_file(error)
             raise error from None
@@ -103,7 +103,7 @@ def _torchrun_timeout(board, rank, size, timeout):
         message = f"rank {rank} of {size}: the run did not finish within {timeout:g} s (no verdict: {exc})"
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     print(f"error: {message}", file=sys.stderr, flush=True)
-    _torchrun_error_file(launch.RankTimeout(message, [rank]))
+    _torchrun_error_file(supervise.RankTimeout(message, [rank]))
     os._exit(1)
 
 

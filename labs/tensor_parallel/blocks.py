@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs.measure import comm
-from labs.launcher import launch
+from labs.launcher import launch, preflight
 from labs import model as tiny
 
 _logs = []  # the payload logs currently recording, innermost last
@@ -347,7 +347,7 @@ def main(argv=None):
     # fp32: the block's 12 h^2 weights and b*s*h activations, for the reference, the shard and their
     # gradients (a generous x8), so an impossible size is refused before any rank starts
     h, bsh = args.hidden, args.batch * args.seq * args.hidden
-    launch.check_fits(args.world_size, 8 * 4 * (12 * h * h + 16 * bsh), "--hidden, --batch or --seq")
+    preflight.check_fits(args.world_size, 8 * 4 * (12 * h * h + 16 * bsh), "--hidden, --batch or --seq")
     results = launch.launch(check_block, args.world_size, args.block, args.batch, args.seq, args.hidden,
                             timeout=args.timeout)
     if results is None:

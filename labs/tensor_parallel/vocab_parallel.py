@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs.measure import comm, memory
-from labs.launcher import launch
+from labs.launcher import launch, preflight
 from labs.tensor_parallel import blocks as tpl
 
 
@@ -176,7 +176,7 @@ def main(argv=None):
     check_vocab(args.vocab, args.world_size)
     # fp32: embedding and head (V x h each) with gradients, the reference's b*s*V logits, softmax and
     # gradient (a generous x4), so an impossible --vocab is refused before any rank starts
-    launch.check_fits(args.world_size, 4 * (4 * args.vocab * 16 + 4 * 2 * 8 * args.vocab), "--vocab")
+    preflight.check_fits(args.world_size, 4 * (4 * args.vocab * 16 + 4 * 2 * 8 * args.vocab), "--vocab")
     results = launch.launch(check, args.world_size, vocab=args.vocab, timeout=args.timeout)
     if results is None:
         return
