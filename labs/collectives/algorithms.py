@@ -31,7 +31,7 @@ import torch.distributed as dist
 from labs.measure import comm
 from labs.launcher import launch, preflight
 from labs.collectives import recursive
-from labs.data_parallel import ring_allreduce as ra
+from labs.data_parallel import hand_ring
 from labs.collectives.recursive import Rounds
 
 OPS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -77,14 +77,14 @@ def tree_reduce(x, rounds, root=0):
 def ring_all_gather(out, shard, rounds):
     """Chapter 2's ring: p-1 rounds of one shard each."""
     rounds.count += dist.get_world_size() - 1
-    return ra.ring_all_gather_into(out, shard)
+    return hand_ring.ring_all_gather_into(out, shard)
 
 
 def ring_reduce_scatter(out, x, rounds):
     """Chapter 2's ring: p-1 rounds; rank r ends with block r of the sum."""
     p = dist.get_world_size()
     rounds.count += p - 1
-    return ra.ring_reduce_scatter(out, list(x.view(-1).chunk(p)))
+    return hand_ring.ring_reduce_scatter(out, list(x.view(-1).chunk(p)))
 
 
 def doubling_all_gather(out, shard, rounds):
@@ -102,7 +102,7 @@ def halving_reduce_scatter(out, x, rounds):
 def ring_all_reduce(x, rounds):
     """Chapter 2's ring: reduce-scatter then all-gather, 2(p-1) rounds."""
     rounds.count += 2 * (dist.get_world_size() - 1)
-    return ra.ring_allreduce(x)
+    return hand_ring.ring_allreduce(x)
 
 
 def doubling_all_reduce(x, rounds):

@@ -8,13 +8,14 @@ because the all-gather is simple and flexible for masks, and because with GQA th
 V are much smaller than Q, so the exposed all-gather latency is small.
 
 Backward: the all-gather's adjoint is a reduce-scatter, handing every rank the sum of all ranks'
-contributions to its own K and V rows. Both run as hand rings (`comm.hand_collectives()`:
+contributions to its own K and V rows. Both run as hand rings (`hand_ring.hand_collectives()`:
 counted messages).
 """
 import torch
 import torch.distributed as dist
 
 from labs.measure import comm
+from labs.data_parallel import hand_ring
 from labs.context_parallel import ring_attention as ra
 
 
@@ -27,7 +28,7 @@ class GatherSequence(torch.autograd.Function):
         ctx.group = group
         rows = x.permute(2, 0, 1, 3).contiguous()                   # (T/cp, B, k, d): rows first
         out = rows.new_empty((n * rows.shape[0],) + rows.shape[1:])  # (T, B, k, d)
-        with comm.hand_collectives():
+        with hand_ring.hand_collectives():
             comm.all_gather(out, rows, group=group)
         return out.permute(1, 2, 0, 3)
 
@@ -36,7 +37,7 @@ class GatherSequence(torch.autograd.Function):
         n = dist.get_world_size(ctx.group)
         rows = g.permute(2, 0, 1, 3).contiguous()                   # (T, B, k, d)
         mine = rows.new_empty((rows.shape[0] // n,) + rows.shape[1:])
-        with comm.hand_collectives():
+        with hand_ring.hand_collectives():
             comm.reduce_scatter(mine, rows, group=ctx.group)        # sum over the ranks that read my rows
         return mine.permute(1, 2, 0, 3), None
 

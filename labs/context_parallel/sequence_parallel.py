@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from labs.memory_budget import activations
 from labs.measure import comm
+from labs.data_parallel import hand_ring
 from labs.launcher import launch, preflight
 from labs import model as tiny
 from labs.tensor_parallel import blocks as tp
@@ -169,7 +170,7 @@ def _tokens(s, t, rank):
 
 def _run(block, x, upstream, group=None, sync=False):
     """Forward and backward, each under a payload log and a `comm` tally (counted messages inside
-    `comm.hand_collectives()`); then, if ``sync``, the parameter-gradient all-reduce, logged apart."""
+    `hand_ring.hand_collectives()`); then, if ``sync``, the parameter-gradient all-reduce, logged apart."""
     x = x.clone().requires_grad_()
     with tp.payloads() as fwd, comm.counting() as fwd_tally:
         out = block(x)
@@ -203,7 +204,7 @@ def check_block(rank, world_size, b=2, s=12, hidden=48, regather=True, hand=True
     Errors: output and gradients against one process (max_abs_error, max_abs_error_grad) and against
     TP alone (*_vs_tp). Collectives, read from the tensors handed to them: *_ops (names in order),
     *_payloads (bytes). counted_bytes_sent: the bytes this rank's messages carried (hand rings of
-    `comm.hand_collectives()`, counted message by message) for SP and for TP, forward and backward.
+    `hand_ring.hand_collectives()`, counted message by message) for SP and for TP, forward and backward.
     """
     cfg, dev, t = tp.config(hidden=hidden), launch.device(), world_size
     tp.check_degree(cfg, t)
@@ -216,7 +217,7 @@ def check_block(rank, world_size, b=2, s=12, hidden=48, regather=True, hand=True
     tp_block = _block(cfg, dev)
     tp.parallelize_attention(tp_block.attn, None), tp.parallelize_mlp(tp_block.mlp, None)
     sp_block = parallelize_block(_block(cfg, dev), None, regather)
-    with comm.hand_collectives() if hand else contextlib.nullcontext():
+    with hand_ring.hand_collectives() if hand else contextlib.nullcontext():
         tpr = _run(tp_block, x, upstream)
         spr = _run(sp_block, x[:, mine], upstream[:, mine], sync=True)   # this rank's s/t tokens
     want = {n: _slice_of_full(n, full["grads"][n], t, rank, cfg) for n in spr["grads"]}

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from labs.measure import comm, wire
+from labs.data_parallel import hand_ring
 from labs.launcher import launch
 from labs import model as tiny
 
@@ -199,7 +200,7 @@ def run(rank, world_size, steps=3, accumulation=1, batch_size=2, lr=0.1, bucket_
     hand = tiny.build(cfg, seed=0, device=dev)
     ddp = HandDDP(hand, bucket_cap_bytes)
     opt = torch.optim.SGD(hand.parameters(), lr=lr)  # outside the wire window: its first build writes 4 bytes
-    rings = comm.hand_collectives() if counted else contextlib.nullcontext()
+    rings = hand_ring.hand_collectives() if counted else contextlib.nullcontext()
     with wire.measure() as w, comm.counting() as tally, rings:
         _train(ddp, opt, ddp.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size)
     ref = DistributedDataParallel(tiny.build(cfg, seed=0, device=dev))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from labs.measure import comm
 from labs.launcher import launch
-from labs.data_parallel.ring_allreduce import ring_allreduce
+from labs.data_parallel.hand_ring import ring_allreduce
 
 BF16 = 2
 ORDER = ("tp", "cp", "pp", "dp")  # Llama 3's order, fastest-varying first

@@ -4,9 +4,9 @@ Every lab talks through these wrappers. The book never mixes the three kinds, an
 `Tally` (`comm.counting()`):
 
 - **counted messages** (`bytes_sent`, `bytes_received`): every point-to-point message, counted
-  as it is posted. A hand collective (`hand_collectives()`: ring reduce-scatter, all-gather and
-  all-reduce built from `isend`/`irecv`, chapter 2) is counted message by message, under its
-  collective's name.
+  as it is posted. A hand collective (inside `substituted`: chapter 2's ring reduce-scatter,
+  all-gather and all-reduce built from `isend`/`irecv`, `labs.data_parallel.hand_ring`) is counted
+  message by message, under its collective's name.
 - **formula bytes** (`formula_bytes_sent`, `formula_bytes_received`): what the bandwidth-optimal
   ring would move for a *library* collective (the definition behind nccl-tests' "bus bandwidth"):
   for M bytes on N ranks all-reduce sends 2(N-1)/N * M per rank, all-gather and reduce-scatter
@@ -21,9 +21,11 @@ Each call also records its payload (``payload_bytes``, and ``payloads``, one ent
 bytes of the tensor it was called with (all_gather: the shard sent; reduce_scatter: the full input),
 so a lab takes message sizes from what it actually communicated.
 
-    with comm.counting() as tally, comm.hand_collectives():
+    with comm.counting() as tally, hand_ring.hand_collectives():
         comm.reduce_scatter(shard, flat)     # counted messages
     tally.bytes_sent
+
+This module imports no chapter: a hand collective is handed to it (`substituted`), never looked up.
 """
 import contextlib
 from collections import defaultdict
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from labs.measure import wire
 
 _active = []    # the tallies currently counting, innermost last
-_hand = []      # non-empty inside hand_collectives()
+_hand = []      # the hand collectives in use (`substituted`), innermost last
 _op_name = []   # the hand collective whose messages are being counted, innermost last
 
 # torch >= 2.12 renamed the single-tensor collectives (all_gather_into_tensor -> all_gather_single,
@@ -165,13 +167,15 @@ def ring_allreduce_elements(numel, n, rank):
 # ---- collectives: the library's (formula bytes) or the hand ring's (counted messages) ----------
 
 @contextlib.contextmanager
-def hand_collectives():
-    """Inside the block all_reduce, all_gather and reduce_scatter run as hand rings of counted messages.
-
-    Same signatures as the library calls; the hand ring runs synchronously even with
-    ``async_op=True`` and returns an already-completed work object.
+def substituted(all_reduce, all_gather, reduce_scatter):
+    """Inside the block `all_reduce`, `all_gather` and `reduce_scatter` call these hand-built
+    functions instead of the library's: ``all_reduce(tensor, group, op)``, ``all_gather(output,
+    input, group)``, ``reduce_scatter(output, input, group, op)``, made of this module's counted
+    point-to-point calls, which are counted under the collective's name. They run synchronously
+    even with ``async_op=True``, which then returns an already-completed work object. Chapter 2's
+    ring: `labs.data_parallel.hand_ring.hand_collectives()`.
     """
-    _hand.append(True)
+    _hand.append({"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter})
     try:
         yield
     finally:
@@ -208,9 +212,8 @@ def _counted_as(op, tensor):
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     if _hand:
-        from labs.data_parallel import ring_allreduce as ra
         with _counted_as("all_reduce", tensor):
-            ra.ring_allreduce(tensor, group=group, op=op)
+            _hand[-1]["all_reduce"](tensor, group=group, op=op)
         return Completed(tensor) if async_op else None
     n, rank = _size(group), dist.get_rank(group)
     es = tensor.element_size()
@@ -230,9 +233,8 @@ def all_gather(output, input, group=None, async_op=False):
     n = _size(group)
     _check_sizes("all_gather", input, output, n)
     if _hand:
-        from labs.data_parallel import ring_allreduce as ra
         with _counted_as("all_gather", input):
-            ra.ring_all_gather_into(output, input, group=group)
+            _hand[-1]["all_gather"](output, input, group=group)
         return Completed(output) if async_op else None
     moved = (n - 1) * _nbytes(input)
     return _library("all_gather", _nbytes(input), moved, moved, group, async_op,
@@ -244,10 +246,8 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
     n = _size(group)
     _check_sizes("reduce_scatter", output, input, n)
     if _hand:
-        from labs.data_parallel import ring_allreduce as ra
         with _counted_as("reduce_scatter", input):
-            flat, k = input.reshape(-1), output.numel()
-            ra.ring_reduce_scatter(output, [flat[i * k:(i + 1) * k] for i in range(n)], group=group, op=op)
+            _hand[-1]["reduce_scatter"](output, input, group=group, op=op)
         return Completed(output) if async_op else None
     moved = (n - 1) * _nbytes(output)
     return _library("reduce_scatter", _nbytes(input), moved, moved, group, async_op,

@@ -244,7 +244,7 @@ def fully_shard_units(net, units, mesh, param_dtype=None, cpu_offload=False, han
 
     ``hand_comm=True`` routes FSDP2's all-gathers and reduce-scatters through `labs.measure.comm` with
     FSDP2's own extension points (``set_custom_all_gather``, ``set_custom_reduce_scatter``), so
-    inside ``comm.hand_collectives()`` they are hand rings of counted messages."""
+    inside ``hand_ring.hand_collectives()`` they are hand rings of counted messages."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     policy = {"mesh": mesh}
     if param_dtype is not None:

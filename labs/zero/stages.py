@@ -16,7 +16,7 @@ The hand pieces are drop-ins for the library's: stages 0-2 are `labs.zero.sharde
 lab that trains the tiny GPT under each of them and under FSDP2 (`run`, `all_stages`,
 `accumulation`, `fsdp2`) and the bound on how far two Adam runs can drift apart (`param_bound`).
 By default the hand stages run every collective as chapter 2's ring of point-to-point messages
-(`comm.hand_collectives`), so their bytes sent are counted messages, not a formula.
+(`hand_ring.hand_collectives`), so their bytes sent are counted messages, not a formula.
 
     python -m labs.zero.stages --world-size 3 --stage 3 --steps 3 --json
 """
@@ -27,6 +27,7 @@ import torch
 
 from labs.memory_budget import budget
 from labs.measure import comm, memory
+from labs.data_parallel import hand_ring
 from labs.zero import fsdp
 from labs.launcher import launch
 from labs import model as tiny
@@ -188,7 +189,7 @@ def _collectives(kind):
     "library": torch.distributed's collectives, whose bytes `labs.measure.comm` can only give as the formula's."""
     if kind not in COMM_KINDS:
         raise ValueError(f"collectives must be one of {', '.join(COMM_KINDS)}, got {kind!r}.")
-    return comm.hand_collectives() if kind == "hand" else contextlib.nullcontext()
+    return hand_ring.hand_collectives() if kind == "hand" else contextlib.nullcontext()
 
 
 def _bytes_sent(tally, kind):
