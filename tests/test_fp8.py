@@ -59,9 +59,9 @@ def test_fp8_allgather_sends_half_the_bytes_of_bf16(world_size):
 
 
 def test_cli_runs_the_issue_command_line():
-    out = subprocess.run([sys.executable, "-m", "labs.memory_budget.recipes", "--experiment", "accumulation", "--json"],
+    out = subprocess.run([sys.executable, "-m", "labs.precision", "--experiment", "accumulation", "--json"],
                          capture_output=True, text=True, check=True).stdout
     assert '"interval": 128' in out.splitlines()[-1]
-    bad = subprocess.run([sys.executable, "-m", "labs.memory_budget.recipes", "--experiment", "fp4"],
+    bad = subprocess.run([sys.executable, "-m", "labs.precision", "--experiment", "fp4"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr

@@ -116,22 +116,3 @@ def prepare(model, name, lr=1e-3):
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
             p.register_post_accumulate_grad_hook(_accumulate_into_buffer(r))
     return Adam(model.parameters(), r, lr=lr)
-
-
-def main(argv=None, experiments=None):
-    """``python -m labs.memory_budget.recipes --experiment NAME --json``: chapter 8's experiments, which live
-    in labs/precision/loss_scaling.py and labs/precision/fp8.py (each file also runs its own with ``python -m``)."""
-    from labs.launcher import cli
-    from labs.precision import fp8, loss_scaling
-    experiments = experiments or {**loss_scaling.EXPERIMENTS, **fp8.EXPERIMENTS}
-    p = cli.parser("Mixed precision (chapter 8): FP16 underflow, loss scaling, FP8 scaling, accumulation.")
-    p.add_argument("--experiment", choices=sorted(experiments), required=True)
-    p.add_argument("--steps", type=cli.positive_int, default=12, help="training steps (loss-scaling, track)")
-    args = cli.parse(p, argv)
-    result, summary = experiments[args.experiment](args)
-    cli.report(result, args, summary)
-
-
-if __name__ == "__main__":
-    from labs.launcher import cli
-    cli.main(main)

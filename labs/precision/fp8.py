@@ -242,5 +242,5 @@ EXPERIMENTS = {"fp8-scaling": _fp8_scaling, "accumulation": _accumulation, "fp8-
 
 if __name__ == "__main__":
     from labs.launcher import cli
-    from labs.memory_budget import recipes
-    cli.main(lambda: recipes.main(experiments=EXPERIMENTS))
+    from labs.precision import experiment
+    cli.main(lambda: experiment.main(experiments=EXPERIMENTS))

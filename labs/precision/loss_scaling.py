@@ -222,5 +222,5 @@ def check(question, answer, rel=0.01):
 
 if __name__ == "__main__":
     from labs.launcher import cli
-    from labs.memory_budget import recipes
-    cli.main(lambda: recipes.main(experiments=EXPERIMENTS))
+    from labs.precision import experiment
+    cli.main(lambda: experiment.main(experiments=EXPERIMENTS))
