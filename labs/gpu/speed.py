@@ -3,7 +3,7 @@
 
 Every time is wall-clock around ``repeats`` calls after a warm-up, synchronized on the device
 (CUDA events would time the same thing; a sync on both ends keeps one code path for the CPU dry
-run). FLOPs are counted by FlopCounterMode (`labs.memory_budget.compute.counting`), never assumed.
+run). FLOPs are counted by FlopCounterMode (`labs.measure.flops.counting`), never assumed.
 """
 import math
 import time
@@ -12,6 +12,7 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from labs.memory_budget import compute
+from labs.measure.flops import counting as count_flops
 from labs.precision import fp8
 from labs.recompute import policies
 from labs import model as tiny
@@ -92,7 +93,7 @@ def step_mfu(device, sizes):
         opt.step()
         opt.zero_grad()
 
-    with compute.counting() as mode:
+    with count_flops() as mode:
         step()
     flops = mode.get_total_flops()
     tokens = x.numel()                                   # from the batch actually run
@@ -186,7 +187,7 @@ def recompute_overhead(device, sizes):
     with set_checkpoint_early_stop(False):
         for policy in policies.POLICIES:
             run = policies.apply_policy(blocks, policy, k=2)
-            with compute.counting() as mode:
+            with count_flops() as mode:
                 run(x).float().sum().backward()
             t = seconds_per_call(lambda: run(x).float().sum().backward(), device, sizes.recompute_repeats)
             f = policies.formula_flops(policy, cfg, batch * seq, seq)

@@ -239,16 +239,3 @@ def attention_core_saved(s_values=(4, 8, 12, 16), b=2, cfg=None, dtype=torch.bfl
     return out
 
 
-def flash_at_scale(models=("7B", "70B"), seq=4096, micro_batch=1):
-    """What FlashAttention does to the Llama activation figures (`labs.memory_budget.budget.model_activations`, no
-    recomputation): all layers with the scores written out and fused, the bytes removed, and the part
-    of them that is the softmax output alone, L * 2as^2b (the rest: k and v copies to a heads, less
-    the log-sum-exp)."""
-    from labs.memory_budget.budget import MODELS, model_activations
-    out = {}
-    for name in models:
-        m, f = (model_activations(name, seq, micro_batch, attention=k)["total_bytes"] for k in ("materialized", "flash"))
-        arch = MODELS[name]
-        out[name] = {"materialized_bytes": m, "flash_bytes": f, "removed_bytes": m - f, "removed_fraction": (m - f) / m,
-                     "scores_bytes": arch.layers * 2 * arch.heads * seq * seq * micro_batch}
-    return out

@@ -1,4 +1,4 @@
-"""Chapter 1, compute: FLOPs per token, counted by `torch.utils.flop_counter.FlopCounterMode`, and
+"""Chapter 1, compute: FLOPs per token, derived and counted (`labs.measure.flops`: torch's FlopCounterMode), and
 the utilization of a real run (MFU and HFU).
 
 The model (Kaplan et al. 2020, arXiv 2001.08361, §2.1; Chowdhery et al. 2022, PaLM, arXiv
@@ -17,13 +17,11 @@ kernel that skips masked tiles needs about half. GQA does not lower it: every qu
 meets s keys. Recomputation adds a forward of what is recomputed: it counts in HFU (hardware FLOPs
 utilization), not in MFU (model FLOPs utilization), PaLM §4.1 and Appendix B.
 """
-from contextlib import contextmanager
-
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from labs import model as tiny
+from labs.measure import flops
 from labs.memory_budget.activations import recompute_attention_core
 
 H100_BF16_DENSE = 989e12   # H100 SXM, dense BF16 tensor-core peak (NVIDIA H100 datasheet: 1,979 with sparsity)
@@ -94,56 +92,7 @@ def recompute_flops_per_token(block_matmul_params, layers, hidden, seq, recomput
     return layers * per_layer[recompute]
 
 
-# --- FLOPs per token: the measurement ----------------------------------------------------------
-
-def _heads_as_query(q, kv):
-    """A key/value shape with the query's heads: under GQA the kernel broadcasts each KV head over
-    its group, so the matmuls are those of full multi-head attention (torch >= 2.12 counts GQA so;
-    torch 2.11's formulas refuse unequal heads)."""
-    return torch.Size([kv[0], q[1], *kv[2:]])
-
-
-def _sdpa_mapping(cpu_sdpa):
-    """SDPA FLOP formulas for every attention kernel, GQA included, on any torch >= 2.11.
-
-    FlopCounterMode has formulas for the CUDA kernels but none for the CPU flash kernel, which it
-    would count as 0 FLOPs. The same formulas (full s x s: 2 matmuls forward; backward 4 matmuls
-    plus 1 to recompute the scores, which the CUDA formula counts too) are mapped onto it."""
-    aten = torch.ops.aten
-    fwd = lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(  # noqa: E731
-        q, _heads_as_query(q, k), _heads_as_query(q, v))
-    bwd = lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(  # noqa: E731
-        g, q, _heads_as_query(q, k), _heads_as_query(q, v))
-    kernels = ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-               "_scaled_dot_product_cudnn_attention"]
-    if cpu_sdpa:
-        kernels.append("_scaled_dot_product_flash_attention_for_cpu")
-    mapping = {}
-    for name in kernels:
-        mapping[getattr(aten, name)] = fwd
-        mapping[getattr(aten, name + "_backward")] = bwd
-    return mapping
-
-
-@contextmanager
-def counting(cpu_sdpa=True):
-    """A FlopCounterMode that also counts the CPU SDPA kernel (unless cpu_sdpa=False)."""
-    with FlopCounterMode(display=False, custom_mapping=_sdpa_mapping(cpu_sdpa)) as mode:
-        yield mode
-
-
-def _by_op(mode):
-    return {str(op).split(".")[-1]: n for op, n in mode.get_flop_counts().get("Global", {}).items()}
-
-
-def _forward_backward(run, cpu_sdpa=True):
-    with counting(cpu_sdpa) as f:
-        out = run()
-    with counting(cpu_sdpa) as b:
-        out.backward()
-    return {"forward": f.get_total_flops(), "backward": b.get_total_flops(),
-            "forward_by_op": _by_op(f), "backward_by_op": _by_op(b)}
-
+# --- FLOPs per token: the measurement (counted by labs.measure.flops) ------------------------
 
 def checkpoint_blocks(net):
     """Full recomputation applied from outside: every block runs under a (non-reentrant) checkpoint."""
@@ -170,7 +119,7 @@ def measure_gpt_flops(cfg=None, batch=2, seq=None, recompute="none", early_stop=
     x, y = tiny.synthetic_batch(cfg, batch, seed=0, seq_len=seq)
     tokens, s = x.numel(), x.size(1)                     # sizes from the batch actually run
     with set_checkpoint_early_stop(early_stop):
-        out = _forward_backward(lambda: net(x, y))
+        out = flops.forward_backward(lambda: net(x, y))
     per_token = flops_per_token(gpt_matmul_params(cfg), cfg.n_layer, cfg.hidden, s)
     extra = recompute_flops_per_token(12 * cfg.hidden ** 2, cfg.n_layer, cfg.hidden, s, recompute)
     if recompute == "full" and early_stop:
@@ -197,7 +146,7 @@ def measure_llama_flops(cfg=None, batch=2, seq=None, recompute="none", cpu_sdpa=
     if recompute == "selective":
         recompute_attention_core(block)
     x = torch.randn(batch, s, cfg.hidden, requires_grad=True)
-    out = _forward_backward(lambda: block(x).sum(), cpu_sdpa)
+    out = flops.forward_backward(lambda: block(x).sum(), cpu_sdpa)
     tokens, h = x.shape[0] * x.shape[1], x.shape[2]
     p = llama_block_params(h, cfg.n_head, cfg.n_kv_head, cfg.ffn)["matmul"]
     per_token = flops_per_token(p, 1, h, s)

@@ -17,7 +17,7 @@ Four policies on a stack of L tiny GPT blocks (`labs.model.Block`, bf16, dropout
 Measured, not assumed: the bytes the forward leaves alive for backward are the live storages after
 the forward (`memory.PeakMemory`: saved-tensor hooks see the checkpoints' inputs but not what the
 selective policy caches, a dispatch mode sees both), FLOPs are counted by ``FlopCounterMode``
-(`compute.counting`), gradients are compared with "none"'s. Gradient accumulation reuses chapter 2:
+(`flops.counting`), gradients are compared with "none"'s. Gradient accumulation reuses chapter 2:
 `labs.data_parallel.loss_reduction` (token-weighted loss) and `labs.data_parallel.ddp` (``no_sync``, all-reduces counted).
 
     python -m labs.recompute.policies --policy selective --json
@@ -30,6 +30,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
                                     set_checkpoint_early_stop)
 
 from labs.memory_budget import activations, compute
+from labs.measure import flops
 from labs.data_parallel import ddp, loss_reduction
 from labs.launcher import launch
 from labs.measure import memory
@@ -125,9 +126,9 @@ def measure(policy, cfg=None, batch=2, k=2, dtype=torch.bfloat16):
         loss.backward()
     blocks, x, run = _step(cfg, batch, policy, k, dtype)
     with set_checkpoint_early_stop(False):
-        with compute.counting() as fwd:
+        with flops.counting() as fwd:
             loss = run(x).float().sum()
-        with compute.counting() as bwd:
+        with flops.counting() as bwd:
             loss.backward()
     tokens, seq = x.shape[0] * x.shape[1], x.shape[1]          # sizes from the tensor actually run
     grads = [x.grad] + [p.grad for blk in blocks for p in blk.parameters()]
