@@ -16,157 +16,23 @@ matmul; the lab runs it synchronously). That is what makes the per-rank activati
 sbh(34/t + 5as/(ht)) rather than sbh(4 + 30/t + 5as/(ht)) (`regather=False` keeps the gathered
 input instead, to show the difference). LayerNorm weights and the row-parallel biases
 see only their rank's tokens, so their gradients are partial: `sync_grads` all-reduces them.
+The layers are `labs.context_parallel.sp_layers`; this file is the lab that proves them against
+chapter 4's block and one process, and PyTorch's own ``SequenceParallel`` beside them.
 
     python -m labs.context_parallel.sequence_parallel --world-size 2 --json
 """
 import contextlib
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from labs.memory_budget import activations
 from labs.measure import comm
 from labs.data_parallel import hand_ring
 from labs.launcher import launch, preflight
-from labs import model as tiny
+from labs.context_parallel import sequence_parallel_activations as spa, sp_layers
 from labs.tensor_parallel import blocks as tp
 
 
-def _log(op, x):
-    """Record one collective in every open `tensor_parallel.payloads()` log: the bytes of the tensor
-    handed to it (all-gather: the shard sent; reduce-scatter: the full input), read from the tensor."""
-    for log in tp._logs:
-        log.append({"op": op, "bytes": x.numel() * x.element_size(), "numel": x.numel(),
-                    "element_size": x.element_size(), "shape": tuple(x.shape)})
-
-
-def gather_seq(x, group, op):
-    """(B, s/t, H) -> (B, s, H): every rank's tokens, in rank order, through `comm.all_gather`."""
-    t = dist.get_world_size(group)
-    shard = x.transpose(0, 1).contiguous()                    # (s/t, B, H): sequence first, as Megatron's sbh
-    full = shard.new_empty((t * shard.size(0),) + tuple(shard.shape[1:]))
-    _log(op, shard)
-    comm.all_gather(full, shard, group=group)
-    return full.transpose(0, 1)                               # (B, s, H)
-
-
-def scatter_seq(x, group, op):
-    """(B, s, H) partial sums -> (B, s/t, H): summed over ranks, this rank's tokens, `comm.reduce_scatter`."""
-    t = dist.get_world_size(group)
-    full = x.transpose(0, 1).contiguous()                     # (s, B, H)
-    if full.size(0) % t:
-        raise ValueError(f"sequence length {full.size(0)} is not divisible by tp = {t}; choose s divisible by tp.")
-    out = full.new_empty((full.size(0) // t,) + tuple(full.shape[1:]))
-    _log(op, full)
-    comm.reduce_scatter(out, full, group=group)
-    return out.transpose(0, 1)                                # (B, s/t, H)
-
-
-class _G(torch.autograd.Function):
-    """g: all-gather along the sequence forward, reduce-scatter of the input gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_seq(x, group, "g forward all-gather")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return scatter_seq(grad, ctx.group, "g backward reduce-scatter"), None
-
-
-class _GBar(torch.autograd.Function):
-    """g-bar: reduce-scatter of the partial outputs forward, all-gather of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return scatter_seq(x, group, "g-bar forward reduce-scatter")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_seq(grad, ctx.group, "g-bar backward all-gather"), None
-
-
-class _GatherLinear(torch.autograd.Function):
-    """g fused with the column-parallel matmul Y_i = X A_i: saves the s/t-token shard of X, not X,
-    and all-gathers it again in backward for dL/dA_i = dY_i^T X."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group):                 # x (B, s/t, H), weight (out/t, H)
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(gather_seq(x, group, "g forward all-gather"), weight, bias)   # (B, s, out/t)
-
-    @staticmethod
-    def backward(ctx, grad):                                  # grad (B, s, out/t)
-        x, weight = ctx.saved_tensors
-        grad_x = scatter_seq(grad @ weight, ctx.group, "g backward reduce-scatter")
-        full = gather_seq(x, ctx.group, "backward re-gather of the input")           # (B, s, H)
-        grad_w = grad.flatten(0, 1).t() @ full.flatten(0, 1)
-        grad_b = grad.sum((0, 1)) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
-
-
-class ColumnParallelLinear(tp.ColumnParallelLinear):
-    """Chapter 4's column-parallel layer behind g: input (B, s/t, H), output (B, s, out/t)."""
-
-    regather = True
-
-    def forward(self, x):
-        if self.regather:
-            return _GatherLinear.apply(x, self.weight, self.bias, self.group)
-        return F.linear(_G.apply(x, self.group), self.weight, self.bias)  # keeps the gathered X
-
-
-class RowParallelLinear(tp.RowParallelLinear):
-    """Chapter 4's row-parallel layer before g-bar: input (B, s, in/t), output (B, s/t, H); the bias
-    is added to this rank's tokens only, so its gradient is partial (see `sync_grads`)."""
-
-    def forward(self, x):
-        z = _GBar.apply(F.linear(x, self.weight), self.group)
-        return z + self.bias if self.bias is not None else z
-
-
-def parallelize_block(block, group=None, regather=True):
-    """Turn one `labs.model.Block` into its TP+SP version in place: the block then takes and returns
-    this rank's s/t tokens, (B, s/t, H). Same weight slices as `tensor_parallel.parallelize_*`."""
-    t, rank = dist.get_world_size(group), dist.get_rank(group)
-    attn, mlp, h = block.attn, block.mlp, block.attn.proj.in_features
-    tp.check_degree(tiny.GPTConfig(hidden=h, n_head=attn.n_head), t)
-    qkv = tp.qkv_rows(h, attn.n_head, t, rank)
-    attn.qkv, attn.proj = ColumnParallelLinear(attn.qkv, group, qkv), RowParallelLinear(attn.proj, group, qkv[:h // t])
-    rows = tp.shard_rows(mlp.fc.out_features, t, rank)
-    mlp.fc, mlp.proj = ColumnParallelLinear(mlp.fc, group, rows), RowParallelLinear(mlp.proj, group, rows)
-    attn.n_head //= t
-    for layer in (attn.qkv, mlp.fc):
-        layer.regather = regather
-    return block
-
-
-def sequence_parallel_params(block):
-    """Parameters that saw only this rank's tokens: the LayerNorms and the row-parallel biases."""
-    mods = (block.ln1, block.ln2, block.attn.proj, block.mlp.proj)
-    return [p for m in mods for n, p in m.named_parameters() if n != "weight" or isinstance(m, torch.nn.LayerNorm)]
-
-
-def sync_grads(block, group=None):
-    """All-reduce the partial gradients of `sequence_parallel_params` (Megatron does this for the
-    LayerNorm weights under sequence parallelism); logged as "parameter-gradient all-reduce"."""
-    for p in sequence_parallel_params(block):
-        tp._all_reduce(p.grad, group, "parameter-gradient all-reduce")
-
-
 # --- the lab: the same numbers as TP and one process, the same bytes as TP's all-reduces ----------
-
-def _block(cfg, dev, dropout=0.0):
-    torch.manual_seed(0)
-    return tiny.Block(tiny.GPTConfig(**{**cfg.__dict__, "dropout": dropout})).to(dev)
-
-
-def _tokens(s, t, rank):
-    return slice(rank * s // t, (rank + 1) * s // t)
-
 
 def _run(block, x, upstream, group=None, sync=False):
     """Forward and backward, each under a payload log and a `comm` tally (counted messages inside
@@ -178,7 +44,7 @@ def _run(block, x, upstream, group=None, sync=False):
         (out * upstream).sum().backward()
     with tp.payloads() as params:
         if sync:
-            sync_grads(block, group)
+            sp_layers.sync_grads(block, group)
     return {"out": out.detach(), "input_grad": x.grad, "grads": {n: p.grad for n, p in block.named_parameters()},
             "forward": fwd, "backward": bwd, "params": params, "tallies": (fwd_tally, bwd_tally)}
 
@@ -212,11 +78,11 @@ def check_block(rank, world_size, b=2, s=12, hidden=48, regather=True, hand=True
         raise ValueError(f"sequence length s = {s} is not divisible by tp = {t}; choose s divisible by tp.")
     g = torch.Generator().manual_seed(1)
     x, upstream = (torch.randn(b, s, hidden, generator=g).to(dev) for _ in range(2))   # (B, s, H) each
-    mine = _tokens(s, t, rank)
-    full = _run(_block(cfg, dev), x, upstream)
-    tp_block = _block(cfg, dev)
+    mine = sp_layers._tokens(s, t, rank)
+    full = _run(sp_layers._block(cfg, dev), x, upstream)
+    tp_block = sp_layers._block(cfg, dev)
     tp.parallelize_attention(tp_block.attn, None), tp.parallelize_mlp(tp_block.mlp, None)
-    sp_block = parallelize_block(_block(cfg, dev), None, regather)
+    sp_block = sp_layers.parallelize_block(sp_layers._block(cfg, dev), None, regather)
     with hand_ring.hand_collectives() if hand else contextlib.nullcontext():
         tpr = _run(tp_block, x, upstream)
         spr = _run(sp_block, x[:, mine], upstream[:, mine], sync=True)   # this rank's s/t tokens
@@ -261,9 +127,9 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
     from torch.distributed.tensor.parallel import parallelize_module
     cfg, dev, t = tp.config(hidden=hidden), launch.device(), world_size
     g = torch.Generator().manual_seed(1)
-    x, upstream = (torch.randn(b, s, hidden, generator=g).to(dev)[:, _tokens(s, t, rank)] for _ in range(2))
-    hand = parallelize_block(_block(cfg, dev), None)
-    lib = _block(cfg, dev)
+    x, upstream = (torch.randn(b, s, hidden, generator=g).to(dev)[:, sp_layers._tokens(s, t, rank)] for _ in range(2))
+    hand = sp_layers.parallelize_block(sp_layers._block(cfg, dev), None)
+    lib = sp_layers._block(cfg, dev)
     order = torch.cat([tp.qkv_rows(hidden, cfg.n_head, t, r) for r in range(t)])
     with torch.no_grad():
         lib.attn.qkv.weight.copy_(lib.attn.qkv.weight[order]), lib.attn.qkv.bias.copy_(lib.attn.qkv.bias[order])
@@ -284,7 +150,6 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
 
 def lab(rank, world_size, b=2, s=12, hidden=48):
     """`check_block` (counted messages) and `sequence_parallel_activations.activation_table` in one job."""
-    from labs.context_parallel import sequence_parallel_activations as spa
     return {"check": check_block(rank, world_size, b, s, hidden), "table": spa.activation_table(rank, world_size, b, s, hidden)}
 
 

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from labs.memory_budget import activations
 from labs.launcher import launch
 from labs.measure import memory
-from labs.context_parallel import sequence_parallel as sp
+from labs.context_parallel import sp_layers
 from labs.tensor_parallel import blocks as tp
 
 
@@ -66,13 +66,13 @@ def table_formula(row, s, b, h, a, t):
 
 def _table_block(row, cfg, dev, dtype):
     """The block for one row of the table, and whether it takes this rank's s/t tokens."""
-    block = sp._block(cfg, dev, dropout=0.1).to(dtype).train()
+    block = sp_layers._block(cfg, dev, dropout=0.1).to(dtype).train()
     if row == "none":
         return block, False
     if row in ("tp", "tp_full"):
         tp.parallelize_attention(block.attn, None), tp.parallelize_mlp(block.mlp, None)
         return block, False
-    sp.parallelize_block(block, None, regather=row != "tp_sp_keep_gathered")
+    sp_layers.parallelize_block(block, None, regather=row != "tp_sp_keep_gathered")
     if row == "tp_sp_selective":
         recompute_attention_core(block)
     return block, True
@@ -93,7 +93,7 @@ def activation_table(rank, world_size, b=2, s=12, hidden=48, n_head=12, dtype=to
     out = {}
     for row in ROWS:
         block, split = _table_block(row, cfg, dev, dtype)
-        xi = (x[:, sp._tokens(s, t, rank)] if split else x).clone().requires_grad_()
+        xi = (x[:, sp_layers._tokens(s, t, rank)] if split else x).clone().requires_grad_()
         with memory.saved_for_backward(block) as saved:
             checkpoint(block, xi, use_reentrant=True) if row.endswith("full") else block(xi)
         tokens = xi.size(0) * xi.size(1)
