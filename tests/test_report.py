@@ -27,7 +27,7 @@ def test_glue_writes_what_myst_nb_writes(monkeypatch, value, display):
 def test_glue_does_not_import_the_book_toolchain():
     import subprocess
     import sys
-    code = ("import sys; from labs import report; report.glue('x', 1);"
+    code = ("import sys; from labs.measure import report; report.glue('x', 1);"
             "bad = [m for m in ('docutils', 'sphinx', 'myst_nb') if m in sys.modules];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

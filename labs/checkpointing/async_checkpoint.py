@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from labs.launcher import launch
 from labs import model as tiny
-from labs.checkpointing import sharded_checkpoint as sc
+from labs.checkpointing import sharded_checkpoint as sc, training
 
 
 def pauses(rank, world_size, root, cfg=None):
@@ -23,10 +23,9 @@ def pauses(rank, world_size, root, cfg=None):
     copy to CPU memory; the write goes on in the background), on the same FSDP2 state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from labs.checkpointing.resharding import _batch, _build   # late: checkpointing re-exports this module
     cfg = cfg or tiny.GPTConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=4, hidden=256)
-    net, _, opt, _, loader = _build("dcp", rank, world_size, cfg, launch.device())
-    net(*_batch(cfg, loader.next(), launch.device())).backward()
+    net, _, opt, _, loader = training.build("dcp", rank, world_size, cfg, launch.device())
+    net(*training.batch(cfg, loader.next(), launch.device())).backward()
     opt.step()
     msd, osd = get_state_dict(net, opt)
     state = {"model": msd, "optim": osd}

@@ -45,7 +45,7 @@ def writer(root, flag, pause_s):
 
 
 def _start_writer(root, flag, pause_s):
-    code = f"from labs.checkpoint_faults import writer; writer({root!r}, {flag!r}, {pause_s!r})"
+    code = f"from labs.checkpointing.checkpoint_faults import writer; writer({root!r}, {flag!r}, {pause_s!r})"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)

@@ -10,7 +10,10 @@ loader's position (missing loader state is the restart bug of torchtitan issue #
 
 - `run`: train, save at step k, keep training (the uninterrupted run); or load at step k, at any
   world size, and continue. `reshard` compares the two.
-- `pauses`: how long training stops for ``dcp.save`` against ``dcp.async_save`` on one state.
+- `labs.checkpointing.training` builds the run (model, optimizer, schedule, loader) every lab here
+  interrupts;
+- `pauses` (in `labs.checkpointing.async_checkpoint`): how long training stops for ``dcp.save``
+  against ``dcp.async_save`` on one state.
 - the loader whose position is saved is `labs.checkpointing.stateful_loader`; what a 70B checkpoint weighs and
   the chapter's exercises are in `labs.checkpointing.checkpoint_cost`.
 - `killed_save`, `corruption` (in `labs.checkpointing.checkpoint_faults`): a writer process killed half-way,
@@ -27,36 +30,12 @@ import torch.distributed as dist
 from labs.zero import fsdp
 from labs.launcher import launch
 from labs import model as tiny
-from labs.checkpointing import sharded_checkpoint as sc
-from labs.checkpointing.stateful_loader import StatefulLoader
-from labs.checkpointing.async_checkpoint import measure_pauses, pauses  # noqa: F401  (the pause lab, re-exported)
+from labs.checkpointing import sharded_checkpoint as sc, training
+from labs.checkpointing.async_checkpoint import measure_pauses
 
-GLOBAL_BATCH = 12      # samples per step, divisible by world sizes 1, 2, 3 and 4
-NUM_SAMPLES = 60       # one epoch = 5 steps, so a run crosses an epoch boundary
-WARMUP = 4             # LR warm-up steps: a schedule restarted from 0 would change the losses
-LR = 1e-2
 # Another world size splits each step's batch and sums its gradients in another order, so fp32
 # results drift by rounding: a few ulps of a loss near 4 per step (ulp 4.8e-7), over a few steps.
 LOSS_TOL = 1e-5
-
-
-def _batch(cfg, ids, dev):
-    """Each sample is a function of its id, so any split of a global batch sees the same data."""
-    xs, ys = zip(*(tiny.synthetic_batch(cfg, 1, seed=i, device=dev) for i in ids))
-    return torch.cat(xs), torch.cat(ys)                     # (B_local, T), (B_local, T)
-
-
-def _build(kind, rank, world_size, cfg, dev):
-    net = tiny.build(cfg, seed=0, device=dev)
-    hand = None
-    if kind == "dcp":
-        from torch.distributed.device_mesh import init_device_mesh
-        fsdp.fully_shard_units(net, list(net.blocks), init_device_mesh(dev.type, (world_size,)))
-    else:
-        hand = fsdp.HandFSDP(net, list(net.blocks))
-    opt = torch.optim.Adam(net.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
-    return net, hand, opt, sched, StatefulLoader(NUM_SAMPLES, GLOBAL_BATCH, rank, world_size)
 
 
 def _init_adam(opt):
@@ -136,7 +115,7 @@ def run(rank, world_size, kind, root, steps, save_at=None, load_at=None, cfg=Non
     the save, and just after the load), rng_draw (one draw after the save or load), and after a
     save `_disk_bytes`: this rank's file size against the bytes of the shards it holds."""
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
-    net, hand, opt, sched, loader = _build(kind, rank, world_size, cfg, dev)
+    net, hand, opt, sched, loader = training.build(kind, rank, world_size, cfg, dev)
     out = {"losses": [], "batches": [], "world_size": world_size, "kind": kind}
     first = 0
     if load_at is not None:
@@ -145,7 +124,7 @@ def run(rank, world_size, kind, root, steps, save_at=None, load_at=None, cfg=Non
         out["rng_draw"] = torch.rand(()).item()
     for step in range(first, steps):
         ids = loader.next()
-        x, y = _batch(cfg, ids, dev)
+        x, y = training.batch(cfg, ids, dev)
         loss = net(x, y)
         loss.backward()
         opt.step()
@@ -253,8 +232,8 @@ def main(argv=None):
     args = cli.parse(p, argv)
     if args.save_at >= args.steps:
         raise ValueError(f"--save-at {args.save_at} must be below --steps {args.steps}, so training continues after the load.")
-    if GLOBAL_BATCH % args.world_size:
-        raise ValueError(f"--world-size {args.world_size} does not divide the global batch of {GLOBAL_BATCH}; use 1, 2, 3, 4, 6 or 12.")
+    if training.GLOBAL_BATCH % args.world_size:
+        raise ValueError(f"--world-size {args.world_size} does not divide the global batch of {training.GLOBAL_BATCH}; use 1, 2, 3, 4, 6 or 12.")
     target = 1 if args.world_size > 1 else 2
     res = reshard(((args.world_size, target),), args.steps, args.save_at, timeout=args.timeout)
     pair = res[f"{args.world_size}->{target}"]
