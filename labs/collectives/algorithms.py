@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from labs.measure import comm
 from labs.launcher import launch, preflight
-from labs.collectives import recursive
+from labs.collectives import alpha_beta, recursive
 from labs.data_parallel import hand_ring
 from labs.collectives.recursive import Rounds
 
@@ -283,7 +283,7 @@ def every(world_size, numel, timeout=120.0):
 EXERCISES = {
     "1": lambda: formula("all_reduce", "ring", 8, 2 ** 30)[1],                 # bytes one rank sends
     "2": lambda: formula("all_reduce", "recursive_doubling", 8, 2 ** 20)[1],   # bytes one rank sends
-    "3": lambda: __import__("labs.collectives.alpha_beta").alpha_beta.crossover(5e-6, 1 / 25e9, 8),  # n*, bytes
+    "3": lambda: alpha_beta.crossover(5e-6, 1 / 25e9, 8),                      # n*, bytes
 }
 
 
@@ -293,7 +293,6 @@ def check_answer(question, answer, rel=0.01):
 
 
 def main(argv=None):
-    from labs.collectives import alpha_beta
     from labs.launcher import cli
     argv = list(__import__("sys").argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
