@@ -21,7 +21,7 @@ import torch
 from labs import model as tiny
 from labs.checkpointing import sharded_checkpoint as sc
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/<package>/<file>.py
 
 
 def model_state(seed):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from labs.launcher import launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/<package>/<file>.py
 
 
 def _median_seconds(fn, repeats):
