@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from labs.measure import memory
 from labs import model as tiny
-from labs.gpu.record import figure
+from labs.gpu.figures import figure
 from labs.gpu.memory import gpt_200m
 
 

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from labs.memory_budget import activations, budget, recipes
 from labs.measure import memory
 from labs import model as tiny
-from labs.gpu.record import figure, refused, skipped
+from labs.gpu.figures import figure, refused, skipped
 
 BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
             "math": "MATH"}

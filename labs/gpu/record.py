@@ -3,10 +3,8 @@
     python -m labs.gpu             on a CUDA machine: every section, results/gpu/<device>.json
     python -m labs.gpu --dry-run   anywhere: every section at tiny sizes, JSON on stdout, no file
 
-Each figure is a dict: value, unit, kind ("measured" or "formula"), and where it has one the
-formula beside it (text and value). A section that needs CUDA by nature reports
-"skipped: <reason>" on a CPU, and a kernel the build or the GPU refuses is "refused: <reason>":
-never a number. The sections (what they measure, against which formula) live in
+Each figure is a dict of value, unit, kind and formula, or a "skipped:"/"refused:" reason, never
+a made-up number (`labs.gpu.figures`). The sections (what they measure, against which formula) live in
 `labs.gpu.memory` (chapter 1: saved-for-backward bytes, the Adam step's bytes per parameter),
 `labs.gpu.speed` (matmul TFLOP/s, MFU, FP8, recomputation, copy bandwidth) and `labs.gpu.dcp`
 (chapter 12: the checkpoint pause). A results file is only ever written from a GPU run.
@@ -24,9 +22,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from labs.gpu import dcp, memory, speed
 from labs.launcher import cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/<package>/<file>.py
 RESULTS = os.path.join(ROOT, "results", "gpu")
 REFUSAL = ("python -m labs.gpu measures a GPU and this machine has no CUDA device; "
            "run it on a GPU box, or pass --dry-run to check every section on the CPU at tiny sizes.")
@@ -62,23 +61,6 @@ DRY = Sizes(act_seqs=(16, 32), act_hiddens=(32, 64), head_dim=8, model_layers=2,
             host_bytes=1 << 16, copy_repeats=2)
 
 
-def figure(value, unit, kind="measured", formula=None, formula_value=None, **extra):
-    """One figure of the results file; ``formula`` is the text, ``formula_value`` its number."""
-    out = {"value": value, "unit": unit, "kind": kind}
-    if formula is not None:
-        out.update(formula=formula, formula_value=formula_value)
-    out.update(extra)
-    return out
-
-
-def skipped(reason):
-    return f"skipped: {reason}"
-
-
-def refused(reason):
-    return f"refused: {' '.join(str(reason).split())[:400]}"
-
-
 def _run(cmd):
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=ROOT).stdout.strip() or None
@@ -106,7 +88,6 @@ def device_slug(name):
 
 def sections():
     """Name -> function(device, sizes) -> dict, in the order they run."""
-    from labs.gpu import dcp, memory, speed
     return {"activations": memory.saved_bytes, "adam_step_memory": memory.adam_step_memory,
             "matmul": speed.matmul_tflops, "mfu": speed.step_mfu, "fp8": speed.fp8_matmul,
             "recompute": speed.recompute_overhead, "bandwidth": speed.copy_bandwidth,
@@ -160,7 +141,3 @@ def main(argv=None):
         print(json.dumps(cli._plain(result), indent=1, sort_keys=True))
     else:
         print(f"wrote {write_results(result, device)}")
-
-
-if __name__ == "__main__":
-    cli.main(main)

@@ -16,7 +16,7 @@ from labs.measure.flops import counting as count_flops
 from labs.precision import fp8
 from labs.recompute import policies
 from labs import model as tiny
-from labs.gpu.record import figure, refused, skipped
+from labs.gpu.figures import figure, refused, skipped
 from labs.gpu.memory import gpt_200m
 
 # NVIDIA H100 and H200 datasheets, dense BF16 tensor-core peak (SXM parts): 989.4 TFLOP/s
