@@ -9,7 +9,7 @@ import pytest
 
 import workers
 from labs.measure import comm, wire
-from labs.data_parallel import ddp
+from labs.data_parallel import hand_ddp
 from labs.launcher import launch
 from labs import model as tiny
 
@@ -109,8 +109,8 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     assert all(t >= 0 for t in r["off"]["first_start_s"])
     assert all(t < 0 for t in r["on"]["first_start_s"])
     assert r["step_ratio_off_over_on"] == r["off"]["step_s"] / r["on"]["step_s"]
-    assert ddp.exposed_comm([{"done": 3.0}, {"done": 5.0}], backward_end=4.0) == 1.0
-    assert ddp.exposed_comm([{"done": 3.0}], backward_end=4.0) == 0.0
+    assert hand_ddp.exposed_comm([{"done": 3.0}, {"done": 5.0}], backward_end=4.0) == 1.0
+    assert hand_ddp.exposed_comm([{"done": 3.0}], backward_end=4.0) == 0.0
 
 
 def test_timeline_orders_each_bucket():

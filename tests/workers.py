@@ -179,9 +179,9 @@ def wire_checks(rank, world_size):
 
 def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16):
     """labs.data_parallel.ddp.semantics, plus the error a bucket cap below one byte raises."""
-    from labs.data_parallel import ddp
+    from labs.data_parallel import ddp, hand_ddp
     try:
-        ddp.HandDDP(ddp.MixedNet(), bucket_cap_bytes=0)
+        hand_ddp.HandDDP(ddp.MixedNet(), bucket_cap_bytes=0)
         error = None
     except ValueError as e:
         error = str(e)
