@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labs.launcher import launch
-from labs.zero import stages
+from labs.zero import stages, adam_drift
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,9 +124,9 @@ def test_adam_step_bound_is_reached_and_never_exceeded():
             w.grad = torch.tensor([(b2 / b1) ** i], dtype=torch.float64)
             before = w.item()
             opt.step()
-        assert abs(before - w.item()) == pytest.approx(stages.adam_step_bound(t), rel=1e-9)
-    assert stages.adam_step_bound(2) > 1.0          # "at most lr" is wrong from step 2
-    assert stages.adam_step_bound(250) > 0.1 / 0.001 ** 0.5   # and so is Kingma & Ba's 3.16 lr
+        assert abs(before - w.item()) == pytest.approx(adam_drift.adam_step_bound(t), rel=1e-9)
+    assert adam_drift.adam_step_bound(2) > 1.0          # "at most lr" is wrong from step 2
+    assert adam_drift.adam_step_bound(250) > 0.1 / 0.001 ** 0.5   # and so is Kingma & Ba's 3.16 lr
     g = torch.Generator().manual_seed(0)          # random histories stay under it
     w = torch.zeros(1000, dtype=torch.float64, requires_grad=True)
     opt = torch.optim.Adam([w], lr=1.0, eps=0.0)
@@ -134,7 +134,7 @@ def test_adam_step_bound_is_reached_and_never_exceeded():
         w.grad = torch.randn(1000, generator=g, dtype=torch.float64) * torch.rand(1000, generator=g) ** 4
         before = w.detach().clone()
         opt.step()
-        assert (w.detach() - before).abs().max().item() <= stages.adam_step_bound(t) * (1 + 1e-12)
+        assert (w.detach() - before).abs().max().item() <= adam_drift.adam_step_bound(t) * (1 + 1e-12)
 
 
 def test_bad_inputs_are_refused():

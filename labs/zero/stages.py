@@ -14,7 +14,8 @@ A times ((A+1)/2 x DDP) and ZeRO-3 does all three A times (3A/2 x DDP): `accumul
 The hand pieces are drop-ins for the library's: stages 0-2 are `labs.zero.sharded_optimizer`'s
 `ShardedOptimizer` around ``torch.optim.Adam``, stage 3 is `labs.zero.fsdp`'s `HandFSDP`. This file is the
 lab that trains the tiny GPT under each of them and under FSDP2 (`run`, `all_stages`,
-`accumulation`, `fsdp2`) and the bound on how far two Adam runs can drift apart (`param_bound`).
+`accumulation`, `fsdp2`), held to the bound on how far two Adam runs can drift apart
+(`labs.zero.adam_drift.param_bound`).
 By default the hand stages run every collective as chapter 2's ring of point-to-point messages
 (`hand_ring.hand_collectives`), so their bytes sent are counted messages, not a formula.
 
@@ -28,7 +29,7 @@ import torch
 from labs.memory_budget import budget
 from labs.measure import comm, memory
 from labs.data_parallel import hand_ring
-from labs.zero import fsdp
+from labs.zero import adam_drift, fsdp
 from labs.launcher import launch
 from labs import model as tiny
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
@@ -37,49 +38,6 @@ from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
 # -- the lab: the tiny GPT under every stage ---------------------------------------------------
 STAGES = (0, 1, 2, 3)
 BF16 = 2
-
-
-def adam_step_bound(t, betas=(0.9, 0.999)):
-    """The largest |Adam step| / lr at step t over every gradient history (eps = 0, no decay).
-
-    Kingma & Ba 2015 (section 2.1) give lr (1-b1)/sqrt(1-b2) when 1-b1 > sqrt(1-b2), else lr, as
-    approximate bounds. Exactly: m_t = (1-b1) sum_i b1^(t-i) g_i, v_t = (1-b2) sum_i b2^(t-i) g_i^2
-    and, by Cauchy-Schwarz with weights b2^(t-i),
-        |m_t| / sqrt(v_t) <= (1-b1)/sqrt(1-b2) * sqrt(sum_{k<t} rho^k),  rho = b1^2 / b2,
-    with equality for g_i proportional to (b2/b1)^i. With the bias corrections
-        |step_t| / lr <= (1-b1)/(1-b1^t) * sqrt((1-b2^t)/(1-b2)) * sqrt((1-rho^t)/(1-rho)).
-    For (0.9, 0.999) that is 1 at t=1, 1.0014 at t=2, 1.61 at t=50; it passes the paper's 3.16 at
-    t=210 and tends to 7.27: neither "lr" nor the paper's figure bounds every step.
-    """
-    b1, b2 = betas
-    rho = b1 * b1 / b2
-    geometric = t if rho == 1 else (1 - rho ** t) / (1 - rho)
-    return (1 - b1) / (1 - b1 ** t) * ((1 - b2 ** t) / (1 - b2)) ** 0.5 * geometric ** 0.5
-
-
-def adam_largest_step(t, history="worst", numel=1000, seed=0, betas=(0.9, 0.999)):
-    """The largest |step t| / lr that ``torch.optim.Adam`` (eps = 0, float64) takes for one gradient
-    history: "worst" (g_i = (b2/b1)^i, where `adam_step_bound`'s Cauchy-Schwarz step is an equality)
-    or "random" (``numel`` independent heavy-tailed histories, the largest of their steps)."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.zeros(1 if history == "worst" else numel, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.Adam([w], lr=1.0, betas=betas, eps=0.0)
-    for i in range(1, t + 1):
-        if history == "worst":
-            w.grad = torch.full_like(w, (betas[1] / betas[0]) ** i)
-        else:
-            w.grad = torch.randn(numel, generator=g, dtype=torch.float64) * torch.rand(numel, generator=g) ** 4
-        before = w.detach().clone()
-        opt.step()
-    return (w.detach() - before).abs().max().item()
-
-
-def param_bound(weights, steps, lr, betas=(0.9, 0.999)):
-    """How far two runs of Adam from the same weights can drift apart in ``steps`` steps whatever
-    their gradients: each moves a weight by at most lr * adam_step_bound(t) at step t, so twice the
-    sum; plus one bf16 spacing at the largest weight, since both sides are rounded to bf16."""
-    drift = 2 * lr * sum(adam_step_bound(t, betas) for t in range(1, steps + 1))
-    return drift + torch.finfo(torch.bfloat16).eps * weights.abs().max().item()
 
 
 def formula_bytes(stage, padded, n):
@@ -235,7 +193,7 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
     messages and the bytes are counted messages; with "library" they are the ring formula's bytes
     for each library call), losses, params (the bf16 weights after training),
     grad_rel_error_vs_single_process (the first step's averaged gradient of this rank's shard),
-    max_param_diff_vs_single_process and param_bound (Adam's drift bound, `param_bound`).
+    max_param_diff_vs_single_process and param_bound (Adam's drift bound, `adam_drift.param_bound`).
     """
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     net, opt, hand = build(stage, cfg, lr, zero1_allreduce, units, dev)
@@ -252,7 +210,7 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
             "comm_bytes_per_step": _bytes_sent(tally, collectives), "comm_kind": COMM_KINDS[collectives],
             "comm_ops_per_step": tally.as_dict()["ops"], "losses": losses, "params": params,
             "max_param_diff_vs_single_process": (params - reference).abs().max().item(),
-            "param_bound": param_bound(reference, steps, lr),
+            "param_bound": adam_drift.param_bound(reference, steps, lr),
             "grad_rel_error_vs_single_process": _grad_error(first_grad, ref_grad)}
 
 
