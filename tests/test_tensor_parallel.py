@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from labs.launcher import launch
-from labs.tensor_parallel import blocks as tp
+from labs.tensor_parallel import blocks as tp, megatron
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32: the row-parallel layer sums tp partial products where one process sums one long dot
@@ -34,7 +34,7 @@ def test_tp_blocks_equal_the_unsharded_blocks(world_size):
 
 def test_a_tp_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="the number of heads = 12 is not divisible by tp = 5"):
-        tp.check_degree(tp.config(), 5)
+        megatron.check_degree(tp.config(), 5)
     with pytest.raises(launch.RankError, match="not divisible by tp = 5"):
         launch.spawn(tp.check_block, 5, "mlp", timeout=120)
 

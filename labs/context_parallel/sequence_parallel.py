@@ -29,7 +29,7 @@ from labs.measure import comm
 from labs.data_parallel import hand_ring
 from labs.launcher import launch, preflight
 from labs.context_parallel import sequence_parallel_activations as spa, sp_layers
-from labs.tensor_parallel import blocks as tp
+from labs.tensor_parallel import blocks as tp, megatron
 
 
 # --- the lab: the same numbers as TP and one process, the same bytes as TP's all-reduces ----------
@@ -38,11 +38,11 @@ def _run(block, x, upstream, group=None, sync=False):
     """Forward and backward, each under a payload log and a `comm` tally (counted messages inside
     `hand_ring.hand_collectives()`); then, if ``sync``, the parameter-gradient all-reduce, logged apart."""
     x = x.clone().requires_grad_()
-    with tp.payloads() as fwd, comm.counting() as fwd_tally:
+    with megatron.payloads() as fwd, comm.counting() as fwd_tally:
         out = block(x)
-    with tp.payloads() as bwd, comm.counting() as bwd_tally:
+    with megatron.payloads() as bwd, comm.counting() as bwd_tally:
         (out * upstream).sum().backward()
-    with tp.payloads() as params:
+    with megatron.payloads() as params:
         if sync:
             sp_layers.sync_grads(block, group)
     return {"out": out.detach(), "input_grad": x.grad, "grads": {n: p.grad for n, p in block.named_parameters()},
@@ -73,7 +73,7 @@ def check_block(rank, world_size, b=2, s=12, hidden=48, regather=True, hand=True
     `hand_ring.hand_collectives()`, counted message by message) for SP and for TP, forward and backward.
     """
     cfg, dev, t = tp.config(hidden=hidden), launch.device(), world_size
-    tp.check_degree(cfg, t)
+    megatron.check_degree(cfg, t)
     if s % t:
         raise ValueError(f"sequence length s = {s} is not divisible by tp = {t}; choose s divisible by tp.")
     g = torch.Generator().manual_seed(1)
@@ -81,7 +81,7 @@ def check_block(rank, world_size, b=2, s=12, hidden=48, regather=True, hand=True
     mine = sp_layers._tokens(s, t, rank)
     full = _run(sp_layers._block(cfg, dev), x, upstream)
     tp_block = sp_layers._block(cfg, dev)
-    tp.parallelize_attention(tp_block.attn, None), tp.parallelize_mlp(tp_block.mlp, None)
+    megatron.parallelize_attention(tp_block.attn, None), megatron.parallelize_mlp(tp_block.mlp, None)
     sp_block = sp_layers.parallelize_block(sp_layers._block(cfg, dev), None, regather)
     with hand_ring.hand_collectives() if hand else contextlib.nullcontext():
         tpr = _run(tp_block, x, upstream)
@@ -130,7 +130,7 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
     x, upstream = (torch.randn(b, s, hidden, generator=g).to(dev)[:, sp_layers._tokens(s, t, rank)] for _ in range(2))
     hand = sp_layers.parallelize_block(sp_layers._block(cfg, dev), None)
     lib = sp_layers._block(cfg, dev)
-    order = torch.cat([tp.qkv_rows(hidden, cfg.n_head, t, r) for r in range(t)])
+    order = torch.cat([megatron.qkv_rows(hidden, cfg.n_head, t, r) for r in range(t)])
     with torch.no_grad():
         lib.attn.qkv.weight.copy_(lib.attn.qkv.weight[order]), lib.attn.qkv.bias.copy_(lib.attn.qkv.bias[order])
     lib.attn.n_head //= t
@@ -184,7 +184,7 @@ def main(argv=None):
     args = cli.parse(p, argv)
     if args.hidden % 12:
         raise ValueError(f"--hidden {args.hidden} is not a multiple of the 12 heads; use e.g. 48.")
-    tp.check_degree(tp.config(hidden=args.hidden), args.world_size)
+    megatron.check_degree(tp.config(hidden=args.hidden), args.world_size)
     if args.seq % args.world_size or args.seq > tp.config().seq_len:
         raise ValueError(f"--seq {args.seq} must be divisible by the world size {args.world_size} and at most "
                          f"{tp.config().seq_len}; use e.g. 12.")

@@ -16,7 +16,7 @@ from labs.memory_budget import activations
 from labs.launcher import launch
 from labs.measure import memory
 from labs.context_parallel import sp_layers
-from labs.tensor_parallel import blocks as tp
+from labs.tensor_parallel import blocks as tp, megatron
 
 
 def _attention_core(attn, q, k, v):                           # (B, a/t, s, d) each -> (B, a/t, s, d)
@@ -70,7 +70,7 @@ def _table_block(row, cfg, dev, dtype):
     if row == "none":
         return block, False
     if row in ("tp", "tp_full"):
-        tp.parallelize_attention(block.attn, None), tp.parallelize_mlp(block.mlp, None)
+        megatron.parallelize_attention(block.attn, None), megatron.parallelize_mlp(block.mlp, None)
         return block, False
     sp_layers.parallelize_block(block, None, regather=row != "tp_sp_keep_gathered")
     if row == "tp_sp_selective":
@@ -87,7 +87,7 @@ def activation_table(rank, world_size, b=2, s=12, hidden=48, n_head=12, dtype=to
     and tokens (the tokens this rank's LayerNorms saw).
     """
     cfg, dev, t = tp.config(hidden=hidden, n_head=n_head), launch.device(), world_size
-    tp.check_degree(cfg, t)
+    megatron.check_degree(cfg, t)
     stat = activations.layernorm_stat_bytes(hidden, dtype, dev)
     x = torch.randn(b, s, hidden, generator=torch.Generator().manual_seed(1)).to(dev, dtype)  # (B, s, H)
     out = {}

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 
 from labs import model as tiny
 from labs.measure import comm
-from labs.tensor_parallel import blocks as tp
+from labs.tensor_parallel import megatron
 
 
 def _log(op, x):
     """Record one collective in every open `tensor_parallel.payloads()` log: the bytes of the tensor
     handed to it (all-gather: the shard sent; reduce-scatter: the full input), read from the tensor."""
-    for log in tp._logs:
+    for log in megatron._logs:
         log.append({"op": op, "bytes": x.numel() * x.element_size(), "numel": x.numel(),
                     "element_size": x.element_size(), "shape": tuple(x.shape)})
 
@@ -96,7 +96,7 @@ class _GatherLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-class ColumnParallelLinear(tp.ColumnParallelLinear):
+class ColumnParallelLinear(megatron.ColumnParallelLinear):
     """Chapter 4's column-parallel layer behind g: input (B, s/t, H), output (B, s, out/t)."""
 
     regather = True
@@ -107,7 +107,7 @@ class ColumnParallelLinear(tp.ColumnParallelLinear):
         return F.linear(_G.apply(x, self.group), self.weight, self.bias)  # keeps the gathered X
 
 
-class RowParallelLinear(tp.RowParallelLinear):
+class RowParallelLinear(megatron.RowParallelLinear):
     """Chapter 4's row-parallel layer before g-bar: input (B, s, in/t), output (B, s/t, H); the bias
     is added to this rank's tokens only, so its gradient is partial (see `sync_grads`)."""
 
@@ -121,10 +121,10 @@ def parallelize_block(block, group=None, regather=True):
     this rank's s/t tokens, (B, s/t, H). Same weight slices as `tensor_parallel.parallelize_*`."""
     t, rank = dist.get_world_size(group), dist.get_rank(group)
     attn, mlp, h = block.attn, block.mlp, block.attn.proj.in_features
-    tp.check_degree(tiny.GPTConfig(hidden=h, n_head=attn.n_head), t)
-    qkv = tp.qkv_rows(h, attn.n_head, t, rank)
+    megatron.check_degree(tiny.GPTConfig(hidden=h, n_head=attn.n_head), t)
+    qkv = megatron.qkv_rows(h, attn.n_head, t, rank)
     attn.qkv, attn.proj = ColumnParallelLinear(attn.qkv, group, qkv), RowParallelLinear(attn.proj, group, qkv[:h // t])
-    rows = tp.shard_rows(mlp.fc.out_features, t, rank)
+    rows = megatron.shard_rows(mlp.fc.out_features, t, rank)
     mlp.fc, mlp.proj = ColumnParallelLinear(mlp.fc, group, rows), RowParallelLinear(mlp.proj, group, rows)
     attn.n_head //= t
     for layer in (attn.qkv, mlp.fc):
@@ -142,7 +142,7 @@ def sync_grads(block, group=None):
     """All-reduce the partial gradients of `sequence_parallel_params` (Megatron does this for the
     LayerNorm weights under sequence parallelism); logged as "parameter-gradient all-reduce"."""
     for p in sequence_parallel_params(block):
-        tp._all_reduce(p.grad, group, "parameter-gradient all-reduce")
+        megatron._all_reduce(p.grad, group, "parameter-gradient all-reduce")
 
 
 def _block(cfg, dev, dropout=0.0):

@@ -1,163 +1,21 @@
-"""Chapter 4: tensor parallelism, the Megatron-LM split of the MLP and attention, proven.
+"""Chapter 4: tensor parallelism proven: the Megatron-LM layers against the unsharded block.
 
-Shoeybi et al. 2019 (arXiv 1909.08053), for Z = GeLU(X A) B on tp ranks:
-- A = [A_1, ..., A_p] split by columns: rank i computes Y_i = GeLU(X A_i) with no communication,
-  because GeLU acts on each column alone;
-- B = [B_1; ...; B_p] split by rows: rank i computes Y_i B_i, a partial sum of Z, and one
-  all-reduce adds the partial sums.
-Two conjugate operators carry the communication: f is the identity in forward and an all-reduce
-in backward (it sits before the column-parallel layer: every rank's input gradient is partial);
-g is an all-reduce in forward and the identity in backward (after the row-parallel layer). One
-all-reduce per block in forward, one in backward, each of b*s*h activation elements. Attention
-splits the same way: heads by column (the fused qkv keeps its q, k and v blocks per head), the
-output projection by rows. The lab reads every all-reduce's payload from the tensor f or g hands
-to the collective (`payloads`), so "b*s*h elements" is a measurement, not a size the lab set.
+Shoeybi et al. 2019 (arXiv 1909.08053); the layers, f and g and the column- and row-parallel
+linears, are `labs.tensor_parallel.megatron`. Here each tensor-parallel MLP and attention block
+runs beside the unsharded one (outputs, input gradient and every weight gradient, `check_block`),
+every all-reduce's payload is read from the tensor f or g hands to the collective (one per block
+in forward, one in backward, each of b*s*h elements: a measurement, not a size the lab set), the
+tiny GPT trains under TP to one process's losses (`train`), PyTorch's DTensor plan gives the same
+(`dtensor_mlp`), and `layer_costs` sets one layer's all-reduce time beside its compute time at scale.
 
     python -m labs.tensor_parallel.blocks --world-size 2 --block mlp --json
 """
-import contextlib
-
 import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 from labs.measure import comm
 from labs.launcher import launch, preflight
 from labs import model as tiny
-
-_logs = []  # the payload logs currently recording, innermost last
-
-
-@contextlib.contextmanager
-def payloads():
-    """Record every all-reduce f and g make inside the block: the operator and the bytes of the
-    tensor handed to the collective (numel x element size), read from that tensor, not assumed."""
-    log = []
-    _logs.append(log)
-    try:
-        yield log
-    finally:
-        _logs.remove(log)
-
-
-def _all_reduce(x, group, op):
-    for log in _logs:
-        log.append({"op": op, "bytes": x.numel() * x.element_size(), "numel": x.numel(),
-                    "element_size": x.element_size(), "shape": tuple(x.shape)})
-    comm.all_reduce(x, group=group)
-
-
-class _F(torch.autograd.Function):
-    """f: identity forward, all-reduce of the input gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        _all_reduce(grad, ctx.group, "f backward")
-        return grad, None
-
-
-class _G(torch.autograd.Function):
-    """g: all-reduce of the partial outputs forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        _all_reduce(x, group, "g forward")
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def check_degree(cfg, tp):
-    """Refuse a tp that does not divide the heads and the MLP width, before any process starts."""
-    _split(cfg.n_head, tp, "the number of heads")
-    _split(4 * cfg.hidden, tp, "the MLP width 4h")
-
-
-def _split(n, parts, what):
-    if n % parts:
-        raise ValueError(f"{what} = {n} is not divisible by tp = {parts}; choose a tp that divides it.")
-    return n // parts
-
-
-class ColumnParallelLinear(nn.Module):
-    """Y_i = X A_i: this rank's output columns (rows of nn.Linear's weight), after f."""
-
-    def __init__(self, full, group, rows):
-        super().__init__()
-        self.group = group
-        self.weight = nn.Parameter(full.weight.detach()[rows].clone())
-        self.bias = nn.Parameter(full.bias.detach()[rows].clone()) if full.bias is not None else None
-
-    def forward(self, x):
-        return F.linear(_F.apply(x, self.group), self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    """Z = sum_i Y_i B_i: this rank's input rows, a partial product, summed by g; bias added once."""
-
-    def __init__(self, full, group, cols):
-        super().__init__()
-        self.group = group
-        self.weight = nn.Parameter(full.weight.detach()[:, cols].clone())
-        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
-
-    def forward(self, x):
-        z = _G.apply(F.linear(x, self.weight), self.group)
-        return z + self.bias if self.bias is not None else z
-
-
-def shard_rows(n, tp, rank):
-    """This rank's slice of n output features."""
-    size = _split(n, tp, "the output width")
-    return torch.arange(rank * size, (rank + 1) * size)
-
-
-def qkv_rows(hidden, n_head, tp, rank):
-    """This rank's heads in the fused qkv weight: its slice of q, of k and of v."""
-    heads = _split(n_head, tp, "the number of heads")
-    d = hidden // n_head
-    mine = torch.arange(rank * heads * d, (rank + 1) * heads * d)
-    return torch.cat([mine, hidden + mine, 2 * hidden + mine])
-
-
-def parallelize_mlp(mlp, group):
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    rows = shard_rows(mlp.fc.out_features, tp, rank)
-    mlp.fc = ColumnParallelLinear(mlp.fc, group, rows)
-    mlp.proj = RowParallelLinear(mlp.proj, group, rows)
-    return mlp
-
-
-def parallelize_attention(attn, group):
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    hidden = attn.proj.in_features
-    attn.qkv = ColumnParallelLinear(attn.qkv, group, qkv_rows(hidden, attn.n_head, tp, rank))
-    attn.proj = RowParallelLinear(attn.proj, group, qkv_rows(hidden, attn.n_head, tp, rank)[:hidden // tp])
-    attn.n_head //= tp
-    return attn
-
-
-def apply_tensor_parallel(model, group=None):
-    """Turn every block of the tiny GPT into its tensor-parallel version, in place.
-
-    Embeddings, LayerNorms and the head stay replicated: their inputs are identical on every rank
-    (g has summed the partial outputs), so their gradients are too, with no communication.
-    """
-    for block in model.blocks:
-        parallelize_attention(block.attn, group)
-        parallelize_mlp(block.mlp, group)
-    return model
-
+from labs.tensor_parallel import megatron
 
 def config(**overrides):
     """Heads and widths that tp = 1, 2, 3, 4 and 6 all divide (12 heads, h = 48, 4h = 192)."""
@@ -173,10 +31,10 @@ def _slice_of_full(name, full_grad, tp, rank, kind, cfg):
     """The part of the unsharded gradient that rank ``rank`` should hold for parameter ``name``."""
     hidden = cfg.hidden
     if kind == "mlp":
-        rows = shard_rows(4 * hidden, tp, rank)
+        rows = megatron.shard_rows(4 * hidden, tp, rank)
         pick = {"fc.weight": lambda g: g[rows], "fc.bias": lambda g: g[rows], "proj.weight": lambda g: g[:, rows]}
     else:
-        rows = qkv_rows(hidden, cfg.n_head, tp, rank)
+        rows = megatron.qkv_rows(hidden, cfg.n_head, tp, rank)
         pick = {"qkv.weight": lambda g: g[rows], "qkv.bias": lambda g: g[rows],
                 "proj.weight": lambda g: g[:, rows[:hidden // tp]]}
     return pick.get(name, lambda g: g)(full_grad)  # replicated parameters: the whole gradient
@@ -202,11 +60,11 @@ def check_block(rank, world_size, kind="mlp", b=2, s=8, hidden=48):
     (full(x_ref) * upstream).sum().backward()
     ref_out = full(x_ref).detach()
     block = _full_block(kind, cfg).to(dev)
-    (parallelize_mlp if kind == "mlp" else parallelize_attention)(block, None)
+    (megatron.parallelize_mlp if kind == "mlp" else megatron.parallelize_attention)(block, None)
     x_tp = x.clone().requires_grad_()
-    with payloads() as forward:
+    with megatron.payloads() as forward:
         out = block(x_tp)
-    with payloads() as backward:
+    with megatron.payloads() as backward:
         (out * upstream).sum().backward()
     grads = {name: (p.grad - _slice_of_full(name, dict(full.named_parameters())[name].grad, world_size, rank,
                                             kind, cfg)).abs().max().item()
@@ -240,8 +98,8 @@ def message_bytes(rank, world_size, shapes):
     out = []
     for b, s, h in shapes:
         cfg = config(hidden=h, n_head=h // 4)
-        block = parallelize_mlp(_full_block("mlp", cfg), None)
-        with payloads() as log:
+        block = megatron.parallelize_mlp(_full_block("mlp", cfg), None)
+        with megatron.payloads() as log:
             block(torch.randn(b, s, h))
         out.append({"b": b, "s": s, "h": h, "calls": len(log), "message_bytes": log[0]["bytes"],
                     "shape": log[0]["shape"]})
@@ -255,7 +113,7 @@ def train(rank, world_size, steps=3, batch_size=2, lr=1e-2):
     for mode in ("single", "tp"):
         net = tiny.build(cfg, seed=0, device=dev)
         if mode == "tp":
-            apply_tensor_parallel(net)
+            megatron.apply_tensor_parallel(net)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
         losses[mode] = []
         for step in range(steps):
@@ -277,7 +135,7 @@ def dtensor_mlp(rank, world_size, b=2, s=8):
     cfg, dev = config(), launch.device()
     g = torch.Generator().manual_seed(1)
     x, upstream = torch.randn(b, s, cfg.hidden, generator=g).to(dev), torch.randn(b, s, cfg.hidden, generator=g).to(dev)
-    hand = parallelize_mlp(_full_block("mlp", cfg).to(dev), None)
+    hand = megatron.parallelize_mlp(_full_block("mlp", cfg).to(dev), None)
     lib = parallelize_module(_full_block("mlp", cfg).to(dev), init_device_mesh(dev.type, (world_size,)),
                              {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
     outs, grads = [], []
@@ -343,7 +201,7 @@ def main(argv=None):
     args = cli.parse(p, argv)
     if args.hidden % 12:
         raise ValueError(f"--hidden {args.hidden} is not a multiple of the 12 heads; use e.g. 48.")
-    check_degree(config(hidden=args.hidden), args.world_size)
+    megatron.check_degree(config(hidden=args.hidden), args.world_size)
     # fp32: the block's 12 h^2 weights and b*s*h activations, for the reference, the shard and their
     # gradients (a generous x8), so an impossible size is refused before any rank starts
     h, bsh = args.hidden, args.batch * args.seq * args.hidden

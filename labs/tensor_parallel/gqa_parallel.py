@@ -18,7 +18,7 @@ import torch.nn as nn
 from labs.measure import comm
 from labs.launcher import launch
 from labs import model as tiny
-from labs.tensor_parallel import blocks as tpl
+from labs.tensor_parallel import megatron
 
 
 def kv_layout(n_head, n_kv_head, tp):
@@ -53,7 +53,7 @@ class TensorParallelAttention(nn.Module):
         self.attn, self.group = attn, group
 
     def forward(self, x):
-        return self.attn(tpl._F.apply(x, self.group))  # one f for wq, wk and wv: they share the input
+        return self.attn(megatron._F.apply(x, self.group))  # one f for wq, wk and wv: they share the input
 
 
 def _rows(heads, d):
@@ -72,7 +72,7 @@ def parallelize_gqa(attn, group=None):
         local = nn.Linear(full.in_features, len(rows), bias=False)
         local.weight = nn.Parameter(full.weight.detach()[rows].clone())
         setattr(attn, name, local)
-    attn.wo = tpl.RowParallelLinear(attn.wo, group, q_rows)
+    attn.wo = megatron.RowParallelLinear(attn.wo, group, q_rows)
     attn.n_head, attn.n_kv_head = lay["q_heads_per_rank"], lay["kv_heads_per_rank"]
     return TensorParallelAttention(attn, group), lay
 

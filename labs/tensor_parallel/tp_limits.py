@@ -33,7 +33,7 @@ from labs.memory_budget import budget
 from labs.measure import comm
 from labs.launcher import launch
 from labs import model as tiny
-from labs.tensor_parallel import blocks as tpl
+from labs.tensor_parallel import blocks as tpl, megatron
 
 NVLINK, INFINIBAND = "NVLink 4 (H100)", "InfiniBand NDR (400 Gb/s)"
 DEVICE = "H100 SXM, bf16 dense"
@@ -90,13 +90,13 @@ def measure_layer(rank, world_size, b=2, s=8, hidden=48, link=NVLINK, device=DEV
     ``device`` speeds, beside the closed form (`ratio`, B = 4: this layer runs in fp32). Ranks other
     than 0 return only their payloads."""
     cfg = tpl.config(hidden=hidden, n_layer=1)
-    tpl.check_degree(cfg, world_size)
-    block = tpl.apply_tensor_parallel(tiny.build(cfg, seed=0, device=launch.device())).blocks[0]
+    megatron.check_degree(cfg, world_size)
+    block = megatron.apply_tensor_parallel(tiny.build(cfg, seed=0, device=launch.device())).blocks[0]
     x = torch.randn(b, s, hidden, generator=torch.Generator().manual_seed(1)).to(launch.device())
     # counted on rank 0 only: the counter's first use costs about 1 s of CPU per process, and every
     # rank's layer has the same shapes (the other ranks just run it, for the collectives)
     counter = FlopCounterMode(display=False) if rank == 0 else contextlib.nullcontext()
-    with counter, tpl.payloads() as log:
+    with counter, megatron.payloads() as log:
         block(x)
     if rank:
         return {"payloads": [c["bytes"] for c in log]}

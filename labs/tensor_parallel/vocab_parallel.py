@@ -8,7 +8,7 @@ cross-entropy so that only b x s numbers cross ranks, never the b x s x V logits
 Rank i holds rows [i V/tp, (i+1) V/tp) of the embedding E (V x h) and of the head W (V x h):
 - embedding: a token outside the rank's range looks up row 0 and its output is zeroed (masked);
   one all-reduce (sum) of the b x s x h outputs gives every rank the full lookup;
-- head: column-parallel (labs.tensor_parallel.blocks.ColumnParallelLinear, behind f), logits z_i of shape
+- head: column-parallel (labs.tensor_parallel.megatron.ColumnParallelLinear, behind f), logits z_i of shape
   (b, s, V/tp): this rank's slice, never gathered;
 - loss, l = log sum_v exp(z_v) - z_t, with three all-reduces of b x s numbers each:
   1. max_v z_v (MAX), subtracted so exp cannot overflow;
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from labs.measure import comm, memory
 from labs.launcher import launch, preflight
-from labs.tensor_parallel import blocks as tpl
+from labs.tensor_parallel import megatron
 
 
 def check_vocab(vocab, tp):
@@ -139,7 +139,7 @@ def check(rank, world_size, b=2, s=8, hidden=16, vocab=96):
 
     start, end = vocab_range(vocab, world_size, rank)
     emb = VocabParallelEmbedding(emb_full, None)
-    head = tpl.ColumnParallelLinear(head_full, None, torch.arange(start, end))  # f: all-reduce in backward
+    head = megatron.ColumnParallelLinear(head_full, None, torch.arange(start, end))  # f: all-reduce in backward
     with comm.counting() as count_emb:
         x = emb(ids)                                          # (b, s, h), the full lookup on every rank
     logits = head(x)                                          # (b, s, V/tp)
