@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from labs.collectives import alpha_beta, algorithms as col
+from labs.collectives import alpha_beta, toolkit as col
 from labs.launcher import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,13 +72,13 @@ def test_bad_input_is_one_sentence():
         col.check("all_gather", "ring", 4, 10)
     with pytest.raises(ValueError, match="not 'ring'"):
         col.check("broadcast", "ring", 4, 10)
-    out = subprocess.run([sys.executable, "-m", "labs.collectives.algorithms", "--world-size", "6", "--algorithm",
+    out = subprocess.run([sys.executable, "-m", "labs.collectives.toolkit", "--world-size", "6", "--algorithm",
                           "rabenseifner", "--numel", "6"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "multiple of 4" in out.stderr
 
 
 def test_cli_json():
-    out = subprocess.run([sys.executable, "-m", "labs.collectives.algorithms", "--world-size", "2", "--op", "all_to_all",
+    out = subprocess.run([sys.executable, "-m", "labs.collectives.toolkit", "--world-size", "2", "--op", "all_to_all",
                           "--numel", "8", "--json"], capture_output=True, text=True, cwd=REPO, check=True)
     r = json.loads(out.stdout.splitlines()[-1])
     assert r["bytes_sent"] == [16, 16] and r["steps"] == 1 and r["max_abs_error"] == 0.0

@@ -22,7 +22,8 @@ Every gloo message costs its sender two 48-byte preambles and its receiver one (
 """
 import torch
 
-from labs.collectives import algorithms as col
+from labs.collectives import algorithms, toolkit as col
+from labs.collectives.recursive import Rounds
 from labs.measure import comm, wire
 from labs.launcher import launch
 
@@ -87,13 +88,13 @@ def rank_beside(rank, world_size, numel):
 
     The full buffer's size is read from the tensors used (the all-gather's output, else the input)."""
     out = {}
-    for op in col.OPS:
+    for op in algorithms.OPS:
         x, buf = col._inputs(op, numel, world_size, rank)
         nbytes = (buf if op == "all_gather" else x).numel() * x.element_size()
         with comm.counting() as tally:
             hand = x.clone()
-            col.HAND[op, HAND[op]](hand, col.Rounds()) if buf is None else \
-                col.HAND[op, HAND[op]](torch.empty_like(buf), hand, col.Rounds())
+            algorithms.HAND[op, HAND[op]](hand, Rounds()) if buf is None else \
+                algorithms.HAND[op, HAND[op]](torch.empty_like(buf), hand, Rounds())
         col._library(op, x, buf)   # warm-up: gloo's first call on a pair sets up its connection
         with wire.measure() as w:   # the library's collective alone (a clone adds no wire bytes)
             col._library(op, x, buf)
@@ -106,7 +107,7 @@ def beside(world_size, numel, timeout=120.0):
     measured wire bytes, gloo's model of them, and the formula (TRG 2005, the most one rank sends)."""
     ranks = launch.spawn(rank_beside, world_size, numel, timeout=timeout)
     rows = {}
-    for op in col.OPS:
+    for op in algorithms.OPS:
         n = ranks[0][op]["nbytes"]
         rows[op] = {"gloo_algorithm": ALGORITHM[op], "hand_algorithm": HAND[op], "nbytes": n,
                     "counted": [r[op]["counted"] for r in ranks], "wire": [r[op]["wire"] for r in ranks],
@@ -121,7 +122,7 @@ def main(argv=None):
     p = cli.parser("Per collective: counted hand bytes, gloo's wire bytes (and its source's model), formula.")
     p.add_argument("--numel", type=cli.positive_int, default=840, help="elements of the full buffer")
     args = cli.parse(p, argv)
-    for op in col.OPS:   # the hand collectives' block sizes, refused before any rank starts
+    for op in algorithms.OPS:   # the hand collectives' block sizes, refused before any rank starts
         col.check(op, HAND[op], args.world_size, args.numel)
     rows = beside(args.world_size, args.numel, timeout=args.timeout)
     lines = [f"{'collective':15s} {'counted (max)':>13s} {'wire (max)':>11s} {'model (max)':>11s} {'formula':>8s}"]
