@@ -10,7 +10,7 @@ import torch
 
 from labs.launcher import launch
 from labs import model as tiny
-from labs.pipeline import executor, schedules, split_backward
+from labs.pipeline import executor, torch_pipelining, schedules, split_backward
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32 gradients of m micro-batches summed one by one vs one backward over the whole batch:
@@ -137,7 +137,7 @@ def test_bad_schedules_are_refused():
     with pytest.raises(ValueError, match="do not split into p\\*v = 5"):
         executor.split(executor.tiny.build(executor.config()), 5)
     with pytest.raises(ValueError, match="no counterpart of 'greedy-bfw'"):
-        executor.library(0, 2, "greedy-bfw")
+        torch_pipelining.library(0, 2, "greedy-bfw")
 
 
 def _peak_bytes(actions, chunks, split):
@@ -195,7 +195,7 @@ def test_1f1b_stage_0_holds_all_layers_and_zb_h1_keeps_its_peak(runs):
 
 def test_torch_pipelining_gives_the_same_gradients():
     configs = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 2)]
-    results = launch.spawn(executor.libraries, 2, configs, timeout=180)
+    results = launch.spawn(torch_pipelining.libraries, 2, configs, timeout=180)
     for i, (name, _, _) in enumerate(configs):
         assert max(r[i]["max_abs_error_grad"] for r in results) < TOL, name
 
