@@ -122,7 +122,7 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
     """The hand TP+SP block beside `parallelize_module` with `dtensor_plan`, fp32: outputs and every
     gradient (DTensor gradients as this rank's local shard). ColwiseParallel shards the fused qkv
     weight in contiguous rows, so its rows are first reordered to put rank i's q, k and v heads in
-    block i (`tensor_parallel.qkv_rows`)."""
+    block i (`megatron.qkv_rows`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     cfg, dev, t = tp.config(hidden=hidden), launch.device(), world_size

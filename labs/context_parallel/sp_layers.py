@@ -21,7 +21,7 @@ from labs.tensor_parallel import megatron
 
 
 def _log(op, x):
-    """Record one collective in every open `tensor_parallel.payloads()` log: the bytes of the tensor
+    """Record one collective in every open `megatron.payloads()` log: the bytes of the tensor
     handed to it (all-gather: the shard sent; reduce-scatter: the full input), read from the tensor."""
     for log in megatron._logs:
         log.append({"op": op, "bytes": x.numel() * x.element_size(), "numel": x.numel(),
@@ -118,7 +118,7 @@ class RowParallelLinear(megatron.RowParallelLinear):
 
 def parallelize_block(block, group=None, regather=True):
     """Turn one `labs.model.Block` into its TP+SP version in place: the block then takes and returns
-    this rank's s/t tokens, (B, s/t, H). Same weight slices as `tensor_parallel.parallelize_*`."""
+    this rank's s/t tokens, (B, s/t, H). Same weight slices as `megatron.parallelize_*`."""
     t, rank = dist.get_world_size(group), dist.get_rank(group)
     attn, mlp, h = block.attn, block.mlp, block.attn.proj.in_features
     megatron.check_degree(tiny.GPTConfig(hidden=h, n_head=attn.n_head), t)
