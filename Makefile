@@ -2,12 +2,13 @@
 #   make book   builds the site into _build/html, re-executing every notebook
 #   make test   runs every test: labs (pytest), notebooks (nbval), the book build with -W, and
 #               the browser check of every page (headless Chromium, network blocked)
+# and `make lab` opens the notebooks in JupyterLab.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: book test test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels
+.PHONY: book test lab test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels
 
 env: $(STAMP)
 
@@ -48,6 +49,12 @@ test: $(STAMP) chromium
 	ATEN_CPU_CAPABILITY=default $(NBVAL)
 	$(BIN)/python tools/build_book.py --no-execute
 	$(BIN)/python tools/check_site.py
+
+# The notebooks in JupyterLab, the book's second way in (the planners' sliders work here). The
+# server's root is the repository, so each notebook's link to its chapter (../book/*.md) opens too.
+lab: $(STAMP)
+	$(BIN)/jupyter lab --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks \
+	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # The browser check alone, on the site already in _build/html (after `make book`, say).
 check-site: $(STAMP) chromium
