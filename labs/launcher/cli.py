@@ -1,6 +1,6 @@
 """The command-line contract every lab keeps.
 
-    python -m labs.<technique> --world-size N [options] --json
+    python -m labs.<package>.<module> --world-size N [options] --json
 
 prints one JSON object (the lab's result dict) as the last line of stdout; without ``--json`` it
 prints a readable summary. Under torchrun only global rank 0 reports.
