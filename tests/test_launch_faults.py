@@ -53,7 +53,8 @@ class Run:
         self.tmpdir = str(tmp_path / "tmp")
         os.mkdir(self.tmpdir)
         env = dict(os.environ, TMPDIR=self.tmpdir, PYTHONPATH=REPO)
-        cmd = [TORCHRUN, "--nproc_per_node=3", "-m", "labs.launcher.hello"] if torchrun else [sys.executable, "-m", "labs.launcher.hello"]
+        cmd = [TORCHRUN, "--nproc_per_node=3"] if torchrun else [sys.executable]
+        cmd += ["-m", "labs.launcher.hello"]
         self.start = time.monotonic()
         self.proc = subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.seen, self._done = set(), threading.Event()

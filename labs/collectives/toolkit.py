@@ -21,8 +21,9 @@ Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operatio
 Recursive doubling and halving pair rank r with r XOR 2^k, so they need a power of two; on any other
 p, with p2 = 2^floor(lg p) and r = p - p2, the first 2r ranks fold pairwise onto p2 and unfold at
 the end (TRG 2005, section 4; MPICH): two more rounds, and the folded data sent twice
-(`labs.collectives.recursive`, `formula`). The ring halves are chapter 2's (`labs.data_parallel.ring_allreduce`); every message goes through `labs.measure.comm`,
-so `bytes_sent` are counted messages, and `rounds` are the exchanges a rank took part in.
+(`labs.collectives.recursive`, `formula`). The ring halves are chapter 2's
+(`labs.data_parallel.hand_ring`); every message goes through `labs.measure.comm`, so `bytes_sent`
+are counted messages, and `rounds` are the exchanges a rank took part in.
 
     python -m labs.collectives.toolkit --world-size 4 --op all_reduce --algorithm recursive_doubling --json
     python -m labs.collectives.toolkit bench --world-size 2
