@@ -33,7 +33,7 @@ import torch
 from labs.measure import comm, exercises, memory
 from labs.launcher import launch
 from labs import model as tiny
-from labs.memory_budget import recipes as precision
+from labs.memory_budget import recipes as mixed_precision  # `recipes` names a parameter below
 from labs.memory_budget.activations import (activation_bytes_per_layer, llama_activation_terms,
                                             measure_activations, measure_llama)
 
@@ -74,7 +74,7 @@ def state_bytes_per_param(zero_stage=0, dp=1, recipe="mixed"):
     """Per-rank bytes per parameter of the model state under ZeRO over ``dp`` ranks."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0 (plain data parallel), 1, 2 or 3, got {zero_stage!r}.")
-    b = precision.recipe(recipe).bytes_per_param()
+    b = mixed_precision.recipe(recipe).bytes_per_param()
     out = {"parameters": b["parameters"] / (dp if zero_stage >= 3 else 1),
            "gradients": b["gradients"] / (dp if zero_stage >= 2 else 1),
            "optimizer_state": b["optimizer_state"] / (dp if zero_stage >= 1 else 1)}
@@ -178,7 +178,7 @@ def data_parallel_step(cfg, recipe, rank, batch_size):
     """One step of plain data parallelism with a recipe; returns the state this rank holds."""
     dev = launch.device()
     net = tiny.build(cfg, seed=0, device=dev)  # same seed on every rank: replicas start equal
-    opt = precision.prepare(net, recipe)
+    opt = mixed_precision.prepare(net, recipe)
     x, y = tiny.synthetic_batch(cfg, batch_size, seed=rank, device=dev)  # each rank its own data
     net(x, y).backward()
     with comm.counting(wire=True) as tally:  # wire: what gloo wrote to its sockets, per call
@@ -191,13 +191,13 @@ def data_parallel_step(cfg, recipe, rank, batch_size):
     psi = tiny.num_params(net)
     checksum = sum(p.double().sum().item() for p in net.parameters())
     return {"numel": psi, "held": held, "bytes_per_param": held["total"] / psi,
-            "formula": precision.recipe(recipe).bytes_per_param(), "allreduce_payload_bytes": tally.payload_bytes,
+            "formula": mixed_precision.recipe(recipe).bytes_per_param(), "allreduce_payload_bytes": tally.payload_bytes,
             "allreduce_formula_bytes": tally.formula_bytes_sent, "allreduce_calls": tally.calls("all_reduce"),
             "allreduce_wire_bytes": tally.wire_bytes_sent if not tally.wire_missing else None,
             "param_checksum": checksum}
 
 
-def measure(rank, world_size, recipes=tuple(precision.RECIPES), shapes=((1, 8), (2, 8), (2, 16)),
+def measure(rank, world_size, recipes=tuple(mixed_precision.RECIPES), shapes=((1, 8), (2, 8), (2, 16)),
             batch_size=2):
     """The chapter-1 lab, on every rank: bytes per parameter by recipe, activations per block."""
     cfg = tiny.GPTConfig()
@@ -236,7 +236,7 @@ def main(argv=None):
     p.add_argument("--tp", type=cli.positive_int, default=1)
     p.add_argument("--pp", type=cli.positive_int, default=1)
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="0 = plain data parallel, 1, 2 or 3")
-    p.add_argument("--recipe", default="mixed", choices=list(precision.RECIPES))
+    p.add_argument("--recipe", default="mixed", choices=list(mixed_precision.RECIPES))
     p.add_argument("--seq", type=cli.positive_int, default=4096)
     p.add_argument("--micro-batch", type=cli.positive_int, default=1)
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
