@@ -2,12 +2,13 @@
 #   make book   builds the site into _build/html, re-executing every notebook
 #   make test   runs every test: labs (pytest), notebooks (nbval), the book build with -W, and
 #               the browser check of every page (headless Chromium, network blocked)
+# and `make lab` opens the notebooks in JupyterLab.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: book test test-numerics test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels
+.PHONY: book test test-numerics lab test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels
 
 env: $(STAMP)
 
@@ -42,7 +43,7 @@ OTHER_CPU := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=
 
 # Labs first (fast failures), then the float-sensitive lab tests (marked `numerics`) again under
 # OTHER_CPU, then every notebook re-executed and compared with its committed outputs, natively and
-# under OTHER_CPU (notebooks state floats only to the precision they assert, see labs/report.py).
+# under OTHER_CPU (notebooks state floats only to the precision they assert, see labs/measure/report.py).
 # Then the site is built from the verified outputs with warnings as errors, and every page is
 # opened in headless Chromium with the network blocked (tools/check_site.py). Chromium is checked
 # first, so a machine without it fails in seconds, not after the notebooks.
@@ -61,6 +62,12 @@ test-numerics: $(STAMP)
 	$(OTHER_CPU) $(BIN)/python -m pytest tests -q -m numerics
 	$(NBVAL)
 	$(OTHER_CPU) $(NBVAL)
+
+# The notebooks in JupyterLab, the book's second way in (the planners' sliders work here). The
+# server's root is the repository, so each notebook's link to its chapter (../book/*.md) opens too.
+lab: $(STAMP)
+	$(BIN)/jupyter lab --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks \
+	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # The browser check alone, on the site already in _build/html (after `make book`, say).
 check-site: $(STAMP) chromium

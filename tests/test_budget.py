@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from labs import budget, launch, model, precision
+from labs.memory_budget import budget, activations, zero_paper, recipes
+from labs.launcher import launch
+from labs import model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,34 +20,34 @@ def test_zero_stages_shard_the_16_bytes(stage, per_param):
 
 @pytest.mark.parametrize("column", ["7.5B", "128B", "1T"])
 def test_every_column_of_zero_table1_is_reproduced(column):
-    r = budget.zero_table1_check()[column]
+    r = zero_paper.zero_table1_check()[column]
     assert r["matches"] == {1: True, 2: True, 3: True}, r
-    assert r["baseline_gb"] == 16 * budget.ZERO_PAPER_COLUMNS[column]["psi"] / 1e9  # the DP = 1 row
+    assert r["baseline_gb"] == 16 * zero_paper.ZERO_PAPER_COLUMNS[column]["psi"] / 1e9  # the DP = 1 row
     # the old single-column check still reads the 7.5B column
     if column == "7.5B":
-        table = budget.zero_table1()
-        assert all(budget.matches_paper(table[st], budget.ZERO_PAPER_TABLE1[st]) for st in (0, 1, 2, 3))
+        table = zero_paper.zero_table1()
+        assert all(zero_paper.matches_paper(table[st], zero_paper.ZERO_PAPER_TABLE1[st]) for st in (0, 1, 2, 3))
 
 
 def test_each_column_prints_by_its_own_rule():
-    r = budget.zero_table1_check()
+    r = zero_paper.zero_table1_check()
     # 7.5B rounds (30.35 -> 30.4): truncating would print 30.3
-    assert not any(budget.matches_paper(r["7.5B"]["computed"][st], r["7.5B"]["published"][st], "truncate")
+    assert not any(zero_paper.matches_paper(r["7.5B"]["computed"][st], r["7.5B"]["published"][st], "truncate")
                    for st in (1, 2, 3))
     # 128B and 1T truncate (513.5 -> 513): rounding would print 514; their P_os+g+p rows are exact or
     # 15.625 -> 15.6, where the two rules agree
     for col in ("128B", "1T"):
-        assert [budget.matches_paper(r[col]["computed"][st], r[col]["published"][st], "round")
+        assert [zero_paper.matches_paper(r[col]["computed"][st], r[col]["published"][st], "round")
                 for st in (1, 2, 3)] == [False, False, True]
-    assert budget.zero_table1(128e9)[1][-1] == 513.5 and budget.ZERO_PAPER_COLUMNS["128B"][1][-1] == 513
+    assert zero_paper.zero_table1(128e9)[1][-1] == 513.5 and zero_paper.ZERO_PAPER_COLUMNS["128B"][1][-1] == 513
     with pytest.raises(ValueError, match="printing must be 'round' or 'truncate'"):
-        budget.matches_paper([1.0], [1], "nearest")
+        zero_paper.matches_paper([1.0], [1], "nearest")
 
 
 def test_a_wrong_formula_would_not_match_table1():
-    twelve = [2 + 2 + 8 / dp for dp in budget.ZERO_PAPER_TABLE1["dp"]]  # the notes' 12-byte ZeRO-1
-    assert not budget.matches_paper([x * 7.5 for x in twelve], budget.ZERO_PAPER_TABLE1[1])
-    assert not budget.matches_paper([x * 128 for x in twelve], budget.ZERO_PAPER_COLUMNS["128B"][1], "truncate")
+    twelve = [2 + 2 + 8 / dp for dp in zero_paper.ZERO_PAPER_TABLE1["dp"]]  # the notes' 12-byte ZeRO-1
+    assert not zero_paper.matches_paper([x * 7.5 for x in twelve], zero_paper.ZERO_PAPER_TABLE1[1])
+    assert not zero_paper.matches_paper([x * 128 for x in twelve], zero_paper.ZERO_PAPER_COLUMNS["128B"][1], "truncate")
 
 
 def test_llama_parameter_counts_come_out_of_the_shapes():
@@ -57,13 +59,13 @@ def test_llama_parameter_counts_come_out_of_the_shapes():
 
 def test_activation_formula_parallel_variants():
     s, b, h, a = 2048, 1, 12288, 96
-    full = budget.activation_bytes_per_layer(s, b, h, a)
+    full = activations.activation_bytes_per_layer(s, b, h, a)
     assert full == s * b * h * (34 + 5 * a * s / h)
-    assert budget.activation_bytes_per_layer(s, b, h, a, tp=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
-    assert budget.activation_bytes_per_layer(s, b, h, a, tp=8, sp=True) == pytest.approx(full / 8)
-    assert budget.activation_bytes_per_layer(s, b, h, a, tp=8, sp=True, recompute="selective") == s * b * h * 34 / 8
-    assert budget.activation_bytes_per_layer(s, b, h, a, recompute="full") == 2 * s * b * h
-    assert budget.activation_bytes_per_layer(s, b, h, a, dropout=False) == s * b * h * (32 + 2 * a * s / h)
+    assert activations.activation_bytes_per_layer(s, b, h, a, tp=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert activations.activation_bytes_per_layer(s, b, h, a, tp=8, sp=True) == pytest.approx(full / 8)
+    assert activations.activation_bytes_per_layer(s, b, h, a, tp=8, sp=True, recompute="selective") == s * b * h * 34 / 8
+    assert activations.activation_bytes_per_layer(s, b, h, a, recompute="full") == 2 * s * b * h
+    assert activations.activation_bytes_per_layer(s, b, h, a, dropout=False) == s * b * h * (32 + 2 * a * s / h)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -109,22 +111,22 @@ def test_zero1_on_8_gpus_fits_7b_only_with_flash_attention_or_recomputation():
 
 def test_llama_formula_has_the_terms_of_a_llama_block():
     s, b, h, a, kv, f = 4096, 1, 8192, 64, 8, 28672  # Llama 2 70B
-    flash = budget.llama_activation_terms(s, b, h, a, kv, f, attention="flash")
-    mat = budget.llama_activation_terms(s, b, h, a, kv, f, attention="materialized")
+    flash = activations.llama_activation_terms(s, b, h, a, kv, f, attention="flash")
+    mat = activations.llama_activation_terms(s, b, h, a, kv, f, attention="materialized")
     sbh, sb = s * b * h, s * b
     assert sum(flash.values()) == sbh * (12 + 4 * kv / a) + 8 * s * b * f + sb * (8 + 4 * a)
     assert sum(mat.values()) == sbh * (16 + 2 * a * s / h) + 8 * s * b * f + 8 * sb
     # with sequence parallelism everything divides by tp (here tp = kv = 8: one KV head per rank)
-    assert sum(budget.llama_activation_terms(s, b, h, a, kv, f, tp=8, sp=True, attention="flash").values()) \
+    assert sum(activations.llama_activation_terms(s, b, h, a, kv, f, tp=8, sp=True, attention="flash").values()) \
         == pytest.approx(sum(flash.values()) / 8)
     # without it, the norms, their statistics and the two projection inputs stay whole: 8sbh + 8sb
-    tp8 = sum(budget.llama_activation_terms(s, b, h, a, kv, f, tp=8, attention="flash").values())
+    tp8 = sum(activations.llama_activation_terms(s, b, h, a, kv, f, tp=8, attention="flash").values())
     assert tp8 - sum(flash.values()) / 8 == pytest.approx((8 * sbh + 8 * sb) * 7 / 8)
     # tp = 16 > 8 KV heads: each rank keeps one whole KV head
-    assert budget.llama_activation_terms(s, b, h, a, kv, f, tp=16, attention="flash")["k_v"] == 2 * 2 * sb * (h // a)
-    assert budget.llama_activation_terms(s, b, h, a, kv, f, recompute="full") == {"layer_input": 2 * sbh}
+    assert activations.llama_activation_terms(s, b, h, a, kv, f, tp=16, attention="flash")["k_v"] == 2 * 2 * sb * (h // a)
+    assert activations.llama_activation_terms(s, b, h, a, kv, f, recompute="full") == {"layer_input": 2 * sbh}
     with pytest.raises(ValueError, match="attention must be 'materialized' or 'flash'"):
-        budget.llama_activation_terms(s, b, h, a, kv, f, attention="paged")
+        activations.llama_activation_terms(s, b, h, a, kv, f, attention="paged")
 
 
 @pytest.mark.parametrize("kv_heads,rope", [(2, True), (4, False), (1, True)])
@@ -133,7 +135,7 @@ def test_llama_block_saves_exactly_what_the_formula_says(kv_heads, rope):
     for attention in ("sdpa", "materialized"):
         cfg = model.LlamaConfig(n_kv_head=kv_heads, rope=rope, attention=attention)
         for mode in ("none", "selective", "full"):
-            for row in budget.measure_llama_activations(cfg, shapes, mode):
+            for row in activations.measure_llama_activations(cfg, shapes, mode):
                 assert row["measured"] == row["formula"], (attention, mode, row)
                 # on a CPU, SDPA runs its flash kernel; the materialized block runs no attention op
                 assert row["kernels"] == (["_scaled_dot_product_flash_attention_for_cpu.default"]
@@ -141,7 +143,7 @@ def test_llama_block_saves_exactly_what_the_formula_says(kv_heads, rope):
 
 
 def test_fused_rmsnorm_keeps_its_input_and_one_fp32_statistic_per_token():
-    got = budget.rmsnorm_saved_bytes(32)
+    got = activations.rmsnorm_saved_bytes(32)
     assert got["fused"] == 2 * 32 + 4
 
 
@@ -149,7 +151,7 @@ def test_the_lab_measures_what_the_calculator_says_on_three_ranks():
     results = launch.spawn(budget.measure, 3, ("mixed", "fp32", "mixed_fp32_accum"), timeout=120)
     for name in ("mixed", "fp32", "mixed_fp32_accum"):
         measured = [r["recipes"][name]["bytes_per_param"] for r in results]
-        assert measured == [precision.recipe(name).bytes_per_param()["total"]] * 3
+        assert measured == [recipes.recipe(name).bytes_per_param()["total"]] * 3
         # data parallel: after the all-reduce every replica holds the same weights
         assert len({r["recipes"][name]["param_checksum"] for r in results}) == 1
     for row in results[0]["activations"]:
@@ -159,7 +161,7 @@ def test_the_lab_measures_what_the_calculator_says_on_three_ranks():
 
 
 def test_calculator_command_line_prints_json():
-    out = subprocess.run([sys.executable, "-m", "labs.budget", "--model", "70B", "--world-size", "64",
+    out = subprocess.run([sys.executable, "-m", "labs.memory_budget.budget", "--model", "70B", "--world-size", "64",
                           "--tp", "8", "--zero-stage", "1", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
@@ -169,6 +171,6 @@ def test_calculator_command_line_prints_json():
 
 
 def test_calculator_command_line_refuses_a_bad_split():
-    proc = subprocess.run([sys.executable, "-m", "labs.budget", "--world-size", "12", "--tp", "8"],
+    proc = subprocess.run([sys.executable, "-m", "labs.memory_budget.budget", "--world-size", "12", "--tp", "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error: world_size 12 is not divisible")

@@ -1,8 +1,8 @@
-"""Bus bandwidth (labs/bus_bandwidth.py): nccl-tests' factor 2(N-1)/N is what gloo's all-reduce
+"""Bus bandwidth (labs/data_parallel/bus_bandwidth.py): nccl-tests' factor 2(N-1)/N is what gloo's all-reduce
 really writes per rank, per byte of the buffer, plus gloo's preambles and nothing else."""
 import pytest
 
-from labs import bus_bandwidth as bb
+from labs.data_parallel import bus_bandwidth as bb
 
 # 4100 bytes = 1025 fp32 elements: not divisible by 3, so the ring's chunks are ragged.
 SIZES = [4096, 4100, 65536, 2**20 + 12]

@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 
-from labs import checkpoint_faults, checkpointing as ck, model as tiny, sharded_checkpoint as sc
-from labs.stateful_loader import StatefulLoader
+from labs.checkpointing import checkpoint_faults, resharding as ck, sharded_checkpoint as sc
+from labs import model as tiny
+from labs.checkpointing.stateful_loader import StatefulLoader
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -110,7 +111,7 @@ def test_cli_prints_the_contract_fields(capsys):
 @pytest.mark.parametrize("args, message", [(["--world-size", "5"], "does not divide the global batch"),
                                            (["--save-at", "6", "--steps", "6"], "must be below --steps")])
 def test_cli_refuses_bad_input_in_one_sentence(args, message, capsys):
-    from labs import cli
+    from labs.launcher import cli
     with pytest.raises(SystemExit) as exit_:
         cli.main(lambda: ck.main(args))
     err = capsys.readouterr().err

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from labs import alpha_beta, collectives as col, launch
+from labs.collectives import alpha_beta, toolkit as col
+from labs.launcher import launch
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -74,13 +75,13 @@ def test_bad_input_is_one_sentence():
         col.check("all_gather", "ring", 4, 10)
     with pytest.raises(ValueError, match="not 'ring'"):
         col.check("broadcast", "ring", 4, 10)
-    out = subprocess.run([sys.executable, "-m", "labs.collectives", "--world-size", "6", "--algorithm",
+    out = subprocess.run([sys.executable, "-m", "labs.collectives.toolkit", "--world-size", "6", "--algorithm",
                           "rabenseifner", "--numel", "6"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "multiple of 4" in out.stderr
 
 
 def test_cli_json():
-    out = subprocess.run([sys.executable, "-m", "labs.collectives", "--world-size", "2", "--op", "all_to_all",
+    out = subprocess.run([sys.executable, "-m", "labs.collectives.toolkit", "--world-size", "2", "--op", "all_to_all",
                           "--numel", "8", "--json"], capture_output=True, text=True, cwd=REPO, check=True)
     r = json.loads(out.stdout.splitlines()[-1])
     assert r["bytes_sent"] == [16, 16] and r["steps"] == 1
@@ -112,7 +113,7 @@ def test_bench_rows_use_nccl_tests_factors():
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_gloo_wire_bytes_equal_the_model_of_its_source(world_size):
-    from labs import gloo_collectives as gc
+    from labs.collectives import gloo_collectives as gc
     rows = gc.beside(world_size, NUMEL, timeout=120)
     for op, r in rows.items():
         if r["wire"][0] is None:
@@ -132,12 +133,12 @@ def test_gloo_wire_bytes_equal_the_model_of_its_source(world_size):
 
 
 def test_gloo_cli_json_and_bad_input():
-    out = subprocess.run([sys.executable, "-m", "labs.gloo_collectives", "--world-size", "2", "--numel", "8",
+    out = subprocess.run([sys.executable, "-m", "labs.collectives.gloo_collectives", "--world-size", "2", "--numel", "8",
                           "--json"], capture_output=True, text=True, cwd=REPO, check=True, timeout=60)
     rows = json.loads(out.stdout.splitlines()[-1])["rows"]
     if rows["all_to_all"]["wire"][0] is not None:
         assert all(r["wire"] == r["wire_model"] for r in rows.values())
     assert rows["all_to_all"]["counted"] == [16, 16] and rows["all_to_all"]["formula_max"] == 16
-    from labs import gloo_collectives as gc
+    from labs.collectives import gloo_collectives as gc
     with pytest.raises(ValueError, match="multiple of 3"):   # refused before any rank starts
         gc.main(["--world-size", "3", "--numel", "10"])

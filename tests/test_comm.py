@@ -1,11 +1,12 @@
-"""labs.comm: three kinds of bytes kept apart, hand rings equal to the library, gloo's wire measured."""
+"""labs.measure.comm: three kinds of bytes kept apart, hand rings equal to the library, gloo's wire measured."""
 import functools
 
 import pytest
 import torch
 
 import workers
-from labs import comm, launch, wire
+from labs.measure import comm, wire
+from labs.launcher import launch
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -99,7 +100,7 @@ def test_hand_rings_equal_the_library_and_count_n_minus_1_chunks(world_size):
 
 
 # gloo's wire, exactly: payload plus 48-byte preambles, three per message (two written by the
-# sender, one by the receiver), as labs.wire models it from gloo's source. No tolerance is needed
+# sender, one by the receiver), as labs.measure.wire models it from gloo's source. No tolerance is needed
 # because wchar counts bytes handed to writev, partial writes included; a window that caught a
 # barrier (96-144 bytes per rank), a printed warning or a file write would break the equality.
 def test_wire_table_is_gloo_payload_plus_preambles():

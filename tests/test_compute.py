@@ -3,7 +3,8 @@ each measured (FlopCounterMode, saved-tensor hooks, PeakMemory) and asserted aga
 import pytest
 import torch
 
-from labs import activations, budget, compute, logits, model as tiny
+from labs.memory_budget import activations, budget, compute, logits
+from labs import model as tiny
 
 ODD_GPT = tiny.GPTConfig(vocab_size=80, seq_len=12, n_layer=3, n_head=3, hidden=48)
 
@@ -107,7 +108,7 @@ def test_flash_attention_removes_the_s2_term():
         assert all(row["measured"] == row["formula"] for row in r[kind]["rows"]), r[kind]
         assert r[kind]["s2_coefficient"] == r[kind]["s2_formula"]
     assert r["materialized"]["s2_formula"] == 2 * 4 * 3   # 2ab: the bf16 softmax output of a = 4 heads
-    at_scale = activations.flash_at_scale()
+    at_scale = budget.flash_at_scale()
     # 7B (no GQA): the scores less the log-sum-exp; 70B (GQA): also the k, v copies to 64 heads
     assert at_scale["7B"]["removed_bytes"] < at_scale["7B"]["scores_bytes"]
     assert at_scale["70B"]["removed_bytes"] > at_scale["70B"]["scores_bytes"]

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from labs import context_parallel as cp, launch, ulysses
+from labs.context_parallel import methods as cp, ulysses
+from labs.launcher import launch
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -128,7 +129,7 @@ def test_a_query_with_no_key_is_zero_not_nan():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.context_parallel", "--world-size", "4", "--method", "ring",
+    out = subprocess.run([sys.executable, "-m", "labs.context_parallel.methods", "--world-size", "4", "--method", "ring",
                           "--seq-len", "32", "--causal", "--order", "contiguous", "--kv-heads", "2", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
@@ -136,6 +137,6 @@ def test_command_line_contract():
     kv = 2 * 2 * 8 * 8 * 4                                             # B, k, T/cp, d, fp32
     assert r["bytes_sent"] == [{"forward": 6 * kv, "backward": 14 * kv}] * 4
     assert r["work_per_rank"] == [1, 3, 5, 7] and r["work_max_over_mean"] == 1.75
-    bad = subprocess.run([sys.executable, "-m", "labs.context_parallel", "--world-size", "3", "--method", "ulysses"],
+    bad = subprocess.run([sys.executable, "-m", "labs.context_parallel.methods", "--world-size", "3", "--method", "ulysses"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "divide the query heads" in bad.stderr and "Traceback" not in bad.stderr

@@ -8,7 +8,10 @@ import sys
 import pytest
 
 import workers
-from labs import comm, ddp, launch, model as tiny, wire
+from labs.measure import comm, wire
+from labs.data_parallel import hand_ddp
+from labs.launcher import launch
+from labs import model as tiny
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -111,8 +114,8 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     assert all(t >= 0 for t in r["off"]["first_start_s"])
     assert all(t < 0 for t in r["on"]["first_start_s"])
     assert r["step_ratio_off_over_on"] == r["off"]["step_s"] / r["on"]["step_s"]
-    assert ddp.exposed_comm([{"done": 3.0}, {"done": 5.0}], backward_end=4.0) == 1.0
-    assert ddp.exposed_comm([{"done": 3.0}], backward_end=4.0) == 0.0
+    assert hand_ddp.exposed_comm([{"done": 3.0}, {"done": 5.0}], backward_end=4.0) == 1.0
+    assert hand_ddp.exposed_comm([{"done": 3.0}], backward_end=4.0) == 0.0
 
 
 def test_timeline_orders_each_bucket():
@@ -128,7 +131,7 @@ def test_timeline_orders_each_bucket():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.ddp", "--world-size", "2", "--steps", "2", "--json"],
+    out = subprocess.run([sys.executable, "-m", "labs.data_parallel.ddp", "--world-size", "2", "--steps", "2", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=180, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["max_param_diff_vs_torch_ddp"] < TOL and r["max_param_diff_vs_single_process"] < TOL

@@ -1,9 +1,9 @@
-"""DDP internals (labs/ddp_internals.py): bucket rebuild, gradient_as_bucket_view, unused
+"""DDP internals (labs/data_parallel/ddp_internals.py): bucket rebuild, gradient_as_bucket_view, unused
 parameters and the bf16 compression hook, all from one spawn on 3 ranks."""
 import pytest
 
-from labs import ddp_internals as di
-from labs import launch
+from labs.data_parallel import ddp_internals as di
+from labs.launcher import launch
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics

@@ -2,7 +2,7 @@
 FSDP2 (the measured side runs in tests/test_hsdp.py, on the spawn it shares)."""
 import pytest
 
-from labs import distributed_optimizer as dopt
+from labs.zero import distributed_optimizer as dopt
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics

@@ -1,5 +1,5 @@
-"""labs/exercises.py: the checker, and the demonstration each lab notebook shows of it."""
-from labs import exercises
+"""labs/measure/exercises.py: the checker, and the demonstration each lab notebook shows of it."""
+from labs.measure import exercises
 
 ANSWERS = {"1": lambda: 12.0, "2": lambda: 0.5}
 

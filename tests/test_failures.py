@@ -7,7 +7,8 @@ import psutil
 import pytest
 import torch
 
-from labs import cli, failures, reliability, silent_faults, stragglers
+from labs.launcher import cli
+from labs.failures import scenarios, reliability, silent_faults, stragglers
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -28,7 +29,7 @@ def assert_gone(pids, within=10):
 
 
 def test_a_hung_rank_is_named_with_the_collective_each_rank_was_in():
-    r = failures.hang(world_size=3, hang_rank_=2, hang_step=2, timeout=4.0, barrier_s=1.0)
+    r = scenarios.hang(world_size=3, hang_rank_=2, hang_step=2, timeout=4.0, barrier_s=1.0)
     print(f"\nheartbeat: {r['heartbeat']}\nmonitored_barrier: {r['monitored_barrier']}")
     assert r["detected_rank"] == 2
     assert r["collectives"] == {0: "all_reduce", 1: "all_reduce", 2: None}  # 2 was in its own code
@@ -42,7 +43,7 @@ def test_a_hung_rank_is_named_with_the_collective_each_rank_was_in():
 def test_a_rank_hung_inside_a_recv_is_named_by_the_flight_recorder():
     """Every rank is inside some collective, so the heartbeat sees a deadlock it cannot resolve with
     two ranks; the flight recorder shows the rank that never entered the all-reduce."""
-    r = failures.hang(world_size=2, hang_rank_=1, hang_step=2, timeout=4.0, barrier_s=1.0, inside=True)
+    r = scenarios.hang(world_size=2, hang_rank_=1, hang_step=2, timeout=4.0, barrier_s=1.0, inside=True)
     assert r["heartbeat"]["rank"] is None and r["collectives"] == {0: "all_reduce", 1: "recv"}
     assert r["flight_recorder"]["rank"] == 1 and r["detected_rank"] == 1
     assert r["flight_recorder"]["last"][0][1] == r["flight_recorder"]["last"][1][1] + 1
@@ -51,7 +52,7 @@ def test_a_rank_hung_inside_a_recv_is_named_by_the_flight_recorder():
 
 
 def test_a_killed_rank_restarts_from_the_checkpoint_to_the_same_loss():
-    r = failures.kill(world_size=2, kill_rank=1, steps=10, every=3, kill_after=5)
+    r = scenarios.kill(world_size=2, kill_rank=1, steps=10, every=3, kill_after=5)
     print(f"\nkill: {r['error']}; lost {r['steps_lost']} steps, detected in {r['seconds_to_detect']:.2f} s")
     assert r["detected_rank"] == 1 and r["error"] == "rank 1 of 2 was killed by signal SIGKILL"
     assert r["resumed_at_step"] == 3 * (r["steps_reached"] // 3) > 0  # the latest checkpoint, not step 0
@@ -120,7 +121,7 @@ def test_monte_carlo_best_interval_agrees_with_the_closed_form_within_its_noise(
 
 
 def test_cli_reports_the_contract_fields(capsys):
-    cli.main(lambda: failures.main(["--scenario", "sdc", "--world-size", "3", "--rank", "2", "--json"]))
+    cli.main(lambda: scenarios.main(["--scenario", "sdc", "--world-size", "3", "--rank", "2", "--json"]))
     import json
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     for key in ("detected", "detected_rank", "seconds_to_detect", "steps_lost", "final_loss_match"):
@@ -135,14 +136,14 @@ def test_cli_reports_the_contract_fields(capsys):
 ])
 def test_bad_input_is_one_sentence(capsys, argv, message):
     with pytest.raises(SystemExit):
-        cli.main(lambda: failures.main(argv))
+        cli.main(lambda: scenarios.main(argv))
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
 
 def test_the_hand_momentum_sgd_is_torch_sgd_bit_for_bit():
     """fault_training writes SGD out (torch.optim imports torch._dynamo, 2 s per forked rank)."""
-    from labs import fault_training as ft
+    from labs.failures import fault_training as ft
     model, opt = ft.make_model()
     torch.manual_seed(0)
     ref = torch.nn.Linear(ft.DIM, 1)

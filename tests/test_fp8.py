@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from labs import fp8
+from labs.precision import fp8
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics

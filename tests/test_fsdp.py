@@ -4,7 +4,8 @@ steps) with fp32 master + bf16 compute, to the single-process result."""
 import pytest
 import torch
 
-from labs import fsdp, launch, unseen_model as toy, zero
+from labs.zero import fsdp, unseen_model as toy, adam_drift
+from labs.launcher import launch
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -42,7 +43,7 @@ def test_three_ranks_stay_within_adams_drift_bound(reference, runs):
     # is near 0, so the weights are held to `param_bound`: at most twice the largest total Adam
     # movement over the steps, plus one bf16 spacing.
     ref = reference[3]
-    bound = zero.param_bound(torch.cat([p.view(-1) for p in ref["params"].values()]), STEPS, LR)
+    bound = adam_drift.param_bound(torch.cat([p.view(-1) for p in ref["params"].values()]), STEPS, LR)
     for scheme in toy.SCHEMES:
         results = [r[scheme] for r in runs[3]]
         assert [r["losses"][0] for r in results] == ref["losses"][0]   # same weights, same data: exact
@@ -67,7 +68,7 @@ def test_hand_fsdp_and_fsdp2_agree_at_three_ranks(runs):
     # unit's bf16 gradients, but FSDP2 pads each parameter (dim 0) and we pad each unit, so their
     # sums over 3 ranks are ordered differently: the same drift bound applies.
     hand, ref = runs[3][0]["fsdp"], runs[3][0]["fsdp2"]
-    bound = zero.param_bound(torch.cat([p.view(-1) for p in ref["params"].values()]), STEPS, LR)
+    bound = adam_drift.param_bound(torch.cat([p.view(-1) for p in ref["params"].values()]), STEPS, LR)
     assert max((hand["params"][k] - v).abs().max().item() for k, v in ref["params"].items()) <= bound
     assert hand["losses"][0] == ref["losses"][0]   # step 0: the same weights, data and shapes: exact
 

@@ -9,7 +9,8 @@ from contextlib import redirect_stdout
 import pytest
 import torch
 
-from labs import cli, gpu
+from labs.launcher import cli
+from labs.gpu import record
 
 CUDA_ONLY = "skipped: "
 
@@ -17,11 +18,11 @@ CUDA_ONLY = "skipped: "
 @pytest.fixture(scope="module")
 def dry():
     """One dry run for the whole file (about 10 s on 2 busy cores), its JSON read back from stdout."""
-    before = sorted(os.listdir(gpu.RESULTS)) if os.path.isdir(gpu.RESULTS) else None
+    before = sorted(os.listdir(record.RESULTS)) if os.path.isdir(record.RESULTS) else None
     out = io.StringIO()
     with redirect_stdout(out):
-        gpu.main(["--dry-run"])
-    after = sorted(os.listdir(gpu.RESULTS)) if os.path.isdir(gpu.RESULTS) else None
+        record.main(["--dry-run"])
+    after = sorted(os.listdir(record.RESULTS)) if os.path.isdir(record.RESULTS) else None
     return json.loads(out.getvalue()), before, after
 
 
@@ -41,11 +42,11 @@ def _figures(node, path=()):
 
 def test_every_section_runs_and_no_file_is_written(dry):
     result, before, after = dry
-    assert set(result["sections"]) == set(gpu.sections())
-    assert set(result["seconds"]) == set(gpu.sections())
+    assert set(result["sections"]) == set(record.sections())
+    assert set(result["seconds"]) == set(record.sections())
     assert before == after                    # a results file only ever comes from a GPU run
     with pytest.raises(ValueError, match="only by a run on a GPU"):
-        gpu.write_results(result, torch.device("cpu"))
+        record.write_results(result, torch.device("cpu"))
 
 
 def test_figures_are_labelled_and_strings_are_reasons(dry):
@@ -63,7 +64,7 @@ def test_provenance(dry):
     p = dry[0]["provenance"]
     assert set(p) >= {"device", "driver", "cuda", "torch", "python", "date", "git_commit", "command"}
     assert p["command"] == "python -m labs.gpu --dry-run" and p["torch"] == torch.__version__
-    assert gpu.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert record.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
 
 def test_materialized_softmax_keeps_korthikanti_bytes_exactly(dry):
@@ -116,7 +117,7 @@ def test_flops_counted_equal_formula_and_cuda_sections_skip(dry):
 def test_refuses_in_one_sentence_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
-        cli.main(lambda: gpu.main([]))
+        cli.main(lambda: record.main([]))
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: {gpu.REFUSAL}" and err.count(". ") == 0 and "\n" not in err
+    assert err == f"error: {record.REFUSAL}" and err.count(". ") == 0 and "\n" not in err

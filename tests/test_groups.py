@@ -2,7 +2,8 @@
 import pytest
 
 import workers
-from labs import groups, launch
+from labs import groups
+from labs.launcher import launch
 
 
 def test_dp_is_filled_in_and_tp_varies_fastest():

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from labs import hardware, launch, placement as P
+from labs.hardware import machine, placement as P
+from labs.launcher import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUMEL = 1020  # fp32, divisible by 2, 3 and 4, so the ring sends equal chunks
@@ -49,7 +50,7 @@ def test_bad_input_is_one_sentence():
 
 
 def test_two_launchers_equal_one():
-    r = hardware.two_node_run(["labs.ring_allreduce", "--numel", "1001", "--repeats", "1", "--json"])
+    r = machine.two_node_run(["labs.data_parallel.ring_allreduce", "--numel", "1001", "--repeats", "1", "--json"])
     assert sorted(r["reports_per_launcher"]) == [0, 1], "only global rank 0, on one launcher, reports"
     (two,), (one,) = r["two_node"], r["single"]
     assert two["world_size"] == one["world_size"] == 4
@@ -59,7 +60,7 @@ def test_two_launchers_equal_one():
 
 
 def test_cli_prints_the_figures():
-    out = subprocess.run([sys.executable, "-m", "labs.hardware", "--json"], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "labs.hardware.machine", "--json"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, check=True).stdout
     r = json.loads(out.splitlines()[-1])
     # each rate is the bytes the lab moved over the seconds it measured, for the sizes it states
@@ -69,7 +70,7 @@ def test_cli_prints_the_figures():
     if not r["gpu"].get("device"):
         assert "no CUDA device" in r["gpu"]["skipped"]
     with pytest.raises(ValueError, match="exactly 2 ranks"):  # cli.main prints it as one line
-        hardware.main(["--world-size", "3"])
+        machine.main(["--world-size", "3"])
 
 
 def test_chattier_tp_crosses_more_when_reversed():

@@ -4,7 +4,8 @@ source, the training result against one process, and what FSDP2 keeps per rank."
 import pytest
 import torch
 
-from labs import distributed_optimizer as dopt, hsdp, launch
+from labs.zero import distributed_optimizer as dopt, hsdp
+from labs.launcher import launch
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics

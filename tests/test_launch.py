@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import workers
-from labs import launch
+from labs.launcher import launch, preflight
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +86,7 @@ def test_bad_timeouts_are_refused_in_one_sentence(bad):
 
 
 def test_more_ranks_than_memory_holds_are_refused_before_start(monkeypatch):
-    monkeypatch.setattr(launch, "available_bytes", lambda: 4 * launch.RANK_BYTES)
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 4 * preflight.RANK_BYTES)
     with pytest.raises(ValueError, match="use at most 4 ranks, or set LABS_MAX_RANKS to try anyway"):
         launch.spawn(workers.report_rank, 5)
     monkeypatch.setenv("LABS_MAX_RANKS", "3")
@@ -122,14 +122,14 @@ def test_a_function_from_a_notebook_cell_is_refused():
 
 
 def test_command_line_prints_one_json_object():
-    out = subprocess.run([sys.executable, "-m", "labs.launch", "--world-size", "3", "--json"],
+    out = subprocess.run([sys.executable, "-m", "labs.launcher.hello", "--world-size", "3", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["world_size"] == 3 and result["sum_of_ranks"] == result["expected_sum"] == 3.0
 
 
 def test_command_line_bad_input_is_one_sentence():
-    proc = subprocess.run([sys.executable, "-m", "labs.launch", "--world-size", "0"],
+    proc = subprocess.run([sys.executable, "-m", "labs.launcher.hello", "--world-size", "0"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "expected a positive integer, got 0" in proc.stderr and "Traceback" not in proc.stderr
@@ -137,7 +137,7 @@ def test_command_line_bad_input_is_one_sentence():
 
 def test_the_same_lab_runs_under_torchrun():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    out = subprocess.run([torchrun, "--nproc_per_node=2", "-m", "labs.launch", "--json"],
+    out = subprocess.run([torchrun, "--nproc_per_node=2", "-m", "labs.launcher.hello", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=180, check=True).stdout
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert len(lines) == 1, "only global rank 0 reports"
@@ -146,7 +146,7 @@ def test_the_same_lab_runs_under_torchrun():
 
 def test_the_budget_calculator_reports_once_under_torchrun():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    out = subprocess.run([torchrun, "--nproc_per_node=2", "-m", "labs.budget", "--model", "7B", "--json"],
+    out = subprocess.run([torchrun, "--nproc_per_node=2", "-m", "labs.memory_budget.budget", "--model", "7B", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=180, check=True).stdout
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert len(lines) == 1, "only global rank 0 reports"

@@ -2,7 +2,7 @@
 with its own TMPDIR, and the test asserts the rank named, the time to report, that no process of
 the run survives (every PID seen during the run is checked) and that no temporary file is left.
 
-The faults come from `labs.launch --fault {raise,exit,kill,hang} --fault-rank R`: rank R fails
+The faults come from `labs.launcher.launch --fault {raise,exit,kill,hang} --fault-rank R`: rank R fails
 between two collectives while its peers wait for it in the second.
 """
 import glob
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from labs import launch
+from labs.launcher import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -53,7 +53,8 @@ class Run:
         self.tmpdir = str(tmp_path / "tmp")
         os.mkdir(self.tmpdir)
         env = dict(os.environ, TMPDIR=self.tmpdir, PYTHONPATH=REPO)
-        cmd = [TORCHRUN, "--nproc_per_node=3", "-m", "labs.launch"] if torchrun else [sys.executable, "-m", "labs.launch"]
+        cmd = [TORCHRUN, "--nproc_per_node=3"] if torchrun else [sys.executable]
+        cmd += ["-m", "labs.launcher.hello"]
         self.start = time.monotonic()
         self.proc = subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.seen, self._done = set(), threading.Event()
@@ -122,7 +123,7 @@ def test_a_hung_rank_is_named_and_its_waiters_are_told_apart(tmp_path):
     run = Run(["--world-size", "3", "--fault", "hang", "--fault-rank", "2", "--timeout", "12"], tmp_path).finish()
     print(f"\nhang on rank 2: {run.seconds:.1f} s: {run.err[:300]}")
     assert run.proc.returncode == 1
-    assert _headline(run).startswith("rank 2 of 3 did not finish within 12 s: it was in hello (launch.py:")
+    assert _headline(run).startswith("rank 2 of 3 did not finish within 12 s: it was in hello (hello.py:")
     assert "outside any collective" in _headline(run)
     assert "(ranks 0, 1 waited for it in barrier)" in run.err
     assert "--- rank 2 was here ---" in run.err and "in hello" in run.err  # its stack, from faulthandler
@@ -167,7 +168,8 @@ def test_a_rank_that_cannot_start_says_why(tmp_path, monkeypatch):
 def test_a_script_without_a_main_guard_works(tmp_path):
     """Ranks never import the caller's script, so the guard that multiprocessing's spawn needs is not needed."""
     script = tmp_path / "no_guard.py"
-    script.write_text("from labs import launch\nprint(sum(r['sum_of_ranks'] for r in launch.spawn(launch.hello, 2)))\n")
+    script.write_text("from labs.launcher import hello, launch\n"
+                      "print(sum(r['sum_of_ranks'] for r in launch.spawn(hello.hello, 2)))\n")
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -190,7 +192,7 @@ def test_under_torchrun_a_hung_rank_is_named(tmp_path):
     run = Run(["--fault", "hang", "--fault-rank", "2", "--timeout", "12"], tmp_path, torchrun=True).finish()
     print(f"\ntorchrun hang on rank 2: {run.seconds:.1f} s")
     assert run.proc.returncode != 0
-    assert "rank 2 of 3 did not finish within 12 s: it was in hello (launch.py:" in run.err
+    assert "rank 2 of 3 did not finish within 12 s: it was in hello (hello.py:" in run.err
     assert "(ranks 0, 1 waited for it in barrier)" in run.err
     assert "Current thread" in run.err or "Thread 0x" in run.err  # each rank's stack
     assert 12 <= run.seconds < 12 + START_S + 10  # torchrun's own start and stop come on top
@@ -198,25 +200,25 @@ def test_under_torchrun_a_hung_rank_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["labs.launch", "--world-size", "10000"], "10000 ranks need about"),
-    (["labs.launch", "--timeout", "0"], "argument --timeout: expected a positive finite number, got 0"),
-    (["labs.launch", "--timeout", "-1"], "argument --timeout: expected a positive finite number, got -1"),
-    (["labs.launch", "--timeout", "nan"], "argument --timeout: expected a positive finite number, got nan"),
-    (["labs.launch", "--timeout", "inf"], "argument --timeout: expected a positive finite number, got inf"),
-    (["labs.launch", "--timeout", "1e12"], "argument --timeout: expected at most 86,400, got 1e12"),
-    (["labs.launch", "--fault", "hang", "--fault-rank", "5"], "--fault-rank 5 is not a rank of 2"),
-    (["labs.pipeline", "--world-size", "4", "--microbatches", "100000000"], "above the 3,000,000 this lab builds"),
-    (["labs.pipeline", "--microbatches", "2000", "--timeout", "60"], "take at least 300 s, above --timeout 60"),
-    (["labs.pipeline", "--unit-ms", "-1"], "argument --unit-ms: expected a positive finite number, got -1"),
-    (["labs.ring_allreduce", "--numel", "1000000000000"], "for --numel) but this machine has"),
-    (["labs.tensor_parallel", "--hidden", "1200000"], "for --hidden, --batch or --seq) but this machine has"),
-    (["labs.budget", "--gpu-gib", "-5"], "argument --gpu-gib: expected a positive finite number, got -5"),
-    (["labs.budget", "--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
+    (["labs.launcher.hello", "--world-size", "10000"], "10000 ranks need about"),
+    (["labs.launcher.hello", "--timeout", "0"], "argument --timeout: expected a positive finite number, got 0"),
+    (["labs.launcher.hello", "--timeout", "-1"], "argument --timeout: expected a positive finite number, got -1"),
+    (["labs.launcher.hello", "--timeout", "nan"], "argument --timeout: expected a positive finite number, got nan"),
+    (["labs.launcher.hello", "--timeout", "inf"], "argument --timeout: expected a positive finite number, got inf"),
+    (["labs.launcher.hello", "--timeout", "1e12"], "argument --timeout: expected at most 86,400, got 1e12"),
+    (["labs.launcher.hello", "--fault", "hang", "--fault-rank", "5"], "--fault-rank 5 is not a rank of 2"),
+    (["labs.pipeline.executor", "--world-size", "4", "--microbatches", "100000000"], "above the 3,000,000 this lab builds"),
+    (["labs.pipeline.executor", "--microbatches", "2000", "--timeout", "60"], "take at least 300 s, above --timeout 60"),
+    (["labs.pipeline.executor", "--unit-ms", "-1"], "argument --unit-ms: expected a positive finite number, got -1"),
+    (["labs.data_parallel.ring_allreduce", "--numel", "1000000000000"], "for --numel) but this machine has"),
+    (["labs.tensor_parallel.blocks", "--hidden", "1200000"], "for --hidden, --batch or --seq) but this machine has"),
+    (["labs.memory_budget.budget", "--gpu-gib", "-5"], "argument --gpu-gib: expected a positive finite number, got -5"),
+    (["labs.memory_budget.budget", "--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
 ])
 def test_bad_input_is_one_sentence_before_anything_starts(monkeypatch, capsys, args, message):
     """Each lab's command line, run in this process with starting a rank made impossible."""
     import importlib
-    from labs import cli
+    from labs.launcher import cli
 
     def no_start(*_):
         raise AssertionError("a process was started before the input was refused")

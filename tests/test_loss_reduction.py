@@ -1,8 +1,8 @@
-"""Loss normalisation (labs/loss_reduction.py): sum / global token count matches one process;
+"""Loss normalisation (labs/data_parallel/loss_reduction.py): sum / global token count matches one process;
 per-micro-batch means do not, by exactly the reweighting the formula predicts."""
 import pytest
 
-from labs import loss_reduction as lr
+from labs.data_parallel import loss_reduction as lr
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics

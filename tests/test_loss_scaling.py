@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from labs import loss_scaling as ls
+from labs.precision import loss_scaling as ls
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -69,7 +69,7 @@ def test_unknown_mode_is_refused():
 
 
 def test_exercise_answers_agree_with_a_cast():
-    from labs import fp8
+    from labs.precision import fp8
     bound = ls.EXERCISES["2"]()
     x = torch.tensor([[1792.0, bound * 1.01, bound * 0.99]])  # amax 1792 sets the per-tensor scale
     q, _ = fp8.quantize(x, "tensor")

@@ -1,7 +1,7 @@
 """Byte accounting (chapter 1) and the peak of live storage during a block (chapters 3 onwards)."""
 import torch
 
-from labs import memory
+from labs.measure import memory
 
 
 def test_storage_bytes_count_each_storage_once():

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from labs import cli, launch, moe, moe_routing as mr
+from labs.launcher import cli, launch
+from labs.expert_parallel import moe, moe_routing as mr
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -120,7 +121,7 @@ def test_balancing_orders_the_final_imbalance():
 
 
 def test_command_line_contract(capsys):
-    out = subprocess.run([sys.executable, "-m", "labs.moe", "--world-size", "2", "--experts", "4", "--top-k", "1",
+    out = subprocess.run([sys.executable, "-m", "labs.expert_parallel.moe", "--world-size", "2", "--experts", "4", "--top-k", "1",
                           "--capacity-factor", "1.0", "--json"], cwd=REPO, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])

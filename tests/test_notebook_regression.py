@@ -1,7 +1,7 @@
 """The notebook regression still catches real drift.
 
 The committed notebooks state floating-point results only to the precision their assertions
-guarantee (`labs/report.py`), so nbval passes on any CPU and under any `ATEN_CPU_CAPABILITY`. These
+guarantee (`labs/measure/report.py`), so nbval passes on any CPU and under any `ATEN_CPU_CAPABILITY`. These
 tests check the other side: when an exact quantity changes (a byte count off by one fp32 element, a
 schedule with one action moved, a glued integer) nbval fails, and fails on that cell alone. Each test
 takes a committed notebook up to the cell under test, changes one exact value in that cell's

@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
-from labs import launch, model as tiny, pipeline, schedules, split_backward
+from labs.launcher import launch
+from labs import model as tiny
+from labs.pipeline import executor, torch_pipelining, schedules, split_backward
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -79,7 +81,7 @@ def test_zb_h1_is_the_papers_figure_3():
 
 @pytest.fixture(scope="module")
 def costs():
-    return split_backward.costs(pipeline.config(), batch_size=2)
+    return split_backward.costs(executor.config(), batch_size=2)
 
 
 def test_zb_h1_bubble_with_table_1_times(costs):
@@ -96,7 +98,7 @@ def test_zb_h1_bubble_with_table_1_times(costs):
 
 
 def test_split_backward_counts_and_gradients(costs):
-    cfg, b = pipeline.config(), 2
+    cfg, b = executor.config(), 2
     s, h, a = cfg.seq_len, cfg.hidden, cfg.n_head
     layer, model = costs["layer"], costs["model"]
     # Qi et al. Table 1 (matmul FLOPs per layer), counted here by FlopCounterMode: W recomputes
@@ -136,9 +138,9 @@ def test_bad_schedules_are_refused():
     with pytest.raises(ValueError, match="unknown schedule 'zb'"):
         schedules.build("zb", 2, 4)
     with pytest.raises(ValueError, match="do not split into p\\*v = 5"):
-        pipeline.split(pipeline.tiny.build(pipeline.config()), 5)
+        executor.split(executor.tiny.build(executor.config()), 5)
     with pytest.raises(ValueError, match="no counterpart of 'greedy-bfw'"):
-        pipeline.library(0, 2, "greedy-bfw")
+        torch_pipelining.library(0, 2, "greedy-bfw")
 
 
 def _peak_bytes(actions, chunks, split):
@@ -156,7 +158,7 @@ def _peak_bytes(actions, chunks, split):
 @pytest.fixture(scope="module")
 def runs():
     return {p: {(r["schedule"], r["microbatches"]): r
-                for r in launch.spawn(pipeline.sweep, p, CONFIGS[p], 0.0, timeout=300)[0]} for p in CONFIGS}
+                for r in launch.spawn(executor.sweep, p, CONFIGS[p], 0.0, timeout=300)[0]} for p in CONFIGS}
 
 
 def test_executor_gradients_bubble_and_activation_bytes(runs):
@@ -175,8 +177,8 @@ def test_executor_gradients_bubble_and_activation_bytes(runs):
 
 
 def test_1f1b_stage_0_holds_all_layers_and_zb_h1_keeps_its_peak(runs):
-    cfg = pipeline.config()
-    tokens, _ = pipeline.microbatches(cfg, 1, 2)[0]
+    cfg = executor.config()
+    tokens, _ = executor.microbatches(cfg, 1, 2)[0]
     # the first piece's embeddings also save their indices: the tokens' storage and the positions
     indices = tokens.untyped_storage().nbytes() + cfg.seq_len * 8
     for p, results in runs.items():
@@ -196,13 +198,13 @@ def test_1f1b_stage_0_holds_all_layers_and_zb_h1_keeps_its_peak(runs):
 
 def test_torch_pipelining_gives_the_same_gradients():
     configs = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 2)]
-    results = launch.spawn(pipeline.libraries, 2, configs, timeout=180)
+    results = launch.spawn(torch_pipelining.libraries, 2, configs, timeout=180)
     for i, (name, _, _) in enumerate(configs):
         assert max(r[i]["max_abs_error_grad"] for r in results) < TOL, name
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.pipeline", "--world-size", "2", "--schedule", "zb-h1",
+    out = subprocess.run([sys.executable, "-m", "labs.pipeline.executor", "--world-size", "2", "--schedule", "zb-h1",
                           "--microbatches", "3", "--unit-ms", "5", "--json"], cwd=REPO, capture_output=True,
                          text=True, timeout=180, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
@@ -210,6 +212,6 @@ def test_command_line_contract():
     # (p-1)/(3m) = 1/9 of ideal is 1/10 of the total
     assert r["bubble_fraction"] == pytest.approx(r["bubble_fraction_formula"]) == pytest.approx(1 / 10)
     assert r["activation_bytes_peak"][0] == 2 * r["piece_costs"][0][0]["activation_bytes_F"]
-    bad = subprocess.run([sys.executable, "-m", "labs.pipeline", "--world-size", "2", "--schedule", "interleaved",
+    bad = subprocess.run([sys.executable, "-m", "labs.pipeline.executor", "--world-size", "2", "--schedule", "interleaved",
                           "--microbatches", "5", "--chunks", "2"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not a multiple of p=2" in bad.stderr and "Traceback" not in bad.stderr

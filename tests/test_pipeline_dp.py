@@ -1,7 +1,8 @@
 """Chapter 5: 1F1B on pp=2 x dp=2 ranks, each stage's gradients all-reduced over its DP group."""
 import pytest
 
-from labs import launch, pipeline_dp, schedules
+from labs.launcher import launch
+from labs.pipeline import pipeline_dp, schedules
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics

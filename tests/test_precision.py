@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from labs import memory, model, precision
+from labs.measure import memory
+from labs import model
+from labs.memory_budget import recipes
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -11,7 +13,7 @@ pytestmark = pytest.mark.numerics
 def test_hand_adam_matches_torch_adam():
     cfg = model.GPTConfig()
     ours, ref = model.build(cfg, seed=0), model.build(cfg, seed=0)
-    opt = precision.prepare(ours, "fp32", lr=1e-2)
+    opt = recipes.prepare(ours, "fp32", lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     for step in range(3):
         x, y = model.synthetic_batch(cfg, 2, seed=step)
@@ -30,24 +32,24 @@ def test_hand_adam_matches_torch_adam():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", list(precision.RECIPES))
+@pytest.mark.parametrize("name", list(recipes.RECIPES))
 def test_each_recipe_holds_exactly_its_bytes(name):
     cfg = model.GPTConfig()
     net = model.build(cfg)
-    opt = precision.prepare(net, name)
+    opt = recipes.prepare(net, name)
     x, y = model.synthetic_batch(cfg, 2, seed=0)
     net(x, y).backward()
     opt.step()
     held = memory.state_bytes(net, opt)
     psi = model.num_params(net)
-    expected = precision.recipe(name).bytes_per_param()
+    expected = recipes.recipe(name).bytes_per_param()
     assert {k: v / psi for k, v in held.items()} == expected
 
 
 def test_fp32_gradient_buffer_accumulates_micro_batches():
     cfg = model.GPTConfig()
     net = model.build(cfg)
-    precision.prepare(net, "mixed_fp32_grads")   # wires the fp32 gradient buffer into net
+    recipes.prepare(net, "mixed_fp32_grads")   # wires the fp32 gradient buffer into net
     xs, ys = model.synthetic_batch(cfg, 4, seed=0)
     for i in range(2):
         net(xs[2 * i:2 * i + 2], ys[2 * i:2 * i + 2]).backward()
@@ -62,4 +64,4 @@ def test_fp32_gradient_buffer_accumulates_micro_batches():
 
 def test_unknown_recipe_is_refused():
     with pytest.raises(ValueError, match="unknown recipe 'fp8'"):
-        precision.recipe("fp8")
+        recipes.recipe("fp8")

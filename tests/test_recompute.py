@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from labs import loss_reduction, model as tiny, recompute as rc
+from labs.data_parallel import loss_reduction
+from labs import model as tiny
+from labs.recompute import policies as rc
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -45,7 +47,7 @@ def test_a_policy_that_also_saves_the_softmax_is_caught(monkeypatch):
 def test_saved_tensor_hooks_do_not_see_the_policy_cache():
     """Why the lab reads live storages: saved-tensor hooks see the checkpoints' inputs and nothing of
     what the selective policy caches, so they would report "selective" as cheap as "full"."""
-    from labs import memory
+    from labs.measure import memory
     cfg = rc.config()
     blocks, x, run = rc._step(cfg, 2, "selective", 2, torch.bfloat16)
     with memory.saved_for_backward() as saved:

@@ -1,7 +1,7 @@
-"""`labs.report`: the stable float statements and the glue that needs no book toolchain."""
+"""`labs.measure.report`: the stable float statements and the glue that needs no book toolchain."""
 import pytest
 
-from labs import report
+from labs.measure import report
 
 
 def _captured(monkeypatch, module, attribute, call):
@@ -27,7 +27,7 @@ def test_glue_writes_what_myst_nb_writes(monkeypatch, value, display):
 def test_glue_does_not_import_the_book_toolchain():
     import subprocess
     import sys
-    code = ("import sys; from labs import report; report.glue('x', 1);"
+    code = ("import sys; from labs.measure import report; report.glue('x', 1);"
             "bad = [m for m in ('docutils', 'sphinx', 'myst_nb') if m in sys.modules];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -46,7 +46,7 @@ def test_below_fails_when_the_value_is_not_below():
 
 
 def test_no_notebook_imports_the_book_toolchain():
-    """A box that only runs the notebooks has no myst-nb: every notebook glues through labs.report."""
+    """A box that only runs the notebooks has no myst-nb: every notebook glues through labs.measure.report."""
     import glob
     import json
     import os

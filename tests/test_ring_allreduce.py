@@ -9,7 +9,9 @@ import sys
 import pytest
 
 import workers
-from labs import comm, launch, ring_allreduce as ra, wire
+from labs.measure import comm, wire
+from labs.launcher import launch
+from labs.data_parallel import ring_allreduce as ra
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -73,7 +75,7 @@ def test_bad_inputs_are_refused():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.ring_allreduce", "--world-size", "3", "--numel", "10",
+    out = subprocess.run([sys.executable, "-m", "labs.data_parallel.ring_allreduce", "--world-size", "3", "--numel", "10",
                           "--algorithm", "ring", "--json"], cwd=REPO, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from labs import launch, sequence_parallel as sp
+from labs.launcher import launch
+from labs.context_parallel import sequence_parallel as sp
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -45,7 +46,7 @@ def test_sp_block_equals_tp_and_one_process_and_keeps_table_2(world_size):
         table = r["table"]
         for row, v in table.items():
             assert v["measured"] == v["formula"] + v["layernorm_stats"], (row, v)
-        # written out here rather than through labs.activations: TP+SP with selective recompute keeps
+        # written out here rather than through labs.memory_budget.activations: TP+SP with selective recompute keeps
         # 34 bytes per token and hidden unit, split t ways; saving the gathered input would not
         assert table["tp_sp_selective"]["measured"] == 34 * s * b * h // t + 2 * (s * b // t) * 4
         assert table["tp_sp_keep_gathered"]["measured"] > table["tp_sp"]["measured"]
@@ -73,7 +74,7 @@ def test_a_sequence_that_does_not_split_is_refused():
 
 
 def test_command_line_contract():
-    run = [sys.executable, "-m", "labs.sequence_parallel"]
+    run = [sys.executable, "-m", "labs.context_parallel.sequence_parallel"]
     out = subprocess.run(run + ["--world-size", "2", "--json"], cwd=REPO, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])

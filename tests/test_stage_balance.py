@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from labs import stage_balance as sb
+from labs.pipeline import stage_balance as sb
 
 
 @pytest.fixture(scope="module")

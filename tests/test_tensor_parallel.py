@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from labs import launch, tensor_parallel as tp
+from labs.launcher import launch
+from labs.tensor_parallel import blocks as tp, megatron
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -36,7 +37,7 @@ def test_tp_blocks_equal_the_unsharded_blocks(world_size):
 
 def test_a_tp_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="the number of heads = 12 is not divisible by tp = 5"):
-        tp.check_degree(tp.config(), 5)
+        megatron.check_degree(tp.config(), 5)
     with pytest.raises(launch.RankError, match="not divisible by tp = 5"):
         launch.spawn(tp.check_block, 5, "mlp", timeout=120)
 
@@ -63,12 +64,12 @@ def test_dtensor_parallelize_module_matches_the_hand_split():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.tensor_parallel", "--world-size", "2", "--block", "attention",
+    out = subprocess.run([sys.executable, "-m", "labs.tensor_parallel.blocks", "--world-size", "2", "--block", "attention",
                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["allreduce_forward"] == r["allreduce_backward"] == 1
     assert r["max_abs_error_output"] < TOL and r["max_abs_error_grad"] < TOL and r["allreduce_bytes"] == 2 * 8 * 48 * 4
-    bad = subprocess.run([sys.executable, "-m", "labs.tensor_parallel", "--world-size", "5"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "labs.tensor_parallel.blocks", "--world-size", "5"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not divisible by tp = 5" in bad.stderr and "Traceback" not in bad.stderr
 

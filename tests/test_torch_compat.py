@@ -1,6 +1,6 @@
 """The labs run on torch 2.11, whose single-tensor collectives still have their old names.
 
-CI installs a newer torch, so this test takes the new names away and checks that `labs.comm`
+CI installs a newer torch, so this test takes the new names away and checks that `labs.measure.comm`
 falls back to the old ones and that a collective through it still gives the right answer.
 """
 import importlib
@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labs import comm
+from labs.measure import comm
 
 
 @pytest.fixture
 def old_torch_surface(monkeypatch):
-    """`labs.comm` re-imported as if on torch 2.11: no all_gather_single / reduce_scatter_single."""
+    """`labs.measure.comm` re-imported as if on torch 2.11: no all_gather_single / reduce_scatter_single."""
     for name in ("all_gather_single", "reduce_scatter_single"):
         monkeypatch.delattr(dist, name, raising=False)
     try:

@@ -7,7 +7,8 @@ import functools
 import pytest
 import torch
 
-from labs import gqa_parallel as gqa, launch, tp_limits as tl, vocab_parallel as vp
+from labs.tensor_parallel import gqa_parallel as gqa, tp_limits as tl, vocab_parallel as vp
+from labs.launcher import launch
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -44,7 +45,7 @@ def test_vocab_parallel_loss_and_gradients_equal_the_unsharded(world_size):
 def test_vocab_parallel_all_reduces_and_logits_memory(world_size):
     for r in (x["vocab"] for x in run(world_size)):
         c = r["counts"]
-        # read from the tensors handed to labs.comm: the embedding's b*s*h sum; the loss's three
+        # read from the tensors handed to labs.measure.comm: the embedding's b*s*h sum; the loss's three
         # (b, s) fp32 reductions (max, target logit, sum of exps); f's b*s*h in backward. Gathering
         # the logits instead would show b*s*V/tp-sized payloads here.
         assert c["embedding"] == {"calls": 1, "payloads": [B * S * H * 4]}
@@ -61,7 +62,7 @@ def test_vocab_parallel_all_reduces_and_logits_memory(world_size):
 
 
 def test_vocab_not_divisible_by_tp_is_refused():
-    # refused, not padded: padded logits would enter the softmax and change the loss (see labs.vocab_parallel)
+    # refused, not padded: padded logits would enter the softmax and change the loss (see labs.tensor_parallel.vocab_parallel)
     with pytest.raises(ValueError, match="V = 100 is not divisible by tp = 3"):
         vp.check(0, 3, vocab=100)
     big = vp.logits_bytes_at_scale(b=1, s=8192, vocab=128256, tp=8)

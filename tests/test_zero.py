@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from labs import launch, zero
-from labs.sharded_optimizer import ShardedOptimizer
+from labs.launcher import launch
+from labs.zero import stages, adam_drift
+from labs.zero.sharded_optimizer import ShardedOptimizer
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -23,13 +24,13 @@ KEYS = ("0", "1", "1-allreduce", "2", "3", "3-whole")
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch.spawn(zero.all_stages, 2, 2, timeout=300)
+    return launch.spawn(stages.all_stages, 2, 2, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def three_ranks():
     # batch 1: the tiny GPT's 30k parameters (16 bytes each) dominate its activations
-    return launch.spawn(zero.all_stages, 3, 2, batch_size=1, timeout=300)
+    return launch.spawn(stages.all_stages, 3, 2, batch_size=1, timeout=300)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -40,8 +41,8 @@ def test_bytes_held_and_sent_equal_the_formulas(world_size, two_ranks, three_ran
         assert padded % world_size == 0
         for r in (r[key] for r in results):
             assert r["comm_kind"] == "counted messages"   # hand rings: every message counted as sent
-            assert r["held"]["total"] == zero.formula_bytes(stage, padded, world_size), key
-            assert r["comm_bytes_per_step"] == zero.formula_comm(stage, padded, world_size, key == "1-allreduce"), key
+            assert r["held"]["total"] == stages.formula_bytes(stage, padded, world_size), key
+            assert r["comm_bytes_per_step"] == stages.formula_comm(stage, padded, world_size, key == "1-allreduce"), key
             assert r["grad_rel_error_vs_single_process"] < GRAD_TOL, key
             assert r["max_param_diff_vs_single_process"] <= r["param_bound"], key
 
@@ -73,7 +74,7 @@ def test_peak_falls_stage_by_stage(two_ranks, three_ranks):
 
 def test_fsdp2_matches_hand_zero3_and_shards_every_weight(two_ranks):
     world_size = 2
-    fsdp = launch.spawn(zero.fsdp2, world_size, 2, timeout=180)
+    fsdp = launch.spawn(stages.fsdp2, world_size, 2, timeout=180)
     # Same recipe, same sums: bf16 weights cast from the same fp32 masters, a 2-term bf16
     # reduce-scatter (order-free), fp32 Adam elementwise: the losses agree exactly.
     assert fsdp[0]["losses"] == two_ranks[0]["3"]["losses"]
@@ -93,18 +94,18 @@ def test_fsdp2_matches_hand_zero3_and_shards_every_weight(two_ranks):
 
 def test_library_collectives_train_the_same_and_give_formula_bytes():
     # The same stage on torch.distributed's own collectives: the same training (a 2-term sum is
-    # order-free), and bytes that labs.comm can only state as the ring formula
-    lib = launch.spawn(zero.run, 2, 2, 2, collectives="library", timeout=180)
-    hand = launch.spawn(zero.run, 2, 2, 2, timeout=180)
+    # order-free), and bytes that labs.measure.comm can only state as the ring formula
+    lib = launch.spawn(stages.run, 2, 2, 2, collectives="library", timeout=180)
+    hand = launch.spawn(stages.run, 2, 2, 2, timeout=180)
     for a, b in zip(lib, hand):
         assert a["comm_kind"] == "formula bytes" and b["comm_kind"] == "counted messages"
-        assert a["comm_bytes_per_step"] == b["comm_bytes_per_step"] == zero.formula_comm(2, a["padded"], 2)
+        assert a["comm_bytes_per_step"] == b["comm_bytes_per_step"] == stages.formula_comm(2, a["padded"], 2)
         assert a["losses"] == b["losses"]
         assert torch.equal(a["params"], b["params"])
 
 
 def test_gradient_accumulation_traffic():
-    counts = launch.spawn(zero.accumulation, 2, timeout=300)
+    counts = launch.spawn(stages.accumulation, 2, timeout=300)
     for r in counts:
         sent = {s: {int(a): v["bytes_sent"] for a, v in r[s].items()} for s in r}
         ddp = sent["0"][1]
@@ -126,9 +127,9 @@ def test_adam_step_bound_is_reached_and_never_exceeded():
             w.grad = torch.tensor([(b2 / b1) ** i], dtype=torch.float64)
             before = w.item()
             opt.step()
-        assert abs(before - w.item()) == pytest.approx(zero.adam_step_bound(t), rel=1e-9)
-    assert zero.adam_step_bound(2) > 1.0          # "at most lr" is wrong from step 2
-    assert zero.adam_step_bound(250) > 0.1 / 0.001 ** 0.5   # and so is Kingma & Ba's 3.16 lr
+        assert abs(before - w.item()) == pytest.approx(adam_drift.adam_step_bound(t), rel=1e-9)
+    assert adam_drift.adam_step_bound(2) > 1.0          # "at most lr" is wrong from step 2
+    assert adam_drift.adam_step_bound(250) > 0.1 / 0.001 ** 0.5   # and so is Kingma & Ba's 3.16 lr
     g = torch.Generator().manual_seed(0)          # random histories stay under it
     w = torch.zeros(1000, dtype=torch.float64, requires_grad=True)
     opt = torch.optim.Adam([w], lr=1.0, eps=0.0)
@@ -136,7 +137,7 @@ def test_adam_step_bound_is_reached_and_never_exceeded():
         w.grad = torch.randn(1000, generator=g, dtype=torch.float64) * torch.rand(1000, generator=g) ** 4
         before = w.detach().clone()
         opt.step()
-        assert (w.detach() - before).abs().max().item() <= zero.adam_step_bound(t) * (1 + 1e-12)
+        assert (w.detach() - before).abs().max().item() <= adam_drift.adam_step_bound(t) * (1 + 1e-12)
 
 
 def test_bad_inputs_are_refused():
@@ -153,7 +154,7 @@ def test_bad_inputs_are_refused():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.zero", "--world-size", "2", "--stage", "2", "--steps", "2",
+    out = subprocess.run([sys.executable, "-m", "labs.zero.stages", "--world-size", "2", "--stage", "2", "--steps", "2",
                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=180, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["state_bytes"] == [r["state_bytes_formula"]] * 2

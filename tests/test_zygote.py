@@ -1,4 +1,4 @@
-"""The zygote: ranks forked from one process that imported torch once (labs/zygote.py), with the
+"""The zygote: ranks forked from one process that imported torch once (labs/launcher/zygote.py), with the
 same semantics as fresh interpreters: environment, working directory, no survivor when it dies."""
 import os
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 
 import workers
-from labs import launch, zygote
+from labs.launcher import launch, zygote
 
 pytestmark = pytest.mark.skipif(not zygote.enabled(), reason="the zygote is used on Linux only")
 

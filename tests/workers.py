@@ -5,7 +5,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from labs import comm, wire
+from labs.measure import comm, wire
+from labs.data_parallel import hand_ring
 
 
 def report_rank(rank, world_size):
@@ -84,7 +85,7 @@ def tp_group_sum(rank, world_size, tp):
     return {"coords": g.coords, "tp_ranks": g.tp_ranks, "dp_ranks": g.dp_ranks, "tp_sum": t.item()}
 
 
-# ---- hand collectives (labs.comm.hand_collectives) ---------------------------------------------
+# ---- hand collectives (labs.data_parallel.hand_ring.hand_collectives) ------------------------
 
 def _integer_valued(numel, rank, dtype, salt=0):
     """Small integers, exact in bf16 whatever the order of the sum: equality can be exact."""
@@ -102,7 +103,7 @@ def _hand_vs_library(rank, n, group, dtype, k):
     comm.all_gather_single(lib["all_gather"], full[:k].contiguous(), group=group)
     hand = {"all_reduce": full.clone(), "reduce_scatter": torch.empty(k, dtype=dtype),
             "all_gather": torch.empty(n * k, dtype=dtype)}
-    with comm.counting() as tally, comm.hand_collectives():
+    with comm.counting() as tally, hand_ring.hand_collectives():
         work = comm.all_reduce(hand["all_reduce"], group=group, async_op=True)
         work.wait()
         comm.reduce_scatter(hand["reduce_scatter"], full, group=group)
@@ -116,7 +117,7 @@ def _hand_vs_library(rank, n, group, dtype, k):
 
 def _uneven(rank, n, group, numel):
     """Uneven chunks (numel not a multiple of n): the ring halves against the library all-reduce."""
-    from labs import ring_allreduce as ra
+    from labs.data_parallel import hand_ring
     x = _integer_valued(numel, rank, torch.float32, salt=5)
     exact = x.clone()
     dist.all_reduce(exact, group=group)
@@ -124,12 +125,12 @@ def _uneven(rank, n, group, numel):
     r = dist.get_rank(group)
     with comm.counting() as tally:
         mine = torch.empty(sizes[r])
-        ra.ring_reduce_scatter(mine, list(x.split(sizes)), group=group)
+        hand_ring.ring_reduce_scatter(mine, list(x.split(sizes)), group=group)
         chunks = list(torch.zeros(numel).split(sizes))
         chunks[r].copy_(mine)
-        ra.ring_all_gather_(chunks, group=group)
+        hand_ring.ring_all_gather_(chunks, group=group)
         m = x.clone()
-        ra.ring_allreduce(m, group=group, op=dist.ReduceOp.MAX)
+        hand_ring.ring_allreduce(m, group=group, op=dist.ReduceOp.MAX)
     lib_max = x.clone()
     dist.all_reduce(lib_max, op=dist.ReduceOp.MAX, group=group)
     return {"rs_equal": torch.equal(mine, exact.split(sizes)[r]), "ag_equal": torch.equal(torch.cat(chunks), exact),
@@ -146,7 +147,7 @@ def hand_collectives(rank, world_size, k=10, numel=13):
         out["subgroup"] = _hand_vs_library(rank, 3, sub, torch.bfloat16, k)
         out["subgroup_uneven"] = _uneven(rank, 3, sub, numel)
     errors = []
-    with comm.hand_collectives():
+    with hand_ring.hand_collectives():
         for bad in (lambda: comm.reduce_scatter(torch.empty(3), torch.empty(3 * world_size + 1)),
                     lambda: comm.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND)):
             try:
@@ -177,10 +178,10 @@ def wire_checks(rank, world_size):
 # ---- HandDDP semantics beside torch DDP ---------------------------------------------------------
 
 def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16):
-    """labs.ddp.semantics, plus the error a bucket cap below one byte raises."""
-    from labs import ddp
+    """labs.data_parallel.ddp.semantics, plus the error a bucket cap below one byte raises."""
+    from labs.data_parallel import ddp, hand_ddp
     try:
-        ddp.HandDDP(ddp.MixedNet(), bucket_cap_bytes=0)
+        hand_ddp.HandDDP(ddp.MixedNet(), bucket_cap_bytes=0)
         error = None
     except ValueError as e:
         error = str(e)
@@ -188,8 +189,8 @@ def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16):
 
 
 def ring_runs(rank, world_size, numels, naive_numel=101):
-    """labs.ring_allreduce.run: ring for several sizes, naive and library for one, in one job (one spawn)."""
-    from labs import ring_allreduce as ra
+    """labs.data_parallel.ring_allreduce.run: ring for several sizes, naive and library for one, in one job (one spawn)."""
+    from labs.data_parallel import ring_allreduce as ra
     return {"ring": [ra.run(rank, world_size, numel, "ring", 1) for numel in numels],
             "naive": ra.run(rank, world_size, naive_numel, "naive", 1),
             "library": ra.run(rank, world_size, 1000, "library", 1)}
@@ -197,7 +198,7 @@ def ring_runs(rank, world_size, numels, naive_numel=101):
 
 def ddp_suite(rank, world_size):
     """Every HandDDP check of tests/test_ddp.py for one world size, in one job (spawns are slow)."""
-    from labs import ddp
+    from labs.data_parallel import ddp
     if world_size == 2:
         return {"run": ddp.run(rank, world_size, 3), "semantics": ddp_semantics(rank, world_size),
                 "no_sync_off": ddp.run(rank, world_size, 2, 3, use_no_sync=False),
@@ -208,8 +209,8 @@ def ddp_suite(rank, world_size):
 
 
 def comm_suite(rank, world_size):
-    """Every labs.comm check of tests/test_comm.py for one world size, in one job."""
-    from labs import ring_allreduce as ra
+    """Every labs.measure.comm check of tests/test_comm.py for one world size, in one job."""
+    from labs.data_parallel import ring_allreduce as ra
     out = {"hand": hand_collectives(rank, world_size)}
     if world_size == 3:
         out["library"] = count_collectives(rank, world_size, 10)

@@ -1,0 +1,57 @@
+"""Chapter 12: what a checkpoint weighs and how long writing it stops training, from chapter 1's sizes.
+
+A checkpoint must hold what cannot be recomputed: under the mixed-precision recipe of chapter 1
+that is the fp32 master weights and Adam's two moments, 12 bytes per parameter (the bf16 working
+weights are a rounding of the master, and gradients are rebuilt by the next step). Written
+synchronously at an aggregate bandwidth W, a checkpoint of M bytes stops training for M / W.
+Every bandwidth here is an input, named where it is used; none was measured on real storage.
+"""
+import math
+
+from labs.memory_budget import budget, recipes
+from labs.measure import exercises
+
+GB = 1e9
+
+
+def checkpoint_bytes(model="70B", recipe="mixed", with_working_weights=False):
+    """Bytes of one full checkpoint: optimizer state (master + m + v), optionally the bf16 weights."""
+    per = recipes.recipe(recipe).bytes_per_param()
+    per_param = per["optimizer_state"] + (per["parameters"] if with_working_weights else 0)
+    return per_param * budget.MODELS[model].params()
+
+
+def write_seconds(nbytes, gb_per_s):
+    """Seconds to write ``nbytes`` at an aggregate ``gb_per_s`` (10^9 bytes per second)."""
+    if gb_per_s <= 0:
+        raise ValueError(f"bandwidth must be positive, got {gb_per_s}; pass GB/s, e.g. 10.")
+    return nbytes / (gb_per_s * GB)
+
+
+def implied_bandwidth(nbytes, seconds):
+    """The aggregate GB/s at which writing ``nbytes`` takes ``seconds``."""
+    return nbytes / seconds / GB
+
+
+def per_gpu_bytes(model, gpus, recipe="mixed"):
+    """The average checkpoint bytes per GPU when ``gpus`` GPUs hold the state without replicas."""
+    return checkpoint_bytes(model, recipe) / gpus
+
+
+def shard_range(numel, world_size, rank):
+    """[start, end) of the real elements rank ``rank`` writes of a flat tensor padded to world_size."""
+    shard = math.ceil(numel / world_size)
+    return min(rank * shard, numel), min((rank + 1) * shard, numel)
+
+
+# Chapter 12's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: write_seconds(checkpoint_bytes("70B"), 10),          # sync write at 10 GB/s, seconds
+    "2": lambda: (lambda r: r[1] - r[0])(shard_range(10, 4, 3)),       # elements rank 3 of 4 writes
+    "3": lambda: (7 * 12) % 60,                                       # loader position in its epoch
+}
+
+
+def check(question, answer, rel=0.01):
+    """Automatic checker: within 1% of the computed answer."""
+    return exercises.check(EXERCISES, question, answer, rel)

@@ -1,0 +1,282 @@
+"""Chapter 12: sharded checkpoints that survive a layout change, a killed writer and a corrupt file.
+
+The tiny GPT trains sharded two ways, each with its own checkpoint: the hand `labs.zero.fsdp.HandFSDP`
+with the hand `labs.checkpointing.sharded_checkpoint` format, and PyTorch's FSDP2 (``fully_shard`` per block,
+`labs.zero.fsdp.fully_shard_units`) with torch.distributed.checkpoint (DCP: ``dcp.save``,
+``dcp.load``, ``dcp.async_save``, with ``get_state_dict``/``set_state_dict`` from
+torch.distributed.checkpoint.state_dict). A checkpoint holds everything a restart needs: weights,
+Adam's state (exp_avg, exp_avg_sq, step), the LR schedule's step, the RNG state and the data
+loader's position (missing loader state is the restart bug of torchtitan issue #811).
+
+- `run`: train, save at step k, keep training (the uninterrupted run); or load at step k, at any
+  world size, and continue. `reshard` compares the two.
+- `labs.checkpointing.training` builds the run (model, optimizer, schedule, loader) every lab here
+  interrupts;
+- `pauses` (in `labs.checkpointing.async_checkpoint`): how long training stops for ``dcp.save``
+  against ``dcp.async_save`` on one state.
+- the loader whose position is saved is `labs.checkpointing.stateful_loader`; what a 70B checkpoint weighs and
+  the chapter's exercises are in `labs.checkpointing.checkpoint_cost`.
+- `killed_save`, `corruption` (in `labs.checkpointing.checkpoint_faults`): a writer process killed half-way,
+  and a flipped byte, against the hand format's atomic commit and checksums.
+
+    python -m labs.checkpointing.resharding --world-size 2 --json
+"""
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from labs.zero import fsdp
+from labs.launcher import launch
+from labs import model as tiny
+from labs.checkpointing import sharded_checkpoint as sc, training
+from labs.checkpointing.async_checkpoint import measure_pauses
+
+# Another world size splits each step's batch and sums its gradients in another order, so fp32
+# results drift by rounding: a few ulps of a loss near 4 per step (ulp 4.8e-7), over a few steps;
+# 1e-5 is about 20 ulps. A resume that restarts Adam's moments misses by about 2e-2
+# (`resume_without`), three orders of magnitude more.
+LOSS_TOL = 1e-5
+
+
+def _init_adam(opt):
+    """Zero Adam state for every parameter, so a fresh optimizer has the entries to load into."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p)}
+
+
+def hand_state(hand, opt):
+    """{"model": {name: Shard}, "optim": {name: {exp_avg, exp_avg_sq: Shard, step}}}: this rank's
+    piece of every parameter, clipped to the parameter (the last piece also holds the padding)."""
+    model, optim = {}, {}
+    for u in hand.units:
+        for places, piece, shape in zip(u.where, u.pieces, u.shapes):
+            name = fsdp._name(hand.model, places[0])
+            keep = max(0, min(piece.numel(), shape.numel() - piece.offset))
+            model[name] = sc.Shard(piece.data[:keep], piece.offset, tuple(shape))
+            st = opt.state[piece]
+            optim[name] = {k: sc.Shard(st[k][:keep], piece.offset, tuple(shape)) for k in ("exp_avg", "exp_avg_sq")}
+            optim[name]["step"] = st["step"]
+    return {"model": model, "optim": optim}
+
+
+def _full(net, hand):
+    """{name: full fp32 weights}, gathered (for the checks only)."""
+    if hand is not None:
+        return hand.full_parameters()
+    return {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
+
+
+def _extra(loader, sched):
+    return {"loader": loader.state_dict(), "lr_step": sched.last_epoch, "rng": torch.get_rng_state()}
+
+
+def _save(kind, net, hand, opt, sched, loader, path):
+    if kind == "hand":
+        sc.save({**hand_state(hand, opt), "extra": _extra(loader, sched)}, path)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optim": osd, "extra": _extra(loader, sched)}, checkpoint_id=path)
+
+
+def _load(kind, net, hand, opt, sched, loader, path):
+    """Restore weights, optimizer, LR step, RNG and loader position from ``path``."""
+    extra = {"loader": loader.state_dict(), "lr_step": 0, "rng": torch.get_rng_state()}
+    if kind == "hand":
+        _init_adam(opt)
+        state = {**hand_state(hand, opt), "extra": extra}
+        values = sc.load(state, path)
+        extra["loader"] = {k.split(".")[-1]: v for k, v in values.items() if k.startswith("extra.loader.")}
+        extra["lr_step"] = values["extra.lr_step"]
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        msd, osd = get_state_dict(net, opt)   # initialises Adam's state, so it has places to load into
+        state = {"model": msd, "optim": osd, "extra": extra}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = state["extra"]
+    loader.load_state_dict(extra["loader"])
+    torch.set_rng_state(extra["rng"])
+    sched.last_epoch = int(extra["lr_step"])     # the schedule resumes at its step, not at 0
+    for group, base in zip(opt.param_groups, sched.base_lrs):
+        group["lr"] = base * sched.lr_lambdas[0](sched.last_epoch)
+
+
+def run(rank, world_size, kind, root, steps, save_at=None, load_at=None, cfg=None, forget=None):
+    """Train ``steps`` steps in all. ``save_at=k``: save to ``root/step-k`` after step k and go on
+    (the uninterrupted run). ``load_at=k``: start from ``root/step-k`` (written at any world size).
+    ``forget="optimizer"``: a buggy resume that restores everything but Adam's state (its moments
+    and step count start again from zero), to show the losses' tolerance cannot hide such a bug.
+
+    Returns losses (the global mean loss of each step run here), batches (the global sample ids of
+    each step, gathered from what every rank actually consumed), saved / loaded (full weights at
+    the save, and just after the load), rng_draw (one draw after the save or load), and after a
+    save `_disk_bytes`: this rank's file size against the bytes of the shards it holds."""
+    cfg, dev = cfg or tiny.GPTConfig(), launch.device()
+    net, hand, opt, sched, loader = training.build(kind, rank, world_size, cfg, dev)
+    out = {"losses": [], "batches": [], "world_size": world_size, "kind": kind}
+    first = 0
+    if load_at is not None:
+        _load(kind, net, hand, opt, sched, loader, os.path.join(root, f"step-{load_at}"))
+        if forget == "optimizer":
+            opt.state.clear()               # Adam re-creates zero moments at its next step
+        elif forget is not None:
+            raise ValueError(f"forget={forget!r}: only 'optimizer' can be left out of a resume.")
+        out["loaded"], first = _full(net, hand), load_at
+        out["rng_draw"] = torch.rand(()).item()
+    for step in range(first, steps):
+        ids = loader.next()
+        x, y = training.batch(cfg, ids, dev)
+        loss = net(x, y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)                  # equal local batches: the mean of means is the mean
+        seen = [None] * world_size
+        dist.all_gather_object(seen, ids)
+        out["losses"].append(total.item() / world_size)
+        out["batches"].append([i for s in seen for i in s])
+        if save_at is not None and step + 1 == save_at:
+            path = os.path.join(root, f"step-{save_at}")
+            _save(kind, net, hand, opt, sched, loader, path)
+            out["saved"] = _full(net, hand)
+            out["rng_draw"] = torch.rand(()).item()
+            out.update(_disk_bytes(kind, hand, opt, path, rank))
+    return out
+
+
+def _disk_bytes(kind, hand, opt, path, rank):
+    """Bytes this rank wrote (its file's size) against the bytes of what it holds: its shards of the
+    weights and both Adam moments (hand: plus, on rank 0, the replicated tensors; the formula is
+    exact for the raw hand format, DCP adds its own serialization per tensor)."""
+    if kind == "hand":
+        flat = list(sc._flatten(hand_state(hand, opt)))
+        shards = sum(s.tensor.numel() * s.tensor.element_size() for _, s in flat if isinstance(s, sc.Shard))
+        replicated = sum(t.numel() * t.element_size() for _, t in flat if isinstance(t, torch.Tensor))
+        rng = torch.get_rng_state().numel()
+        formula = shards + (replicated + rng if rank == 0 else 0)
+        name, out = f"rank{rank}.bin", {}
+    else:
+        formula = 3 * sum(p.to_local().numel() * p.to_local().element_size() for p in opt.param_groups[0]["params"])
+        name = f"__{rank}_0.distcp"
+        out = {"dcp_weight_moment_bytes_in_file": _dcp_payload(path, name)}
+    return {"bytes_on_disk": os.path.getsize(os.path.join(path, name)), "bytes_formula": formula, **out}
+
+
+def _dcp_payload(path, name):
+    """Bytes of the weight and Adam-moment chunks DCP's metadata places in file ``name`` (the rest
+    of the file is its per-tensor serialization and the replicated entries)."""
+    import math
+    import torch.distributed.checkpoint as dcp
+    md = dcp.FileSystemReader(path).read_metadata()
+    total = 0
+    for idx, info in md.storage_data.items():
+        if info.relative_path == name and (idx.fqn.startswith("model.") or idx.fqn.endswith(("exp_avg", "exp_avg_sq"))):
+            meta = md.state_dict_metadata[idx.fqn]
+            chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(idx.offset))
+            total += math.prod(chunk.sizes) * meta.properties.dtype.itemsize
+    return total
+
+
+def run_both(rank, world_size, root, steps, save_at=None, load_at=None, cfg=None):
+    """`run` for the hand format on HandFSDP and for DCP on FSDP2, in one job: {"hand": .., "dcp": ..}."""
+    return {kind: run(rank, world_size, kind, os.path.join(root, kind), steps, save_at, load_at, cfg)
+            for kind in ("hand", "dcp")}
+
+
+PAIRS = ((4, 2), (2, 3), (2, 1))
+
+
+def _compare(src, dst, k):
+    """One resharding pair, for both kinds: what is bit-exact and how far the rest is."""
+    out = {}
+    for kind in ("hand", "dcp"):
+        a, b = src[kind], dst[kind]
+        tail = a["losses"][k:]                     # the uninterrupted run after the save
+        out[kind] = {"weights_bit_exact": all(torch.equal(a["saved"][n], b["loaded"][n]) for n in a["saved"]),
+                     "losses_bit_exact": tail == b["losses"],
+                     "max_loss_diff": max(abs(x - y) for x, y in zip(tail, b["losses"])),
+                     "batches_match": a["batches"][k:] == b["batches"],
+                     "rng_match": a["rng_draw"] == b["rng_draw"],
+                     "uninterrupted": a["losses"], "resumed": b["losses"]}
+    out["hand_vs_dcp_max_loss_diff"] = max(abs(x - y) for x, y in zip(dst["hand"]["losses"], dst["dcp"]["losses"]))
+    return out
+
+
+def reshard(pairs=PAIRS, steps=8, save_at=3, root=None, timeout=60.0, cfg=None):
+    """Train at world size A, save after ``save_at`` steps, load at world size B, continue to
+    ``steps``; compare with the uninterrupted run at A. Each pair (A, B) also gets (A, A), where
+    everything must be bit-exact. Returns {"A->B": `_compare`}, plus each run's bytes on disk."""
+    with tempfile.TemporaryDirectory(prefix="ckpt-") as tmp:
+        root = root or tmp
+        sources, out = {}, {"bytes": {}}
+        for a, b in list(pairs) + sorted({(a, a) for a, _ in pairs}):
+            if a not in sources:
+                sources[a] = launch.spawn(run_both, a, os.path.join(root, f"ws{a}"), steps, save_at,
+                                          timeout=timeout, cfg=cfg)
+                out["bytes"][a] = {kind: [(r[kind]["bytes_on_disk"], r[kind]["bytes_formula"],
+                                           r[kind].get("dcp_weight_moment_bytes_in_file")) for r in sources[a]]
+                                   for kind in ("hand", "dcp")}
+            dst = launch.spawn(run_both, b, os.path.join(root, f"ws{a}"), steps, load_at=save_at,
+                               timeout=timeout, cfg=cfg)
+            out[f"{a}->{b}"] = _compare(sources[a][0], dst[0], save_at)
+    return out
+
+
+def resume_without(part="optimizer", world_size=2, steps=5, save_at=3, timeout=120.0, cfg=None):
+    """The largest loss difference from the uninterrupted run after a correct resume and after one
+    that leaves ``part`` out, both at the same world size and in the hand format:
+    {"correct": 0.0 (bit for bit), "forgot": the bug's difference, which must exceed LOSS_TOL}."""
+    with tempfile.TemporaryDirectory(prefix="ckpt-") as root:
+        src = launch.spawn(run, world_size, "hand", root, steps, save_at, timeout=timeout, cfg=cfg)[0]
+        tail = src["losses"][save_at:]
+        out = {}
+        for name, forget in (("correct", None), ("forgot", part)):
+            dst = launch.spawn(run, world_size, "hand", root, steps, None, save_at, cfg, forget,
+                               timeout=timeout)[0]
+            out[name] = max(abs(x - y) for x, y in zip(tail, dst["losses"]))
+    return out
+
+
+def main(argv=None):
+    from labs.checkpointing import checkpoint_faults
+    from labs.launcher import cli
+    p = cli.parser("Sharded checkpoints: resharding, sync vs async pause, a killed save, a corrupt file.")
+    p.add_argument("--steps", type=cli.positive_int, default=6, help="training steps in all (default 6)")
+    p.add_argument("--save-at", type=cli.positive_int, default=3, help="step after which to save (default 3)")
+    args = cli.parse(p, argv)
+    if args.save_at >= args.steps:
+        raise ValueError(f"--save-at {args.save_at} must be below --steps {args.steps}, so training continues after the load.")
+    if training.GLOBAL_BATCH % args.world_size:
+        raise ValueError(f"--world-size {args.world_size} does not divide the global batch of {training.GLOBAL_BATCH}; use 1, 2, 3, 4, 6 or 12.")
+    target = 1 if args.world_size > 1 else 2
+    res = reshard(((args.world_size, target),), args.steps, args.save_at, timeout=args.timeout)
+    pair = res[f"{args.world_size}->{target}"]
+    same = res[f"{args.world_size}->{args.world_size}"]
+    pause = measure_pauses(args.world_size, timeout=args.timeout)
+    killed, corrupt = checkpoint_faults.killed_save(args.timeout), checkpoint_faults.corruption()
+    ok = lambda c: c["weights_bit_exact"] and c["batches_match"] and c["max_loss_diff"] < LOSS_TOL  # noqa: E731
+    result = {"sync_pause_s": pause["sync_pause_s"], "async_pause_s": pause["async_pause_s"],
+              "async_equals_sync": pause["async_equals_sync"],
+              "resharded_loss_match": all(ok(pair[k]) for k in ("hand", "dcp")),
+              "same_world_bit_exact": all(same[k]["losses_bit_exact"] for k in ("hand", "dcp")),
+              "killed_save_recovered": killed["killed_save_recovered"],
+              "corruption_detected": corrupt["corruption_detected"], "resharded_to": target,
+              "max_loss_diff": max(pair[k]["max_loss_diff"] for k in ("hand", "dcp")),
+              "world_size": args.world_size}
+    cli.report(result, args, f"{args.world_size} -> {target} ranks: losses match {result['resharded_loss_match']}; "
+               f"pause sync {pause['sync_pause_s']:.3f} s, async {pause['async_pause_s']:.3f} s; killed save "
+               f"recovered {killed['killed_save_recovered']}; corruption detected {corrupt['corruption_detected']}")
+
+
+if __name__ == "__main__":
+    from labs.launcher import cli
+    cli.main(main)

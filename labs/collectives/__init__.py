@@ -1,0 +1,8 @@
+"""Chapter 10, the collectives toolkit: every collective from point-to-point messages, counted.
+
+- `algorithms`: tree, ring, recursive doubling and halving, Rabenseifner, pairwise, one function each.
+- `recursive`: recursive doubling and halving on any number of ranks (the fold), and `Rounds`.
+- `toolkit`: each algorithm against the library and TRG 2005's rounds and bytes; the command line.
+- `alpha_beta`: the alpha-beta model fitted on this machine, and an nccl-tests-style table.
+- `gloo_collectives`: beside each hand collective, what gloo's own puts on the wire.
+"""

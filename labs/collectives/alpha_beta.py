@@ -1,0 +1,150 @@
+"""Chapter 10: the alpha-beta model fitted on this machine, and an nccl-tests-style table.
+
+Hockney's model, as Thakur, Rabenseifner & Gropp (2005) use it: a message of n bytes
+takes alpha + n * beta. `fit` estimates alpha and beta by least squares from measured times of
+one exchange (both ranks send and receive n bytes at once, as in every round of chapter 10's
+algorithms) on 2 ranks. With them, recursive doubling's all-reduce, lg p * alpha + n lg p * beta,
+beats the ring's, 2(p-1) * alpha + 2(p-1)/p * n * beta, below the size
+
+    n* = (2(p-1) - L) * alpha / ((L - 2(p-1)/p) * beta)
+
+with L = lg p rounds for a power of two, lg p' + 2 otherwise (p' = 2^floor(lg p): the extra ranks
+fold in first and unfold last).
+
+`bench` times the library's collectives and reports algbw and busbw with nccl-tests' definitions
+(`labs.data_parallel.bus_bandwidth`), on whatever backend `labs.launcher.launch` chose: gloo here, NCCL on a GPU box.
+"""
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from labs.data_parallel import bus_bandwidth
+from labs.measure import comm
+from labs.launcher import launch, preflight
+
+FIT_SIZES = [4, 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024]   # bytes
+BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+BENCH_SIZES = [4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024]      # bytes, the full buffer S
+
+
+def _sync(t):
+    if t.is_cuda:
+        torch.cuda.synchronize()
+
+
+def _median_seconds(call, repeats, t, stat=statistics.median):
+    """Median (or ``stat``) of ``repeats`` timed calls, each after a barrier, after one warm-up."""
+    call()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        _sync(t)
+        times.append(time.perf_counter() - start)
+    return stat(times)
+
+
+def rank_exchange_times(rank, world_size, sizes, repeats):
+    """One rank of 2: the fastest seconds of one exchange of each size with the other rank."""
+    out = []
+    for size in sizes:
+        mine = torch.ones(size // 4, device=launch.device())
+        theirs, peer = torch.empty_like(mine), 1 - rank
+
+        def swap():
+            for req in (comm.isend(mine, peer), comm.irecv(theirs, peer)):
+                req.wait()
+        # the fastest of many: on a shared box the slow ones are other processes, not alpha or beta
+        out.append(_median_seconds(swap, repeats, mine, stat=min))
+    return out
+
+
+def fit(sizes=FIT_SIZES, repeats=20, timeout=120.0):
+    """alpha (s) and beta (s/byte) by least squares over ``sizes`` on 2 ranks, with the times.
+
+    Returns sizes, seconds (slower rank's fastest per size), alpha, beta and predicted (alpha +
+    n beta per size), so predicted can be set beside measured."""
+    ranks = launch.spawn(rank_exchange_times, 2, list(sizes), repeats, timeout=timeout)
+    seconds = [max(col) for col in zip(*ranks)]
+    a = torch.tensor([[1.0, float(n)] for n in sizes], dtype=torch.float64)  # (sizes, 2)
+    b = torch.tensor(seconds, dtype=torch.float64).unsqueeze(1)              # (sizes, 1)
+    alpha, beta = torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
+    return {"sizes": list(sizes), "seconds": seconds, "alpha": alpha, "beta": beta,
+            "predicted": [alpha + n * beta for n in sizes]}
+
+
+def doubling_rounds(p):
+    """Rounds on recursive doubling's critical path: lg p, plus the fold and unfold of the
+    r = p - 2^floor(lg p) extra ranks when p is not a power of two (TRG 2005, section 4)."""
+    lg = p.bit_length() - 1
+    return lg if p & (p - 1) == 0 else lg + 2
+
+
+def crossover(alpha, beta, p):
+    """Bytes below which recursive doubling's all-reduce beats the ring's (TRG 2005 costs), or None
+    where one wins at every size (p = 2: doubling saves one alpha and sends the same bytes).
+
+    Every round of doubling, fold and unfold included, moves the whole n bytes, so its time is
+    L (alpha + n beta) with L = `doubling_rounds(p)`; the ring's is 2(p-1) alpha + 2(p-1)/p n beta.
+    """
+    if p < 2:
+        raise ValueError(f"a crossover needs at least 2 ranks, not {p}.")
+    rounds = doubling_rounds(p)
+    extra_alpha, saved_beta = 2 * (p - 1) - rounds, rounds - 2 * (p - 1) / p
+    if saved_beta <= 0 or alpha <= 0 or beta <= 0:
+        return None
+    return extra_alpha * alpha / (saved_beta * beta)
+
+
+def _library_call(op, s, p):
+    """A zero-argument call of the library's ``op`` on an S-byte buffer (S as nccl-tests counts it)."""
+    dev = launch.device()
+    if op == "all_reduce":
+        x = torch.ones(s // 4, device=dev)
+        return (lambda: dist.all_reduce(x)), x
+    if op == "broadcast":
+        x = torch.ones(s // 4, device=dev)
+        return (lambda: dist.broadcast(x, 0)), x
+    big, small = torch.ones(s // 4, device=dev), torch.ones(s // 4 // p, device=dev)
+    if op == "all_gather":
+        return (lambda: comm.all_gather_single(big, small)), big
+    return (lambda: comm.reduce_scatter_single(small, big)), big
+
+
+def rank_bench(rank, world_size, ops, sizes, repeats):
+    """One rank: median seconds per (op, size), ops by rows."""
+    rows = []
+    for op in ops:
+        row = []
+        for s in sizes:
+            call, t = _library_call(op, s, world_size)
+            row.append(_median_seconds(call, repeats, t))
+        rows.append(row)
+    return rows
+
+
+def bench(world_size, ops=BENCH_OPS, sizes=BENCH_SIZES, repeats=5, timeout=300.0):
+    """Rows of op, nbytes (S), seconds (slowest rank's median), algbw and busbw (bytes/s)."""
+    for s in sizes:
+        if s % (4 * world_size):
+            raise ValueError(f"size {s} must be a multiple of 4 * world size = {4 * world_size} bytes.")
+    ranks = launch.spawn(rank_bench, world_size, list(ops), list(sizes), repeats, timeout=timeout)
+    rows = []
+    for i, op in enumerate(ops):
+        for j, s in enumerate(sizes):
+            seconds = max(r[i][j] for r in ranks)
+            rows.append({"op": op, "nbytes": s, "seconds": seconds,
+                         **bus_bandwidth.bandwidths(s, seconds, world_size, op)})
+    return {"world_size": world_size, "backend": preflight.choose_backend(world_size), "rows": rows}
+
+
+def table(result):
+    """nccl-tests' columns: size, time, algbw, busbw (GB/s = 1e9 bytes/s, as nccl-tests prints)."""
+    lines = [f"{'op':>15} {'size B':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
+    for r in result["rows"]:
+        lines.append(f"{r['op']:>15} {r['nbytes']:>10} {r['seconds'] * 1e6:>10.1f} "
+                     f"{r['algbw'] / 1e9:>11.3f} {r['busbw'] / 1e9:>11.3f}")
+    return "\n".join(lines)

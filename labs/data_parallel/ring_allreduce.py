@@ -1,0 +1,181 @@
+"""Chapter 2: all-reduce from point-to-point messages, naive and ring, checked, counted and timed.
+
+Naive: every rank sends its whole buffer to rank 0, which sums and sends the result back; rank 0
+moves (N-1)*M bytes each way, so its link is the bottleneck and time grows with N.
+
+Ring (Patarasuk & Yuan 2009; the algorithms are in `labs.data_parallel.hand_ring`): reduce-scatter
+then all-gather, N chunks; each rank sends 2(N-1) chunks, 2(N-1)/N * M bytes in all, whatever N
+is; time in the alpha-beta model: 2(N-1)*alpha + 2(N-1)/N * M * beta. This lab runs both against
+the library's all-reduce on the same inputs: the exact sum, the bytes of each kind, the time.
+
+What the library sends is measured, not assumed: `library_wire_table` reads the bytes gloo
+writes to its sockets (`labs.measure.wire`) beside what the ring needs.
+
+    python -m labs.data_parallel.ring_allreduce --world-size 4 --numel 1000003 --algorithm ring --json
+"""
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from labs.data_parallel.hand_ring import naive_allreduce, ring_allreduce
+from labs.measure import comm, wire
+from labs.launcher import launch, preflight
+
+ALGORITHMS = ("ring", "naive", "library")
+
+
+def allreduce(tensor, algorithm):
+    if algorithm == "ring":
+        return ring_allreduce(tensor)
+    if algorithm == "naive":
+        return naive_allreduce(tensor)
+    if algorithm == "library":
+        comm.all_reduce(tensor)
+        return tensor
+    raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}.")
+
+
+def rank_input(rank, numel, dtype=torch.float32):
+    """Rank r's deterministic input, so any rank can rebuild every other rank's."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def run(rank, world_size, numel, algorithm="ring", repeats=3):
+    """All-reduce rank inputs; check against the exact sum; count bytes; time the median.
+
+    Three byte counts, one per kind: ``bytes_sent``/``bytes_received`` are counted messages (the
+    hand algorithms; 0 for the library), ``formula_bytes_sent`` the ring formula for the library
+    call (0 for the hand ones), ``wire_bytes`` what this process wrote to its sockets (gloo on
+    Linux, message preambles included), or None with ``wire_reason``.
+    """
+    if numel < 1:
+        raise ValueError(f"numel must be at least 1, got {numel}.")
+    dev = launch.device()
+    x = rank_input(rank, numel).to(dev)
+    exact = sum(rank_input(r, numel).double() for r in range(world_size))
+    out = x.clone()
+    with wire.measure() as w, comm.counting() as tally:
+        allreduce(out, algorithm)
+    times = []
+    for _ in range(repeats):
+        buf = x.clone()
+        dist.barrier()  # start together, so the time is the collective's, not a late rank's
+        start = time.perf_counter()
+        allreduce(buf, algorithm)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"max_abs_error": (out.double().cpu() - exact).abs().max().item(),
+            "bytes_sent": tally.bytes_sent, "bytes_received": tally.bytes_received,
+            "formula_bytes_sent": tally.formula_bytes_sent,
+            "messages_sent": tally.calls("send"), "messages_received": tally.calls("recv"),
+            "wire_bytes": w.bytes, "wire_reason": w.reason,
+            "seconds": statistics.median(times)}
+
+
+def library_wire_table(rank, world_size, nbytes=4_000_000):
+    """What the library really sends per rank (wire bytes) beside what the ring needs (formula bytes).
+
+    One fp32 buffer of ``nbytes``: all_reduce it, reduce_scatter it into nbytes/N, all_gather
+    nbytes/N into it, broadcast it from rank 0. `labs.measure.wire` models what gloo sends from its
+    source: payload plus 48-byte preambles; reduce_scatter runs a full all-reduce; all_gather
+    passes each shard in two halves; broadcast is a binomial tree (the root sends M to
+    ceil(log2 N) peers, a leaf writes one preamble). Measured here (4 ranks, 4,000,000 bytes,
+    per rank): all_reduce 6,001,728; reduce_scatter the same; all_gather 3,000,864; broadcast
+    from the root 8,000,192.
+    Returns per op: wire_bytes (None where it cannot be read, see wire_reason), formula_bytes,
+    payload_bytes (the tensor the call was made with) and wire_minus_formula.
+    """
+    n = world_size
+    if nbytes < 4 * n or nbytes % (4 * n):
+        raise ValueError(f"nbytes must be a positive multiple of 4 * world_size = {4 * n}, got {nbytes}.")
+    dev = launch.device()
+    full, shard = torch.ones(nbytes // 4, device=dev), torch.ones(nbytes // 4 // n, device=dev)
+    calls = {"all_reduce": lambda: comm.all_reduce(full), "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
+             "all_gather": lambda: comm.all_gather(full, shard), "broadcast": lambda: comm.broadcast(full, src=0)}
+    ops = {}
+    for op, call in calls.items():
+        with wire.measure() as w, comm.counting() as tally:
+            call()
+        ops[op] = {"wire_bytes": w.bytes, "formula_bytes": tally.formula_bytes_sent,
+                   "payload_bytes": tally.payload_bytes,
+                   "wire_minus_formula": None if w.bytes is None else w.bytes - tally.formula_bytes_sent}
+    return {"rank": rank, "world_size": n, "nbytes": nbytes, "broadcast_role": "root" if rank == 0 else "non-root",
+            "backend": dist.get_backend(), "wire_reason": w.reason, "ops": ops}
+
+
+def compare(rank, world_size, numel):
+    """`run` for every algorithm in one job (one spawn instead of three)."""
+    return {algorithm: run(rank, world_size, numel, algorithm, repeats=1) for algorithm in ALGORITHMS}
+
+
+def alpha_beta_fit(sizes_bytes, seconds, n):
+    """Least-squares alpha (s per step) and beta (s per byte) of T = 2(N-1)alpha + 2(N-1)/N M beta."""
+    import numpy as np
+    slope, intercept = np.polyfit(np.asarray(sizes_bytes, float), np.asarray(seconds, float), 1)
+    return intercept / (2 * (n - 1)), slope / (2 * (n - 1) / n)
+
+
+# Chapter 2's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: 2 * 7 / 8 * 14e9 / 1e9,              # GB sent per GPU: ring, N = 8, M = 14 GB
+    "2": lambda: 2 * 7 / 8 * 14e9 / 450e9 * 1e3,      # ms at 450 GB/s per direction, no latency
+    "3": lambda: 7 * 14e9 / 1e9,                      # GB the naive root sends for the same job
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs.measure import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
+
+
+def bench(rank, world_size, sizes_bytes, repeats=5, algorithms=("ring", "library")):
+    """Median seconds per all-reduce for each size (fp32) and algorithm, measured in one run."""
+    out = {}
+    for nbytes in sizes_bytes:
+        buf = torch.ones(nbytes // 4, device=launch.device())
+        for algorithm in algorithms:
+            allreduce(buf, algorithm)  # warm-up: connections, allocations
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                allreduce(buf, algorithm)
+                times.append(time.perf_counter() - start)
+            out[f"{algorithm}:{nbytes}"] = statistics.median(times)
+    return out
+
+
+def main(argv=None):
+    from labs.launcher import cli
+    p = cli.parser("All-reduce from point-to-point sends: checks the sum, counts bytes, times it.")
+    p.add_argument("--numel", type=cli.positive_int, default=1 << 20, help="fp32 elements per rank")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="ring")
+    p.add_argument("--repeats", type=cli.positive_int, default=5)
+    args = cli.parse(p, argv)
+    # per element: the input, its copy and the result in fp32, the exact sum in fp64 and its terms
+    preflight.check_fits(args.world_size, 40 * args.numel, "--numel")
+    results = launch.launch(run, args.world_size, args.numel, args.algorithm, args.repeats, timeout=args.timeout)
+    if results is None:
+        return
+    n, m = len(results), args.numel * 4
+    result = {"world_size": n, "numel": args.numel, "algorithm": args.algorithm,
+              "max_abs_error": max(r["max_abs_error"] for r in results),
+              "bytes_sent": [r["bytes_sent"] for r in results],
+              "bytes_received": [r["bytes_received"] for r in results],
+              "formula_bytes_sent": [r["formula_bytes_sent"] for r in results],
+              "wire_bytes": [r["wire_bytes"] for r in results], "wire_reason": results[0]["wire_reason"],
+              "bytes_sent_formula_per_rank": 2 * (n - 1) / n * m,
+              "seconds": statistics.median(r["seconds"] for r in results)}
+    cli.report(result, args, f"{args.algorithm} all-reduce of {m} bytes on {n} ranks: max error "
+               f"{result['max_abs_error']:.2e}, counted bytes sent per rank {result['bytes_sent']} "
+               f"(ring formula {result['bytes_sent_formula_per_rank']:.0f}), wire bytes {result['wire_bytes']}, "
+               f"median {result['seconds'] * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    from labs.launcher import cli
+    cli.main(main)

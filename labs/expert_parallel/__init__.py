@@ -1,0 +1,5 @@
+"""Chapter 7, expert parallel: a mixture of experts spread over ranks, tokens moved by all-to-all.
+
+- `moe`: the layer and expert parallelism against one process, with the all-to-all bytes counted.
+- `moe_routing`: what routing decides: dropped tokens, expert balance, bytes across nodes.
+"""

@@ -1,0 +1,197 @@
+"""Chapter 7: what routing decides: dropped tokens, expert balance, and bytes across nodes.
+
+- Drops (Fedus et al. 2021, Switch Transformers, section 2.2): with loads L_i of the T routed
+  tokens and capacity C, an expert drops max(0, L_i - C), so the dropped fraction is
+  sum_i max(0, L_i - C) / T; under a router whose choices are i.i.d. with probabilities p_i,
+  L_i ~ Binomial(T, p_i) and the expected fraction is sum_i E[max(0, L_i - C)] / T.
+- Balance: the Switch auxiliary loss alpha * N * sum_i f_i * P_i (section 2.2, eq. 4; f_i the
+  fraction of routed tokens sent to expert i, P_i the mean router probability of expert i;
+  alpha = 1e-2 in the paper) against DeepSeek-V3's auxiliary-loss-free balancing (technical report,
+  arXiv 2412.19437, section 2.1.2: a bias b_i added to the scores for the top-k choice only,
+  lowered by gamma after a step where expert i was overloaded, raised where it was underloaded).
+- Node-limited routing (DeepSeek-V3 section 2.1.2): a token's experts lie on at most M nodes; the
+  bytes crossing the node boundary are read from the dispatch all-to-all's payloads.
+"""
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from labs.launcher import launch
+from labs.expert_parallel import moe
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run tiny matmuls on one thread: on a shared 2-core box two threads ran 30x slower (measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def zipf_probs(experts, s=1.0):
+    """p_i proportional to 1 / i^s: expert 1 the most popular (a Zipf-like skew)."""
+    w = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** s
+    return w / w.sum()
+
+
+def skewed_logits(tokens, probs, generator):
+    """Router logits whose top-1 choice is drawn from ``probs``: log p_i plus Gumbel noise
+    (the Gumbel-max trick: argmax_i (log p_i + G_i) ~ Categorical(p))."""
+    u = torch.rand(tokens, len(probs), generator=generator, dtype=torch.float64)
+    return (probs.log() - torch.log(-torch.log(u))).float()  # (T, N)
+
+
+def expected_dropped(probs, tokens, cap):
+    """sum_i E[max(0, L_i - C)] / T with L_i ~ Binomial(T, p_i), summed over the exact pmf."""
+    loads = torch.arange(tokens + 1, dtype=torch.float64)
+    pmf = torch.distributions.Binomial(tokens, probs[:, None]).log_prob(loads).exp()  # (N, T+1)
+    return ((loads - cap).clamp(min=0) * pmf).sum().item() / tokens
+
+
+def drop_curve(capacity_factors, tokens=256, experts=8, s=1.0, trials=40, seed=0):
+    """Top-1 routing through `moe.route` under a Zipf router, for each capacity factor: the dropped
+    fraction measured (mean and standard error over ``trials`` batches), the fraction computed from
+    each batch's measured loads (``from_loads``, which must equal it batch by batch), and the
+    expectation derived from p (``predicted``)."""
+    probs, g = zipf_probs(experts, s), torch.Generator().manual_seed(seed)
+    batches = [skewed_logits(tokens, probs, g) for _ in range(trials)]
+    rows = []
+    for cf in capacity_factors:
+        cap = moe.capacity(tokens, experts, 1, cf)
+        measured, from_loads, margin = [], [], math.inf
+        for logits in batches:
+            r = moe.route(logits, 1, cap)
+            margin = min(margin, r.margin)
+            measured.append(1 - r.keep.float().mean().item())
+            loads = torch.bincount(r.idx.reshape(-1), minlength=experts)
+            from_loads.append((loads - cap).clamp(min=0).sum().item() / tokens)
+        m = torch.tensor(measured, dtype=torch.float64)
+        rows.append({"capacity_factor": cf, "capacity": cap, "measured": m.mean().item(),
+                     "stderr": (m.std() / trials ** 0.5).item(), "per_batch": measured,
+                     "from_loads": from_loads, "predicted": expected_dropped(probs, tokens, cap),
+                     "routing_margin": margin})
+    return rows
+
+
+def switch_aux_loss(routing, experts, top_k, alpha=1e-2):
+    """alpha * N * sum_i f_i P_i (Switch eq. 4): f_i from the top-k choices (no gradient), P_i
+    the mean router probability (the gradient flows through it). Uniform routing gives alpha."""
+    f = torch.bincount(routing.idx.reshape(-1), minlength=experts).float() / routing.idx.numel()
+    return alpha * experts * (f * routing.probs.mean(0)).sum()
+
+
+def update_bias(layer, loads, gamma=1e-3):
+    """DeepSeek-V3 section 2.1.2: b_i -= gamma if expert i was overloaded, += gamma if underloaded."""
+    layer.bias -= gamma * torch.sign(loads.float() - loads.float().mean())
+
+
+def train_balance(mode, steps=300, tokens=128, hidden=16, experts=8, top_k=2, alpha=1e-2, gamma=1e-3,
+                  lr=1e-2, skew=1.0, seed=0):
+    """A tiny MoE layer fitted to a fixed random MLP, on tokens whose shared offset makes the
+    initial router favour a few experts; ``mode`` is "none", "aux" or "bias". Returns the
+    max/mean expert load per step (routed pairs, before any capacity) and the losses."""
+    layer = moe.MoE(hidden, experts, top_k, None, seed=seed)
+    torch.manual_seed(seed + 1)
+    teacher = moe.expert(hidden, 2 * hidden)
+    offset = skew * F.normalize(torch.randn(hidden), dim=0)  # the same for every token
+    opt = torch.optim.Adam(layer.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed + 2)
+    ratios, losses = [], []
+    for _ in range(steps):
+        x = torch.randn(tokens, hidden, generator=g) + offset       # (T, h)
+        with torch.no_grad():
+            target = teacher(x)
+        loss = F.mse_loss(layer(x), target)
+        losses.append(loss.item())
+        if mode == "aux":
+            loss = loss + switch_aux_loss(layer.routing, experts, top_k, alpha)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loads = torch.bincount(layer.routing.idx.reshape(-1), minlength=experts)
+        if mode == "bias":
+            with torch.no_grad():
+                update_bias(layer, loads, gamma)
+        ratios.append((loads.max() / loads.float().mean()).item())
+    return {"mode": mode, "max_over_mean": ratios, "losses": losses}
+
+
+def uniform_floor(tokens=128, experts=8, top_k=2, trials=200, seed=0):
+    """max/mean load of a router with no preference at all (uniform random scores): the noise
+    floor a perfectly balanced router still shows at this batch size. Returns the mean over
+    ``trials`` batches and the standard deviation of one batch's value."""
+    g = torch.Generator().manual_seed(seed)
+    ratios = []
+    for _ in range(trials):
+        idx = moe.route(torch.rand(tokens, experts, generator=g), top_k).idx
+        loads = torch.bincount(idx.reshape(-1), minlength=experts)
+        ratios.append((loads.max() / loads.float().mean()).item())
+    r = torch.tensor(ratios, dtype=torch.float64)
+    return r.mean().item(), r.std().item()
+
+
+def balance_runs(steps=300, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-3, last=20):
+    """No balancing, the Switch loss at each alpha, and DeepSeek-V3's bias at gamma, from the same
+    start: max/mean load per step, and its mean over the ``last`` steps (``final``)."""
+    runs = {"none": {}, **{f"aux {a:g}": {"alpha": a} for a in alphas}, f"bias {gamma:g}": {"gamma": gamma}}
+    out = {}
+    with one_thread():
+        for name, kw in runs.items():
+            r = train_balance(name.split()[0], steps=steps, tokens=tokens, skew=skew, **kw)
+            r["final"] = sum(r["max_over_mean"][-last:]) / last
+            r["final_loss"] = sum(r["losses"][-last:]) / last
+            out[name] = r
+    out["uniform_floor"], out["uniform_spread"] = uniform_floor(tokens)
+    return out
+
+
+def node_limited(rank, world_size, ranks_per_node=2, tokens=64, hidden=16, experts=16, top_k=4, seed=0):
+    """The expert-parallel layer with and without a limit of one node per token (M = 1), ranks
+    labelled node = rank // ranks_per_node. Per setting: dispatch bytes this rank sent to ranks on
+    other nodes (from the payloads per destination), the same if each token went once per remote
+    node (the distinct (token, node) pairs among the rows sent), and the most nodes one token used."""
+    epn = experts // world_size * ranks_per_node  # experts per node
+    out, dev = {}, launch.device()
+    for name, limit in (("unlimited", None), ("one_node", (epn, 1))):
+        full = moe.MoE(hidden, experts, top_k, None, seed=seed).to(dev)
+        full.node_limit = limit
+        layer = moe.ExpertParallelMoE(full)
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1 + rank)).to(dev)
+        with moe.payloads() as log:
+            layer(x)
+        to = next(e["to"] for e in log if e["what"] == "dispatch")
+        me = rank // ranks_per_node
+        node = layer.sent_rank // ranks_per_node                   # (rows,) destination node
+        remote = node != me
+        pairs = torch.unique(layer.sent_token[remote] * world_size + node[remote]).numel()
+        nodes = [torch.unique(node[layer.sent_token == t]).numel() for t in range(tokens)]
+        out[name] = {"cross_node_bytes": sum(b for d, b in enumerate(to) if d // ranks_per_node != me),
+                     "dispatch_bytes": sum(to), "once_per_node_bytes": pairs * hidden * x.element_size(),
+                     "max_nodes_per_token": max(nodes), "row_bytes": hidden * x.element_size(),
+                     "routing_margin": layer.routing.margin}
+    return out
+
+
+def dispatch_bytes(tokens, top_k, ep, hidden, bytes_per_elem=2):
+    """Formula bytes one rank's dispatch sends when routing is uniform and nothing is dropped:
+    each of its T*k (token, expert) rows leaves with probability (ep - 1)/ep, h elements each.
+    Combine sends the same back; backward repeats both."""
+    return tokens * top_k * (ep - 1) / ep * hidden * bytes_per_elem
+
+
+# Chapter 7's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: moe.capacity(4096, 64, 1, 1.25),
+    "2": lambda: dispatch_bytes(4096, 8, 64, 7168) / 2**20,
+    "3": lambda: 4 * 7168 * 2,
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs.measure import exercises
+    return exercises.check(EXERCISES, question, answer, rel)

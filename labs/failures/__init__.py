@@ -1,0 +1,9 @@
+"""Chapter 13, failures at scale: faults injected into real processes, detected and recovered from.
+
+- `fault_training`: the tiny data-parallel job the faults are injected into.
+- `scenarios`: a hang named by the heartbeat, a killed rank restarted from its checkpoint, and the
+  command line for all five scenarios.
+- `silent_faults`: the faults that raise no error: a flipped bit, a bad batch (loss spike).
+- `stragglers`: one rank slower every step, found from the step times.
+- `reliability`: how often a job fails, how often to checkpoint, and what it costs.
+"""

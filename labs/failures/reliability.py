@@ -1,0 +1,140 @@
+"""Chapter 13: how often a job fails, how often to checkpoint, and what it costs.
+
+Symbols (Daly 2006, "A higher order estimate of the optimum checkpoint interval for restart
+dumps", FGCS 22(3)): M the job's mean time between failures, delta the time to write one
+checkpoint, R the time to restart, tau the compute time between checkpoints. With failures a
+Poisson process of rate 1/M, one segment of tau + delta takes in expectation (Daly 2006, his wall-time model)
+
+    E[T_seg] = M e^{R/M} (e^{(tau + delta)/M} - 1)
+
+and goodput (useful compute / wall time) is tau / E[T_seg]. Young 1974 (CACM 17(9)) gives the
+first-order optimum tau = sqrt(2 delta M); Daly's higher-order estimate is
+tau = sqrt(2 delta M) [1 + sqrt(delta/(2M))/3 + (delta/(2M))/9] - delta for delta < 2M, else M.
+Hours throughout.
+"""
+import math
+import random
+
+
+def job_mtbf(per_gpu_mtbf_h, n_gpus):
+    """Independent failures add their rates: N GPUs fail N times as often as one."""
+    return per_gpu_mtbf_h / n_gpus
+
+
+def young(delta, M):
+    return math.sqrt(2 * delta * M)
+
+
+def daly(delta, M):
+    if delta >= 2 * M:
+        return M
+    x = delta / (2 * M)
+    return math.sqrt(2 * delta * M) * (1 + math.sqrt(x) / 3 + x / 9) - delta
+
+
+def segment_time(tau, delta, M, R):
+    """Expected wall time of one checkpointed segment of tau compute (formula in the docstring)."""
+    return M * math.exp(R / M) * math.expm1((tau + delta) / M)
+
+
+def goodput(tau, delta, M, R=0.0):
+    return tau / segment_time(tau, delta, M, R)
+
+
+def best_interval(delta, M, R=0.0):
+    """The exact optimum of ``goodput`` (golden-section search: the function is unimodal in tau)."""
+    lo, hi = 1e-9 * M, 10 * M
+    for _ in range(200):
+        a, b = hi - (hi - lo) / 1.618034, lo + (hi - lo) / 1.618034
+        if goodput(a, delta, M, R) < goodput(b, delta, M, R):
+            lo = a
+        else:
+            hi = b
+    return (lo + hi) / 2
+
+
+def simulate(tau, delta, M, R, work, rng):
+    """Wall time to finish ``work`` hours of compute in segments of ``tau`` + a checkpoint of
+    ``delta``, failures arriving as a Poisson process of rate 1/M (also during checkpoints and
+    restarts); a failure loses the segment in progress and costs a restart of R."""
+    wall, done = 0.0, 0.0
+    next_failure = rng.expovariate(1 / M)
+    need_restart = False
+    while done < work - 1e-12:
+        length = R if need_restart else min(tau, work - done) + delta
+        if wall + length <= next_failure:
+            wall += length
+            done += 0 if need_restart else length - delta
+            need_restart = False
+        else:
+            wall = next_failure
+            next_failure = wall + rng.expovariate(1 / M)
+            need_restart = True
+    return wall
+
+
+def monte_carlo(taus, delta, M, R, work, trials, seed=0):
+    """For each tau: goodput = work / mean wall time over ``trials`` runs, and its standard error
+    (delta method: se(work / mean) = work * sd(wall) / (sqrt(trials) mean^2))."""
+    rng = random.Random(seed)
+    out = []
+    for tau in taus:
+        walls = [simulate(tau, delta, M, R, work, rng) for _ in range(trials)]
+        mean = sum(walls) / trials
+        sd = math.sqrt(sum((w - mean) ** 2 for w in walls) / (trials - 1))
+        out.append({"tau": tau, "goodput": work / mean, "se": work * sd / (math.sqrt(trials) * mean ** 2),
+                    "formula": goodput(tau, delta, M, R)})
+    return out
+
+
+def agreement(delta, M, R=0.0, work=None, trials=400, seed=0, points=9):
+    """Monte Carlo against the closed form, on a grid of intervals around Daly's optimum.
+
+    Returns the grid, the simulated best interval, and ``within``: the intervals whose simulated
+    goodput is not distinguishable from the simulated best (gap below 2 standard errors of the
+    difference). The closed-form optimum agrees with the simulation when it is among them."""
+    star = best_interval(delta, M, R)
+    taus = sorted({star * f for f in (0.25, 0.4, 0.6, 0.8, 1.0, 1.25, 1.6, 2.5, 4.0)[:points]})
+    work = work or 40 * M  # long enough for tens of failures per run
+    rows = monte_carlo(taus, delta, M, R, work, trials, seed)
+    best = max(rows, key=lambda r: r["goodput"])
+    within = [r["tau"] for r in rows
+              if best["goodput"] - r["goodput"] < 2 * math.hypot(best["se"], r["se"])]
+    return {"rows": rows, "closed_form_tau": star, "young_tau": young(delta, M), "daly_tau": daly(delta, M),
+            "simulated_best_tau": best["tau"], "indistinguishable_taus": within,
+            "closed_form_agrees": star in within, "work": work, "trials": trials}
+
+
+def curves(per_gpu_mtbf_h, n_gpus_list=(1_000, 16_000, 100_000), deltas=(0.5 / 60, 2 / 60, 10 / 60),
+           R=10 / 60, points=60):
+    """Goodput against the interval for each GPU count and checkpoint cost (for the plots)."""
+    out = {}
+    for n in n_gpus_list:
+        M = job_mtbf(per_gpu_mtbf_h, n)
+        for delta in deltas:
+            star = best_interval(delta, M, R)
+            taus = [star * 10 ** (k / (points - 1) * 2 - 1) for k in range(points)]  # star/10 .. 10 star
+            out[(n, delta)] = {"M": M, "best_tau": star, "young_tau": young(delta, M), "daly_tau": daly(delta, M),
+                               "taus": taus, "goodput": [goodput(t, delta, M, R) for t in taus],
+                               "best_goodput": goodput(star, delta, M, R)}
+    return out
+
+
+# Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days on 16,384 GPUs.
+LLAMA3_GPUS, LLAMA3_DAYS, LLAMA3_UNEXPECTED = 16_384, 54, 419
+
+
+def llama3_per_gpu_mtbf_h():
+    """Per-GPU mean time between failures implied by Llama 3's count, if failures are independent."""
+    return LLAMA3_DAYS * 24 / LLAMA3_UNEXPECTED * LLAMA3_GPUS
+
+
+EXERCISES = {
+    "1": lambda: job_mtbf(llama3_per_gpu_mtbf_h(), 100_000) * 60,          # minutes
+    "2": lambda: young(1 / 60, job_mtbf(llama3_per_gpu_mtbf_h(), 16_384)) * 60,  # minutes
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs.measure import exercises
+    return exercises.check(EXERCISES, question, answer, rel)

@@ -1,0 +1,10 @@
+"""Chapter 1, the memory budget: bytes per parameter, activations, FLOPs, and whether a model fits.
+
+- `budget`: the calculator (bytes per device for a configuration) and the lab that measures it.
+- `recipes`: mixed-precision recipes and the hand Adam, whose bytes per parameter the chapter counts.
+- `activations`: what a GPT-3 or Llama block saves for backward, formula against autograd's bytes.
+- `logits`: the s x b x V tensors at the top of the model, formula against the measured peak.
+- `compute`: FLOPs per token (6P + 12Lhs) against the counted FLOPs, MFU and HFU, Llama 3's Table 4.
+- `zero_paper`: the ZeRO paper's Table 1, every published entry, and its communication volumes.
+- `calculator`: the slider calculator for a reader in JupyterLab, the same numbers as tables on the site.
+"""

@@ -1,0 +1,277 @@
+"""Chapter 1, the memory budget: a calculator, and a lab that measures what it predicts.
+
+Units: GB = 1e9 bytes, as the papers print them (ZeRO's Table 1, model states); GiB = 2**30 bytes,
+what a GPU holds (an "80 GB" H100 has 80 GiB of HBM, 85.9e9 bytes). Sizes are reported in both
+where it matters; the capacity a configuration must fit in is ``gpu_gib``.
+
+Calculator (bytes per device):
+- model state: a recipe's bytes per parameter (`labs.memory_budget.recipes`), sharded by ZeRO stage over dp
+  (Rajbhandari et al. 2019, arXiv 1910.02054: stage 1 shards the optimizer state, stage 2 also the
+  gradients, stage 3 also the weights) and split by tp and pp;
+- activations of the Llama models: `labs.memory_budget.activations.llama_activation_terms` (derived op by op,
+  measured on `labs.model.LlamaBlock`), with attention scores written out ("materialized") or
+  through a fused kernel that keeps only its output and log-sum-exp ("flash": FlashAttention,
+  Dao et al. 2022, arXiv 2205.14135; ``F.scaled_dot_product_attention``). The GPT-3 block of
+  Korthikanti et al. 2022 (arXiv 2205.05198, Table 2), sbh(34 + 5as/h), is
+  `activations.gpt3_activation_bytes_per_layer` (alias `activation_bytes_per_layer`) for GPT-3 shapes;
+  `flash_at_scale` shows what a fused kernel removes at the real models' sizes.
+The ZeRO paper's Table 1, entry by entry, and its communication volumes: `labs.memory_budget.zero_paper`.
+
+Lab (`measure`): every rank builds the tiny model with a recipe, runs one data-parallel step and
+counts its bytes by storage; and autograd's saved tensors of one block (GPT and Llama) are weighed
+against the activation formulas.
+
+    python -m labs.memory_budget.budget --model 70B --world-size 64 --tp 8 --zero-stage 1 --json
+    python -m labs.memory_budget.budget --model 7B --zero-stage 1 --attention flash
+    python -m labs.memory_budget.budget --measure --world-size 2 --json
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from labs.measure import comm, exercises, memory
+from labs.launcher import launch
+from labs import model as tiny
+from labs.memory_budget import recipes as mixed_precision  # `recipes` names a parameter below
+from labs.memory_budget.activations import (activation_bytes_per_layer, llama_activation_terms,
+                                            measure_activations, measure_llama)
+
+GB = 1e9          # the papers' gigabyte
+GIB = 2 ** 30     # what a GPU's memory is counted in
+GPU_GIB = 80      # an H100 SXM "80GB": 80 GiB = 85.9e9 bytes
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Published shapes (Touvron et al. 2023 for Llama 2; Llama 3 Herd paper, 2024, for 405B)."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+
+    def layer_params(self):
+        return (self.params() - 2 * self.vocab * self.hidden - self.hidden) // self.layers
+
+    def params(self):
+        """Llama block: q, o (h x h); k, v (h x kv*d); SwiGLU (3 matrices h x ffn); 2 RMSNorms."""
+        kv = self.kv_heads * (self.hidden // self.heads)
+        per_layer = 2 * self.hidden ** 2 + 2 * self.hidden * kv + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden  # + embed, head, final norm
+
+
+MODELS = {
+    "7B": Arch(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
+    "13B": Arch(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000),
+    "70B": Arch(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
+    "405B": Arch(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256),
+}
+
+
+def state_bytes_per_param(zero_stage=0, dp=1, recipe="mixed"):
+    """Per-rank bytes per parameter of the model state under ZeRO over ``dp`` ranks."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0 (plain data parallel), 1, 2 or 3, got {zero_stage!r}.")
+    b = mixed_precision.recipe(recipe).bytes_per_param()
+    out = {"parameters": b["parameters"] / (dp if zero_stage >= 3 else 1),
+           "gradients": b["gradients"] / (dp if zero_stage >= 2 else 1),
+           "optimizer_state": b["optimizer_state"] / (dp if zero_stage >= 1 else 1)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def model_activations(model="7B", seq=4096, micro_batch=1, tp=1, sp=False, recompute="none", attention="materialized"):
+    """One MODELS entry's activations: per layer (with its terms) and for all L layers, in bytes.
+
+    L layers' worth is also what 1F1B's first stage holds whatever pp is: p micro-batches of L/p layers.
+    """
+    arch = _arch(model)
+    terms = llama_activation_terms(seq, micro_batch, arch.hidden, arch.heads, arch.kv_heads, arch.ffn, tp, sp,
+                                   recompute, attention)
+    per_layer = sum(terms.values())
+    return {"model": model, "seq": seq, "micro_batch": micro_batch, "tp": tp, "sequence_parallel": sp,
+            "recompute": recompute, "attention": attention, "terms": terms, "per_layer_bytes": per_layer,
+            "layers": arch.layers, "total_bytes": arch.layers * per_layer}
+
+
+def _arch(model):
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}.")
+    return MODELS[model]
+
+
+def budget(model="7B", world_size=8, tp=1, pp=1, zero_stage=0, recipe="mixed", seq=4096,
+           micro_batch=1, recompute="none", sp=False, attention="materialized", gpu_gib=GPU_GIB):
+    """Bytes per device for one configuration, and whether they fit in ``gpu_gib`` GiB.
+
+    Result: ``bytes_per_device``, ``gb_per_device`` (1e9) and ``gib_per_device`` (2**30), each with
+    parameters, gradients, optimizer_state, activations (Llama formula) and total; ``capacity_bytes``
+    = gpu_gib * 2**30; ``fits``: total bytes <= capacity_bytes.
+    """
+    arch = _arch(model)
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}; "
+                         f"choose tp and pp whose product divides {world_size}.")
+    dp = world_size // (tp * pp)
+    if arch.layers % pp or arch.heads % tp or arch.ffn % tp or (arch.kv_heads % tp and tp % arch.kv_heads):
+        raise ValueError(f"{model} has {arch.layers} layers, {arch.heads} heads, {arch.kv_heads} KV heads and "
+                         f"MLP width {arch.ffn}: pp must divide the layers and tp the heads and the width "
+                         f"(and divide or be a multiple of the KV heads) (got pp={pp}, tp={tp}).")
+    psi = arch.params()
+    per_param = state_bytes_per_param(zero_stage, dp, recipe)
+    dev = {k: v * psi / (tp * pp) for k, v in per_param.items() if k != "total"}
+    dev["activations"] = model_activations(model, seq, micro_batch, tp, sp, recompute, attention)["total_bytes"]
+    dev["total"] = sum(dev.values())
+    capacity = gpu_gib * GIB
+    return {"model": model, "params": psi, "world_size": world_size, "dp": dp, "tp": tp, "pp": pp,
+            "zero_stage": zero_stage, "recipe": recipe, "seq": seq, "micro_batch": micro_batch,
+            "recompute": recompute, "sequence_parallel": sp, "attention": attention, "gpu_gib": gpu_gib,
+            "capacity_bytes": capacity, "bytes_per_device": dev,
+            "gb_per_device": {k: v / GB for k, v in dev.items()},
+            "gib_per_device": {k: v / GIB for k, v in dev.items()}, "fits": dev["total"] <= capacity}
+
+
+def flash_at_scale(models=("7B", "70B"), seq=4096, micro_batch=1):
+    """What FlashAttention does to the Llama activation figures (`model_activations`, no
+    recomputation): all layers with the scores written out and fused, the bytes removed, and the part
+    of them that is the softmax output alone, L * 2as^2b (the rest: k and v copies to a heads, less
+    the log-sum-exp)."""
+    out = {}
+    for name in models:
+        m, f = (model_activations(name, seq, micro_batch, attention=k)["total_bytes"] for k in ("materialized", "flash"))
+        arch = MODELS[name]
+        out[name] = {"materialized_bytes": m, "flash_bytes": f, "removed_bytes": m - f, "removed_fraction": (m - f) / m,
+                     "scores_bytes": arch.layers * 2 * arch.heads * seq * seq * micro_batch}
+    return out
+
+
+def fit_grid(model="7B", world_size=8, zero_stage=1, seq=4096, micro_batch=1, tp=1, pp=1, sp=False, gpu_gib=GPU_GIB):
+    """Does it fit, under each recomputation and attention kind? E.g. ZeRO-1 on 8 GPUs, 7B, s=4096, b=1.
+
+    One row per (recompute, attention): state, activations and total in GiB, the headroom left in
+    ``gpu_gib`` (negative: short by that much) and ``fits``. Temporary buffers, the logits and
+    fragmentation are not counted (Rajbhandari et al. 2019, §3.2), so a thin margin is no margin.
+    """
+    rows = []
+    for recompute in ("none", "selective", "full"):
+        for attention in ("materialized", "flash"):
+            r = budget(model, world_size, tp, pp, zero_stage, "mixed", seq, micro_batch, recompute, sp,
+                       attention, gpu_gib)
+            g = r["gib_per_device"]
+            rows.append({"recompute": recompute, "attention": attention, "activations_gib": g["activations"],
+                         "state_gib": g["total"] - g["activations"], "total_gib": g["total"],
+                         "headroom_gib": gpu_gib - g["total"], "fits": r["fits"]})
+    return rows
+
+
+# Link speeds, one direction, from the vendors' specifications (bytes per second).
+LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVMe drive (PCIe 4.0 x4)": 7e9,  # NVMe: a fast drive's read rate
+         "NVLink 4 (H100)": 450e9, "InfiniBand NDR (400 Gb/s)": 50e9}
+PEAK_FLOPS = {"H100 SXM, bf16 dense": 989e12}
+
+
+# --- the lab -----------------------------------------------------------------------------------
+
+def data_parallel_step(cfg, recipe, rank, batch_size):
+    """One step of plain data parallelism with a recipe; returns the state this rank holds."""
+    dev = launch.device()
+    net = tiny.build(cfg, seed=0, device=dev)  # same seed on every rank: replicas start equal
+    opt = mixed_precision.prepare(net, recipe)
+    x, y = tiny.synthetic_batch(cfg, batch_size, seed=rank, device=dev)  # each rank its own data
+    net(x, y).backward()
+    with comm.counting(wire=True) as tally:  # wire: what gloo wrote to its sockets, per call
+        for p in net.parameters():  # the gradient the optimizer will read
+            g = p.main_grad if opt.recipe.grad_buffer else p.grad
+            comm.all_reduce(g)
+            g.div_(torch.distributed.get_world_size())
+    opt.step()
+    held = memory.state_bytes(net, opt)
+    psi = tiny.num_params(net)
+    checksum = sum(p.double().sum().item() for p in net.parameters())
+    return {"numel": psi, "held": held, "bytes_per_param": held["total"] / psi,
+            "formula": mixed_precision.recipe(recipe).bytes_per_param(), "allreduce_payload_bytes": tally.payload_bytes,
+            "allreduce_formula_bytes": tally.formula_bytes_sent, "allreduce_calls": tally.calls("all_reduce"),
+            "allreduce_wire_bytes": tally.wire_bytes_sent if not tally.wire_missing else None,
+            "param_checksum": checksum}
+
+
+def measure(rank, world_size, recipes=tuple(mixed_precision.RECIPES), shapes=((1, 8), (2, 8), (2, 16)),
+            batch_size=2):
+    """The chapter-1 lab, on every rank: bytes per parameter by recipe, activations per block."""
+    cfg = tiny.GPTConfig()
+    result = {name: data_parallel_step(cfg, name, rank, batch_size) for name in recipes}
+    act_cfg = tiny.GPTConfig(dropout=0.1)  # the GPT-3 formula assumes dropout everywhere
+    return {"recipes": result, "activations": measure_activations(act_cfg, shapes, device=launch.device()),
+            "llama_activations": measure_llama(shapes, device=launch.device()),
+            "cuda_peak_bytes": memory.cuda_peak_bytes()}
+
+
+def state_gb(model, world_size, zero_stage, recipe="mixed"):
+    """GB per device of parameters + gradients + optimizer state (no activations), pure data parallel."""
+    return state_bytes_per_param(zero_stage, world_size, recipe)["total"] * MODELS[model].params() / GB
+
+
+# Chapter 1's exercises: the answers are computed here, so the book never types them.
+EXERCISES = {
+    "1": lambda: state_gb("13B", 8, zero_stage=2),
+    "2": lambda: math.ceil(16 * MODELS["70B"].params() / (GPU_GIB * GIB)),  # 80 GiB GPUs
+    "3": lambda: activation_bytes_per_layer(2048, 1, 12288, 96) / GB,
+    "4": lambda: GPU_GIB * GIB / 16 / 1e9,  # billions of parameters in 80 GiB
+}
+
+
+def check(question, answer, rel=0.01):
+    """Automatic checker: within 1% of the computed answer."""
+    return exercises.check(EXERCISES, question, answer, rel)
+
+
+def main(argv=None):
+    from labs.launcher import cli
+    p = cli.parser("Memory budget per device (calculator: --world-size GPUs, default 8), or --measure "
+                   "it on the tiny model (--world-size ranks, default 2).", world_size_default=None)
+    p.add_argument("--measure", action="store_true", help="run the lab instead of the calculator")
+    p.add_argument("--model", default="7B", choices=list(MODELS))
+    p.add_argument("--tp", type=cli.positive_int, default=1)
+    p.add_argument("--pp", type=cli.positive_int, default=1)
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="0 = plain data parallel, 1, 2 or 3")
+    p.add_argument("--recipe", default="mixed", choices=list(mixed_precision.RECIPES))
+    p.add_argument("--seq", type=cli.positive_int, default=4096)
+    p.add_argument("--micro-batch", type=cli.positive_int, default=1)
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--attention", default="materialized", choices=["materialized", "flash"],
+                   help="attention scores written out, or a fused kernel (FlashAttention, SDPA)")
+    p.add_argument("--gpu-gib", type=cli.positive_float, default=GPU_GIB, help="memory per GPU in GiB (default 80: an H100)")
+    args = cli.parse(p, argv)
+    if args.world_size is None:
+        args.world_size = 2 if args.measure else 8
+    if args.measure:
+        results = launch.launch(measure, args.world_size, timeout=args.timeout)
+        if results is None:
+            return
+        r0 = results[0]["recipes"]
+        result = {"world_size": len(results), "bytes_per_param": {k: v["bytes_per_param"] for k, v in r0.items()},
+                  "formula": {k: v["formula"]["total"] for k, v in r0.items()},
+                  "replicas_equal": all(r["recipes"] == results[0]["recipes"] for r in results),
+                  "activations": results[0]["activations"],
+                  "llama_activations_exact": {k: all(r["measured"] == r["formula"] for r in rows)
+                                              for k, rows in results[0]["llama_activations"].items()}}
+        lines = [f"{k:18s} measured {v:6.2f} B/param, formula {result['formula'][k]}" for k, v in
+                 result["bytes_per_param"].items()]
+        cli.report(result, args, "\n".join(lines))
+        return
+    r = budget(args.model, args.world_size, args.tp, args.pp, args.zero_stage, args.recipe, args.seq,
+               args.micro_batch, args.recompute, args.sequence_parallel, args.attention, args.gpu_gib)
+    g = r["gib_per_device"]
+    summary = (f"{args.model} ({r['params'] / 1e9:.2f}B params) on {args.world_size} GPUs "
+               f"(dp={r['dp']}, tp={args.tp}, pp={args.pp}, ZeRO-{args.zero_stage}, {args.attention} attention, "
+               f"recompute {args.recompute}): " + ", ".join(f"{k} {v:.1f} GiB" for k, v in g.items())
+               + f" -> {'fits' if r['fits'] else 'does not fit'} in {args.gpu_gib:g} GiB")
+    cli.report(r, args, summary)
+
+
+if __name__ == "__main__":
+    from labs.launcher import cli
+    cli.main(main)

@@ -1,0 +1,118 @@
+"""Mixed-precision Adam, built by hand so every byte it holds is visible (chapters 1, 3 and 8).
+
+The recipe of Micikevicius et al. 2018 ("Mixed Precision Training", arXiv 1710.03740) as the ZeRO
+paper (Rajbhandari et al. 2019, arXiv 1910.02054, section 3.1) counts it: the model computes with
+16-bit weights and gradients (2 + 2 bytes per parameter) and the optimizer keeps K = 12 bytes of
+fp32 state: a master copy of the weights, Adam's first moment m and second moment v. Total 16.
+
+`RECIPES` names the variants the book compares; `prepare` applies one to a model and returns its
+optimizer.
+"""
+from dataclasses import dataclass
+
+import torch
+
+FP32 = 4  # bytes per fp32 element
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Where each of a parameter's bytes lives."""
+    weights: torch.dtype   # the working weights forward and backward use
+    master: bool           # the optimizer keeps an fp32 master copy of the weights
+    grad_buffer: bool      # gradients are accumulated into an fp32 buffer (Megatron's main_grad)
+    keep_grads: bool       # the working-dtype .grad stays allocated beside that buffer
+    about: str
+
+    def bytes_per_param(self):
+        w = torch.empty(0, dtype=self.weights).element_size()
+        grads = (w if self.keep_grads else 0) + (FP32 if self.grad_buffer else 0)
+        optimizer = (FP32 if self.master else 0) + 2 * FP32  # master + m + v
+        return {"parameters": w, "gradients": grads, "optimizer_state": optimizer,
+                "total": w + grads + optimizer}
+
+
+RECIPES = {
+    "mixed": Recipe(torch.bfloat16, master=True, grad_buffer=False, keep_grads=True,
+                    about="bf16 weights and grads; fp32 master, m, v (the ZeRO paper's 2+2+12)"),
+    "mixed_fp32_grads": Recipe(torch.bfloat16, master=True, grad_buffer=True, keep_grads=False,
+                               about="bf16 weights; grads land in an fp32 buffer and the bf16 grad is freed"),
+    "mixed_fp32_accum": Recipe(torch.bfloat16, master=True, grad_buffer=True, keep_grads=True,
+                               about="bf16 weights and grads, plus an fp32 buffer accumulating them"),
+    "fp32": Recipe(torch.float32, master=False, grad_buffer=False, keep_grads=True,
+                   about="plain fp32: the weights are their own master copy"),
+    "bf16_no_master": Recipe(torch.bfloat16, master=False, grad_buffer=False, keep_grads=True,
+                             about="bf16 weights updated in place, fp32 m and v (the notes' 12 bytes)"),
+}
+
+
+def recipe(name):
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}.")
+    return RECIPES[name]
+
+
+class Adam:
+    """Adam (Kingma & Ba 2015, arXiv 1412.6980) over a recipe's master weights.
+
+    Same update as ``torch.optim.Adam`` (weight decay off); the step count is a Python int, so the
+    state is exactly master + m + v and nothing else.
+    """
+
+    def __init__(self, params, recipe, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+        self.params = list(params)
+        self.recipe, self.lr, self.betas, self.eps = recipe, lr, betas, eps
+        self.master = [p.detach().float().clone() if recipe.master else None for p in self.params]
+        self.m = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self.v = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self.t = 0
+
+    def state_dict_tensors(self):
+        return [t for t in self.master + self.m + self.v if t is not None]
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        for p, master, m, v in zip(self.params, self.master, self.m, self.v):
+            g = (p.main_grad if self.recipe.grad_buffer else p.grad).float()
+            w = master if master is not None else p  # fp32 update, or in place in the working dtype
+            adam_update(w, g, m, v, self.t, self.lr, self.betas, self.eps)
+            if master is not None:
+                p.copy_(master)  # round the new master weights into the working copy
+
+    def zero_grad(self):
+        for p in self.params:
+            if self.recipe.grad_buffer:
+                p.main_grad.zero_()
+            if p.grad is not None:
+                p.grad = None if not self.recipe.keep_grads else p.grad.zero_()
+
+
+@torch.no_grad()
+def adam_update(w, g, m, v, t, lr, betas=(0.9, 0.999), eps=1e-8):
+    """One Adam step on ``w`` in place (m, v updated too); ``t`` counts steps from 1."""
+    b1, b2 = betas
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    w.addcdiv_(m, (v / (1 - b2 ** t)).sqrt_().add_(eps), value=-lr / (1 - b1 ** t))
+
+
+def _accumulate_into_buffer(recipe):
+    def hook(p):  # runs once p.grad holds this backward's gradient
+        p.main_grad.add_(p.grad)
+        if recipe.keep_grads:
+            p.grad.zero_()  # the bf16 buffer stays allocated; its contents now live in main_grad
+        else:
+            p.grad = None
+    return hook
+
+
+def prepare(model, name, lr=1e-3):
+    """Cast ``model`` to the recipe's working dtype, attach its gradient buffers, return its Adam."""
+    r = recipe(name)
+    model.to(r.weights)
+    if r.grad_buffer:
+        for p in model.parameters():
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+            p.register_post_accumulate_grad_hook(_accumulate_into_buffer(r))
+    return Adam(model.parameters(), r, lr=lr)

@@ -1,0 +1,226 @@
+"""FP16 underflow and dynamic loss scaling, measured (chapter 8).
+
+Micikevicius et al. 2018 ("Mixed Precision Training", arXiv 1710.03740, section 3.2): gradients
+too small for FP16 flush to zero; multiplying the loss by S shifts every gradient up by log2(S)
+binades (the chain rule is linear), and dividing the fp32 gradients by S before the update undoes
+it. A *dynamic* scaler picks S online: halve it and skip the step when a gradient is inf/NaN,
+double it after ``growth_interval`` clean steps (the policy of ``torch.amp.GradScaler``).
+
+`formats()` reads every bit layout from ``torch.finfo`` and checks it by casting; `underflow()`
+counts gradients lost per format; `DynamicScaler` is the hand scaler, run beside GradScaler by
+`scaler_trace()`; `track()` trains the tiny GPT in FP32, BF16, FP16 and FP16 with loss scaling.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from labs import model
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _survives(value, dtype):
+    return torch.tensor(value, dtype=torch.float64).to(dtype).double().item() == value
+
+
+def formats():
+    """Each format's layout from torch.finfo: bits, exponent/mantissa bits, max, smallest normal,
+    smallest subnormal (= smallest normal * eps, checked by a cast: it survives, half of it
+    rounds to zero) and eps (the gap after 1.0)."""
+    out = {}
+    for name, dtype in DTYPES.items():
+        fi = torch.finfo(dtype)
+        mantissa = round(-math.log2(fi.eps))
+        subnormal = fi.smallest_normal * fi.eps
+        assert _survives(subnormal, dtype) and not _survives(subnormal / 2, dtype)
+        assert _survives(fi.max, dtype)
+        out[name] = {"bits": fi.bits, "exponent_bits": fi.bits - 1 - mantissa, "mantissa_bits": mantissa,
+                     "max": fi.max, "smallest_normal": fi.smallest_normal,
+                     "smallest_subnormal": subnormal, "eps": fi.eps}
+    return out
+
+
+def gradient_sample(n=100_000, center=-30.0, spread=6.0, seed=0):
+    """Magnitudes 2^N(center, spread) with random signs: a stand-in for the activation-gradient
+    histogram of Micikevicius et al. 2018 (Figure 3), most of whose mass lies below FP16's range."""
+    g = torch.Generator().manual_seed(seed)
+    exponent = center + spread * torch.randn(n, generator=g, dtype=torch.float64)
+    sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.float64) * 2 - 1
+    return sign * torch.exp2(exponent)  # (n,) float64
+
+
+def underflow(scales=(1, 2 ** 8, 2 ** 16, 2 ** 24), seed=0):
+    """Fraction of a gradient sample that becomes zero (and inf) when cast to each 16-bit format,
+    after multiplying by each loss scale S."""
+    grads = gradient_sample(seed=seed)
+    rows = []
+    for name in ("fp16", "bf16"):
+        for s in scales:
+            cast = (grads * s).to(DTYPES[name])
+            rows.append({"format": name, "scale": s, "zero": (cast == 0).double().mean().item(),
+                         "inf": cast.isinf().double().mean().item()})
+    return {"n": grads.numel(), "rows": rows}
+
+
+class DynamicScaler:
+    """The hand dynamic loss scaler, GradScaler's interface and update rule (no per-device state).
+
+    scale(loss) -> loss * S; step(opt): unscale grads (g / S), skip opt.step() if any is inf/NaN;
+    update(): on overflow S *= backoff and the clean-step count restarts, else after
+    ``growth_interval`` clean steps in a row S *= growth.
+    """
+
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.s, self.growth, self.backoff, self.interval = init_scale, growth_factor, backoff_factor, growth_interval
+        self.clean, self.found_inf = 0, False
+
+    def get_scale(self):
+        return self.s
+
+    def scale(self, loss):
+        return loss * self.s
+
+    @torch.no_grad()
+    def step(self, optimizer):
+        grads = [p.grad for grp in optimizer.param_groups for p in grp["params"] if p.grad is not None]
+        for g in grads:
+            g.mul_(1.0 / self.s)  # GradScaler multiplies by the fp32 reciprocal too
+        self.found_inf = any(not torch.isfinite(g).all() for g in grads)
+        if not self.found_inf:
+            optimizer.step()
+        return None if self.found_inf else True
+
+    def update(self):
+        if self.found_inf:
+            self.s *= self.backoff
+            self.clean = 0
+        else:
+            self.clean += 1
+            if self.clean == self.interval:
+                self.s *= self.growth
+                self.clean = 0
+
+
+def _regression(seed=0):
+    """A one-layer model run in FP16 under autocast; its targets make dL/dy about 2^-4, so the
+    scaled gradient overflows FP16 (65,504) once S exceeds about 2^20."""
+    torch.manual_seed(seed)
+    net = torch.nn.Linear(16, 16)
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(32)]
+    return net, batches
+
+
+def _run_scaler(scaler, steps, init_seed=0):
+    net, batches = _regression(init_seed)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    trace = []
+    for step in range(steps):
+        x, y = batches[step % len(batches)]
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(net(x), y)
+        before = net.weight.detach().clone()
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        trace.append({"step": step, "scale": scale, "skipped": bool(torch.equal(before, net.weight.detach()))})
+    return trace, [p.detach().clone() for p in net.parameters()]
+
+
+def scaler_trace(steps=12, init_scale=2.0 ** 22, growth_interval=3):
+    """Run the hand scaler and ``torch.amp.GradScaler("cpu")`` on the same FP16 model and batches.
+
+    Returns {"hand": [{step, scale, skipped}], "torch": [...], "params_equal": bool}; a step is
+    skipped when the weights did not move.
+    """
+    kw = dict(init_scale=init_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=growth_interval)
+    hand, hand_params = _run_scaler(DynamicScaler(**kw), steps)
+    ref, ref_params = _run_scaler(torch.amp.GradScaler("cpu", **kw), steps)
+    equal = all(torch.equal(a, b) for a, b in zip(hand_params, ref_params))
+    return {"hand": hand, "torch": ref, "params_equal": equal, **kw}
+
+
+TRACK_MODES = ("fp32", "bf16", "fp16", "fp16_scaled")
+
+
+def track(mode, steps=30, loss_weight=2.0 ** -24, lr=3e-3, seed=0):
+    """Train the tiny GPT ``steps`` Adam steps in one precision; return its (unweighted) losses.
+
+    The loss is multiplied by ``loss_weight`` so the gradients sit where a large model's do (most
+    below 2^-24, Micikevicius et al. 2018, Figure 3). Adam divides by sqrt(v), so FP32 training
+    is unchanged by the weight (eps is shrunk by the same factor); what FP16 cannot represent is
+    lost before Adam sees it. Modes: fp32; bf16 and fp16 under autocast with fp32 weights;
+    fp16_scaled adds `DynamicScaler`.
+    """
+    if mode not in TRACK_MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(TRACK_MODES)}.")
+    cfg = model.GPTConfig()
+    net = model.build(cfg, seed=seed)
+    opt = torch.optim.Adam(net.parameters(), lr=lr, eps=1e-8 * loss_weight)
+    scaler = DynamicScaler(init_scale=2.0 ** 32, growth_interval=10) if mode == "fp16_scaled" else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp16_scaled": torch.float16}.get(mode)
+    losses, zero_grads = [], []
+    for step in range(steps):
+        x, y = model.synthetic_batch(cfg, 8, seed=step % 4)  # four batches, revisited: the loss can fall
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = net(x, y)
+        weighted = loss.float() * loss_weight
+        (scaler.scale(weighted) if scaler else weighted).backward()
+        grads = torch.cat([p.grad.flatten() for p in net.parameters()])
+        zero_grads.append((grads == 0).double().mean().item())
+        scaler.step(opt) if scaler else opt.step()
+        if scaler:
+            scaler.update()
+        losses.append(loss.item())
+    return {"mode": mode, "losses": losses, "zero_grad_fraction": zero_grads}
+
+
+def _underflow(args):
+    r = underflow()
+    lines = [f"{row['format']} x{row['scale']:>9,}: zero {row['zero']:.3f}, inf {row['inf']:.5f}" for row in r["rows"]]
+    return {"formats": formats(), **r}, "\n".join(lines)
+
+
+def _loss_scaling(args):
+    r = scaler_trace(steps=args.steps)
+    lines = [f"step {h['step']}: S = {h['scale']:.0f}{' skipped' if h['skipped'] else ''}" for h in r["hand"]]
+    same = r["hand"] == r["torch"] and r["params_equal"]
+    return r, "\n".join(lines + [f"hand scaler == GradScaler('cpu'): {same}"])
+
+
+def _track(args):
+    r = {m: track(m, steps=args.steps) for m in TRACK_MODES}
+    return r, "\n".join(f"{m}: final loss {v['losses'][-1]:.4f}" for m, v in r.items())
+
+
+EXPERIMENTS = {"underflow": _underflow, "loss-scaling": _loss_scaling, "track": _track}
+
+
+# Chapter 8's exercises: the answers are computed here (from torch.finfo), so the book never types them.
+def _e4m3_flush_below(amax):
+    f = formats()["fp8_e4m3"]
+    return f["smallest_subnormal"] / 2 * amax / f["max"]  # half the smallest step rounds to zero
+
+
+EXERCISES = {
+    "1": lambda: formats()["fp16"]["smallest_normal"] / 2.0 ** -30,  # S lifting 2^-30 to FP16's smallest normal
+    "2": lambda: _e4m3_flush_below(1792.0),
+    # ring all-gather on 8 ranks: each rank sends 7 shards of 2^20 FP8 elements, each with its fp32 scale
+    "3": lambda: 7 * (2 ** 20 * formats()["fp8_e4m3"]["bits"] // 8 + formats()["fp32"]["bits"] // 8),
+}
+
+
+def check(question, answer, rel=0.01):
+    from labs.measure import exercises
+    return exercises.check(EXERCISES, question, answer, rel)
+
+
+if __name__ == "__main__":
+    from labs.launcher import cli
+    from labs.precision import experiment
+    cli.main(lambda: experiment.main(experiments=EXPERIMENTS))

@@ -1,0 +1,130 @@
+"""Chapter 4: when tensor parallelism stops paying, the communication/compute condition per layer.
+
+The argument of Austin et al., "How to Scale Your Model" (2025), Part 5 ("How to Parallelize a
+Transformer for Training"), tensor parallelism section: per layer, TP's communication is a fixed
+number of activation-sized collectives while its compute shrinks as 1/tp; once T_comm exceeds
+T_math no overlap can hide it. Written
+for the Megatron layer of `labs.tensor_parallel.blocks` (Shoeybi et al. 2019, §3), forward pass:
+
+    T_comm = 2 all-reduces x 2(tp-1)/tp x b s h B / W          (B bytes per element, W a link's
+                                                                 one-direction bandwidth)
+    T_math = (2 P_layer b s + 4 b s^2 h) / (tp C)              (C the device's peak FLOP/s)
+
+    T_comm / T_math = 2 (tp-1) h B C / (W (P_layer + 2 s h))     (`ratio`)
+
+b cancels: a bigger micro-batch does not help, because the messages grow with it. With
+P_layer ~ 12 h^2 and s << h, the ratio is (tp-1) C / (3 h W) for B = 2: it grows with tp, falls
+with h and with the link bandwidth. The crossover, T_comm = T_math, is
+
+    tp* = 1 + W (P_layer + 2 s h) / (2 B h C)  ~  1 + 3 h W / C    (`crossover_tp`)
+
+A training step adds the backward: 2 more all-reduces (f's) and twice the forward FLOPs, so the
+step's ratio is 2/3 of the forward's. Layer sizes and hardware figures are those of
+`labs.tensor_parallel.blocks.layer_costs` (which this file reuses) and `labs.memory_budget.budget`.
+
+    python -m labs.tensor_parallel.tp_limits --model 70B --json
+"""
+import contextlib
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from labs.memory_budget import budget
+from labs.measure import comm
+from labs.launcher import launch
+from labs import model as tiny
+from labs.tensor_parallel import blocks as tpl, megatron
+
+NVLINK, INFINIBAND = "NVLink 4 (H100)", "InfiniBand NDR (400 Gb/s)"
+DEVICE = "H100 SXM, bf16 dense"
+
+
+def ratio(h, tp, bandwidth, peak_flops, seq=4096, layer_params=None, bytes_per_elem=2):
+    """T_comm / T_math for one layer's forward, closed form; P_layer defaults to the GPT block's 12 h^2."""
+    if tp < 1 or h < 1 or bandwidth <= 0 or peak_flops <= 0:
+        raise ValueError(f"need tp >= 1, h >= 1 and positive bandwidth and peak FLOP/s, got tp={tp}, h={h}, "
+                         f"bandwidth={bandwidth}, peak_flops={peak_flops}.")
+    p = 12 * h * h if layer_params is None else layer_params
+    return 2 * (tp - 1) * h * bytes_per_elem * peak_flops / (bandwidth * (p + 2 * seq * h))
+
+
+def crossover_tp(h, bandwidth, peak_flops, seq=4096, layer_params=None, bytes_per_elem=2, step=False):
+    """tp* where T_comm = T_math (forward, or the whole step with ``step``: ratio x 2/3)."""
+    per_tp = ratio(h, 2, bandwidth, peak_flops, seq, layer_params, bytes_per_elem)  # the ratio at tp - 1 = 1
+    return 1 + 1 / (per_tp * (2 / 3 if step else 1))
+
+
+def condition(model="70B", links=(NVLINK, INFINIBAND), tps=(1, 2, 4, 8, 16, 32, 64), seq=4096, micro_batch=1,
+              device=DEVICE):
+    """Per link: one row per tp (comm_s, compute_s, ratio, ratio_step from `layer_costs`), the crossover
+    tp* (forward and step) and ``first_comm_bound_tp``, the first tp in ``tps`` whose forward ratio >= 1."""
+    arch = budget.MODELS[model] if model in budget.MODELS else None
+    if arch is None:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(budget.MODELS)}.")
+    out = {"model": model, "hidden": arch.hidden, "layer_params": arch.layer_params(), "seq": seq,
+           "micro_batch": micro_batch, "device": device, "links": {}}
+    for link in links:
+        rows = []
+        for tp in tps:
+            c = tpl.layer_costs(model, tp, seq, micro_batch, link, device)
+            r = c["comm_s"] / c["compute_s"]
+            rows.append({"tp": tp, "comm_s": c["comm_s"], "compute_s": c["compute_s"], "ratio": r,
+                         "ratio_step": r * 2 / 3})
+        args = (arch.hidden, budget.LINKS[link], budget.PEAK_FLOPS[device], seq, arch.layer_params())
+        out["links"][link] = {"bandwidth": budget.LINKS[link], "rows": rows,
+                              "crossover_tp": crossover_tp(*args), "crossover_tp_step": crossover_tp(*args, step=True),
+                              "first_comm_bound_tp": next((r["tp"] for r in rows if r["ratio"] >= 1), None)}
+    return out
+
+
+def crossover_table(models=("7B", "13B", "70B", "405B"), links=(NVLINK, INFINIBAND), seq=4096, device=DEVICE):
+    """tp* for each model and link: how h moves the crossover (it grows about as 3 h W / C)."""
+    return [{"model": m, "hidden": budget.MODELS[m].hidden,
+             **{link: crossover_tp(budget.MODELS[m].hidden, budget.LINKS[link], budget.PEAK_FLOPS[device], seq,
+                                   budget.MODELS[m].layer_params()) for link in links}} for m in models]
+
+
+def measure_layer(rank, world_size, b=2, s=8, hidden=48, link=NVLINK, device=DEVICE):
+    """The tiny GPT layer under TP, forward: FLOPs counted (FlopCounterMode) and all-reduce payloads
+    read from the tensors g hands the collective, turned into T_comm / T_math at ``link`` and
+    ``device`` speeds, beside the closed form (`ratio`, B = 4: this layer runs in fp32). Ranks other
+    than 0 return only their payloads."""
+    cfg = tpl.config(hidden=hidden, n_layer=1)
+    megatron.check_degree(cfg, world_size)
+    block = megatron.apply_tensor_parallel(tiny.build(cfg, seed=0, device=launch.device())).blocks[0]
+    x = torch.randn(b, s, hidden, generator=torch.Generator().manual_seed(1)).to(launch.device())
+    # counted on rank 0 only: the counter's first use costs about 1 s of CPU per process, and every
+    # rank's layer has the same shapes (the other ranks just run it, for the collectives)
+    counter = FlopCounterMode(display=False) if rank == 0 else contextlib.nullcontext()
+    with counter, megatron.payloads() as log:
+        block(x)
+    if rank:
+        return {"payloads": [c["bytes"] for c in log]}
+    measured = counter.get_total_flops()
+    # what a ring sends per rank for each measured payload, 2(tp-1)/tp of it
+    sent = sum(comm.ring_allreduce_elements(c["numel"], world_size, rank) * c["element_size"] for c in log)
+    bw, peak = budget.LINKS[link], budget.PEAK_FLOPS[device]
+    matmul_weights = 12 * hidden * hidden                            # qkv 3h^2, proj h^2, fc 4h^2, proj 4h^2
+    return {"flops": measured, "flops_formula": (2 * matmul_weights * b * s + 4 * b * s * s * hidden) // world_size,
+            "payloads": [c["bytes"] for c in log], "sent_bytes": sent, "element_size": x.element_size(),
+            "ratio_measured": (sent / bw) / (measured / peak),
+            "ratio_formula": ratio(hidden, world_size, bw, peak, s, matmul_weights, x.element_size())}
+
+
+def main(argv=None):
+    from labs.launcher import cli
+    p = cli.parser("Tensor parallelism's communication over compute per layer, NVLink vs InfiniBand.",
+                   world_size_default=None)
+    p.add_argument("--model", choices=tuple(budget.MODELS), default="70B")
+    p.add_argument("--seq", type=cli.positive_int, default=4096)
+    p.add_argument("--micro-batch", type=cli.positive_int, default=1)
+    args = cli.parse(p, argv)
+    r = condition(args.model, seq=args.seq, micro_batch=args.micro_batch)
+    lines = [f"{link}: tp* = {v['crossover_tp']:.1f} (step {v['crossover_tp_step']:.1f}); ratio at tp = 8: "
+             f"{next(x['ratio'] for x in v['rows'] if x['tp'] == 8):.2f}" for link, v in r["links"].items()]
+    cli.report(r, args, f"{args.model}, one layer's forward: " + "; ".join(lines))
+
+
+if __name__ == "__main__":
+    from labs.launcher import cli
+    cli.main(main)

@@ -1,0 +1,218 @@
+"""labs/ is the book's table of contents: one package per chapter over shared packages, with every
+import pointing one way (issue 27).
+
+The import graph is read from the source with `ast`, function-level imports included (an import
+inside a function that closes a circle is still a circle), and checked for: no circle among
+modules; the shared packages (launcher, measure) and the top-level modules importing no chapter;
+a chapter importing only shared pieces and earlier chapters; no file over 320 lines; at most three
+modules loose in labs/; a docstring in every package's __init__.py that names its chapter and
+says what each of its modules is for. The synthetic cases at the end show each rule can fail.
+"""
+import ast
+import os
+
+import pytest
+
+LABS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "labs")
+MAX_LINES = 320
+MAX_LOOSE = 3
+SHARED = {"labs.launcher", "labs.measure"}           # what every chapter uses
+TOP = {"labs.model", "labs.groups"}                   # the tiny model and the rank grid
+APPS = {"labs.gpu"}                                   # commands on top of the chapters; nothing imports them
+CHAPTERS = {"labs.memory_budget": 1, "labs.data_parallel": 2, "labs.zero": 3, "labs.tensor_parallel": 4,
+            "labs.pipeline": 5, "labs.context_parallel": 6, "labs.expert_parallel": 7, "labs.precision": 8,
+            "labs.recompute": 9, "labs.collectives": 10, "labs.hardware": 11, "labs.checkpointing": 12,
+            "labs.failures": 13, "labs.planning": 14}
+
+
+# ---- the graph ------------------------------------------------------------------------------------
+
+def read_tree(root=LABS):
+    """{module name: (path, source)} for every .py file under ``root`` (packages as their name)."""
+    base = os.path.dirname(root)
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                name = os.path.relpath(path, base)[:-3].replace(os.sep, ".")
+                name = name[:-len(".__init__")] if name.endswith(".__init__") else name
+                with open(path, encoding="utf-8") as fh:
+                    out[name] = (path, fh.read())
+    return out
+
+
+def imports(name, source, modules, is_package=False):
+    """The modules of ``modules`` that ``name`` imports anywhere in ``source`` (functions included)."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for a in node.names:
+                if f"{base}.{a.name}" in modules:
+                    found.add(f"{base}.{a.name}")
+                elif base in modules:
+                    found.add(base)
+    found.discard(name)
+    return found
+
+
+def graph(sources, packages=()):
+    """{module: set of modules it imports} for {module: source}; ``packages`` lists the __init__ ones."""
+    return {m: imports(m, src, sources, m in packages) for m, src in sources.items()}
+
+
+def circles(edges):
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in edges:
+                    continue
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return sorted(out)
+
+
+def package_of(module):
+    """labs.zero.stages -> labs.zero; labs.model -> labs.model; labs -> labs."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def backward_edges(edges):
+    """Every import that points the wrong way, as (importer, imported, why)."""
+    bad = []
+    for src, targets in sorted(edges.items()):
+        here = package_of(src)
+        for dst in sorted(targets):
+            there = package_of(dst)
+            if there == here:
+                continue
+            if there in APPS:
+                bad.append((src, dst, f"nothing imports {there}, a command on top of the chapters"))
+            elif here in SHARED or here in TOP or here == "labs":
+                if there not in SHARED and there not in TOP:
+                    bad.append((src, dst, f"{here} is shared by every chapter and imports none"))
+            elif here in CHAPTERS:
+                if there in CHAPTERS and CHAPTERS[there] >= CHAPTERS[here]:
+                    bad.append((src, dst, f"chapter {CHAPTERS[here]} imports chapter {CHAPTERS[there]}"))
+                elif there not in CHAPTERS and there not in SHARED and there not in TOP:
+                    bad.append((src, dst, f"{there} is neither shared nor a chapter"))
+    return bad
+
+
+TREE = read_tree()
+PACKAGES = {m for m, (path, _) in TREE.items() if path.endswith("__init__.py")}
+EDGES = graph({m: src for m, (_, src) in TREE.items()}, PACKAGES)
+
+
+# ---- the rules, on labs/ -------------------------------------------------------------------------
+
+def test_no_import_circle():
+    assert circles(EDGES) == []
+
+
+def test_imports_point_from_later_chapters_to_earlier_ones_and_shared_packages():
+    assert backward_edges(EDGES) == []
+
+
+def test_every_package_is_a_known_chapter_or_shared():
+    known = SHARED | APPS | set(CHAPTERS)
+    assert sorted(p for p in PACKAGES if p != "labs" and p not in known) == []
+
+
+def test_no_file_over_320_lines():
+    long = {os.path.relpath(path, LABS): src.count("\n") for path, src in TREE.values()
+            if src.count("\n") > MAX_LINES}
+    assert long == {}
+
+
+def test_at_most_three_modules_loose_in_labs():
+    loose = sorted(f for f in os.listdir(LABS) if f.endswith(".py") and f != "__init__.py")
+    assert len(loose) <= MAX_LOOSE, loose
+    assert {f"labs.{f[:-3]}" for f in loose} <= TOP
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES - {"labs"}))
+def test_package_docstring_names_its_chapter_and_every_module(package):
+    doc = ast.get_docstring(ast.parse(TREE[package][1])) or ""
+    if package in CHAPTERS:
+        assert f"Chapter {CHAPTERS[package]}" in doc.split("\n")[0], doc.split("\n")[0]
+    else:
+        assert "chapter" in doc.lower(), doc
+    modules = sorted(m.rpartition(".")[2] for m in TREE if m.startswith(package + ".") and m.count(".") == 2)
+    missing = [m for m in modules if f"`{m}`" not in doc and f"`{m}.py`" not in doc]
+    assert missing == [], f"{package}/__init__.py does not say what these modules are for: {missing}"
+
+
+# ---- the checks can fail -------------------------------------------------------------------------
+
+SYNTHETIC = {
+    "a circle": ({"labs.measure.a": "from labs.measure import b\n",
+                  "labs.measure.b": "from labs.measure import a\n"}, "circle"),
+    "a circle hidden in a function": ({"labs.zero.x": "from labs.zero import y\n",
+                                       "labs.zero.y": "def f():\n    from labs.zero.x import g\n    return g\n"},
+                                      "circle"),
+    "a circle through a third module": ({"labs.pipeline.p": "import labs.pipeline.q\n",
+                                         "labs.pipeline.q": "from labs.pipeline import r\n",
+                                         "labs.pipeline.r": "from . import p\n"}, "circle"),
+    "chapter 2 importing chapter 8": ({"labs.data_parallel.d": "from labs.precision import fp8\n",
+                                       "labs.precision.fp8": ""}, "backward"),
+    "a chapter importing itself from a later one": ({"labs.zero.s": "from labs.tensor_parallel.megatron import f\n",
+                                                     "labs.tensor_parallel.megatron": ""}, "backward"),
+    "measurement importing a chapter": ({"labs.measure.comm": "def f():\n    from labs.data_parallel import ring\n",
+                                         "labs.data_parallel.ring": ""}, "backward"),
+    "a chapter importing the GPU command": ({"labs.failures.f": "from labs.gpu import record\n",
+                                             "labs.gpu.record": ""}, "backward"),
+    "one way": ({"labs.zero.s": "from labs.data_parallel import ring\nfrom labs.measure import comm\n",
+                 "labs.data_parallel.ring": "from labs.measure import comm\nfrom labs import model\n",
+                 "labs.measure.comm": "from labs.measure import wire\n", "labs.measure.wire": "",
+                 "labs.model": "", "labs.gpu.record": "from labs.zero import s\n"}, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SYNTHETIC))
+def test_the_rules_catch_a_circle_and_a_backward_edge(case):
+    sources, caught = SYNTHETIC[case]
+    edges = graph(sources)
+    found = {"circle": bool(circles(edges)), "backward": bool(backward_edges(edges))}
+    assert found == {"circle": caught == "circle", "backward": caught == "backward"}, (edges, found)
