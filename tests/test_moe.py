@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labs.launcher import cli, launch
-from labs.expert_parallel import moe, moe_routing as mr
+from labs.expert_parallel import moe, moe_routing as mr, router
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -43,7 +43,7 @@ def test_expert_parallel_equals_the_single_process_layer(world_size, capacity_fa
         assert r["max_abs_error"] < TOL and r["max_abs_error_grad"] < TOL, r["grad_errors"]
         _check_bytes(r, world_size, experts)
         # no choice is near a tie, so the routing (and the counts below) is the same on any CPU
-        assert r["routing_margin"] > moe.margin_bound(experts), r["routing_margin"]
+        assert r["routing_margin"] > router.margin_bound(experts), r["routing_margin"]
     # capacity is per rank's batch, so the reference drops the same pairs: equal even with drops
     assert (results[0]["dropped_fraction"] == 0) == (capacity_factor is None)
     # every row dispatched comes back: the ranks' dispatch and combine bytes have equal totals
@@ -55,12 +55,12 @@ def test_node_limited_routing_on_two_nodes():
     limited = launch.spawn(moe.check_layer, 4, 32, 16, 16, 4, None, 0, (8, 1), timeout=120)
     for r in limited:
         assert r["max_abs_error"] < TOL and r["max_abs_error_grad"] < TOL
-        assert r["routing_margin"] > moe.margin_bound(16)
+        assert r["routing_margin"] > router.margin_bound(16)
         _check_bytes(r, 4, 16)
     rows = launch.spawn(mr.node_limited, 4, timeout=120)
     for r in rows:
         assert r["unlimited"]["max_nodes_per_token"] == 2 and r["one_node"]["max_nodes_per_token"] == 1
-        assert min(r[k]["routing_margin"] for k in ("unlimited", "one_node")) > moe.margin_bound(16)
+        assert min(r[k]["routing_margin"] for k in ("unlimited", "one_node")) > router.margin_bound(16)
         # once per node, a token crosses at most M = 1 time: at most 64 tokens x 64 bytes
         assert r["one_node"]["once_per_node_bytes"] <= 64 * r["one_node"]["row_bytes"]
     once = {k: sum(r[k]["once_per_node_bytes"] for r in rows) for k in ("unlimited", "one_node")}
@@ -75,25 +75,25 @@ def test_indivisible_experts_are_refused():
     with pytest.raises(ValueError, match="10 experts cannot be spread evenly over ep = 4 ranks"):
         moe.check_ep(10, 4)
     with pytest.raises(ValueError, match="not divisible by the node limit M = 3"):
-        moe.route(torch.zeros(2, 8), 4, experts_per_node=4, max_nodes=3)
+        router.route(torch.zeros(2, 8), 4, experts_per_node=4, max_nodes=3)
 
 
 def test_capacity_priority_first_choices_first():
     # 3 tokens, all prefer expert 0 then expert 1; capacity 2: token 2 loses expert 0, and the
     # first choices of tokens 0 and 1 do not lose to anyone's second choice
     logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]] * 3)
-    r = moe.route(logits, 2, cap=2)
+    r = router.route(logits, 2, cap=2)
     assert r.idx.tolist() == [[0, 1]] * 3
     assert r.keep.tolist() == [[True, True], [True, True], [False, False]]
-    assert moe.capacity(tokens=3, experts=4, top_k=2, capacity_factor=1.25) == 2  # ceil(1.875)
+    assert router.capacity(tokens=3, experts=4, top_k=2, capacity_factor=1.25) == 2  # ceil(1.875)
 
 
 def test_switch_aux_loss_is_alpha_when_uniform_and_alpha_n_when_collapsed():
     n, k, alpha = 8, 2, 1e-2
     idx = torch.arange(32).view(16, 2) % n  # every expert chosen 4 times
-    uniform = moe.Routing(torch.full((16, n), 1 / n), idx, None, None)
+    uniform = router.Routing(torch.full((16, n), 1 / n), idx, None, None)
     assert mr.switch_aux_loss(uniform, n, k, alpha).item() == pytest.approx(alpha, rel=1e-6)
-    collapsed = moe.Routing(torch.tensor([[1.0, 0, 0, 0]] * 4), torch.zeros(4, 1, dtype=torch.long), None, None)
+    collapsed = router.Routing(torch.tensor([[1.0, 0, 0, 0]] * 4), torch.zeros(4, 1, dtype=torch.long), None, None)
     assert mr.switch_aux_loss(collapsed, 4, 1, alpha).item() == pytest.approx(alpha * 4, rel=1e-6)
 
 
@@ -104,7 +104,7 @@ def test_dropped_fraction_follows_the_load_distribution():
         assert row["per_batch"] == pytest.approx(row["from_loads"], abs=1e-9)
         # and on average what the Binomial(T, p_i) loads predict: within 4 standard errors
         assert abs(row["measured"] - row["predicted"]) < 4 * row["stderr"]
-        assert row["routing_margin"] > moe.margin_bound(8)   # the same choices on every CPU
+        assert row["routing_margin"] > router.margin_bound(8)   # the same choices on every CPU
     assert [r["measured"] for r in rows] == sorted((r["measured"] for r in rows), reverse=True)
 
 

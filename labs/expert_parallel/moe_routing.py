@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from labs.launcher import launch
-from labs.expert_parallel import moe
+from labs.expert_parallel import moe, router
 
 
 @contextlib.contextmanager
@@ -54,7 +54,7 @@ def expected_dropped(probs, tokens, cap):
 
 
 def drop_curve(capacity_factors, tokens=256, experts=8, s=1.0, trials=40, seed=0):
-    """Top-1 routing through `moe.route` under a Zipf router, for each capacity factor: the dropped
+    """Top-1 routing through `router.route` under a Zipf router, for each capacity factor: the dropped
     fraction measured (mean and standard error over ``trials`` batches), the fraction computed from
     each batch's measured loads (``from_loads``, which must equal it batch by batch), and the
     expectation derived from p (``predicted``)."""
@@ -62,10 +62,10 @@ def drop_curve(capacity_factors, tokens=256, experts=8, s=1.0, trials=40, seed=0
     batches = [skewed_logits(tokens, probs, g) for _ in range(trials)]
     rows = []
     for cf in capacity_factors:
-        cap = moe.capacity(tokens, experts, 1, cf)
+        cap = router.capacity(tokens, experts, 1, cf)
         measured, from_loads, margin = [], [], math.inf
         for logits in batches:
-            r = moe.route(logits, 1, cap)
+            r = router.route(logits, 1, cap)
             margin = min(margin, r.margin)
             measured.append(1 - r.keep.float().mean().item())
             loads = torch.bincount(r.idx.reshape(-1), minlength=experts)
@@ -128,7 +128,7 @@ def uniform_floor(tokens=128, experts=8, top_k=2, trials=200, seed=0):
     g = torch.Generator().manual_seed(seed)
     ratios = []
     for _ in range(trials):
-        idx = moe.route(torch.rand(tokens, experts, generator=g), top_k).idx
+        idx = router.route(torch.rand(tokens, experts, generator=g), top_k).idx
         loads = torch.bincount(idx.reshape(-1), minlength=experts)
         ratios.append((loads.max() / loads.float().mean()).item())
     r = torch.tensor(ratios, dtype=torch.float64)
@@ -186,7 +186,7 @@ def dispatch_bytes(tokens, top_k, ep, hidden, bytes_per_elem=2):
 
 # Chapter 7's exercises: the answers are computed here, so the book never types them.
 EXERCISES = {
-    "1": lambda: moe.capacity(4096, 64, 1, 1.25),
+    "1": lambda: router.capacity(4096, 64, 1, 1.25),
     "2": lambda: dispatch_bytes(4096, 8, 64, 7168) / 2**20,
     "3": lambda: 4 * 7168 * 2,
 }
