@@ -23,8 +23,10 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from labs import model as tiny
 from labs.measure import flops
 from labs.memory_budget.activations import recompute_attention_core
+from labs.memory_budget.budget import MODELS, PEAK_FLOPS
 
-H100_BF16_DENSE = 989e12   # H100 SXM, dense BF16 tensor-core peak (NVIDIA H100 datasheet: 1,979 with sparsity)
+# H100 SXM, dense BF16 tensor-core peak (NVIDIA H100 datasheet: 1,979 with sparsity): chapter 1's one figure
+H100_BF16_DENSE = PEAK_FLOPS["H100 SXM, bf16 dense"]
 
 
 # --- parameters: derived beside counted --------------------------------------------------------
@@ -190,7 +192,6 @@ def llama3_405b(peak=H100_BF16_DENSE):
     percentage (the TFLOP/s column is printed to tens, so [t - 5, t + 5] / peak must reach the
     percentage's +-0.5 band); the implied tokens/s from the model FLOPs per token at the row's
     sequence length; the parallel degrees multiplied out; and 6 Psi D against the paper's budget."""
-    from labs.memory_budget.budget import MODELS
     arch = MODELS["405B"]
     p_mm = arch_matmul_params(arch)
     rows = []
