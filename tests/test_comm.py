@@ -8,8 +8,8 @@ import workers
 from labs.measure import comm, wire
 from labs.launcher import launch
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
-pytestmark = pytest.mark.numerics
+# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 
 @functools.lru_cache(maxsize=None)
@@ -18,6 +18,7 @@ def suite(world_size):
     return launch.spawn(workers.comm_suite, world_size, timeout=300)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("numel", [10, 12, 7])
 def test_ring_allreduce_bytes_sum_to_2_n_minus_1_times_m(n, numel):
@@ -32,6 +33,7 @@ def test_ring_chunks_are_uneven_by_at_most_one():
     assert comm.ring_chunks(2, 4) == [1, 1, 0, 0]
 
 
+@pytest.mark.numerics
 def test_library_collectives_are_correct_and_recorded_as_formula_not_counted():
     world_size, numel = 3, 10
     results = [r["library"] for r in suite(world_size)]
@@ -71,6 +73,7 @@ def test_library_collectives_are_correct_and_recorded_as_formula_not_counted():
     assert sum(x["wire"] for x in checks) == wire.gloo_allreduce_all_ranks(4000, n)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_hand_rings_equal_the_library_and_count_n_minus_1_chunks(world_size):
     """Integer-valued inputs: every partial sum is exact in fp32 and bf16, so equality is exact."""

@@ -13,8 +13,8 @@ from labs.data_parallel import hand_ddp
 from labs.launcher import launch
 from labs import model as tiny
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
-pytestmark = pytest.mark.numerics
+# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # All three runs sum the same fp32 gradients in different orders (bucket layout, ring chunks, one
@@ -33,6 +33,7 @@ def _param_bytes():
     return 4 * tiny.num_params(tiny.build(tiny.GPTConfig(), seed=0))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_hand_ddp_equals_torch_ddp_and_one_process(world_size):
     steps = 3
@@ -52,6 +53,7 @@ def test_hand_ddp_equals_torch_ddp_and_one_process(world_size):
     assert all(r["wire_reason"] is None for r in results)
 
 
+@pytest.mark.numerics
 def test_no_sync_divides_the_all_reduces_by_the_accumulation_factor_and_counted_rings_agree():
     steps, accumulation, n = 2, 3, 3
     with_no_sync = [r["no_sync_counted"] for r in suite(n)]
@@ -69,6 +71,7 @@ def test_no_sync_divides_the_all_reduces_by_the_accumulation_factor_and_counted_
                                                    for m in r["allreduce_payloads"])
 
 
+@pytest.mark.numerics
 def test_two_backwards_mixed_dtypes_frozen_and_unused_parameters_match_torch_ddp():
     """Two backward() per step, a bf16 layer first in backward's order, a frozen layer, a branch
     unused on some ranks (step 1) and on all (step 2), against torch DDP(find_unused_parameters=True).
@@ -84,6 +87,7 @@ def test_two_backwards_mixed_dtypes_frozen_and_unused_parameters_match_torch_ddp
         assert r["bad_cap_error"] == "bucket_cap_bytes must be at least 1, got 0."
 
 
+@pytest.mark.numerics
 def test_two_backwards_and_unused_parameters_match_one_process_at_three_ranks():
     # all fp32 here: sums in another order, a few ulps (see TOL); dropping the second backward's
     # gradients was measured at 3.29 away from one process
@@ -91,6 +95,7 @@ def test_two_backwards_and_unused_parameters_match_one_process_at_three_ranks():
         assert r["fp32_vs_torch_ddp"] < TOL and r["fp32_vs_single"] < TOL
 
 
+@pytest.mark.numerics
 def test_replicas_drift_without_sync_and_stay_apart_after():
     r = suite(3)[0]["drift"]
     spread, off = r["spread"], r["steps_off"]

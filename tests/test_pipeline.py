@@ -12,8 +12,8 @@ from labs.launcher import launch
 from labs import model as tiny
 from labs.pipeline import executor, torch_pipelining, schedules, split_backward
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
-pytestmark = pytest.mark.numerics
+# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32 gradients of m micro-batches summed one by one vs one backward over the whole batch:
@@ -84,6 +84,7 @@ def costs():
     return split_backward.costs(executor.config(), batch_size=2)
 
 
+@pytest.mark.numerics
 def test_zb_h1_bubble_with_table_1_times(costs):
     # Qi et al. Table 2 for any T_F, T_B, T_W with T_W <= T_F: ZB-H1's bubble is (p-1)(T_F+T_B-T_W),
     # 1F1B's (p-1)(T_F+T_B+T_W). Times here: the FLOPs of one layer's F, B and W, counted.
@@ -97,6 +98,7 @@ def test_zb_h1_bubble_with_table_1_times(costs):
                 assert total - m * (tf + tb + tw) == (p - 1) * bubble
 
 
+@pytest.mark.numerics
 def test_split_backward_counts_and_gradients(costs):
     cfg, b = executor.config(), 2
     s, h, a = cfg.seq_len, cfg.hidden, cfg.n_head
@@ -161,6 +163,7 @@ def runs():
                 for r in launch.spawn(executor.sweep, p, CONFIGS[p], 0.0, timeout=300)[0]} for p in CONFIGS}
 
 
+@pytest.mark.numerics
 def test_executor_gradients_bubble_and_activation_bytes(runs):
     for p, results in runs.items():
         for (name, m), r in results.items():
@@ -176,6 +179,7 @@ def test_executor_gradients_bubble_and_activation_bytes(runs):
             assert r["activation_bytes_peak"] == [_peak_bytes(a, c, split) for a, c in zip(lists, r["piece_costs"])], case
 
 
+@pytest.mark.numerics
 def test_1f1b_stage_0_holds_all_layers_and_zb_h1_keeps_its_peak(runs):
     cfg = executor.config()
     tokens, _ = executor.microbatches(cfg, 1, 2)[0]
@@ -196,6 +200,7 @@ def test_1f1b_stage_0_holds_all_layers_and_zb_h1_keeps_its_peak(runs):
         assert greedy["bubble_fraction"] == zb["bubble_fraction"]
 
 
+@pytest.mark.numerics
 def test_torch_pipelining_gives_the_same_gradients():
     configs = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 2)]
     results = launch.spawn(torch_pipelining.libraries, 2, configs, timeout=180)

@@ -13,8 +13,8 @@ from labs.measure import comm, wire
 from labs.launcher import launch
 from labs.data_parallel import ring_allreduce as ra
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
-pytestmark = pytest.mark.numerics
+# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32 sums of N standard normals in another order than the float64 reference: a few ulps of the
@@ -29,6 +29,7 @@ def suite(world_size):
     return launch.spawn(workers.ring_runs, world_size, NUMELS, timeout=180)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
 def test_ring_and_naive_equal_the_exact_sum_and_the_formulas(world_size):
     runs = suite(world_size)
@@ -57,6 +58,7 @@ def test_ring_and_naive_equal_the_exact_sum_and_the_formulas(world_size):
     assert sum(r["wire_bytes"] for r in results) == 2 * (world_size - 1) * (numel * 4 + 3 * wire.PREAMBLE)
 
 
+@pytest.mark.numerics
 def test_hand_ring_equals_the_library_whose_bytes_are_formula_and_wire():
     numel, n = 1000, 3
     results = [r["library"] for r in suite(n)]
@@ -84,6 +86,7 @@ def test_command_line_contract():
     assert r["formula_bytes_sent"] == [0, 0, 0] and r["wire_reason"] is None
 
 
+@pytest.mark.numerics
 def test_eight_ranks_with_uneven_chunks():
     results = launch.spawn(ra.run, 8, 1001, "ring", 1, timeout=180)
     assert max(r["max_abs_error"] for r in results) < TOL

@@ -9,8 +9,8 @@ import pytest
 from labs.launcher import launch
 from labs.tensor_parallel import blocks as tp, megatron
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
-pytestmark = pytest.mark.numerics
+# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32: the row-parallel layer sums tp partial products where one process sums one long dot
@@ -19,6 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_tp_blocks_equal_the_unsharded_blocks(world_size):
     b, s, h = 2, 8, 48
@@ -50,12 +51,14 @@ def test_all_reduce_carries_activations_not_weights():
     assert [r["message_bytes"] for r in rows] == [b * s * h * 4 for b, s, h in shapes]  # linear in h, not h^2
 
 
+@pytest.mark.numerics
 def test_training_under_tp_gives_the_single_process_losses():
     r = launch.spawn(tp.train, 2, timeout=180)[0]
     assert r["losses_tp"] == pytest.approx(r["losses_single"], rel=1e-5)
     assert r["params_held"] < r["params_full"]
 
 
+@pytest.mark.numerics
 def test_dtensor_parallelize_module_matches_the_hand_split():
     results = launch.spawn(tp.dtensor_mlp, 2, timeout=120)
     for r in results:

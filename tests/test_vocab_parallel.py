@@ -10,8 +10,8 @@ import torch
 from labs.tensor_parallel import gqa_parallel as gqa, tp_limits as tl, vocab_parallel as vp
 from labs.launcher import launch
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
-pytestmark = pytest.mark.numerics
+# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 B, S, H, V = 2, 8, 16, 96            # vocabulary lab: V divisible by 2 and 3
 KV = {2: (1, 2), 3: (1, 3)}          # GQA lab, 12 query heads: replicate at kv = 1, split at kv = tp
@@ -28,6 +28,7 @@ def run(world_size):
     return launch.spawn(suite, world_size, timeout=120)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_vocab_parallel_loss_and_gradients_equal_the_unsharded(world_size):
     for r in (x["vocab"] for x in run(world_size)):
@@ -41,6 +42,7 @@ def test_vocab_parallel_loss_and_gradients_equal_the_unsharded(world_size):
             torch.testing.assert_close(local, ref, rtol=1e-5, atol=1e-8, msg=name)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_vocab_parallel_all_reduces_and_logits_memory(world_size):
     for r in (x["vocab"] for x in run(world_size)):
@@ -69,6 +71,7 @@ def test_vocab_not_divisible_by_tp_is_refused():
     assert big["unsharded"] == 8192 * 128256 * 4 and big["unsharded"] == 8 * big["per_rank"]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gqa_under_tp_equals_the_unsharded_layer(world_size):
     d, h = 48 // 12, 48

@@ -12,8 +12,8 @@ from labs.launcher import launch
 from labs.zero import stages, adam_drift
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
-pytestmark = pytest.mark.numerics
+# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Each rank's bf16 gradient is rounded before the average, one process rounds the whole batch's:
@@ -33,6 +33,7 @@ def three_ranks():
     return launch.spawn(stages.all_stages, 3, 2, batch_size=1, timeout=300)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bytes_held_and_sent_equal_the_formulas(world_size, two_ranks, three_ranks):
     results = two_ranks if world_size == 2 else three_ranks
@@ -47,6 +48,7 @@ def test_bytes_held_and_sent_equal_the_formulas(world_size, two_ranks, three_ran
             assert r["max_param_diff_vs_single_process"] <= r["param_bound"], key
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_stage_takes_exactly_the_ddp_step(world_size, two_ranks, three_ranks):
     # Stages 0-3 share one layout (a bucket or unit per block, one for the rest) and gloo's
@@ -59,6 +61,7 @@ def test_every_stage_takes_exactly_the_ddp_step(world_size, two_ranks, three_ran
         torch.testing.assert_close(r0[key]["params"], r0["0"]["params"], rtol=0, atol=0)
 
 
+@pytest.mark.numerics
 def test_peak_falls_stage_by_stage(two_ranks, three_ranks):
     for results in (two_ranks, three_ranks):
         for r in results:
@@ -72,6 +75,7 @@ def test_peak_falls_stage_by_stage(two_ranks, three_ranks):
         assert peak == sorted(peak, reverse=True) and len(set(peak)) == 4, peak
 
 
+@pytest.mark.numerics
 def test_fsdp2_matches_hand_zero3_and_shards_every_weight(two_ranks):
     world_size = 2
     fsdp = launch.spawn(stages.fsdp2, world_size, 2, timeout=180)
@@ -92,6 +96,7 @@ def test_fsdp2_matches_hand_zero3_and_shards_every_weight(two_ranks):
         assert r["comm_bytes_per_step"] < hand["3"]["comm_bytes_per_step"]
 
 
+@pytest.mark.numerics
 def test_library_collectives_train_the_same_and_give_formula_bytes():
     # The same stage on torch.distributed's own collectives: the same training (a 2-term sum is
     # order-free), and bytes that labs.measure.comm can only state as the ring formula
@@ -117,6 +122,7 @@ def test_gradient_accumulation_traffic():
         assert sent["3"] == {a: a * 3 * ddp // 2 for a in (1, 2, 4)}
 
 
+@pytest.mark.numerics
 def test_adam_step_bound_is_reached_and_never_exceeded():
     b1, b2 = 0.9, 0.999
     for t in (1, 2, 3, 30, 250):
