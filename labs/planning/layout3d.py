@@ -24,6 +24,8 @@ the earlier chapters' formulas (fp32 elements of E bytes, ring collectives of Pa
 Everything is sent as it is: no scatter-gather of the pipeline messages over the TP ranks
 (Narayanan et al. 2021, section 4.1, which would send 1/tp of each) and no overlap.
 """
+import contextlib
+
 import torch
 
 from labs import groups, model as tiny
@@ -67,28 +69,29 @@ def step_batches(cfg, step, dp, m, micro_batch):
     return [tiny.synthetic_batch(cfg, micro_batch, seed=10_000 * step + i) for i in range(dp * m)]
 
 
-def reference(cfg, dp, m, micro_batch, steps, lr, grads=False):
+def reference(cfg, dp, m, micro_batch, steps, lr, watch=None):
     """One process, fp32, one intra-op thread (as each rank): every micro-batch of a step, each
     loss divided by dp*m before its backward, gradients accumulated, one Adam step.
 
-    Returns the mean loss of every step; with ``grads`` also each step's gradient and the weights
-    and Adam state before each step (what `labs.planning.drift` needs for the bound)."""
+    Returns the mean loss of every step. ``watch(net)``, if given, makes a context manager (a
+    `labs.planning.rounding.Rounding`) that is kept, with the step's gradients, per step."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         net = tiny.build(cfg, seed=0)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
-        out = {"losses": [], "grads": [], "weights": []}
+        out = {"losses": [], "grads": [], "watched": []}
         for step in range(steps):
-            if grads:
-                out["weights"].append({n: p.detach().clone() for n, p in net.named_parameters()})
+            mode = watch(net) if watch else contextlib.nullcontext()
             total = 0.0
-            for x, y in step_batches(cfg, step, dp, m, micro_batch):
-                loss = net(x, y)
-                (loss / (dp * m)).backward()
-                total += loss.item()
+            with mode:
+                for x, y in step_batches(cfg, step, dp, m, micro_batch):
+                    loss = net(x, y)
+                    (loss / (dp * m)).backward()
+                    total += loss.item()
             out["losses"].append(total / (dp * m))
-            if grads:
+            if watch:
+                out["watched"].append(mode)
                 out["grads"].append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
             opt.step()
             opt.zero_grad()

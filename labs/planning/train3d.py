@@ -169,6 +169,8 @@ def _optimizer(piece, g, lr, bugs):
     opt = ShardedOptimizer(piece.parameters(), torch.optim.Adam, stage=1, group=group, lr=lr)
     if "dp_not_averaged" in bugs:    # the sum over replicas, not the mean
         opt.n = 1
+    if "dp_not_reduced" in bugs:     # each rank steps its shard on its own replica's gradient alone
+        opt._reduce_bucket = lambda b: b.grad[b.lo:b.lo + b.shard].clone()
     return opt
 
 
