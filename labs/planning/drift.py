@@ -56,7 +56,8 @@ def weight_drift(grads, deltas, lr, betas=(0.9, 0.999), eps=1e-8):
     To first order in delta: |dm| <= M = b1 M + (1 - b1) delta, |dv| <= D = b2 D + (1 - b2) 2|g| delta,
     and the step m^/(sqrt(v^) + eps) moves by at most M^/(sqrt(v^) + eps) + |m^| D^/(2 sqrt(v^)
     (sqrt(v^) + eps)^2) (hats: bias-corrected). Once |g| <= delta at some step the sign is free: from
-    then on the step differs by up to 2 B(s). Returns, per step s, (dw after s steps, weights that can flip).
+    then on the step differs by up to 2 B(s). Returns, per step s, (dw after s steps, {name: how many of
+    its weights' signs are free}).
     """
     b1, b2 = betas
     names = grads[0].keys()
@@ -79,15 +80,16 @@ def weight_drift(grads, deltas, lr, betas=(0.9, 0.999), eps=1e-8):
             free[n] |= (d > 0) & (g.abs() <= d)
             step = torch.where(free[n], torch.full_like(step, cap), step.clamp(max=cap))
             dw[n] = dw[n] + lr * torch.where(moved | free[n], step, torch.zeros_like(step))
-        out.append(({n: t.clone() for n, t in dw.items()}, sum(int(f.sum()) for f in free.values())))
+        out.append(({n: t.clone() for n, t in dw.items()}, {n: int(f.sum()) for n, f in free.items()}))
     return out
 
 
-def bound(degrees, steps=3, lr=1e-2, micro_batch=2, num_microbatches=4, u=FP32):
+def bound(degrees, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
+          num_microbatches=layout3d.MICROBATCHES, u=FP32):
     """One process's run, watched; the bound B_t of every step for this layout, with its terms.
 
     Returns losses (one process's), bound, forward (F_t), adam (the |g| . dw term), flippable (weights
-    whose sign could flip by step t), margin (the smallest |g| / delta over weights with a nonzero
+    whose sign could flip by step t; free_by_param: how many per parameter, by the last step), margin (the smallest |g| / delta over weights with a nonzero
     delta: how far the nearest gradient is from flipping; inf when the layout reorders no gradient)."""
     cfg = layout3d.config()
     kinds, grads_reordered = reordered(degrees)
@@ -104,11 +106,12 @@ def bound(degrees, steps=3, lr=1e-2, micro_batch=2, num_microbatches=4, u=FP32):
               for g, d in ((step_g[n], step_d[n]) for n in step_g)]
     ratios = torch.cat([r.reshape(-1) for r in ratios]) if ratios else torch.empty(0)
     return {"losses": ref["losses"], "bound": [f + a for f, a in zip(forward, adam)], "forward": forward,
-            "adam": adam, "flippable": [0] + [d[1] for d in drift[:steps - 1]], "kinds": sorted(kinds),
+            "adam": adam, "flippable": [0] + [sum(d[1].values()) for d in drift[:steps - 1]], "kinds": sorted(kinds),
+            "free_by_param": {n: c for n, c in drift[steps - 2][1].items() if c} if steps > 1 else {},
             "margin": ratios.min().item() if ratios.numel() else float("inf"), "u": u}
 
 
-def table(names=tuple(VARIANTS), steps=3, lr=1e-2, timeout=600):
+def table(names=tuple(VARIANTS), steps=layout3d.STEPS, lr=layout3d.LR, timeout=600):
     """Every variant's loss difference from one process, step by step, beside its layout's bound.
 
     One job per layout runs all of its variants. A row is "inside" when every step's difference is

@@ -34,6 +34,9 @@ from labs.tensor_parallel import megatron
 
 AXES = ("dp", "tp", "pp", "cp")
 FP32 = 4
+# The chapter's run: 3 Adam steps of m = 2 micro-batches of b = 1 sequence per replica. Few tokens
+# keep the drift bound tight (it grows with the tokens a gradient adds up, `labs.planning.drift`).
+STEPS, LR, MICRO_BATCH, MICROBATCHES = 3, 1e-2, 1, 2
 
 
 def config():
@@ -135,3 +138,26 @@ def predict_bytes(cfg, degrees, micro_batch, num_microbatches, seq, stage=None, 
             "cp": layers * m * 4 * (cp - 1) * (act // tp) * elem,
             "pp": m * act * ((stage < pp - 1) + (stage > 0)) * elem,
             "dp": 2 * (n - 1) * (padded // n) * elem}
+
+
+def crossing_bytes(cfg, degrees, micro_batch, num_microbatches, seq, rank, ranks_per_node, elem=FP32):
+    """Formula bytes rank ``rank`` sends to another node per step, per group, when the grid's ranks
+    fill nodes of ``ranks_per_node`` in order. Chapter 2's ring sends everything to its right-hand
+    neighbour, so a group's bytes cross when that neighbour is on another node; a pipeline stage sends
+    its activations to the next stage and its gradients to the previous one."""
+    d = {a: degrees.get(a, 1) for a in AXES}
+    lay = groups.layout(d["dp"] * d["tp"] * d["pp"] * d["cp"], tp=d["tp"], pp=d["pp"], dp=d["dp"], cp=d["cp"])
+    c, node = lay.coords(rank), rank // ranks_per_node
+    predicted = predict_bytes(cfg, d, micro_batch, num_microbatches, seq, c["pp"], elem)
+    away = lambda peer: peer is not None and peer // ranks_per_node != node
+    out = {}
+    for axis in AXES:
+        ring = next(g for g in lay.groups(("dp", "cp") if axis == "dp" else axis) if rank in g)
+        i = ring.index(rank)
+        if axis == "pp":
+            one = num_microbatches * micro_batch * (seq // d["cp"]) * cfg.hidden * elem
+            nxt, prev = (ring[i + 1] if i + 1 < len(ring) else None), (ring[i - 1] if i > 0 else None)
+            out[axis] = one * (away(nxt) + away(prev))
+        else:
+            out[axis] = predicted[axis] if away(ring[(i + 1) % len(ring)]) else 0
+    return out

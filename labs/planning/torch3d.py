@@ -112,7 +112,8 @@ def build_stage(cfg, mesh):
     return piece
 
 
-def train(rank, world_size, degrees, steps=3, lr=1e-2, micro_batch=1, num_microbatches=2):
+def train(rank, world_size, degrees, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
+          num_microbatches=layout3d.MICROBATCHES):
     """The library-built 3D run: per step the loss of each micro-batch (last stage) and the bytes per
     group and op counted by `LibraryBytes`; also checks that the mesh's groups are `labs.groups`'."""
     import torch.distributed.pipelining as pipelining
@@ -158,7 +159,7 @@ def summarize(results):
             "stages": [r["stage"] for r in results]}
 
 
-def check(degrees, micro_batch=1, num_microbatches=2):
+def check(degrees, micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
     """The layout layout3d accepts, without context parallelism (not run on CPU by PyTorch)."""
     if degrees.get("cp", 1) != 1:
         raise ValueError("PyTorch's context parallelism shards the CUDA attention kernels and does not run "
@@ -166,7 +167,8 @@ def check(degrees, micro_batch=1, num_microbatches=2):
     return layout3d.check(layout3d.config(), **degrees, micro_batch=micro_batch, num_microbatches=num_microbatches)
 
 
-def run(degrees, steps=3, lr=1e-2, micro_batch=1, num_microbatches=2, timeout=300):
+def run(degrees, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
+        num_microbatches=layout3d.MICROBATCHES, timeout=300):
     d = check(degrees, micro_batch, num_microbatches)
     results = launch.spawn(train, d["world_size"], {a: d[a] for a in ("dp", "pp", "tp")}, steps, lr,
                            micro_batch, num_microbatches, timeout=timeout)
@@ -179,20 +181,20 @@ def main(argv=None):
                    "losses beside one process's, bytes per group beside the prediction.", world_size_default=None)
     for axis in ("dp", "tp", "pp", "cp"):
         p.add_argument(f"--{axis}", type=cli.positive_int, default=1, help=f"{axis} degree (default 1)")
-    p.add_argument("--steps", type=cli.at_most(20, "steps of a tiny model"), default=3)
-    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"), default=2)
-    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"), default=1)
+    p.add_argument("--steps", type=cli.at_most(20, "steps of a tiny model"), default=layout3d.STEPS)
+    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"), default=layout3d.MICROBATCHES)
+    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"), default=layout3d.MICRO_BATCH)
     args = cli.parse(p, argv)
     degrees = {a: getattr(args, a) for a in ("dp", "tp", "pp", "cp")}
     d = check(degrees, args.micro_batch, args.microbatches)
     if args.world_size not in (None, d["world_size"]):
         raise ValueError(f"--world-size {args.world_size} is not dp*tp*pp = {d['world_size']}; drop --world-size.")
-    results = launch.launch(train, d["world_size"], degrees, args.steps, 1e-2, args.micro_batch, args.microbatches,
+    results = launch.launch(train, d["world_size"], degrees, args.steps, layout3d.LR, args.micro_batch, args.microbatches,
                             timeout=args.timeout)
     if results is None:
         return
     r, cfg = summarize(results), layout3d.config()
-    ref = layout3d.reference(cfg, d["dp"], args.microbatches, args.micro_batch, args.steps, 1e-2)["losses"]
+    ref = layout3d.reference(cfg, d["dp"], args.microbatches, args.micro_batch, args.steps, layout3d.LR)["losses"]
     predicted = [layout3d.predict_bytes(cfg, degrees, args.micro_batch, args.microbatches, cfg.seq_len, s)
                  for s in r["stages"]]
     result = {"degrees": degrees, "losses": r["losses"], "reference_losses": ref,

@@ -115,17 +115,20 @@ def build_rank(cfg, g, bugs=()):
     return piece
 
 
-def bytes_by_group(tally, lay, rank):
-    """Counted bytes this rank sent, per group: each destination differs from this rank in one
-    coordinate of the grid, the axis of the group the message went through."""
+def bytes_by_group(tally, lay, rank, peers=None):
+    """Counted bytes this rank sent (to ``peers`` only, if given), per group: each destination differs
+    from this rank in one coordinate of the grid, the axis of the group the message went through."""
     mine, out = lay.coords(rank), dict.fromkeys(groups.AXES, 0)
     for peer, nbytes in tally.sent_to.items():
+        if peers is not None and peer not in peers:
+            continue
         axes = "+".join(a for a, v in lay.coords(peer).items() if v != mine[a])
         out[axes] = out.get(axes, 0) + nbytes
     return out
 
 
-def train(rank, world_size, degrees, variants=((),), steps=3, lr=1e-2, micro_batch=2, num_microbatches=4):
+def train(rank, world_size, degrees, variants=((),), steps=layout3d.STEPS, lr=layout3d.LR,
+          micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
     """Train ``steps`` steps once per variant (a tuple of deliberate bugs, () for the correct layout),
     in one job. Per variant and step: the losses of this rank's micro-batches (last stage only), the
     counted bytes it sent per group in forward and backward ("passes") and in the optimizer step
@@ -156,10 +159,11 @@ def _train(g, cfg, steps, lr, b, m, bugs, nodes):
             with comm.counting() as update:
                 opt.step()
                 opt.zero_grad()
+            away = {peer for peer, node in enumerate(nodes) if node != nodes[rank]}
             out["losses"].append(ex.losses)
             out["sent"].append({"passes": bytes_by_group(passes, lay, rank), "update": bytes_by_group(update, lay, rank)})
-            out["crossing"].append(sum(n for tally in (passes, update) for peer, n in tally.sent_to.items()
-                                       if nodes[peer] != nodes[rank]))
+            out["crossing"].append({"passes": bytes_by_group(passes, lay, rank, away),
+                                    "update": bytes_by_group(update, lay, rank, away)})
     out["nodes"] = nodes
     return out
 
@@ -214,15 +218,21 @@ def summarize(results, variant=0):
     last = [r for r in runs if r["last"] and r["coords"]["tp"] == 0]
     steps = len(last[0]["losses"])
     losses = [sum(sum(r["losses"][t]) for r in last) / sum(len(r["losses"][t]) for r in last) for t in range(steps)]
-    sent = [[{"tp": s["passes"]["tp"], "pp": s["passes"]["pp"], "cp": s["passes"]["cp"],
-              "dp": sum(s["update"].values()), "other": s["passes"]["dp"] + sum(v for k, v in s["passes"].items()
-                                                                            if k not in groups.AXES)}
-             for s in r["sent"]] for r in runs]
-    return {"losses": losses, "sent": sent, "coords": [r["coords"] for r in runs],
-            "crossing": [r["crossing"] for r in runs], "nodes": runs[0]["nodes"]}
+    return {"losses": losses, "sent": [[_per_group(s) for s in r["sent"]] for r in runs],
+            "crossing": [[_per_group(s) for s in r["crossing"]] for r in runs],
+            "coords": [r["coords"] for r in runs], "nodes": runs[0]["nodes"]}
 
 
-def run(degrees, variants=((),), steps=3, lr=1e-2, micro_batch=2, num_microbatches=4, timeout=300):
+def _per_group(sent):
+    """tp, pp, cp from forward and backward, dp from the optimizer step; "other": any message in
+    forward and backward to a rank off this rank's tp, pp and cp groups (none, in a correct run)."""
+    passes = sent["passes"]
+    return {"tp": passes["tp"], "pp": passes["pp"], "cp": passes["cp"], "dp": sum(sent["update"].values()),
+            "other": sum(v for k, v in passes.items() if k not in ("tp", "pp", "cp"))}
+
+
+def run(degrees, variants=((),), steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
+        num_microbatches=layout3d.MICROBATCHES, timeout=300):
     """Check the degrees, spawn the ranks, summarize every variant."""
     d = layout3d.check(layout3d.config(), **degrees, micro_batch=micro_batch, num_microbatches=num_microbatches)
     results = launch.spawn(train, d["world_size"], {a: d[a] for a in layout3d.AXES}, variants, steps, lr,
@@ -237,10 +247,10 @@ def main(argv=None):
                    world_size_default=None)
     for axis in layout3d.AXES:
         p.add_argument(f"--{axis}", type=cli.positive_int, default=1, help=f"{axis} degree (default 1)")
-    p.add_argument("--steps", type=cli.at_most(20, "steps of a tiny model"), default=3)
-    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"), default=4)
-    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"), default=2)
-    p.add_argument("--lr", type=cli.positive_float, default=1e-2)
+    p.add_argument("--steps", type=cli.at_most(20, "steps of a tiny model"), default=layout3d.STEPS)
+    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"), default=layout3d.MICROBATCHES)
+    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"), default=layout3d.MICRO_BATCH)
+    p.add_argument("--lr", type=cli.positive_float, default=layout3d.LR)
     args = cli.parse(p, argv)
     cfg, degrees = layout3d.config(), {a: getattr(args, a) for a in layout3d.AXES}
     d = layout3d.check(cfg, **degrees, world_size=args.world_size, micro_batch=args.micro_batch,
@@ -251,12 +261,15 @@ def main(argv=None):
         return
     r = summarize(results)
     ref = layout3d.reference(cfg, d["dp"], args.microbatches, args.micro_batch, args.steps, args.lr)["losses"]
-    predicted = [layout3d.predict_bytes(cfg, degrees, args.micro_batch, args.microbatches, cfg.seq_len, c["pp"])
-                 for c in r["coords"]]
+    shape = (cfg, degrees, args.micro_batch, args.microbatches, cfg.seq_len)
+    predicted = [layout3d.predict_bytes(*shape, c["pp"]) for c in r["coords"]]
+    per_node = r["nodes"].count(r["nodes"][0])      # ranks fill torchrun's nodes in order
     result = {"degrees": degrees, "world_size": d["world_size"], "losses": r["losses"], "reference_losses": ref,
               "max_abs_loss_diff": max(abs(a - b) for a, b in zip(r["losses"], ref)),
-              "sent_per_rank": [s[-1] for s in r["sent"]], "predicted_per_rank": predicted,
-              "crossing_per_rank": [c[-1] for c in r["crossing"]], "nodes": r["nodes"]}
+              "sent_per_rank": [s[-1] for s in r["sent"]], "predicted_per_rank": predicted, "nodes": r["nodes"],
+              "crossing_per_rank": [c[-1] for c in r["crossing"]],
+              "crossing_predicted_per_rank": [layout3d.crossing_bytes(*shape, rank, per_node)
+                                              for rank in range(d["world_size"])]}
     cli.report(result, args, f"dp={d['dp']} tp={d['tp']} pp={d['pp']} cp={d['cp']} on {d['world_size']} ranks: "
                f"losses {[round(x, 5) for x in r['losses']]}, one process {[round(x, 5) for x in ref]}; "
                f"rank 0 sent {result['sent_per_rank'][0]} bytes per group, predicted {predicted[0]}")
