@@ -12,10 +12,13 @@ CFG = layout3d.config()
 SHAPE = (CFG, layout3d.MICRO_BATCH, layout3d.MICROBATCHES, CFG.seq_len)
 
 
+# Three 8-rank jobs in all (the 3D and 4D layouts with some of their broken variants, the library's
+# 3D run); the notebook runs every variant and the two-launcher run.
 @pytest.fixture(scope="module")
 def three_d():
-    """One 8-rank job: the correct dp 2 x tp 2 x pp 2 layout and its four broken variants."""
-    names = [n for n, v in drift.VARIANTS.items() if v[0] == drift.LAYOUT_3D]
+    """One 8-rank job: the correct dp 2 x tp 2 x pp 2 layout, TP's missing all-reduce in backward and
+    the issue's other example, DP gradients summed and not averaged."""
+    names = ["3d", "tp_backward", "dp_not_averaged"]
     runs = train3d.run(drift.LAYOUT_3D, [drift.VARIANTS[n][1] for n in names], timeout=300)
     return dict(zip(names, runs)), drift.bound(drift.LAYOUT_3D)
 
@@ -33,7 +36,7 @@ def _diffs(run, bound):
 
 def _bytes_equal_prediction(run, degrees):
     for coords, steps in zip(run["coords"], run["sent"]):
-        predicted = layout3d.predict_bytes(CFG, degrees, *SHAPE[1:], stage=coords["pp"])
+        predicted = layout3d.predict_bytes_per_group(CFG, degrees, *SHAPE[1:], stage=coords["pp"])
         for sent in steps:      # every step sends the same: no metadata, no first-step extra
             assert sent.pop("other") == 0, "a message went to a rank outside this rank's groups"
             assert sent == predicted, coords
@@ -47,11 +50,10 @@ def test_3d_equals_one_process_within_the_bound_and_sends_the_predicted_bytes(th
     _bytes_equal_prediction(runs["3d"], drift.LAYOUT_3D)
 
 
-def test_every_broken_3d_layout_leaves_the_bound_in_the_first_steps_but_adams_blind_spot(three_d):
+def test_a_broken_3d_layout_leaves_the_bound_in_the_first_steps_but_adams_blind_spot(three_d):
     runs, bound = three_d
-    for name in ("tp_backward", "dp_not_reduced", "pp_targets"):
-        ratios = [d / lim for d, lim in zip(_diffs(runs[name], bound), bound["bound"])]
-        assert max(ratios) > 2, (name, ratios)     # measured 5x to 40x beyond it by step 3
+    ratios = [d / lim for d, lim in zip(_diffs(runs["tp_backward"], bound), bound["bound"])]
+    assert max(ratios[:3]) > 2, ratios     # beyond it by step 3 (the notebook gives every variant's ratio)
     # gradients summed instead of averaged: Adam's step m/sqrt(v) does not see the factor dp,
     # so a loss comparison cannot catch it (its difference is eps's doing, far inside the bound)
     assert all(d <= lim for d, lim in zip(_diffs(runs["dp_not_averaged"], bound), bound["bound"]))
@@ -75,16 +77,9 @@ def test_library_built_3d_equals_hand_built_and_one_process(three_d):
         assert abs(lib["losses"][t] - bound["losses"][t]) <= lim
         assert abs(lib["losses"][t] - hand["losses"][t]) <= 2 * lim   # both within lim of one process
     for stage, steps in zip(lib["stages"], lib["sent"]):
-        predicted = layout3d.predict_bytes(CFG, drift.LAYOUT_3D, *SHAPE[1:], stage=stage)
+        predicted = layout3d.predict_bytes_per_group(CFG, drift.LAYOUT_3D, *SHAPE[1:], stage=stage)
         for sent in steps[1:]:  # the first step also sends the schedule's shape inference
             assert sent == {a: v for a, v in predicted.items() if v}
-
-
-def test_pipeline_alone_reorders_nothing_so_it_is_exact():
-    run = train3d.run({"pp": 2}, timeout=120)[0]
-    bound = drift.bound({"pp": 2})
-    assert bound["bound"] == [0.0] * layout3d.STEPS
-    assert run["losses"] == bound["losses"]   # the same ops in the same order, one thread per rank
 
 
 def test_adam_drift_bounds_adams_answer_to_perturbed_gradients():
@@ -121,3 +116,5 @@ def test_bf16_has_no_useful_worst_case_bound_and_degrees_are_refused():
         layout3d.check(CFG, dp=2, world_size=3)
     with pytest.raises(ValueError, match="does not run on CPU"):
         torch3d.check({"cp": 2, "tp": 2})
+    with pytest.raises(ValueError, match="layers"):           # the command line, before any process starts
+        train3d.main(["--dp", "2", "--pp", "3", "--json"])

@@ -286,16 +286,13 @@ def all_to_all(output, input, group=None, async_op=False, output_split_sizes=Non
 # ---- point-to-point: counted messages ----------------------------------------------------------
 
 def _message(default_op, peer=None, **fields):
-    """Count one message, under the hand collective that sends it if there is one; a sent one
-    also under its destination ``peer`` (a global rank), which tells the group it went through."""
-    if peer is not None:
-        for tally in _active:
-            tally.sent_to[peer] += fields["bytes_sent"]
-    if _op_name:
-        _add(_op_name[-1], **fields)
-    else:
+    """Count one message, under the hand collective that sends it if there is one; a sent one also
+    under its destination ``peer`` (a global rank), which tells the group it went through."""
+    for tally in _active if peer is not None else ():
+        tally.sent_to[peer] += fields["bytes_sent"]
+    if not _op_name:
         _call(default_op, sum(fields.values()))
-        _add(default_op, **fields)
+    _add(_op_name[-1] if _op_name else default_op, **fields)
 
 
 def send(tensor, dst, group=None):

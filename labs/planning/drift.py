@@ -89,8 +89,9 @@ def bound(degrees, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MI
     """One process's run, watched; the bound B_t of every step for this layout, with its terms.
 
     Returns losses (one process's), bound, forward (F_t), adam (the |g| . dw term), flippable (weights
-    whose sign could flip by step t; free_by_param: how many per parameter, by the last step), margin (the smallest |g| / delta over weights with a nonzero
-    delta: how far the nearest gradient is from flipping; inf when the layout reorders no gradient)."""
+    whose sign could flip by step t), free_by_param (how many per parameter, by the last step), margin
+    (the smallest |g| / delta over weights with a nonzero delta: how far the nearest gradient is from
+    flipping; inf when the layout reorders no gradient)."""
     cfg = layout3d.config()
     kinds, grads_reordered = reordered(degrees)
     dp, m, b = degrees.get("dp", 1), num_microbatches, micro_batch

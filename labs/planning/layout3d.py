@@ -7,7 +7,7 @@ at step t data-parallel replica d takes micro-batches d*m .. d*m + m - 1 of that
 sequences; a context-parallel rank keeps its zig-zag rows of every sequence (chapter 6). `reference`
 is one process taking all dp*m micro-batches of each step, the run every layout is held to.
 
-`predict_bytes` is the traffic this layout must send, per rank per step, from the shapes alone and
+`predict_bytes_per_group` is the traffic this layout must send, per rank per step, from the shapes alone and
 the earlier chapters' formulas (fp32 elements of E bytes, ring collectives of Patarasuk & Yuan 2009):
 
     tp  4 all-reduces per layer per micro-batch (Megatron's g twice forward, f twice backward,
@@ -117,7 +117,7 @@ def local_params(cfg, tp=1, pp=1, stage=0):
     return n
 
 
-def predict_bytes(cfg, degrees, micro_batch, num_microbatches, seq, stage=None, elem=FP32):
+def predict_bytes_per_group(cfg, degrees, micro_batch, num_microbatches, seq, stage=None, elem=FP32):
     """Formula bytes each rank sends per training step, per group: {"dp", "tp", "pp", "cp": bytes}.
 
     ``degrees``: {"dp", "tp", "pp", "cp"} (missing ones are 1). ``stage``: the pipeline stage of the
@@ -127,7 +127,7 @@ def predict_bytes(cfg, degrees, micro_batch, num_microbatches, seq, stage=None, 
     """
     d = {a: degrees.get(a, 1) for a in AXES}
     if stage is None:
-        per_stage = [predict_bytes(cfg, d, micro_batch, num_microbatches, seq, s, elem) for s in range(d["pp"])]
+        per_stage = [predict_bytes_per_group(cfg, d, micro_batch, num_microbatches, seq, s, elem) for s in range(d["pp"])]
         return {a: max(p[a] for p in per_stage) for a in AXES}
     b, m, h, tp, cp, pp = micro_batch, num_microbatches, cfg.hidden, d["tp"], d["cp"], d["pp"]
     layers = cfg.n_layer // pp
@@ -148,7 +148,7 @@ def crossing_bytes(cfg, degrees, micro_batch, num_microbatches, seq, rank, ranks
     d = {a: degrees.get(a, 1) for a in AXES}
     lay = groups.layout(d["dp"] * d["tp"] * d["pp"] * d["cp"], tp=d["tp"], pp=d["pp"], dp=d["dp"], cp=d["cp"])
     c, node = lay.coords(rank), rank // ranks_per_node
-    predicted = predict_bytes(cfg, d, micro_batch, num_microbatches, seq, c["pp"], elem)
+    predicted = predict_bytes_per_group(cfg, d, micro_batch, num_microbatches, seq, c["pp"], elem)
     away = lambda peer: peer is not None and peer // ranks_per_node != node
     out = {}
     for axis in AXES:

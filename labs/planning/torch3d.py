@@ -195,7 +195,7 @@ def main(argv=None):
         return
     r, cfg = summarize(results), layout3d.config()
     ref = layout3d.reference(cfg, d["dp"], args.microbatches, args.micro_batch, args.steps, layout3d.LR)["losses"]
-    predicted = [layout3d.predict_bytes(cfg, degrees, args.micro_batch, args.microbatches, cfg.seq_len, s)
+    predicted = [layout3d.predict_bytes_per_group(cfg, degrees, args.micro_batch, args.microbatches, cfg.seq_len, s)
                  for s in r["stages"]]
     result = {"degrees": degrees, "losses": r["losses"], "reference_losses": ref,
               "sent_last_step_per_rank": [s[-1] for s in r["sent"]], "predicted_per_rank": predicted}

@@ -262,7 +262,7 @@ def main(argv=None):
     r = summarize(results)
     ref = layout3d.reference(cfg, d["dp"], args.microbatches, args.micro_batch, args.steps, args.lr)["losses"]
     shape = (cfg, degrees, args.micro_batch, args.microbatches, cfg.seq_len)
-    predicted = [layout3d.predict_bytes(*shape, c["pp"]) for c in r["coords"]]
+    predicted = [layout3d.predict_bytes_per_group(*shape, c["pp"]) for c in r["coords"]]
     per_node = r["nodes"].count(r["nodes"][0])      # ranks fill torchrun's nodes in order
     result = {"degrees": degrees, "world_size": d["world_size"], "losses": r["losses"], "reference_losses": ref,
               "max_abs_loss_diff": max(abs(a - b) for a, b in zip(r["losses"], ref)),
