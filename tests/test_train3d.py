@@ -16,8 +16,8 @@ SHAPE = (CFG, layout3d.MICRO_BATCH, layout3d.MICROBATCHES, CFG.seq_len)
 # 3D run); the notebook runs every variant and the two-launcher run.
 @pytest.fixture(scope="module")
 def three_d():
-    """One 8-rank job: the correct dp 2 x tp 2 x pp 2 layout, TP's missing all-reduce in backward and
-    the issue's other example, DP gradients summed and not averaged."""
+    """One 8-rank job: the correct dp 2 x tp 2 x pp 2 layout, TP's missing all-reduce in backward, and
+    DP gradients summed over the replicas, not averaged (the bug a loss comparison cannot see)."""
     names = ["3d", "tp_backward", "dp_not_averaged"]
     runs = train3d.run(drift.LAYOUT_3D, [drift.VARIANTS[n][1] for n in names], timeout=300)
     return dict(zip(names, runs)), drift.bound(drift.LAYOUT_3D)
