@@ -5,8 +5,8 @@ import torch
 
 from labs.planning import drift, layout3d, torch3d, train3d
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
-pytestmark = pytest.mark.numerics
+# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# another CPU's rounding. The refusals run once.
 
 CFG = layout3d.config()
 SHAPE = (CFG, layout3d.MICRO_BATCH, layout3d.MICROBATCHES, CFG.seq_len)
@@ -42,6 +42,7 @@ def _bytes_equal_prediction(run, degrees):
             assert sent == predicted, coords
 
 
+@pytest.mark.numerics
 def test_3d_equals_one_process_within_the_bound_and_sends_the_predicted_bytes(three_d):
     runs, bound = three_d
     assert bound["forward"][0] > 0 and bound["kinds"] == ["block"]     # TP reorders the blocks' sums
@@ -50,6 +51,7 @@ def test_3d_equals_one_process_within_the_bound_and_sends_the_predicted_bytes(th
     _bytes_equal_prediction(runs["3d"], drift.LAYOUT_3D)
 
 
+@pytest.mark.numerics
 def test_a_broken_3d_layout_leaves_the_bound_in_the_first_steps_but_adams_blind_spot(three_d):
     runs, bound = three_d
     ratios = [d / lim for d, lim in zip(_diffs(runs["tp_backward"], bound), bound["bound"])]
@@ -60,6 +62,7 @@ def test_a_broken_3d_layout_leaves_the_bound_in_the_first_steps_but_adams_blind_
     assert max(_diffs(runs["dp_not_averaged"], bound)) > max(_diffs(runs["3d"], bound))
 
 
+@pytest.mark.numerics
 def test_4d_with_context_parallelism(four_d):
     runs, bound = four_d
     assert set(bound["kinds"]) == {"block", "head", "attention", "softmax", "loss"}
@@ -70,6 +73,7 @@ def test_4d_with_context_parallelism(four_d):
     assert max(d / lim for d, lim in zip(_diffs(runs["cp_backward"], bound), bound["bound"])) > 2
 
 
+@pytest.mark.numerics
 def test_library_built_3d_equals_hand_built_and_one_process(three_d):
     hand, bound = three_d[0]["3d"], three_d[1]
     lib = torch3d.run(drift.LAYOUT_3D, timeout=300)
@@ -82,6 +86,7 @@ def test_library_built_3d_equals_hand_built_and_one_process(three_d):
             assert sent == {a: v for a, v in predicted.items() if v}
 
 
+@pytest.mark.numerics
 def test_adam_drift_bounds_adams_answer_to_perturbed_gradients():
     """weight_drift against torch.optim.Adam fed gradients perturbed by up to delta (float64)."""
     g = torch.Generator().manual_seed(0)
