@@ -108,8 +108,9 @@ def _json_line(text):
     return [json.loads(line) for line in lines]
 
 
-def two_node_run(module_args, nproc_per_node=2, timeout=180):
-    """Run ``python -m <module_args>`` under two torchrun launchers (two "nodes") and under one.
+def two_node_run(module_args, nproc_per_node=2, timeout=180, single=True):
+    """Run ``python -m <module_args>`` under two torchrun launchers (two "nodes") and, unless
+    ``single=False``, under one.
 
     Returns both JSON results, which rank reported and the commands used. With c10d rendezvous
     torchrun assigns node ranks in arrival order (``--node-rank`` is then advisory), so global
@@ -124,11 +125,11 @@ def two_node_run(module_args, nproc_per_node=2, timeout=180):
         if p.returncode:
             raise RuntimeError(f"a two-node launcher failed (exit {p.returncode}):\n{err[-2000:]}")
     reports = [_json_line(o) for o, _ in outs]
-    single = subprocess.run([cmds[0][0], f"--nproc-per-node={2 * nproc_per_node}", "-m", *module_args],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-                            check=True).stdout
+    one = subprocess.run([cmds[0][0], f"--nproc-per-node={2 * nproc_per_node}", "-m", *module_args],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                         check=True).stdout if single else None
     return {"two_node": [r for rep in reports for r in rep], "reports_per_launcher": [len(r) for r in reports],
-            "single": _json_line(single), "commands": [" ".join(c) for c in cmds]}
+            "single": _json_line(one) if single else None, "commands": [" ".join(c) for c in cmds]}
 
 
 def main(argv=None):

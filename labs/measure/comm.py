@@ -56,6 +56,7 @@ class Tally:
         self.wire = wire          # measure the wire around every synchronous library collective
         self.wire_missing = []    # why some collectives' wire bytes are not in wire_bytes_sent
         self.ops = defaultdict(lambda: dict.fromkeys(FIELDS, 0) | {"payloads": []})
+        self.sent_to = defaultdict(int)   # counted bytes sent, per destination (global rank)
 
     def call(self, op, payload):
         self.ops[op]["calls"] += 1
@@ -284,17 +285,18 @@ def all_to_all(output, input, group=None, async_op=False, output_split_sizes=Non
 
 # ---- point-to-point: counted messages ----------------------------------------------------------
 
-def _message(default_op, **fields):
-    """Count one message, under the hand collective that sends it if there is one."""
-    if _op_name:
-        _add(_op_name[-1], **fields)
-    else:
+def _message(default_op, peer=None, **fields):
+    """Count one message, under the hand collective that sends it if there is one; a sent one also
+    under its destination ``peer`` (a global rank), which tells the group it went through."""
+    for tally in _active if peer is not None else ():
+        tally.sent_to[peer] += fields["bytes_sent"]
+    if not _op_name:
         _call(default_op, sum(fields.values()))
-        _add(default_op, **fields)
+    _add(_op_name[-1] if _op_name else default_op, **fields)
 
 
 def send(tensor, dst, group=None):
-    _message("send", bytes_sent=_nbytes(tensor))
+    _message("send", peer=dst, bytes_sent=_nbytes(tensor))
     dist.send(tensor, dst=dst, group=group)
 
 
@@ -304,7 +306,7 @@ def recv(tensor, src, group=None):
 
 
 def isend(tensor, dst, group=None, tag=0):
-    _message("send", bytes_sent=_nbytes(tensor))
+    _message("send", peer=dst, bytes_sent=_nbytes(tensor))
     return dist.isend(tensor, dst=dst, group=group, tag=tag)
 
 
