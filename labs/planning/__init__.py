@@ -8,4 +8,5 @@ against published runs.
 - `planner`: every layout of a job, the rule or memory term that rejects it, the rest ranked by step time.
 - `cases`: Megatron-LM's Table 1, Llama 3's Table 4, DeepSeek-V3 and the notes' questions, and the one calibration.
 - `meta_check`: one rank of a full-size layout built by PyTorch on the meta device (fake process group) holds what the planner counts.
+- `quiz`: the notes' readiness quiz, each question with a number answered by the planner or a chapter, and its checker.
 """

@@ -222,7 +222,24 @@ def tflops_per_gpu(job, row, counted="none"):
 
 
 
+def markdown_table(job, result, top=5):
+    """The ``top`` fastest layouts of a `plan` result as a MyST table (the site shows it; a kernel is not needed)."""
+    head = ["| rank | tp | pp | cp | ep | dp | ZeRO | recompute | b | v | m | step (s) | TFLOP/s per GPU |",
+            "|---:|---:|---:|---:|---:|---:|---:|:--|---:|---:|---:|---:|---:|"]
+    body = [f"| {r['rank']} | {r['degrees']['tp']} | {r['degrees']['pp']} | {r['degrees']['cp']} | {r['degrees']['ep']} | "
+            f"{r['degrees']['dp']} | {r['plan'].zero} | {r['plan'].recompute} | {r['plan'].micro_batch} | {r['plan'].v} | "
+            f"{r['m']} | {r['time']['step']:.1f} | {tflops_per_gpu(job, r):.0f} |" for r in result["ranked"][:top]]
+    return "\n".join(head + body) if body else "no layout fits"
+
+
 MODELS = {"70B": shapes.LLAMA2_70B, "405B": shapes.LLAMA3_405B}
+
+
+def show(model="70B", gpus=64, batch_m_tokens=4, eta=0.5):
+    """The planner behind widgets (JupyterLab): Llama 2 70B or Llama 3 405B on H100 nodes."""
+    from IPython.display import Markdown, display
+    job = Job(MODELS[model], shapes.DGX_H100, gpus, batch_m_tokens * 2 ** 20)
+    display(Markdown(markdown_table(job, plan(job, eta))))
 
 
 def main(argv=None):
