@@ -103,6 +103,12 @@ class Placement:
         return moved.reshape(-1, moved.shape[-1]).tolist()
 
 
+def tier_of(stride, n, gpus_per_node):
+    """The tier of a group of n ranks whose faster axes multiply to ``stride``: "intra" exactly
+    when stride * n <= gpus_per_node (the rule `Placement.nodes_spanned` applies per axis)."""
+    return "intra" if n == 1 or stride * n <= gpus_per_node else "inter"
+
+
 def collectives(model, p):
     """Per axis: (kind, payload bytes M per call, calls per rank per step), from the shapes."""
     d = {a: p.degrees.get(a, 1) for a in ORDER}

@@ -229,6 +229,21 @@ def peak_inflight(actions):
     return peak
 
 
+def peak_chunks(name, p, m, v=1, stage=0):
+    """Most micro-batch chunks stage ``stage`` holds at once, in closed form (chapter 14's planner
+    multiplies it by a chunk's activations): GPipe m; 1F1B min(p - s, m); interleaved 1F1B
+    min(2(p - 1 - s) + (v - 1)p + 1, m v), the warm-up of `interleaved` plus the one in flight.
+    Equal to `peak_inflight` of the built schedule (tests/test_planning.py)."""
+    if name not in ("gpipe", "1f1b", "interleaved") or not 0 <= stage < p:
+        raise ValueError(f"peak_chunks knows gpipe, 1f1b and interleaved on stages 0..p-1, got {name!r}, "
+                         f"stage {stage} of p={p}.")
+    if name == "gpipe":
+        return m
+    if name == "1f1b":
+        return min(p - stage, m)
+    return min(2 * (p - 1 - stage) + (v - 1) * p + 1, m * v)
+
+
 def microbatches_for(p, target):
     """Fewest micro-batches that keep 1F1B's bubble / total below ``target``."""
     m = 1

@@ -29,6 +29,15 @@ RECIPES = {   # bytes per parameter per rank as (whole, sharded over d): whole +
 FSDP2_PIECES = {"params": 4, "grads": 4, "adam_moments": 8}   # bytes per sharded element
 
 
+def fsdp2_local_rows(rows, d, r):
+    """Rows of a weight's dim 0 that FSDP2's Shard(0) gives rank r of d: chunks of ceil(rows/d), the
+    last ones short or empty (``torch.chunk``; the storage is padded to ceil(rows/d) rows)."""
+    if not 0 <= r < d:
+        raise ValueError(f"rank {r} is not one of the d = {d} ranks.")
+    chunk = -(-rows // d)
+    return max(0, min(chunk, rows - r * chunk))
+
+
 def bytes_per_param(recipe, d):
     """The formula: whole + sharded / d bytes per parameter on each of d data-parallel ranks."""
     if recipe not in RECIPES:

@@ -1,0 +1,92 @@
+"""Chapter 14: the readiness quiz of the source notes (source 001), the questions that have a number,
+answered by the planner's pieces and the earlier chapters' formulas, with the note's own figure beside
+each so the book can say where the note is wrong. The checker (`check`) is chapter 1's
+`labs.measure.exercises.check` over these answers.
+"""
+from labs.context_parallel import sequence_parallel
+from labs.measure import exercises
+from labs.memory_budget import budget, compute
+from labs.pipeline import schedules
+from labs.planning import memory, shapes, traffic
+
+GB = 1e9
+
+
+def q1_state_gb():
+    """70B on 8 H100s, ZeRO-3 over 8: weights, gradients and Adam state per GPU (chapter 1's 16 bytes
+    per parameter, all sharded), in GB."""
+    return sum(memory.rank_memory(shapes.LLAMA2_70B, memory.Plan(8, zero=3), "mixed", "fused", 1, 0)[t]
+               for t in ("weights", "gradients", "optimizer")) / GB
+
+
+def q2_least_bubble():
+    """405B, TP 8, PP 16, DP 128 at Llama 3's 16M-token batch of 8,192-token sequences: m = 16 micro-batches
+    of one sequence per pipeline; the smallest bubble (share of the step) chapter 5's schedules reach,
+    interleaved with v = 8 chunks (126 layers: Llama 3's v)."""
+    m = compute.LLAMA3_TOKENS_PER_BATCH // 8192 // 128
+    return schedules.formula("interleaved", 16, m, 8)["over_total"]
+
+
+def q3_fsdp_over_ddp():
+    """Bytes a rank sends per step under FSDP (ZeRO-3, no accumulation) over DDP's: chapter 3's 3/2."""
+    m, ddp, fsdp = shapes.LLAMA2_70B, memory.Plan(8, zero=0), memory.Plan(8, zero=3)
+    a, b = traffic.dp_calls(m, ddp, 0, 2, 2), traffic.dp_calls(m, fsdp, 0, 2, 2)
+    return (b["reduce"] + 2 * b["gather"]) / (a["reduce"] + a["gather"])
+
+
+def q4_tp_mb_per_layer():
+    """Llama 2 70B, tp = 8, one 4,096-token sequence: MB each rank sends in one layer's forward
+    (two all-reduces of b s h bf16 on a ring, chapter 4)."""
+    m = shapes.LLAMA2_70B
+    return sequence_parallel.forward_bytes_per_layer(1, m.seq, m.hidden, 8)["tp"] / 1e6
+
+
+def q5_bubble_share():
+    """1F1B bubble as a share of the step for p = 4 stages and m = 8 micro-batches (chapter 5)."""
+    return schedules.formula("1f1b", 4, 8)["over_total"]
+
+
+def q7_dp_gb_per_rank():
+    """405B at TP 8, PP 16, DP 128: GB of bf16 gradients one rank of the first stage sends in the
+    data-parallel all-reduce of one step (its 1/128 ring share of its own stage's shard, chapter 2)."""
+    plan = memory.Plan(128, 8, 16, zero=0)
+    return traffic.dp_calls(shapes.LLAMA3_405B, plan, 0, 2, 2)["reduce"] / GB
+
+
+def q11_bytes_per_param():
+    """Model-state bytes per parameter under mixed precision and Adam, unsharded (chapter 1)."""
+    return budget.state_bytes_per_param(0, 1, "mixed")["total"]
+
+
+def q16_selective_over_full():
+    """Extra FLOPs of selective recomputation as a share of full recomputation's, GPT-3 175B
+    (h = 12,288, s = 2,048, 12h^2 matmul weights per block: Korthikanti et al. 2022, §4.2 and §5)."""
+    h, s = 12288, 2048
+    sel = compute.recompute_flops_per_token(12 * h * h, 1, h, s, "selective")
+    return sel / compute.recompute_flops_per_token(12 * h * h, 1, h, s, "full")
+
+
+ANSWERS = {"1": q1_state_gb, "2": q2_least_bubble, "3": q3_fsdp_over_ddp, "4": q4_tp_mb_per_layer,
+           "5": q5_bubble_share, "7": q7_dp_gb_per_rank, "11": q11_bytes_per_param, "16": q16_selective_over_full}
+# What source 001's answers give for the same quantities (the note's own words in the chapter):
+NOTE = {"1": 3 * 17.5,            # "bf16 weights ~17.5 GB + grads ~17.5 GB + optimizer state ~17.5 GB"
+        "2": 0.05,                # "enough to keep bubble < 5%"
+        "3": 1.5,                 # "FSDP costs ~1.5x DDP comm"
+        "5": 3 / (3 + 8),         # "(p - 1) / (p - 1 + m)"
+        "7": 810.0,               # "405B params bf16 = 810 GB"
+        "11": 16,                 # "= 16"
+        "16": 1 / 3}              # "~33% extra FLOPs vs full recompute"
+
+
+def check(question, answer, rel=0.02):
+    """The quiz's checker: True when ``answer`` is within 2 % of the computed one."""
+    return exercises.check(ANSWERS, question, answer, rel)
+
+
+def note_verdicts():
+    """{question: (the note's figure, the computed one, whether the checker accepts the note's)}."""
+    out = {}
+    for q, figure in NOTE.items():
+        computed = ANSWERS[q]()
+        out[q] = (figure, computed, abs(figure - computed) <= 0.02 * abs(computed))
+    return out

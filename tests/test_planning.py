@@ -1,0 +1,83 @@
+"""Chapter 14: the planner's rules, its memory count against PyTorch's sharding, the pieces it borrows
+from earlier chapters, and the quiz checker. One process, no spawn: integers and pure-Python
+arithmetic only (the float-sensitive check is in test_planning_numerics.py)."""
+import pytest
+
+from labs.memory_budget import fused_swiglu
+from labs.pipeline import schedules
+from labs.planning import memory, meta_check, planner, quiz, shapes
+
+TINY = shapes.ModelShape("tiny Llama", layers=4, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=100, seq=16)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 4, 2, 1),
+                                        ("interleaved", 4, 8, 2), ("interleaved", 3, 6, 3)])
+def test_peak_chunks_equals_the_built_schedule(name, p, m, v):
+    # the closed form the planner multiplies by a chunk's activations, against chapter 5's schedules
+    # as built (an off-by-one in the warm-up, or 1F1B counted as GPipe, fails here)
+    actions = schedules.build(name, p, m, v)
+    for stage in range(p):
+        assert schedules.peak_chunks(name, p, m, v, stage) == schedules.peak_inflight(actions[stage]), stage
+
+
+def test_meta_device_shards_equal_the_planner_on_every_rank():
+    # dp = 3 does not divide the vocabulary's 50 rows per tp rank, nor the 16-row KV weights: FSDP2's
+    # chunks are uneven, and each rank must hold what chapter 3's rows predict; a planner that split a weight
+    # wrongly, or forgot the row split of wo or the vocabulary split, would miss. Ranks (dp, stage, tp): (0, 0, 0),
+    # (2, 0, 1) with the embedding's short last chunk, (2, 1, 0) with the head's, (1, 1, 1).
+    plan = memory.Plan(3, 2, 2, zero=3)
+    for rank in (0, 9, 10, 7):
+        r = meta_check.measure_rank(TINY, plan, rank)
+        assert r["local_elements"] == r["chunked_elements"], rank
+    # where dp divides every row count, the planner's even split P_r / dp is exactly what FSDP2 stores
+    even = memory.Plan(2, 2, 2, zero=3)
+    r = meta_check.measure_rank(shapes.ModelShape(**{**TINY.__dict__, "vocab": 128}), even, 5)
+    assert r["local_elements"] == r["planner_elements"]
+    assert r["measured_bytes"] == r["planner_bytes"]
+
+
+def test_rules_are_named_in_one_sentence():
+    job = planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 64, 64 * 4096)
+    assert "beyond a node" in planner.broken_rule(job, {"tp": 16, "pp": 1, "cp": 1, "ep": 1, "dp": 4})
+    assert "does not split over dp" in planner.broken_rule(
+        planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 48, 64 * 4096), {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 48})
+    gpt = planner.Job(shapes.gpt("GPT", 24, 2304, 24), shapes.SELENE, 16, 512 * 2048)
+    assert planner.broken_rule(gpt, {"tp": 16, "pp": 1, "cp": 1, "ep": 1, "dp": 1})   # beyond the node first
+    assert planner.broken_rule(planner.Job(TINY, shapes.DGX_H100, 8, 64 * 16), {"tp": 8, "pp": 1, "cp": 1, "ep": 1,
+                                                                               "dp": 1})   # 4 heads over 8
+    with pytest.raises(ValueError, match="whole number"):
+        planner.plan(planner.Job(TINY, shapes.DGX_H100, 8, 100), 0.5)
+
+
+def test_the_overflowing_term_is_the_one_that_passes_the_gpu():
+    # 70B with mixed-precision Adam on one node: even ZeRO-3 over 8 leaves 16 x 69B / 8 bytes of state per
+    # GPU; weights and gradients (4 + 4 bytes / 8) fit in 80 GiB, the optimizer's 8 / 8 does not
+    job = planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 8, 1024 * 4096)
+    row = planner.best_for(job, {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 8}, 0.5, {"zero": 3})
+    assert row["term"] == "optimizer"
+    p = shapes.LLAMA2_70B.params()
+    assert row["memory"]["optimizer"] == 8 * p / 8 and row["memory"]["weights"] == 4 * p / 8
+    assert planner.plan(job, 0.5)["ranked"] == []
+
+
+def test_fused_swiglu_keeps_six_not_eight_bytes_per_element():
+    r = fused_swiglu.measure()
+    assert r["fused"]["measured"] == r["fused"]["formula"] and r["unfused"]["measured"] == r["unfused"]["formula"]
+    assert r["unfused"]["measured"] - r["fused"]["measured"] == 2 * 8 * 2 * 40   # SiLU(a): s b f bf16 bytes
+
+
+def test_quiz_checker_refuses_the_notes_wrong_answers():
+    verdicts = quiz.note_verdicts()
+    assert {q for q, (_, _, ok) in verdicts.items() if not ok} == {"1", "2", "7", "16"}
+    for q, answer in quiz.ANSWERS.items():
+        assert quiz.check(q, answer())
+    assert not quiz.check("1", 52.5) and not quiz.check("7", 810.0)
+    with pytest.raises(ValueError, match="no exercise"):
+        quiz.check("99", 1.0)
+
+
+def test_bad_input_is_one_sentence_before_anything_is_built():
+    with pytest.raises(ValueError, match="rank 9 is not one of the 8 ranks"):
+        meta_check.main(["--model", "70B", "--dp", "8", "--pp", "1", "--tp", "1", "--rank", "9"])
+    with pytest.raises(ValueError, match="dense Llama-shaped"):
+        meta_check.measure_rank(shapes.DEEPSEEK_V3, memory.Plan(8), 0)
