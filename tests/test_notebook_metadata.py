@@ -62,10 +62,7 @@ def test_the_first_cell_links_to_its_chapter(path):
     with open(path, encoding="utf-8") as f:
         first = json.load(f)["cells"][0]
     chapter = os.path.basename(path)[:2]
-    # a draft section (notebooks/NNx_*_draft.ipynb, out of the table of contents until it is spliced
-    # into chapter NN) links to its draft text, book/_NNx_*.md
-    name = r"_(\d\d)[a-z]_[\w-]+" if path.endswith("_draft.ipynb") else r"(\d\d)-[\w-]+"
-    link = re.search(r"\]\((\.\./book/" + name + r"\.md)\)", "".join(first["source"]))
+    link = re.search(r"\]\((\.\./book/(\d\d)-[\w-]+\.md)\)", "".join(first["source"]))
     assert link and link.group(2) == chapter, "".join(first["source"])[:300]
     assert os.path.exists(os.path.join(os.path.dirname(path), link.group(1)))
 
