@@ -5,10 +5,11 @@ import math
 import os
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 
-from labs.context_parallel import methods as cp, ulysses
+from labs.context_parallel import crossover, methods as cp, traps, ulysses
 from labs.launcher import launch
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
@@ -23,13 +24,14 @@ B, D, T = 2, 8, 24
 
 
 def cases(world_size):
-    return cp.cases(world_size, T, D, B)
+    extra = crossover.sweep_cases(4, seq_len=T, head_dim=D, batch=B) if world_size == 4 else {}
+    return {**cp.cases(world_size, T, D, B), **extra}
 
 
 @functools.lru_cache(maxsize=None)
 def run(world_size):
     """One job per world size answers every test below."""
-    return launch.spawn(cp.check_many, world_size, cases(world_size), timeout=180)
+    return launch.spawn(cp.check_many, world_size, cases(world_size), timeout=300)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -39,71 +41,103 @@ def test_every_method_equals_one_process_attention(world_size):
             assert max(r["errors"].values()) < TOL, (name, r["errors"])
 
 
+def derivation(kw, n):
+    """Bytes one rank sends, derived here from the shapes (not through the lab's own formula)."""
+    kv = B * kw["kv_heads"] * (T // n) * D * 4                       # this rank's K block, fp32
+    q = B * kw["heads"] * (T // n) * D * 4
+    sent_kv = kv * max(n // kw["kv_heads"], 1)                       # Ulysses: KV heads copied up to cp
+    return {"ring": {"forward": 2 * (n - 1) * kv, "backward": 4 * (n - 1) * kv + 2 * kv},
+            "allgather": {"forward": 2 * (n - 1) * kv, "backward": 2 * (n - 1) * kv},
+            "ulysses": {"forward": (n - 1) * (2 * q + 2 * sent_kv) // n,
+                        "backward": (n - 1) * (2 * q + 2 * sent_kv) // n}}[kw["method"]]
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_counted_bytes_equal_the_derivation(world_size):
     n = world_size
     for name, kw in cases(world_size).items():
-        kv = B * kw["kv_heads"] * (T // n) * D * 4                   # this rank's K block, fp32
-        q = B * kw["heads"] * (T // n) * D * 4
-        expected = {"ring": {"forward": 2 * (n - 1) * kv, "backward": 4 * (n - 1) * kv + 2 * kv},
-                    "allgather": {"forward": 2 * (n - 1) * kv, "backward": 2 * (n - 1) * kv},
-                    "ulysses": {"forward": (n - 1) * (2 * q + 2 * kv) // n,
-                                "backward": (n - 1) * (2 * q + 2 * kv) // n}}[kw["method"]]
         for r in run(world_size):
             res = r[name]
             assert res["shapes"]["kv"] == [B, kw["kv_heads"], T // n, D]   # sizes read from the tensors used
-            assert res["bytes_formula"] == expected
             if kw.get("hand", True):
-                assert res["bytes_sent"] == expected, name            # counted messages == derivation
-            else:                                                     # all_to_all_single: 4 calls each way
-                payloads = res["payloads"]["forward"]["all_to_all"]["payloads"]
-                assert payloads == [q, kv, kv, q] and res["bytes_sent"] == {"forward": 0, "backward": 0}
-
-
-def test_gqa_shrinks_what_ring_and_allgather_send():
-    r = run(4)[0]
-    # one KV head instead of 8: K/V traffic 8x smaller; Ulysses still moves Q and O in full
-    assert r["ring_contiguous"]["bytes_sent"]["forward"] == 8 * r["ring_zigzag_gqa"]["bytes_sent"]["forward"]
-    assert r["allgather_contiguous"]["bytes_sent"]["forward"] == 8 * r["allgather_zigzag_gqa"]["bytes_sent"]["forward"]
+                assert res["bytes_sent"] == derivation(kw, n), name     # counted messages
+            else:                                                     # all_to_all_single: library calls
+                assert res["bytes_sent"] == {"forward": 0, "backward": 0}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_zigzag_balances_the_causal_work(world_size):
-    results = run(world_size)
-    for name, order, causal in (("ring_contiguous", "contiguous", True), ("ring_zigzag_gqa", "zigzag", True),
-                                ("allgather_contiguous", "contiguous", True),
-                                ("allgather_zigzag_gqa", "zigzag", True), ("ring_full", "contiguous", False)):
-        work = [cp.work_units(r[name], world_size, T) for r in results]
-        assert work == cp.work_formula(world_size, order, causal), name
-    contiguous = [cp.work_units(r["ring_contiguous"], world_size, T) for r in results]
-    zigzag = [cp.work_units(r["ring_zigzag_gqa"], world_size, T) for r in results]
-    assert cp.imbalance(contiguous) == (2 * world_size - 1) / world_size     # 1.75 at cp = 4
-    assert cp.imbalance(zigzag) == 1.0
+def test_ulysses_runs_two_all_to_alls_each_way(world_size):
+    """Jacobs et al. §3.2: one all-to-all for Q, K and V together and one for the output."""
+    n, h, k = world_size, cases(world_size)["ulysses_library"]["heads"], cases(world_size)["ulysses_library"]["kv_heads"]
+    q, kv = B * h * (T // n) * D * 4, B * k * (T // n) * D * 4
+    for r in run(world_size):
+        lib = r["ulysses_library"]
+        assert lib["calls"]["forward"] == {"all_to_all": 2} and lib["calls"]["backward"] == {"all_to_all": 2}
+        # the fused message carries Q, K and V of this rank's tokens, then the output: what was handed over
+        assert lib["payloads"]["forward"]["all_to_all"]["payloads"] == [q + 2 * kv, q]
+        # by hand: one message to each other rank per all-to-all; DeepSpeed's three Q, K, V all-to-alls
+        # send the same bytes in twice the messages
+        assert r["ulysses_zigzag_gqa"]["messages"] == {"forward": 2 * (n - 1), "backward": 2 * (n - 1)}
+        assert r["ulysses_unfused"]["messages"] == {"forward": 4 * (n - 1), "backward": 4 * (n - 1)}
+        assert r["ulysses_unfused"]["bytes_sent"] == r["ulysses_zigzag_gqa"]["bytes_sent"]
+
+
+def test_gqa_bytes_at_equal_kv_head_ratios():
+    results = run(4)
     for r in results:
-        # FlopCounterMode: 2 matmuls of 2*d FLOPs per score entry of every tile computed (masked
-        # entries of a diagonal tile included): computing the hidden tiles too would show here
-        w = r["ring_contiguous"]["work"]
-        c = T // world_size
-        h = cases(world_size)["ring_contiguous"]["heads"]
-        assert r["ring_contiguous"]["flops"] == 4 * D * B * h * c * c * (w["tiles_full"] + w["tiles_diagonal"])
+        sent = {name: sum(r[name]["bytes_sent"].values()) for name in crossover.sweep_cases(4)}
+        q = B * 8 * (T // 4) * D * 4
+        for k in (1, 2, 4, 8):
+            for m in ("ring", "allgather", "ulysses"):   # the derivation in units of q, against the count
+                assert Fraction(sent[f"{m}_k{k}"], q) == crossover.bytes_per_rank(m, Fraction(k, 8), 4, 8), (m, k)
+            fewest = min(("allgather", "ring", "ulysses"), key=lambda m: sent[f"{m}_k{k}"])
+            assert fewest == crossover.winner(Fraction(k, 8), 4, 8)
+        # copies: below k = cp Ulysses sends what it sends at k = cp; a lab that expanded K and V to all
+        # 8 query heads before the all-to-all would send what it sends at k = 8
+        assert sent["ulysses_k1"] == sent["ulysses_k2"] == sent["ulysses_k4"] < sent["ulysses_k8"]
+        # the ring and the all-gather move only the k KV heads: 8 times fewer bytes at k = 1 than at 8
+        assert sent["ring_k8"] == 8 * sent["ring_k1"] and sent["allgather_k8"] == 8 * sent["allgather_k1"]
+    # the winners change between the measured points at the derived crossovers, 9/40 and 3/8 of the heads
+    assert crossover.crossover("ring", 4, 8) == Fraction(9, 40) and crossover.crossover("allgather", 4, 8) == Fraction(3, 8)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_work_per_rank_is_what_the_kernel_computes(world_size):
+    results = run(world_size)
+    for name, kw in cases(world_size).items():
+        causal, order = kw.get("causal", True), kw["order"]
+        beta = cp.diagonal_block(world_size, T, order, kw.get("block"))
+        work = [cp.work_units(r[name], world_size, T) for r in results]
+        assert work == cp.work_formula(world_size, order, causal, beta, kw["method"]), name
+        for r in results:
+            # FlopCounterMode sees every matmul the kernel runs: 2 x 2d FLOPs per score entry computed.
+            # A kernel that computed hidden tiles, or whole diagonal tiles while its tally said blocks, differs.
+            res = r[name]
+            assert res["flops"] == 4 * D * res["work"]["score_entries"], name
+        # the masks cover exactly the causal triangle (or the square), every entry once over the ranks
+        unmasked = sum(r[name]["work"]["unmasked_entries"] for r in results)
+        assert unmasked == B * kw["heads"] * (T * (T + 1) // 2 if causal else T * T), name
+    # the contiguous split with whole diagonal tiles: ranks compute i + 1 tiles, max/mean 2cp/(cp + 1)
+    assert [r["ring_contiguous"]["work"]["tiles_masked"] for r in results] == [1] * world_size
     assert [r["ring_contiguous"]["work"]["tiles_full"] for r in results] == list(range(world_size))
-    # Ulysses splits heads, not tokens: every rank sees the whole triangle for h/cp heads, cp units
-    for name in ("ulysses_contiguous", "ulysses_zigzag_gqa"):
-        assert [cp.work_units(r[name], world_size, T) for r in results] == [world_size] * world_size
 
 
-def test_ulysses_needs_cp_to_divide_the_heads():
+def test_ulysses_rules_for_the_heads():
     with pytest.raises(ValueError, match="divide the query heads: 8 heads on cp = 3"):
         ulysses.check_heads(8, 8, 3)
-    with pytest.raises(ValueError, match="divide the KV heads: 2 KV heads on cp = 4"):
-        ulysses.check_heads(8, 2, 4)
+    with pytest.raises(ValueError, match="cp and the KV heads to divide one another: 3 KV heads on cp = 2"):
+        ulysses.check_heads(6, 3, 2)
+    ulysses.check_heads(8, 2, 4)                                      # fewer KV heads than cp: copied
+    assert [ulysses.kv_repeats(k, 4) for k in (1, 2, 4, 8)] == [4, 2, 1, 1]
     with pytest.raises(ValueError, match="not divisible by 8"):
         cp.check_config(4, 20, "zigzag", "ring", 4, 4)
+    with pytest.raises(ValueError, match="block of 4 tokens must divide the chunks of 6"):
+        cp.check_config(4, 24, "contiguous", "ring", 4, 4, block=4)
 
 
 def test_loss_over_a_sharded_sequence():
     # cp = 4, 24 tokens, 15 unmasked: ranks hold 6, 6, 3 and 0 of them
-    results = launch.spawn(cp.loss_trap, 4, 15, timeout=120)
+    results = launch.spawn(traps.loss_trap, 4, 15, timeout=120)
     ref = results[0]["reference_loss"]
     assert [r["per_rank_mean"]["local_count"] for r in results] == [6, 6, 3, 0]
     for r in results:
@@ -115,7 +149,7 @@ def test_loss_over_a_sharded_sequence():
 
 
 def test_per_rank_mean_gives_the_wrong_gradient():
-    results = launch.spawn(cp.loss_trap, 2, 18, timeout=120)     # 12 and 6 unmasked tokens: no NaN
+    results = launch.spawn(traps.loss_trap, 2, 18, timeout=120)  # 12 and 6 unmasked tokens: no NaN
     for r in results:
         wrong, right = r["per_rank_mean"], r["global_count"]
         assert not wrong["grad_nan"] and wrong["grad_error"] > 1e-3 and right["grad_error"] < TOL
@@ -123,9 +157,19 @@ def test_per_rank_mean_gives_the_wrong_gradient():
 
 
 def test_a_query_with_no_key_is_zero_not_nan():
-    assert math.isnan(cp.empty_row(safe=False)["output"][1][0])
-    guarded = cp.empty_row(safe=True)
+    assert math.isnan(traps.empty_row(safe=False)["output"][1][0])
+    guarded = traps.empty_row(safe=True)
     assert guarded["output"][1] == [0.0] * 4 and guarded["lse"][1] == -math.inf
+
+
+def test_exercise_checkers_refuse_the_plausible_wrong_answers():
+    answers = {q: f() for q, f in cp.EXERCISES.items()}
+    assert all(cp.check_answer(q, a) for q, a in answers.items())
+    assert not cp.check_answer("3", answers["3"] / 2)      # only Q K^T counted, 2dc^2 FLOPs: c >= F/(2B)
+    assert not cp.check_answer("4", answers["3"])          # GQA left out: exercise 3's answer
+    assert not cp.check_answer("4", answers["3"] * 8)      # k/a inverted
+    assert not cp.check_answer("5", 1 / 8)                 # 1/cp: Ulysses' share taken as the whole crossover
+    assert not cp.check_answer("5", float(crossover.crossover("ring", 8, 64)))   # the ring's crossover
 
 
 def test_command_line_contract():
@@ -136,7 +180,8 @@ def test_command_line_contract():
     assert r["max_abs_error"] < TOL and r["max_abs_error_grad"] < TOL
     kv = 2 * 2 * 8 * 8 * 4                                             # B, k, T/cp, d, fp32
     assert r["bytes_sent"] == [{"forward": 6 * kv, "backward": 14 * kv}] * 4
-    assert r["work_per_rank"] == [1, 3, 5, 7] and r["work_max_over_mean"] == 1.75
+    # whole diagonal tiles: rank i computes i + 1 tiles of (T/cp)^2, in units of half a tile
+    assert r["work_per_rank"] == [2, 4, 6, 8] and r["work_max_over_mean"] == 1.6
     bad = subprocess.run([sys.executable, "-m", "labs.context_parallel.methods", "--world-size", "3", "--method", "ulysses"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "divide the query heads" in bad.stderr and "Traceback" not in bad.stderr

@@ -41,6 +41,9 @@ def test_sp_block_equals_tp_and_one_process_and_keeps_table_2(world_size):
         sent = c["counted_bytes_sent"]
         assert sent["sp_forward"] == sent["tp_forward"] == 2 * 2 * (t - 1) * bsh4 // t
         assert sent["sp_backward"] - sent["tp_backward"] == 2 * (t - 1) * bsh4 // t
+        # the formula the book applies at GPT-3 scale, checked here against both counts
+        formula = sp.forward_bytes_per_layer(b, s, h, t, bytes_per_elem=4)
+        assert (sent["sp_forward"], sent["tp_forward"]) == (formula["sp"], formula["tp"])
         # the LayerNorm weights and biases and the two row-parallel biases: h fp32 values each
         assert c["param_ops"] == ["parameter-gradient all-reduce"] * 6 and c["param_payloads"] == [h * 4] * 6
         table = r["table"]
@@ -49,6 +52,8 @@ def test_sp_block_equals_tp_and_one_process_and_keeps_table_2(world_size):
         # written out here rather than through labs.memory_budget.activations: TP+SP with selective recompute keeps
         # 34 bytes per token and hidden unit, split t ways; saving the gathered input would not
         assert table["tp_sp_selective"]["measured"] == 34 * s * b * h // t + 2 * (s * b // t) * 4
+        # TP alone with the attention core recomputed: 10 bytes per token and hidden unit stay whole
+        assert table["tp_selective"]["measured"] == 10 * s * b * h + 24 * s * b * h // t + 2 * (s * b) * 4
         assert table["tp_sp_keep_gathered"]["measured"] > table["tp_sp"]["measured"]
         assert table["tp_sp_full"]["measured"] * t == table["tp_full"]["measured"] == 2 * s * b * h
 
@@ -86,9 +91,15 @@ def test_command_line_contract():
     assert bad.returncode == 2 and "--seq 7 must be divisible" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_sp_sends_what_tp_sends_at_gpt3_scale():
-    f = sp.forward_bytes_per_layer(1, 2048, 12288, 8)
-    assert f["message_bytes"] == 48 * 2**20 and f["sp"] == f["tp"] == 2 * 2 * 7 / 8 * 48 * 2**20
+def test_exercise_checkers_refuse_the_plausible_wrong_answers():
+    one, two = sp.EXERCISES["1"](), sp.EXERCISES["2"]()
+    assert sp.check("1", one) and sp.check("2", two)
     # 34/8 + 5 * 96 * 2048 / (12288 * 8) = 14.25 bytes per s*b*h, 2048 * 12288 of them: 342 MiB
-    assert sp.check("1", 342) and not sp.check("1", 14.25 * 2048 * 12288 * 8 / 2**20)
-    assert sp.check("2", 168)
+    assert round(one) == 342
+    assert not sp.check("1", 552)                      # the TP-only row, 10 sbh left whole
+    assert not sp.check("1", one * 8)                  # the layer's activations over all 8 ranks
+    assert not sp.check("1", 2048 * 12288 * (34 / 8 + 5 * 96 * 2048 / 12288) / 2**20)   # 5as/h not split by t
+    # two all-gathers and two reduce-scatters of M = 48 MiB, 7/8 of M each: 168 MiB
+    assert round(two) == 168
+    assert not sp.check("2", two / 2)                  # the all-gathers only
+    assert not sp.check("2", 4 * 48)                   # all of M per collective, (t-1)/t left out

@@ -156,7 +156,9 @@ def lab(rank, world_size, b=2, s=12, hidden=48):
 def forward_bytes_per_layer(b, s, h, t, bytes_per_elem=2):
     """Formula bytes one rank sends in one layer's forward on a ring (Patarasuk & Yuan 2009): TP's
     two all-reduces of M = b*s*h*bytes, 2(t-1)/t * M each, against SP's two all-gathers and two
-    reduce-scatters, (t-1)/t * M each. Equal: an all-reduce is a reduce-scatter and an all-gather."""
+    reduce-scatters, (t-1)/t * M each. Equal by algebra (an all-reduce is a reduce-scatter and an
+    all-gather): a derivation, not a finding. What is measured is `check_block`'s counted bytes on
+    the tiny block, TP's and SP's each from its own messages, which the tests compare with this."""
     m = b * s * h * bytes_per_elem
     return {"message_bytes": m, "tp": 2 * 2 * (t - 1) / t * m, "sp": 2 * ((t - 1) / t * m + (t - 1) / t * m)}
 
