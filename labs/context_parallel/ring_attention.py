@@ -192,8 +192,9 @@ class RingAttention(torch.autograd.Function):
     """O = softmax(Q K^T / sqrt(d)) V for this rank's queries, K/V blocks passed around the ring.
 
     ``trace`` (a list) receives one entry per forward step: the owner of the block computed, the
-    score entries computed, and perf_counter times when the step began, when its compute ended and
-    when the next block had arrived (the wait on the left neighbour)."""
+    score entries computed, perf_counter times when the step began, when its compute ended and
+    when the next block had arrived (the wait on the left neighbour), and the CPU time of the
+    compute (process_time: what the step would take with a core to itself)."""
 
     @staticmethod
     def forward(ctx, q, k, v, table, causal, group, work, block, trace):
@@ -203,20 +204,20 @@ class RingAttention(torch.autograd.Function):
         blocks = (k, v)
         for step in range(n):
             owner = (r - step) % n                                   # whose K, V this rank holds now
-            began, mine = time.perf_counter(), dict.fromkeys(("tiles_full", "tiles_masked", "score_entries",
-                                                                "unmasked_entries"), 0)
+            began, cpu = time.perf_counter(), time.process_time()
+            mine = dict.fromkeys(("tiles_full", "tiles_masked", "score_entries", "unmasked_entries"), 0)
             pending = _pass(blocks, group) if step < n - 1 else None  # the next block is on its way
             o, l = attend(q, blocks[0], blocks[1], table[r], table[owner], causal, mine, block)
             out, lse = merge(out, lse, o, l)
-            computed = time.perf_counter()
+            computed, cpu = time.perf_counter(), time.process_time() - cpu
             if pending:
                 blocks = _wait(pending)
             if work is not None:
                 for key, value in mine.items():
                     work[key] += value
             if trace is not None:
-                trace.append({"step": step, "owner": owner, "score_entries": mine["score_entries"],
-                              "began": began, "computed": computed, "arrived": time.perf_counter()})
+                trace.append({"step": step, "owner": owner, "score_entries": mine["score_entries"], "began": began,
+                              "computed": computed, "arrived": time.perf_counter(), "compute_cpu_s": cpu})
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.table, ctx.causal, ctx.group, ctx.block = table, causal, group, block
         return out

@@ -14,7 +14,10 @@ entries per batch and head, c = T/cp, beta = the kernel's diagonal block over c)
     zig-zag     step 0: 1 + beta; every later step 1 unit on every rank (two (c/2)^2 tiles).
 `timed` records, on every rank and every forward step, when the step began, when its compute ended
 and when the next block had arrived (time.perf_counter, one clock for all the processes of a Linux
-machine): compute and wait per step. The timings are printed, never asserted; the work per step is.
+machine): compute and wait per step, and the compute's CPU time (time.process_time), which is what
+the step would take on a rank with a core to itself: where ranks share cores, a rank that waits
+lends its core to the others and the wall-clock compute stretches with the number of busy ranks.
+The timings are printed, never asserted; the work per step is.
 
     python -m labs.context_parallel.ring_steps --world-size 4 --json
 """
@@ -55,6 +58,7 @@ def timed(rank, world_size, seq_len=1024, heads=4, head_dim=64, batch=1, orders=
             runs.append(trace)
         out[order] = [{"step": s["step"], "owner": s["owner"], "score_entries": s["score_entries"],
                        "compute_s": statistics.median(r[i]["computed"] - r[i]["began"] for r in runs),
+                       "compute_cpu_s": statistics.median(r[i]["compute_cpu_s"] for r in runs),
                        "wait_s": statistics.median(r[i]["arrived"] - r[i]["computed"] for r in runs)}
                       for i, s in enumerate(runs[0])]
     return out
@@ -78,6 +82,7 @@ def main(argv=None):
     if results is None:
         return
     r = {order: {"compute_ms": [[round(1e3 * s["compute_s"], 2) for s in x[order]] for x in results],
+                 "compute_cpu_ms": [[round(1e3 * s["compute_cpu_s"], 2) for s in x[order]] for x in results],
                  "wait_ms": [[round(1e3 * s["wait_s"], 2) for s in x[order]] for x in results],
                  "work": [[float(u) for u in step_units(x[order], 1, 4, args.seq_len, len(results))] for x in results]}
          for order in methods.ORDERS}
