@@ -162,16 +162,6 @@ def test_a_query_with_no_key_is_zero_not_nan():
     assert guarded["output"][1] == [0.0] * 4 and guarded["lse"][1] == -math.inf
 
 
-def test_exercise_checkers_refuse_the_plausible_wrong_answers():
-    answers = {q: f() for q, f in cp.EXERCISES.items()}
-    assert all(cp.check_answer(q, a) for q, a in answers.items())
-    assert not cp.check_answer("3", answers["3"] / 2)      # only Q K^T counted, 2dc^2 FLOPs: c >= F/(2B)
-    assert not cp.check_answer("4", answers["3"])          # GQA left out: exercise 3's answer
-    assert not cp.check_answer("4", answers["3"] * 8)      # k/a inverted
-    assert not cp.check_answer("5", 1 / 8)                 # 1/cp: Ulysses' share taken as the whole crossover
-    assert not cp.check_answer("5", float(crossover.crossover("ring", 8, 64)))   # the ring's crossover
-
-
 def test_command_line_contract():
     out = subprocess.run([sys.executable, "-m", "labs.context_parallel.methods", "--world-size", "4", "--method", "ring",
                           "--seq-len", "32", "--causal", "--order", "contiguous", "--kv-heads", "2", "--json"],

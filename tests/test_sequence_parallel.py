@@ -89,17 +89,3 @@ def test_command_line_contract():
     bad = subprocess.run(run + ["--world-size", "2", "--seq", "7"], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--seq 7 must be divisible" in bad.stderr and "Traceback" not in bad.stderr
-
-
-def test_exercise_checkers_refuse_the_plausible_wrong_answers():
-    one, two = sp.EXERCISES["1"](), sp.EXERCISES["2"]()
-    assert sp.check("1", one) and sp.check("2", two)
-    # 34/8 + 5 * 96 * 2048 / (12288 * 8) = 14.25 bytes per s*b*h, 2048 * 12288 of them: 342 MiB
-    assert round(one) == 342
-    assert not sp.check("1", 552)                      # the TP-only row, 10 sbh left whole
-    assert not sp.check("1", one * 8)                  # the layer's activations over all 8 ranks
-    assert not sp.check("1", 2048 * 12288 * (34 / 8 + 5 * 96 * 2048 / 12288) / 2**20)   # 5as/h not split by t
-    # two all-gathers and two reduce-scatters of M = 48 MiB, 7/8 of M each: 168 MiB
-    assert round(two) == 168
-    assert not sp.check("2", two / 2)                  # the all-gathers only
-    assert not sp.check("2", 4 * 48)                   # all of M per collective, (t-1)/t left out
