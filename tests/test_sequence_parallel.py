@@ -23,7 +23,9 @@ FORWARD = ["g forward all-gather", "g-bar forward reduce-scatter"] * 2
 BACKWARD = ["g-bar backward all-gather", "g backward reduce-scatter", "backward re-gather of the input"] * 2
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+# t = 2 and 4 run in the notebook, whose cells assert the same equalities, counts and table rows
+# (nbval runs them natively and under OTHER_CPU): here the odd degree, which the notebook skips.
+@pytest.mark.parametrize("world_size", [3])
 def test_sp_block_equals_tp_and_one_process_and_keeps_table_2(world_size):
     b, s, h, t = 2, 12, 48, world_size
     bsh4 = b * s * h * 4                                      # one fp32 activation of the whole sequence
@@ -74,8 +76,8 @@ def test_pytorch_sequence_parallel_matches_the_hand_version():
 
 
 def test_a_sequence_that_does_not_split_is_refused():
-    with pytest.raises(launch.RankError, match="s = 10 is not divisible by tp = 4"):
-        launch.spawn(sp.check_block, 4, 2, 10, timeout=120)
+    with pytest.raises(launch.RankError, match="s = 10 is not divisible by tp = 3"):
+        launch.spawn(sp.check_block, 3, 2, 10, timeout=120)
 
 
 def test_command_line_contract():

@@ -11,4 +11,5 @@
 - `hybrid`: Ulysses inside a node and the ring across nodes (USP), bytes per link tier counted.
 - `ring_steps`: the ring's compute and wait per step and rank, contiguous against zig-zag.
 - `traps`: the loss over a sharded sequence, normalised per rank or by the global count.
+- `jobs`: the context-parallel labs in one job of cp ranks, for the notebook (each as it runs alone).
 """

@@ -126,6 +126,11 @@ def check(rank, world_size, u=2, seq_len=24, heads=8, kv_heads=8, head_dim=8, ba
     return out
 
 
+def check_kv(rank, world_size, u=2, seq_len=24, heads=8, kv_heads=(8, 1), **kw):
+    """`check` at several KV-head counts in one job (one start of the ranks): {kv_heads: result}."""
+    return {kv: check(rank, world_size, u, seq_len, heads, kv, **kw) for kv in kv_heads}
+
+
 def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("Hybrid context parallelism: Ulysses inside each node of u ranks, the ring across nodes, "

@@ -148,9 +148,13 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
             "placements": {n: str(p.placements) for n, p in lib.named_parameters()}}
 
 
-def lab(rank, world_size, b=2, s=12, hidden=48):
-    """`check_block` (counted messages) and `sequence_parallel_activations.activation_table` in one job."""
-    return {"check": check_block(rank, world_size, b, s, hidden), "table": spa.activation_table(rank, world_size, b, s, hidden)}
+def lab(rank, world_size, b=2, s=12, hidden=48, dtensor=False):
+    """`check_block` (counted messages) and `sequence_parallel_activations.activation_table` in one job,
+    and `dtensor_block` too when ``dtensor`` (starting ranks costs more than these small runs)."""
+    out = {"check": check_block(rank, world_size, b, s, hidden), "table": spa.activation_table(rank, world_size, b, s, hidden)}
+    if dtensor:
+        out["dtensor"] = dtensor_block(rank, world_size, b, s, hidden)
+    return out
 
 
 def forward_bytes_per_layer(b, s, h, t, bytes_per_elem=2):
