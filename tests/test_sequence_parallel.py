@@ -23,13 +23,18 @@ FORWARD = ["g forward all-gather", "g-bar forward reduce-scatter"] * 2
 BACKWARD = ["g-bar backward all-gather", "g backward reduce-scatter", "backward re-gather of the input"] * 2
 
 
-# t = 2 and 4 run in the notebook, whose cells assert the same equalities, counts and table rows
-# (nbval runs them natively and under OTHER_CPU): here the odd degree, which the notebook skips.
-@pytest.mark.parametrize("world_size", [3])
-def test_sp_block_equals_tp_and_one_process_and_keeps_table_2(world_size):
-    b, s, h, t = 2, 12, 48, world_size
+@pytest.fixture(scope="module")
+def job():
+    """t = 3, the odd degree the notebook skips: the block, Table 2, the gathered input kept, and
+    PyTorch's SequenceParallel, in one job. t = 2 and 4 run in the notebook, whose cells assert the
+    same equalities, counts and table rows (nbval runs them natively and under OTHER_CPU)."""
+    return launch.spawn(sp.lab, 3, 2, 12, 48, True, True, timeout=300)
+
+
+def test_sp_block_equals_tp_and_one_process_and_keeps_table_2(job):
+    b, s, h, t = 2, 12, 48, 3
     bsh4 = b * s * h * 4                                      # one fp32 activation of the whole sequence
-    for r in launch.spawn(sp.lab, t, b, s, h, timeout=120):
+    for r in job:
         c = r["check"]
         assert max(c["max_abs_error"], c["max_abs_error_grad"]) < TOL, c
         assert max(c["max_abs_error_vs_tp"], c["max_abs_error_grad_vs_tp"]) < TOL, c
@@ -60,15 +65,15 @@ def test_sp_block_equals_tp_and_one_process_and_keeps_table_2(world_size):
         assert table["tp_sp_full"]["measured"] * t == table["tp_full"]["measured"] == 2 * s * b * h
 
 
-def test_keeping_the_gathered_input_makes_backward_exactly_tps():
-    for c in launch.spawn(sp.check_block, 2, 2, 12, 48, False, timeout=120):
+def test_keeping_the_gathered_input_makes_backward_exactly_tps(job):
+    for c in (r["keep_gathered"] for r in job):
         assert max(c["max_abs_error"], c["max_abs_error_grad"]) < TOL, c
         assert c["backward_ops"] == ["g-bar backward all-gather", "g backward reduce-scatter"] * 2
         assert c["counted_bytes_sent"]["sp_backward"] == c["counted_bytes_sent"]["tp_backward"]
 
 
-def test_pytorch_sequence_parallel_matches_the_hand_version():
-    for r in launch.spawn(sp.dtensor_block, 3, timeout=120):
+def test_pytorch_sequence_parallel_matches_the_hand_version(job):
+    for r in (x["dtensor"] for x in job):
         assert r["max_abs_error"] < TOL and r["max_abs_error_grad"] < TOL, r["grad_errors"]
         # DTensor leaves the LayerNorm gradients as unsummed partials, the sum `sync_grads` does
         assert r["partial_grads"] == ["ln1.bias", "ln1.weight", "ln2.bias", "ln2.weight"]
@@ -76,8 +81,8 @@ def test_pytorch_sequence_parallel_matches_the_hand_version():
 
 
 def test_a_sequence_that_does_not_split_is_refused():
-    with pytest.raises(launch.RankError, match="s = 10 is not divisible by tp = 3"):
-        launch.spawn(sp.check_block, 3, 2, 10, timeout=120)
+    with pytest.raises(ValueError, match="s = 10 is not divisible by tp = 3"):   # before any collective
+        sp.check_block(0, 3, 2, 10)
 
 
 def test_command_line_contract():

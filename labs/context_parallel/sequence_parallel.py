@@ -148,12 +148,15 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
             "placements": {n: str(p.placements) for n, p in lib.named_parameters()}}
 
 
-def lab(rank, world_size, b=2, s=12, hidden=48, dtensor=False):
-    """`check_block` (counted messages) and `sequence_parallel_activations.activation_table` in one job,
-    and `dtensor_block` too when ``dtensor`` (starting ranks costs more than these small runs)."""
+def lab(rank, world_size, b=2, s=12, hidden=48, dtensor=False, keep_gathered=False):
+    """`check_block` (counted messages) and `sequence_parallel_activations.activation_table` in one job;
+    `dtensor_block` too when ``dtensor``, and `check_block` keeping the gathered input when
+    ``keep_gathered`` (starting ranks costs more than these small runs)."""
     out = {"check": check_block(rank, world_size, b, s, hidden), "table": spa.activation_table(rank, world_size, b, s, hidden)}
     if dtensor:
         out["dtensor"] = dtensor_block(rank, world_size, b, s, hidden)
+    if keep_gathered:
+        out["keep_gathered"] = check_block(rank, world_size, b, s, hidden, regather=False)
     return out
 
 
