@@ -1,7 +1,7 @@
 """Chapter 6: all-gather context parallelism, as in Llama 3's long-context training.
 
-Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv 2407.21783, §3.3.2, "Context
-parallelism"): the sequence is cut into 2 x cp chunks and rank i keeps chunks i and 2cp-1-i
+Llama Team, AI @ Meta 2024, "The Llama 3 Herd of Models" (arXiv 2407.21783), §3.3.2, "Context
+parallelism": the sequence is cut into 2 x cp chunks and rank i keeps chunks i and 2cp-1-i
 (load balance under the causal mask); K and V are all-gathered, and each rank computes the
 attention of its local Q chunks against the whole K and V. The paper chose this over a ring
 because the all-gather is simple and flexible for masks, and because with GQA the gathered K and
@@ -9,7 +9,9 @@ V are much smaller than Q, so the exposed all-gather latency is small.
 
 Backward: the all-gather's adjoint is a reduce-scatter, handing every rank the sum of all ranks'
 contributions to its own K and V rows. Both run as hand rings (`hand_ring.hand_collectives()`:
-counted messages).
+counted messages). The gathered K and V are kept for backward here; Megatron-LM's context
+parallelism keeps only this rank's chunk and gathers again in backward (its API guide,
+docs/source/api-guide/context_parallel.rst), 2(cp-1) more blocks backward for T/cp tokens' memory.
 """
 import torch
 import torch.distributed as dist
@@ -42,12 +44,12 @@ class GatherSequence(torch.autograd.Function):
         return mine.permute(1, 2, 0, 3), None
 
 
-def allgather_attention(q, k, v, table, causal=True, group=None, work=None):
+def allgather_attention(q, k, v, table, causal=True, group=None, work=None, block=None):
     """This rank's attention output (B, a, T/cp, d) against the all-gathered K and V."""
     r = dist.get_rank(group)
     k_all, v_all = GatherSequence.apply(k, group), GatherSequence.apply(v, group)  # (B, k, T, d)
     everyone = [c for chunks in table for c in chunks]             # gathered rows, rank by rank
-    out, _ = ra.attend(q, k_all, v_all, table[r], everyone, causal, work)
+    out, _ = ra.attend(q, k_all, v_all, table[r], everyone, causal, work, block)
     return out
 
 

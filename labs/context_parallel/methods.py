@@ -2,17 +2,24 @@
 
 Three ways to compute exact attention when each of cp ranks holds T/cp tokens, each in its own
 file, all checked here against one process's attention (outputs and dQ, dK, dV):
-- ring attention (`labs.context_parallel.ring_attention`, Liu et al. 2023): K/V blocks passed around a ring,
-  forward and backward by hand;
-- DeepSpeed-Ulysses (`labs.context_parallel.ulysses`, Jacobs et al. 2023): all-to-all from a sequence split to a
-  head split and back;
-- all-gather CP (`labs.context_parallel.allgather_cp`, Llama 3, Dubey et al. 2024, §3.3.2): K and V all-gathered,
-  dK and dV reduce-scattered.
+- ring attention (`labs.context_parallel.ring_attention`, Liu et al. 2023): K/V blocks passed around
+  a ring, forward and backward by hand;
+- DeepSpeed-Ulysses (`labs.context_parallel.ulysses`, Jacobs et al. 2023): all-to-all from a sequence
+  split to a head split and back;
+- all-gather CP (`labs.context_parallel.allgather_cp`, Llama Team 2024, §3.3.2): K and V
+  all-gathered, dK and dV reduce-scattered.
 
 How the tokens are split (``order``): "contiguous" gives rank i tokens [i T/cp, (i+1) T/cp);
-"zigzag" cuts the sequence into 2cp chunks and gives rank i chunks i and 2cp-1-i (Llama 3,
-§3.3.2). Under the causal mask the contiguous split leaves the last rank (2cp-1)/cp times the
-mean work; zig-zag gives every rank the same (`work_formula`).
+"zigzag" cuts the sequence into 2cp chunks and gives rank i chunks i and 2cp-1-i (Llama Team 2024,
+§3.3.2; Megatron-LM's get_batch_on_this_cp_rank; zhuzilin/ring-flash-attention issue #2). Striped
+Attention (Brandon et al. 2023, arXiv 2311.09431) balances the same triangle by giving rank i the
+tokens i, i + cp, i + 2cp, ...; the lab does not build it.
+
+Work (`work_formula`): the kernel computes a tile below the causal diagonal whole and a tile on
+it in blocks of beta tokens, skipping the hidden ones: c(c + beta)/2 of its c^2 entries, with
+beta the chunk itself when ``block`` is None. Contiguously rank i computes i c^2 + c(c + beta)/2,
+so max/mean = (2cp - 1 + beta/c)/(cp + beta/c): 2cp/(cp + 1) with whole tiles, (2cp - 1)/cp
+as beta/c -> 0. Zig-zag gives every rank c^2 cp/2 + c beta/2, the contiguous split's mean.
 
 Not used here: PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` does not run
 on CPU (it shards the CUDA SDPA kernels; there is no CPU SDPA sharding), so this chapter builds
@@ -20,11 +27,13 @@ ring attention by hand and shows no library run on gloo.
 
     python -m labs.context_parallel.methods --world-size 4 --method ring --seq-len 32 --causal --order zigzag --json
 """
+from fractions import Fraction
+
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from labs.context_parallel import allgather_cp, ring_attention as ra, ulysses
+from labs.context_parallel import allgather_cp, crossover, ring_attention as ra, ulysses
 from labs.measure import comm
 from labs.launcher import launch, preflight
 
@@ -41,7 +50,7 @@ def layout(cp, seq_len, order):
     return [[(i * c, c), ((2 * cp - 1 - i) * c, c)] for i in range(cp)]
 
 
-def check_config(cp, seq_len, order, method, heads, kv_heads):
+def check_config(cp, seq_len, order, method, heads, kv_heads, block=None):
     """Refuse a split that cannot be made, in one sentence, before any rank starts."""
     if order not in ORDERS:
         raise ValueError(f"unknown order {order!r}; use one of {', '.join(ORDERS)}.")
@@ -55,6 +64,9 @@ def check_config(cp, seq_len, order, method, heads, kv_heads):
         raise ValueError(f"GQA needs the KV heads to divide the query heads: {kv_heads} does not divide {heads}.")
     if method == "ulysses":
         ulysses.check_heads(heads, kv_heads, cp)
+    if block is not None and (block < 1 or (seq_len // pieces) % block):
+        raise ValueError(f"the kernel's block of {block} tokens must divide the chunks of {seq_len // pieces} "
+                         f"tokens; choose a divisor of {seq_len // pieces}.")
 
 
 def rows_of(chunks):
@@ -76,52 +88,56 @@ def reference(q, k, v, causal):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True), (q, k, v)
 
 
-def run_method(method, q, k, v, table, causal, work, hand=True):
+def run_method(method, q, k, v, table, causal, work, hand=True, fused=True, block=None):
     if method == "ring":
-        return ra.ring_attention(q, k, v, table, causal, work=work)
+        return ra.ring_attention(q, k, v, table, causal, work=work, block=block)
     if method == "ulysses":
-        return ulysses.ulysses_attention(q, k, v, table, causal, work=work, hand=hand)
-    return allgather_cp.allgather_attention(q, k, v, table, causal, work=work)
+        return ulysses.ulysses_attention(q, k, v, table, causal, work=work, hand=hand, fused=fused, block=block)
+    return allgather_cp.allgather_attention(q, k, v, table, causal, work=work, block=block)
 
 
-def bytes_formula(method, q_bytes, kv_bytes, cp):
+def bytes_formula(method, q_bytes, kv_bytes, cp, kv_heads):
     """What this rank's implementation sends, derived (counted messages), forward and backward."""
     if method == "ring":
         return ra.ring_bytes(kv_bytes, cp)
     if method == "ulysses":
-        return ulysses.ulysses_bytes(q_bytes, kv_bytes, cp)
+        return ulysses.ulysses_bytes(q_bytes, kv_bytes, cp, kv_heads)
     return allgather_cp.allgather_bytes(kv_bytes, cp)
 
 
 def check(rank, world_size, method="ring", seq_len=24, causal=True, order="zigzag", heads=4, kv_heads=2,
-          head_dim=8, batch=2, hand=True):
+          head_dim=8, batch=2, hand=True, fused=True, block=None):
     """One method against one process's attention, on this rank's rows.
 
     Returns ``errors`` (max abs difference: output, dq, dk, dv), ``bytes_sent`` (counted messages,
     forward and backward; 0 for Ulysses with ``hand=False``, whose all_to_all_single is a library
-    collective: see its ``payloads``) and ``bytes_formula`` (the derivation, from this rank's Q and K sizes),
-    ``payloads`` (per operation, from labs.measure.comm), ``work`` (tiles computed: full, diagonal; score
-    entries a causal kernel computes; unmasked entries) and ``flops`` (FlopCounterMode, forward).
+    collective: see its ``calls`` and ``payloads``), ``messages`` (point-to-point messages sent),
+    ``calls`` and ``payloads`` (per operation, from labs.measure.comm), ``bytes_formula`` (the
+    derivation, from this rank's Q and K sizes), ``work`` (tiles computed whole and masked; score
+    entries the kernel computes; unmasked entries) and ``flops`` (FlopCounterMode, forward).
     """
-    check_config(world_size, seq_len, order, method, heads, kv_heads)
+    check_config(world_size, seq_len, order, method, heads, kv_heads, block)
     q, k, v, do = inputs(batch, heads, kv_heads, seq_len, head_dim, launch.device())
     ref, (rq, rk, rv) = reference(q, k, v, causal)
     (ref * do).sum().backward()
     table = layout(world_size, seq_len, order)
     rows = rows_of(table[rank]).to(q.device)
     mine = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
-    work = dict.fromkeys(("tiles_full", "tiles_diagonal", "score_entries", "unmasked_entries"), 0)
+    work = dict.fromkeys(("tiles_full", "tiles_masked", "score_entries", "unmasked_entries"), 0)
     with comm.counting() as fwd, FlopCounterMode(display=False) as flops:
-        out = run_method(method, *mine, table, causal, work, hand)
+        out = run_method(method, *mine, table, causal, work, hand, fused, block)
     with comm.counting() as bwd:
         (out * do[:, :, rows]).sum().backward()
     errors = {"output": (out - ref[:, :, rows]).abs().max().item()}
     for name, t, r in zip(("dq", "dk", "dv"), mine, (rq, rk, rv)):
         errors[name] = (t.grad - r.grad[:, :, rows]).abs().max().item()
     nbytes = [t.numel() * t.element_size() for t in mine]
-    return {"errors": errors, "bytes_sent": {"forward": fwd.bytes_sent, "backward": bwd.bytes_sent},
-            "bytes_formula": bytes_formula(method, nbytes[0], nbytes[1], world_size),
-            "payloads": {"forward": fwd.as_dict()["ops"], "backward": bwd.as_dict()["ops"]},
+    tallies = {"forward": fwd, "backward": bwd}
+    return {"errors": errors, "bytes_sent": {w: t.bytes_sent for w, t in tallies.items()},
+            "messages": {w: t.calls("send") for w, t in tallies.items()},
+            "calls": {w: {op: e["calls"] for op, e in t.ops.items()} for w, t in tallies.items()},
+            "bytes_formula": bytes_formula(method, nbytes[0], nbytes[1], world_size, kv_heads),
+            "payloads": {w: t.as_dict()["ops"] for w, t in tallies.items()},
             "work": work, "flops": flops.get_total_flops(), "rows": rows.tolist(),
             "shapes": {"q": list(mine[0].shape), "kv": list(mine[1].shape)}}
 
@@ -133,32 +149,48 @@ def check_many(rank, world_size, cases):
 
 def cases(world_size, seq_len=24, head_dim=8, batch=2):
     """The standard comparison (tests and notebook): every method, causal and not, both splits, with
-    GQA (one KV head for ring and all-gather; half the heads for Ulysses, which needs cp | k) and
-    without. Query heads 6 at cp = 3, else 8, so that Ulysses can split them."""
+    GQA and without; Ulysses with its KV heads split (cp | k) and copied (k = 1 < cp), fused (the
+    paper's one QKV all-to-all) and not (DeepSpeed's three), by hand and by all_to_all_single; the
+    ring with the kernel skipping the hidden blocks of a diagonal tile (block = 1 token). Query
+    heads 6 at cp = 3, else 8, so that Ulysses can split them."""
     h, k = (6, 3) if world_size == 3 else (8, 4)
     common = dict(seq_len=seq_len, head_dim=head_dim, batch=batch)
     return {
         "ring_zigzag_gqa": dict(method="ring", order="zigzag", heads=h, kv_heads=1, **common),
         "ring_contiguous": dict(method="ring", order="contiguous", heads=h, kv_heads=h, **common),
         "ring_full": dict(method="ring", order="contiguous", causal=False, heads=h, kv_heads=k, **common),
+        "ring_contiguous_blocked": dict(method="ring", order="contiguous", heads=h, kv_heads=h, block=1, **common),
+        "ring_zigzag_blocked": dict(method="ring", order="zigzag", heads=h, kv_heads=h, block=1, **common),
         "allgather_zigzag_gqa": dict(method="allgather", order="zigzag", heads=h, kv_heads=1, **common),
         "allgather_contiguous": dict(method="allgather", order="contiguous", heads=h, kv_heads=h, **common),
         "ulysses_zigzag_gqa": dict(method="ulysses", order="zigzag", heads=h, kv_heads=k, **common),
         "ulysses_contiguous": dict(method="ulysses", order="contiguous", heads=h, kv_heads=h, **common),
+        "ulysses_repeat": dict(method="ulysses", order="zigzag", heads=h, kv_heads=1, **common),
+        "ulysses_unfused": dict(method="ulysses", order="zigzag", heads=h, kv_heads=k, fused=False, **common),
         "ulysses_library": dict(method="ulysses", order="zigzag", heads=h, kv_heads=k, hand=False, **common),
     }
 
 
-def work_formula(cp, order, causal=True):
-    """Score entries per rank in units of (T/cp)^2 / 2 per head: a causal kernel computes a tile below
-    the diagonal in full and half of one on it. Contiguous: rank i does i full tiles and one half,
-    2i + 1 units, so max/mean = (2cp - 1)/cp; zig-zag: chunk a (of T/2cp tokens) does (2a + 1)/4
-    units, chunks i and 2cp-1-i together (2i + 1 + 2(2cp-1-i) + 1)/4 = cp units on every rank."""
+def diagonal_block(cp, seq_len, order, block=None):
+    """beta/c: the kernel's block on a diagonal tile over the contiguous chunk c = T/cp (beta is
+    the whole chunk, c or c/2 for zig-zag, when ``block`` is None)."""
+    c = seq_len // cp
+    chunk = c if order == "contiguous" else c // 2
+    return Fraction(min(block or chunk, chunk), c)
+
+
+def work_formula(cp, order, causal=True, beta=Fraction(0), method="ring"):
+    """Score entries per rank in units of c^2/2 per batch and head (c = T/cp), the kernel computing
+    a diagonal tile in blocks of beta tokens (``beta`` = beta/c, `diagonal_block`). Contiguous:
+    rank i computes i whole tiles and c(c + beta)/2 of the diagonal one, 2i + 1 + beta/c units;
+    zig-zag: chunk a (of c/2 tokens) computes a whole chunk tiles and (c/2)(c/2 + beta)/2 of its
+    own, so chunks i and 2cp-1-i together cp + beta/c units on every rank. Ulysses: every rank the
+    whole triangle for a/cp heads, cp + beta/c units whatever the order."""
     if not causal:
         return [2 * cp] * cp
-    if order == "contiguous":
-        return [2 * i + 1 for i in range(cp)]
-    return [cp] * cp
+    if order == "contiguous" and method != "ulysses":
+        return [2 * i + 1 + beta for i in range(cp)]
+    return [cp + beta] * cp
 
 
 def imbalance(work_per_rank):
@@ -166,70 +198,13 @@ def imbalance(work_per_rank):
     return max(work_per_rank) * len(work_per_rank) / sum(work_per_rank)
 
 
-def work_units(result, world_size, seq_len, causal=True):
-    """A rank's measured score entries in `work_formula`'s units, (T/cp)^2 / 2 per batch and head."""
+def work_units(result, world_size, seq_len):
+    """A rank's measured score entries in `work_formula`'s units, c^2/2 per batch and head (exact)."""
     b, a = result["shapes"]["q"][:2]
-    unit = b * a * (seq_len // world_size) ** 2 / 2
-    return result["work"]["score_entries"] / unit
+    return Fraction(2 * result["work"]["score_entries"], b * a * (seq_len // world_size) ** 2)
 
 
-# ---- practitioners' traps: the loss over a sharded sequence ----------------------------------
-
-def loss_trap(rank, world_size, valid_tokens, seq_len=24, heads=4, head_dim=8, batch=2):
-    """A masked token-mean loss over ring attention's output, normalised two ways, against one process.
-
-    Only the first ``valid_tokens`` tokens count (right padding, loss mask m). Per token
-    l_t = sum(O_t * U_t) for a fixed U. One process: L = sum_t m_t l_t / sum_t m_t.
-    "per_rank_mean": each rank divides by its own count and the ranks' losses are averaged (what
-    averaging gradients over cp ranks does; Megatron-LM issue #673): wrong when the counts differ,
-    and 0/0 = NaN on a rank whose tokens are all masked, which the ring's backward then carries to
-    every rank's dK and dV (Megatron-LM issue #1764).
-    "global_count": each rank divides its sum by the count all-reduced over the cp ranks.
-    Returns, per way, the loss (summed over ranks), the max abs gradient error and whether any NaN.
-    """
-    q, k, v, u = inputs(batch, heads, heads, seq_len, head_dim, launch.device())
-    m = (torch.arange(seq_len) < valid_tokens).to(q.dtype).to(q.device)   # (T,) loss mask
-    ref, leaves = reference(q, k, v, causal=True)
-    ((ref * u).sum((0, 1, 3)) * m).sum().div(m.sum()).backward()
-    table = layout(world_size, seq_len, "contiguous")
-    rows = rows_of(table[rank]).to(q.device)
-    out = {}
-    for way in ("per_rank_mean", "global_count"):
-        mine = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
-        o = ra.ring_attention(*mine, table, causal=True)
-        local = ((o * u[:, :, rows]).sum((0, 1, 3)) * m[rows]).sum()
-        count = m[rows].sum()
-        if way == "per_rank_mean":
-            loss = local / count / world_size     # 0/0 where this rank has no unmasked token
-        else:
-            total = count.clone()
-            comm.all_reduce(total)                # the global number of unmasked tokens
-            loss = local / total
-        loss.backward()
-        reported = loss.detach().clone()
-        comm.all_reduce(reported)
-        # torch's max keeps a NaN (Python's max(0.1, nan) would drop it, depending on the order)
-        err = torch.stack([(t.grad - r.grad[:, :, rows]).abs().max() for t, r in zip(mine, leaves)]).max()
-        out[way] = {"loss": reported.item(), "local_count": count.item(), "grad_error": err.item(),
-                    "local_loss_nan": bool(torch.isnan(loss).item()),
-                    "grad_nan": any(bool(torch.isnan(t.grad).any()) for t in mine)}
-    out["reference_loss"] = ((ref * u).sum((0, 1, 3)) * m).sum().div(m.sum()).item()
-    return out
-
-
-def empty_row(safe):
-    """A query whose keys are all masked (a padded row): the softmax normaliser is 0/0 unless guarded.
-
-    Returns (output, lse) of one tile; ``safe=False`` is the unguarded exp(s - max) of a row of -inf.
-    """
-    q, k, v = torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4)
-    mask = torch.tensor([[True, True], [False, False]])              # query 1 may see no key
-    o, lse = ra.tile_forward(q, k, v, mask, 0.5, safe=safe)
-    o2, lse2 = ra.merge(torch.zeros_like(o), torch.full_like(lse, ra.NEG_INF), o, lse)
-    return {"output": o2[0, 0].tolist(), "lse": lse2[0, 0].tolist()}
-
-
-# ---- exercises 3 and 4 of chapter 6 (1 and 2 are sequence_parallel's) ------------------------
+# ---- exercises 3 to 5 of chapter 6 (1 and 2 are sequence_parallel's) -------------------------
 
 def min_block(peak_flops, link_bytes_per_s, kv_fraction=1.0):
     """Liu et al. 2023, §3 (Table 2): a block of c tokens costs 4dc^2 FLOPs of attention (QK^T and PV)
@@ -246,6 +221,7 @@ def _h100_over(link, kv_fraction=1.0):
 EXERCISES = {
     "3": lambda: _h100_over("InfiniBand NDR (400 Gb/s)"),
     "4": lambda: _h100_over("InfiniBand NDR (400 Gb/s)", kv_fraction=8 / 64),   # Llama 3 70B: 8 KV of 64 heads
+    **crossover.EXERCISES,
 }
 
 
@@ -266,17 +242,19 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=cli.positive_int, default=None, help="KV heads (default: --heads)")
     p.add_argument("--head-dim", type=cli.at_most(1024, "head size"), default=8)
     p.add_argument("--batch", type=cli.at_most(64, "sequences"), default=2)
+    p.add_argument("--block", type=cli.positive_int, default=None,
+                   help="the kernel's block on a diagonal tile, in tokens (default: the whole tile)")
     args = cli.parse(p, argv)
     kv = args.kv_heads or args.heads
-    check_config(args.world_size, args.seq_len, args.order, args.method, args.heads, kv)
+    check_config(args.world_size, args.seq_len, args.order, args.method, args.heads, kv, args.block)
     # fp32 Q, K, V, dO, their gradients and one (T x T) score matrix per head, per rank, generously x4
     t, h, d = args.seq_len, args.heads, args.head_dim
     preflight.check_fits(args.world_size, 4 * 4 * args.batch * h * (8 * t * d + t * t), "--seq-len or --batch")
     results = launch.launch(check, args.world_size, args.method, args.seq_len, args.causal, args.order, h, kv,
-                            d, args.batch, timeout=args.timeout)
+                            d, args.batch, True, True, args.block, timeout=args.timeout)
     if results is None:
         return
-    work = [work_units(r, len(results), args.seq_len, args.causal) for r in results]
+    work = [float(work_units(r, len(results), args.seq_len)) for r in results]
     r = {"max_abs_error": max(x["errors"]["output"] for x in results),
          "max_abs_error_grad": max(max(x["errors"][g] for g in ("dq", "dk", "dv")) for x in results),
          "bytes_sent": [x["bytes_sent"] for x in results], "bytes_formula": [x["bytes_formula"] for x in results],

@@ -19,11 +19,19 @@ steps one last hop hands dK, dV back to the owner of K and V.
 A rank holds its query rows as a list of chunks of the global sequence, ``chunks = [(start,
 length), ...]`` (one chunk for the contiguous split, two for zig-zag): a tile of a query chunk
 against a key chunk is skipped when the causal mask hides all of it, computed without a mask
-when it hides none of it (below the diagonal), and with a mask otherwise (on the diagonal).
+when it hides none of it (below the diagonal), and with a mask otherwise (on the diagonal). A
+masked tile is computed whole, masked entries included, unless ``block`` is given: then the
+kernel works in blocks of ``block`` tokens, as FlashAttention does (Dao et al. 2022, §3.1), and
+skips the blocks of a diagonal tile that the mask hides, c(c + block)/2 score entries of c^2.
+`count` tallies the entries the kernel really computes, which is what FlopCounterMode sees.
 
 GQA (Ainslie et al. 2023): K and V have k heads, query head j reads KV head j // (a/k); the KV
 blocks that travel are the small ones.
 """
+import contextlib
+import time
+from collections import defaultdict
+
 import torch
 import torch.distributed as dist
 
@@ -32,15 +40,26 @@ from labs.measure import comm
 NEG_INF = float("-inf")
 
 
-def tiles(q_chunks, k_chunks, causal, device):
-    """(query rows, key rows, mask or None) for every tile the causal mask does not hide entirely."""
+def split(chunks, block):
+    """Cut each (start, length) chunk into pieces of at most ``block`` tokens, in order."""
+    return [(s + i, min(block, n - i)) for s, n in chunks for i in range(0, n, block)]
+
+
+def tiles(q_chunks, k_chunks, causal, device, block=None):
+    """(query rows, key rows, mask or None) for every tile the causal mask does not hide entirely.
+
+    With ``block``, a tile on the diagonal is cut into blocks of ``block`` tokens and the blocks the
+    mask hides are skipped (the query chunks are expected already cut, see `kernel_tiles`)."""
     qo = 0
     for qs, ql in q_chunks:
         ko = 0
         for ks, kl in k_chunks:
             hidden = causal and ks > qs + ql - 1           # every key after every query
             partial = causal and not hidden and ks + kl - 1 > qs
-            if not hidden:
+            if partial and block and kl > block:        # the kernel's blocks: skip those the mask hides
+                for qsl, ksl, mask in tiles([(qs, ql)], split([(ks, kl)], block), causal, device):
+                    yield slice(qo + qsl.start, qo + qsl.stop), slice(ko + ksl.start, ko + ksl.stop), mask
+            elif not hidden:
                 mask = None
                 if partial:                                  # on the diagonal: key position <= query position
                     mask = (torch.arange(qs, qs + ql, device=device)[:, None]
@@ -48,6 +67,11 @@ def tiles(q_chunks, k_chunks, causal, device):
                 yield slice(qo, qo + ql), slice(ko, ko + kl), mask
             ko += kl
         qo += ql
+
+
+def kernel_tiles(q_chunks, k_chunks, causal, device, block=None):
+    """The tiles a kernel with query and key blocks of ``block`` tokens computes (None: whole chunks)."""
+    return tiles(split(q_chunks, block) if block else q_chunks, k_chunks, causal, device, block)
 
 
 def _expand(kv, n_head):
@@ -62,13 +86,13 @@ def _fold(grad, n_kv):
 
 
 def count(work, q, k, mask):
-    """Tally one tile: a causal kernel computes all of a tile below the diagonal, half of one on it."""
+    """Tally one tile as the kernel computes it: every score entry of it, masked ones included."""
     if work is None:
         return
     b, a, cq, _ = q.shape
     ck = k.shape[2]
-    work["tiles_full" if mask is None else "tiles_diagonal"] += 1
-    work["score_entries"] += b * a * cq * ck / (1 if mask is None else 2)
+    work["tiles_full" if mask is None else "tiles_masked"] += 1
+    work["score_entries"] += b * a * cq * ck
     work["unmasked_entries"] += b * a * (cq * ck if mask is None else int(mask.sum()))
 
 
@@ -94,14 +118,15 @@ def merge(out, lse, o, l):
     return (out * torch.exp(lse - safe).unsqueeze(-1) + o * torch.exp(l - safe).unsqueeze(-1)), new
 
 
-def attend(q, k, v, q_chunks, k_chunks, causal, work=None):
+def attend(q, k, v, q_chunks, k_chunks, causal, work=None, block=None):
     """Blockwise attention of q (B, a, Tq, d) over k, v (B, k, Tk, d): (out, lse). Differentiable."""
     scale = q.shape[-1] ** -0.5
     b, a, _, d = q.shape
-    outs = [q.new_zeros(b, a, ql, d) for _, ql in q_chunks]         # each query chunk's running O
-    lses = [q.new_full((b, a, ql), NEG_INF) for _, ql in q_chunks]  # and its L: no key seen yet
-    first_row = [sum(ql for _, ql in q_chunks[:i]) for i in range(len(q_chunks))]
-    for qsl, ksl, mask in tiles(q_chunks, k_chunks, causal, q.device):
+    rows = split(q_chunks, block) if block else q_chunks             # the kernel's query blocks
+    outs = [q.new_zeros(b, a, ql, d) for _, ql in rows]              # each query block's running O
+    lses = [q.new_full((b, a, ql), NEG_INF) for _, ql in rows]       # and its L: no key seen yet
+    first_row = [sum(ql for _, ql in rows[:i]) for i in range(len(rows))]
+    for qsl, ksl, mask in tiles(rows, k_chunks, causal, q.device, block):
         i = first_row.index(qsl.start)
         count(work, q[:, :, qsl], k[:, :, ksl], mask)
         o, l = tile_forward(q[:, :, qsl], k[:, :, ksl], v[:, :, ksl], mask, scale)
@@ -124,12 +149,34 @@ def tile_backward(q, k, v, mask, scale, do, lse, delta):
     return dq, _fold(dk, k.shape[1]), _fold(dv, k.shape[1])
 
 
+_ledgers = []   # open `per_destination` ledgers
+
+
+@contextlib.contextmanager
+def per_destination():
+    """Counted bytes this rank's ring and all-to-all messages carry, by destination (global rank):
+    which link each message crossed. Every message is also counted by `labs.measure.comm`."""
+    sent = defaultdict(int)
+    _ledgers.append(sent)
+    try:
+        yield sent
+    finally:
+        _ledgers.remove(sent)
+
+
+def send(tensor, dst, group=None, tag=0):
+    """`comm.isend`, also entered in every open `per_destination` ledger."""
+    for sent in _ledgers:
+        sent[dst] += tensor.numel() * tensor.element_size()
+    return comm.isend(tensor, dst, group=group, tag=tag)
+
+
 def _pass(tensors, group):
     """Post sends of ``tensors`` to the next rank and receives from the previous one (counted)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     glob = (lambda x: dist.get_global_rank(group, x)) if group is not None else (lambda x: x)
     bufs = [torch.empty_like(t) for t in tensors]
-    reqs = [comm.isend(t.contiguous(), glob((r + 1) % n), group=group, tag=i) for i, t in enumerate(tensors)]
+    reqs = [send(t.contiguous(), glob((r + 1) % n), group=group, tag=i) for i, t in enumerate(tensors)]
     reqs += [comm.irecv(b, glob((r - 1) % n), group=group, tag=i) for i, b in enumerate(bufs)]
     return bufs, reqs
 
@@ -142,23 +189,37 @@ def _wait(pending):
 
 
 class RingAttention(torch.autograd.Function):
-    """O = softmax(Q K^T / sqrt(d)) V for this rank's queries, K/V blocks passed around the ring."""
+    """O = softmax(Q K^T / sqrt(d)) V for this rank's queries, K/V blocks passed around the ring.
+
+    ``trace`` (a list) receives one entry per forward step: the owner of the block computed, the
+    score entries computed, perf_counter times when the step began, when its compute ended and
+    when the next block had arrived (the wait on the left neighbour), and the CPU time of the
+    compute (process_time: what the step would take with a core to itself)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, causal, group, work):
+    def forward(ctx, q, k, v, table, causal, group, work, block, trace):
         n, r = dist.get_world_size(group), dist.get_rank(group)
         out = torch.zeros_like(q)                                    # (B, a, T/cp, d)
         lse = q.new_full(q.shape[:-1], NEG_INF)                      # (B, a, T/cp)
         blocks = (k, v)
         for step in range(n):
             owner = (r - step) % n                                   # whose K, V this rank holds now
+            began, cpu = time.perf_counter(), time.process_time()
+            mine = dict.fromkeys(("tiles_full", "tiles_masked", "score_entries", "unmasked_entries"), 0)
             pending = _pass(blocks, group) if step < n - 1 else None  # the next block is on its way
-            o, l = attend(q, blocks[0], blocks[1], table[r], table[owner], causal, work)
+            o, l = attend(q, blocks[0], blocks[1], table[r], table[owner], causal, mine, block)
             out, lse = merge(out, lse, o, l)
+            computed, cpu = time.perf_counter(), time.process_time() - cpu
             if pending:
                 blocks = _wait(pending)
+            if work is not None:
+                for key, value in mine.items():
+                    work[key] += value
+            if trace is not None:
+                trace.append({"step": step, "owner": owner, "score_entries": mine["score_entries"], "began": began,
+                              "computed": computed, "arrived": time.perf_counter(), "compute_cpu_s": cpu})
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.table, ctx.causal, ctx.group = table, causal, group
+        ctx.table, ctx.causal, ctx.group, ctx.block = table, causal, group, block
         return out
 
     @staticmethod
@@ -172,7 +233,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             owner = (r - step) % n
             kb, vb, dk, dv = blocks
-            for qsl, ksl, mask in tiles(ctx.table[r], ctx.table[owner], ctx.causal, q.device):
+            for qsl, ksl, mask in kernel_tiles(ctx.table[r], ctx.table[owner], ctx.causal, q.device, ctx.block):
                 g = tile_backward(q[:, :, qsl], kb[:, :, ksl], vb[:, :, ksl], mask, scale,
                                   do[:, :, qsl], lse[:, :, qsl], delta[:, :, qsl])
                 dq[:, :, qsl] += g[0]
@@ -182,12 +243,12 @@ class RingAttention(torch.autograd.Function):
                 blocks = _wait(_pass(blocks, ctx.group))
             elif n > 1:                                              # the block of rank r + 1: send it home
                 dk, dv = _wait(_pass((dk, dv), ctx.group))
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, table, causal=True, group=None, work=None):
+def ring_attention(q, k, v, table, causal=True, group=None, work=None, block=None, trace=None):
     """This rank's attention output (B, a, T/cp, d); ``table[r]`` lists rank r's chunks of the sequence."""
-    return RingAttention.apply(q, k, v, table, causal, group, work)
+    return RingAttention.apply(q, k, v, table, causal, group, work, block, trace)
 
 
 def ring_bytes(kv_block_bytes, cp):

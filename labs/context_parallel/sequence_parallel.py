@@ -148,15 +148,24 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
             "placements": {n: str(p.placements) for n, p in lib.named_parameters()}}
 
 
-def lab(rank, world_size, b=2, s=12, hidden=48):
-    """`check_block` (counted messages) and `sequence_parallel_activations.activation_table` in one job."""
-    return {"check": check_block(rank, world_size, b, s, hidden), "table": spa.activation_table(rank, world_size, b, s, hidden)}
+def lab(rank, world_size, b=2, s=12, hidden=48, dtensor=False, keep_gathered=False):
+    """`check_block` (counted messages) and `sequence_parallel_activations.activation_table` in one job;
+    `dtensor_block` too when ``dtensor``, and `check_block` keeping the gathered input when
+    ``keep_gathered`` (starting ranks costs more than these small runs)."""
+    out = {"check": check_block(rank, world_size, b, s, hidden), "table": spa.activation_table(rank, world_size, b, s, hidden)}
+    if dtensor:
+        out["dtensor"] = dtensor_block(rank, world_size, b, s, hidden)
+    if keep_gathered:
+        out["keep_gathered"] = check_block(rank, world_size, b, s, hidden, regather=False)
+    return out
 
 
 def forward_bytes_per_layer(b, s, h, t, bytes_per_elem=2):
     """Formula bytes one rank sends in one layer's forward on a ring (Patarasuk & Yuan 2009): TP's
     two all-reduces of M = b*s*h*bytes, 2(t-1)/t * M each, against SP's two all-gathers and two
-    reduce-scatters, (t-1)/t * M each. Equal: an all-reduce is a reduce-scatter and an all-gather."""
+    reduce-scatters, (t-1)/t * M each. Equal by algebra (an all-reduce is a reduce-scatter and an
+    all-gather): a derivation, not a finding. What is measured is `check_block`'s counted bytes on
+    the tiny block, TP's and SP's each from its own messages, which the tests compare with this."""
     m = b * s * h * bytes_per_elem
     return {"message_bytes": m, "tp": 2 * 2 * (t - 1) / t * m, "sp": 2 * ((t - 1) / t * m + (t - 1) / t * m)}
 

@@ -1,10 +1,11 @@
 """Chapter 6: the activation table of Korthikanti et al. 2022 (arXiv 2205.05198, Table 2), measured
-per rank on the tiny GPT block under TP, TP+SP, selective and full recomputation.
+per rank on the tiny GPT block, every row: no parallelism, TP, TP+SP, TP or TP+SP with selective
+recomputation, full recomputation.
 
 Table 2, bytes per layer (s tokens, b sequences, h hidden, a heads, t the tensor-parallel size;
 16-bit activations, 1-byte dropout masks): no parallelism sbh(34 + 5as/h); TP sbh(10 + 24/t +
-5as/(ht)); TP+SP sbh(34/t + 5as/(ht)); TP+SP with selective recomputation sbh(34/t); full
-recomputation 2sbh. The per-op terms are chapter 1's (`labs.memory_budget.activations`); the tiny block
+5as/(ht)); TP+SP sbh(34/t + 5as/(ht)); TP with selective recomputation sbh(10 + 24/t); TP+SP with
+selective recomputation sbh(34/t); full recomputation 2sbh. The per-op terms are chapter 1's (`labs.memory_budget.activations`); the tiny block
 (`labs.model.Block`) keeps exactly them, plus the LayerNorm statistics the table leaves out.
 """
 import math
@@ -47,7 +48,7 @@ def recompute_attention_core(block):
     return block
 
 
-ROWS = ("none", "tp", "tp_sp", "tp_sp_selective", "tp_full", "tp_sp_full", "tp_sp_keep_gathered")
+ROWS = ("none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "tp_full", "tp_sp_full", "tp_sp_keep_gathered")
 
 
 def table_formula(row, s, b, h, a, t):
@@ -58,6 +59,7 @@ def table_formula(row, s, b, h, a, t):
     f = activations.gpt3_activation_bytes_per_layer
     return {"none": lambda: f(s, b, h, a), "tp": lambda: f(s, b, h, a, tp=t),
             "tp_sp": lambda: f(s, b, h, a, tp=t, sp=True),
+            "tp_selective": lambda: f(s, b, h, a, tp=t, recompute="selective"),
             "tp_sp_selective": lambda: f(s, b, h, a, tp=t, sp=True, recompute="selective"),
             "tp_full": lambda: f(s, b, h, a, tp=t, recompute="full"),
             "tp_sp_full": lambda: 2 * s * b * h / t,
@@ -69,8 +71,10 @@ def _table_block(row, cfg, dev, dtype):
     block = sp_layers._block(cfg, dev, dropout=0.1).to(dtype).train()
     if row == "none":
         return block, False
-    if row in ("tp", "tp_full"):
+    if row in ("tp", "tp_selective", "tp_full"):
         megatron.parallelize_attention(block.attn, None), megatron.parallelize_mlp(block.mlp, None)
+        if row == "tp_selective":
+            recompute_attention_core(block)
         return block, False
     sp_layers.parallelize_block(block, None, regather=row != "tp_sp_keep_gathered")
     if row == "tp_sp_selective":
