@@ -9,4 +9,5 @@
 - `dropless`: MegaBlocks' dropless MoE as a grouped GEMM beside capacity buffers, equal to one process, FLOPs counted.
 - `ep_dp`: under expert + data parallelism, which group reduces the router's and the experts' gradients, counted.
 - `ep_tp`: attention by TP + SP and the MoE by EP over the same ranks (MoE parallel folding), equal to one process.
+- `suite`: every multi-rank lab above on one set of ranks, so the notebook starts its ranks once.
 """

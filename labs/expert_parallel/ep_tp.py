@@ -106,7 +106,8 @@ def check(rank, world_size, tp=2, batch=2, seq=8, hidden=16, n_head=4, experts=8
             "max_abs_error_grad": max(errs.values()),
             "tp_ops": [c["op"] for c in tp_log], "tp_payloads": [c["bytes"] for c in tp_log],
             "tp_bytes_sent": sum(tally.ops[op]["bytes_sent"] for op in ("all_gather", "reduce_scatter")),
-            "a2a_payload_bytes_sent": a2a,  # dispatch and combine, forward and backward "a2a_calls": tally.calls("all_to_all"),
+            "a2a_payload_bytes_sent": a2a,                     # dispatch and combine, forward and backward
+            "a2a_calls": tally.calls("all_to_all"),
             "dp_bytes_sent": dp_tally.bytes_sent, "every_rank_bytes_sent": all_tally.bytes_sent,
             "tp_group": grid.tp_ranks, "dp_group": grid.dp_ranks, "tokens_dispatched": x.shape[0] * x.shape[1],
             "routing_margin": ref.mlp.layer.routing.margin}
