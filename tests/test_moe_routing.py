@@ -54,7 +54,7 @@ def test_router_z_loss_formula_and_its_effect_on_the_logits():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
     want = (torch.log(torch.tensor(4.0)) ** 2 + torch.log(torch.exp(torch.tensor(2.0)) + 3) ** 2) / 2
     assert router.router_z_loss(logits).item() == pytest.approx(want.item(), rel=1e-6)
-    runs = mr.zloss_runs((0.0, 1e-2), steps=80)    # the notebook runs 200 steps and c_z = 1e-3 too
+    runs = mr.zloss_runs((0.0, 1e-2), steps=80)    # the notebook runs 120 steps and c_z = 1e-3 too
     assert runs[0.0]["z_loss"] > runs[0.0]["first_z_loss"]         # without it, the logits grow
     assert runs[1e-2]["z_loss"] < 0.75 * runs[0.0]["z_loss"]       # with it, they are held down
 

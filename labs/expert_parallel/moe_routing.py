@@ -170,7 +170,7 @@ def balance_runs(steps=300, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-
     return out
 
 
-def zloss_runs(coefficients=(0.0, 1e-3, 1e-2), steps=200, last=20):
+def zloss_runs(coefficients=(0.0, 1e-3, 1e-2), steps=120, last=20):
     """The same training (no balancing term) with the router z-loss at each coefficient c_z: per
     run, the mean over the ``last`` steps of L_z, of the largest |logit| and of the task loss."""
     out = {}
