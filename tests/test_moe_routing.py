@@ -54,7 +54,7 @@ def test_router_z_loss_formula_and_its_effect_on_the_logits():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
     want = (torch.log(torch.tensor(4.0)) ** 2 + torch.log(torch.exp(torch.tensor(2.0)) + 3) ** 2) / 2
     assert router.router_z_loss(logits).item() == pytest.approx(want.item(), rel=1e-6)
-    runs = mr.zloss_runs((0.0, 1e-2), steps=80)    # the notebook runs 120 steps and c_z = 1e-3 too
+    runs = mr.zloss_runs((0.0, 1e-2), steps=80)    # the notebook runs c_z = 1e-3 too
     assert runs[0.0]["z_loss"] > runs[0.0]["first_z_loss"]         # without it, the logits grow
     assert runs[1e-2]["z_loss"] < 0.75 * runs[0.0]["z_loss"]       # with it, they are held down
 
@@ -94,7 +94,7 @@ def test_dropped_fraction_follows_the_load_distribution():
 
 
 def test_balancing_orders_the_final_imbalance():
-    runs = mr.balance_runs(steps=150)  # the notebook runs 300; the order is set by step 150
+    runs = mr.balance_runs(steps=150)  # the notebook runs 250; the order is set by step 150
     floor = runs["uniform_floor"]  # max/mean of a router with no preference, about 1.2 at T = 128
     # no balancing collapses toward N/k = 4; the bias and the aux loss at alpha = 0.1 reach the
     # floor: within 0.15, several times the spread of a 20-step mean of a uniform router's

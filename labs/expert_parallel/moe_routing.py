@@ -155,7 +155,7 @@ def uniform_floor(tokens=128, experts=8, top_k=2, trials=200, seed=0):
     return r.mean().item(), r.std().item()
 
 
-def balance_runs(steps=300, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-3, last=20):
+def balance_runs(steps=250, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-3, last=20):
     """No balancing, the Switch loss at each alpha, and DeepSeek-V3's bias at gamma, from the same
     start: max/mean load per step, and its mean over the ``last`` steps (``final``)."""
     runs = {"none": {}, **{f"aux {a:g}": {"alpha": a} for a in alphas}, f"bias {gamma:g}": {"gamma": gamma}}
@@ -170,7 +170,7 @@ def balance_runs(steps=300, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-
     return out
 
 
-def zloss_runs(coefficients=(0.0, 1e-3, 1e-2), steps=120, last=20):
+def zloss_runs(coefficients=(0.0, 1e-3, 1e-2), steps=80, last=20):
     """The same training (no balancing term) with the router z-loss at each coefficient c_z: per
     run, the mean over the ``last`` steps of L_z, of the largest |logit| and of the task loss."""
     out = {}
