@@ -8,9 +8,9 @@
   fraction of routed tokens sent to expert i, P_i the mean router probability of expert i;
   alpha = 1e-2 in the paper) against DeepSeek-V3's auxiliary-loss-free balancing (technical report,
   arXiv 2412.19437, section 2.1.2: a bias b_i added to the scores for the top-k choice only,
-  lowered by gamma after a step where expert i was overloaded, raised where it was underloaded).
-- Node-limited routing (DeepSeek-V3 section 2.1.2): a token's experts lie on at most M nodes; the
-  bytes crossing the node boundary are read from the dispatch all-to-all's payloads.
+  lowered by gamma after a step where expert i was overloaded, raised where it was underloaded),
+  and V3's complementary sequence-wise balance loss (eqs. 17-20, alpha = 1e-4, section 4.2).
+- Stability: the router z-loss (Zoph et al. 2022, ST-MoE, section 3), its effect on the logits.
 """
 import contextlib
 import math
@@ -18,7 +18,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from labs.launcher import launch
 from labs.expert_parallel import moe, router
 
 
@@ -85,29 +84,50 @@ def switch_aux_loss(routing, experts, top_k, alpha=1e-2):
     return alpha * experts * (f * routing.probs.mean(0)).sum()
 
 
+def sequence_balance_loss(routing, experts, top_k, seq_len, alpha=1e-4):
+    """DeepSeek-V3's complementary sequence-wise balance loss (eqs. 17-20), averaged over the batch's
+    sequences of ``seq_len`` tokens: alpha * sum_i f_i P_i per sequence, f_i = N/(k s) * (tokens of
+    the sequence choosing i), P_i = mean over the sequence of s'_i, the scores normalised to sum 1
+    (a softmax router's probabilities already do). On one sequence it is Switch's loss: same alpha,
+    N f_i^Switch = f_i^V3 with f^Switch counted over the s k routed pairs."""
+    t = routing.idx.shape[0]
+    if t % seq_len:
+        raise ValueError(f"{t} tokens do not split into sequences of {seq_len}; choose a seq_len that divides them.")
+    idx, probs = routing.idx.view(t // seq_len, seq_len, top_k), routing.probs.view(t // seq_len, seq_len, experts)
+    counts = F.one_hot(idx, experts).sum((1, 2)).float()        # (sequences, N) tokens choosing i
+    f = experts / (top_k * seq_len) * counts
+    return alpha * (f * probs.mean(1)).sum(-1).mean()
+
+
 def update_bias(layer, loads, gamma=1e-3):
     """DeepSeek-V3 section 2.1.2: b_i -= gamma if expert i was overloaded, += gamma if underloaded."""
     layer.bias -= gamma * torch.sign(loads.float() - loads.float().mean())
 
 
 def train_balance(mode, steps=300, tokens=128, hidden=16, experts=8, top_k=2, alpha=1e-2, gamma=1e-3,
-                  lr=1e-2, skew=1.0, seed=0):
+                  lr=1e-2, skew=1.0, seed=0, z_loss=0.0):
     """A tiny MoE layer fitted to a fixed random MLP, on tokens whose shared offset makes the
-    initial router favour a few experts; ``mode`` is "none", "aux" or "bias". Returns the
-    max/mean expert load per step (routed pairs, before any capacity) and the losses."""
+    initial router favour a few experts; ``mode`` is "none", "aux" or "bias"; ``z_loss`` adds the
+    router z-loss with that coefficient. Returns per step the max/mean expert load (routed pairs,
+    before any capacity), the task loss, the z-loss value L_z and the largest |logit|."""
     layer = moe.MoE(hidden, experts, top_k, None, seed=seed)
     torch.manual_seed(seed + 1)
     teacher = moe.expert(hidden, 2 * hidden)
     offset = skew * F.normalize(torch.randn(hidden), dim=0)  # the same for every token
     opt = torch.optim.Adam(layer.parameters(), lr=lr)
     g = torch.Generator().manual_seed(seed + 2)
-    ratios, losses = [], []
+    ratios, losses, zs, biggest = [], [], [], []
     for _ in range(steps):
         x = torch.randn(tokens, hidden, generator=g) + offset       # (T, h)
         with torch.no_grad():
             target = teacher(x)
         loss = F.mse_loss(layer(x), target)
         losses.append(loss.item())
+        z = router.router_z_loss(layer.routing.logits)
+        zs.append(z.item())
+        biggest.append(layer.routing.logits.abs().max().item())
+        if z_loss:
+            loss = loss + z_loss * z
         if mode == "aux":
             loss = loss + switch_aux_loss(layer.routing, experts, top_k, alpha)
         opt.zero_grad()
@@ -118,7 +138,7 @@ def train_balance(mode, steps=300, tokens=128, hidden=16, experts=8, top_k=2, al
             with torch.no_grad():
                 update_bias(layer, loads, gamma)
         ratios.append((loads.max() / loads.float().mean()).item())
-    return {"mode": mode, "max_over_mean": ratios, "losses": losses}
+    return {"mode": mode, "max_over_mean": ratios, "losses": losses, "z_loss": zs, "max_logit": biggest}
 
 
 def uniform_floor(tokens=128, experts=8, top_k=2, trials=200, seed=0):
@@ -135,7 +155,7 @@ def uniform_floor(tokens=128, experts=8, top_k=2, trials=200, seed=0):
     return r.mean().item(), r.std().item()
 
 
-def balance_runs(steps=300, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-3, last=20):
+def balance_runs(steps=250, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-3, last=20):
     """No balancing, the Switch loss at each alpha, and DeepSeek-V3's bias at gamma, from the same
     start: max/mean load per step, and its mean over the ``last`` steps (``final``)."""
     runs = {"none": {}, **{f"aux {a:g}": {"alpha": a} for a in alphas}, f"bias {gamma:g}": {"gamma": gamma}}
@@ -150,38 +170,26 @@ def balance_runs(steps=300, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-
     return out
 
 
-def node_limited(rank, world_size, ranks_per_node=2, tokens=64, hidden=16, experts=16, top_k=4, seed=0):
-    """The expert-parallel layer with and without a limit of one node per token (M = 1), ranks
-    labelled node = rank // ranks_per_node. Per setting: dispatch bytes this rank sent to ranks on
-    other nodes (from the payloads per destination), the same if each token went once per remote
-    node (the distinct (token, node) pairs among the rows sent), and the most nodes one token used."""
-    epn = experts // world_size * ranks_per_node  # experts per node
-    out, dev = {}, launch.device()
-    for name, limit in (("unlimited", None), ("one_node", (epn, 1))):
-        full = moe.MoE(hidden, experts, top_k, None, seed=seed).to(dev)
-        full.node_limit = limit
-        layer = moe.ExpertParallelMoE(full)
-        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1 + rank)).to(dev)
-        with moe.payloads() as log:
-            layer(x)
-        to = next(e["to"] for e in log if e["what"] == "dispatch")
-        me = rank // ranks_per_node
-        node = layer.sent_rank // ranks_per_node                   # (rows,) destination node
-        remote = node != me
-        pairs = torch.unique(layer.sent_token[remote] * world_size + node[remote]).numel()
-        nodes = [torch.unique(node[layer.sent_token == t]).numel() for t in range(tokens)]
-        out[name] = {"cross_node_bytes": sum(b for d, b in enumerate(to) if d // ranks_per_node != me),
-                     "dispatch_bytes": sum(to), "once_per_node_bytes": pairs * hidden * x.element_size(),
-                     "max_nodes_per_token": max(nodes), "row_bytes": hidden * x.element_size(),
-                     "routing_margin": layer.routing.margin}
+def zloss_runs(coefficients=(0.0, 1e-3, 1e-2), steps=80, last=20):
+    """The same training (no balancing term) with the router z-loss at each coefficient c_z: per
+    run, the mean over the ``last`` steps of L_z, of the largest |logit| and of the task loss."""
+    out = {}
+    with one_thread():
+        for c in coefficients:
+            r = train_balance("none", steps=steps, z_loss=c)
+            out[c] = {k: sum(r[k][-last:]) / last for k in ("z_loss", "max_logit", "losses")}
+            out[c]["first_z_loss"] = r["z_loss"][0]
     return out
 
 
-def dispatch_bytes(tokens, top_k, ep, hidden, bytes_per_elem=2):
+def dispatch_bytes(tokens, top_k, ep, hidden, bytes_per_elem=2, scale_block=None, scale_bytes=4):
     """Formula bytes one rank's dispatch sends when routing is uniform and nothing is dropped:
     each of its T*k (token, expert) rows leaves with probability (ep - 1)/ep, h elements each.
-    Combine sends the same back; backward repeats both."""
-    return tokens * top_k * (ep - 1) / ep * hidden * bytes_per_elem
+    Combine sends the same back; backward repeats both. With ``scale_block`` (FP8 with 1 x 128
+    tiles, DeepSeek-V3 section 3.3.2) each row also carries h / scale_block scales of
+    ``scale_bytes`` (fp32 in DeepEP's FP8 dispatch)."""
+    per_row = hidden * bytes_per_elem + (hidden // scale_block * scale_bytes if scale_block else 0)
+    return tokens * top_k * (ep - 1) / ep * per_row
 
 
 # Chapter 7's exercises: the answers are computed here, so the book never types them.
@@ -189,6 +197,19 @@ EXERCISES = {
     "1": lambda: router.capacity(4096, 64, 1, 1.25),
     "2": lambda: dispatch_bytes(4096, 8, 64, 7168) / 2**20,
     "3": lambda: 4 * 7168 * 2,
+    "4": lambda: dispatch_bytes(4096, 8, 64, 7168, bytes_per_elem=1, scale_block=128) / 2**20,
+    "5": lambda: 4 * zipf_probs(8)[:2].sum().item(),
+    "6": lambda: 2 * (4 - 1) / 4 * (64 // 8) * 50e6 * 2 / 1e9,
+}
+
+# The wrong answer a careless reader (or a note) gives to each, which the checker must refuse.
+WRONG = {
+    "1": (64, "T/N = 64, without the capacity factor"),
+    "2": (dispatch_bytes(4096, 8, 64, 7168) * 64 / 63 / 2**20, "every row counted, the one that stays included"),
+    "3": (8 * 7168 * 2, "k rows of h bf16 values, the flat dispatch's bound"),
+    "4": (dispatch_bytes(4096, 8, 64, 7168) / 2 / 2**20, "half of the bf16 bytes, the scales forgotten"),
+    "5": (4 * zipf_probs(8)[0].item(), "ep p_1, the second expert on the slowest rank forgotten"),
+    "6": (2 * (32 - 1) / 32 * (64 // 8) * 50e6 * 2 / 1e9, "the ring over all 32 ranks instead of edp = 4"),
 }
 
 

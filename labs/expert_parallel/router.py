@@ -3,7 +3,8 @@
 Top-k routing (Fedus et al. 2021, "Switch Transformers", sections 2.1-2.2; k > 1 as in GShard,
 Lepikhin et al. 2020): p_i(x) = softmax(x W_r)_i over N experts, each token to its k highest, an
 expert taking at most C = ceil(T k / N * capacity factor) pairs. DeepSeek-V3's balancing bias and
-node-limited routing (DeepSeek-AI 2024, section 2.1.2) change the choice, never the gates.
+node-limited routing (DeepSeek-AI 2024, section 2.1.2) change the choice, never the gates. The
+router z-loss of ST-MoE (Zoph et al. 2022) acts on the logits.
 
 Every routing records how far its choices are from a tie (`choice_margin`): a choice is the same
 on every CPU when that margin exceeds the rounding another CPU can add (`margin_bound`), so the
@@ -17,8 +18,9 @@ import torch.nn.functional as F
 
 
 def capacity(tokens, experts, top_k, capacity_factor):
-    """Switch section 2.2: expert capacity = tokens / experts * capacity factor, with the T*k routed
-    (token, expert) pairs as the tokens (k = 1 in Switch)."""
+    """Switch section 2.2, eq. 3: expert capacity = tokens / experts * capacity factor, with the T*k
+    routed (token, expert) pairs as the tokens (k = 1 in Switch; GShard section 2.2 gives each group
+    of S tokens 2S/E slots per expert at top-2, the same count at capacity factor 1)."""
     return math.ceil(tokens * top_k / experts * capacity_factor)
 
 
@@ -29,6 +31,7 @@ class Routing:
     gates: torch.Tensor  # (T, k) their probabilities, the weights of the combine
     keep: torch.Tensor   # (T, k) False where the pair overflowed its expert's capacity
     margin: float = math.inf  # smallest gap between a chosen and an unchosen score, over tokens
+    logits: torch.Tensor = None  # (T, N) the router's logits x W_r, for the z-loss
 
 
 def margin_bound(experts):
@@ -74,7 +77,8 @@ def route(logits, top_k, cap=None, bias=None, experts_per_node=None, max_nodes=N
     balancing bias b_i: added to the scores for the choice of experts only, never to the gates.
 
     Priority inside an expert: every first choice before any second choice, then token order, so
-    a token loses its second expert before another token loses its first.
+    a token loses its second expert before another token loses its first (GShard's Algorithm 1
+    fills the buffers with all first choices, then all second choices).
     """
     probs = logits.softmax(-1)                                 # (T, N)
     scores = probs.detach() if bias is None else probs.detach() + bias
@@ -88,4 +92,11 @@ def route(logits, top_k, cap=None, bias=None, experts_per_node=None, max_nodes=N
     onehot = F.one_hot(idx.t().reshape(-1), n)                 # (k*T, N), choice-major order
     position = (onehot.cumsum(0) * onehot).sum(-1) - 1         # place in its expert's queue
     keep = torch.ones_like(idx, dtype=torch.bool) if cap is None else (position < cap).view(top_k, t).t()
-    return Routing(probs, idx, gates, keep, min(choice_margin(scores, top_k), node_margin))
+    return Routing(probs, idx, gates, keep, min(choice_margin(scores, top_k), node_margin), logits)
+
+
+def router_z_loss(logits):
+    """Zoph et al. 2022 (ST-MoE), section 3: L_z = (1/T) sum_t (log sum_j exp(x_tj))^2 over the T
+    tokens' router logits x (T, N). It pulls the logits' log-partition toward 0, keeping them small,
+    so that the exponentials of the softmax see small arguments (their motivation: bf16 roundoff)."""
+    return logits.logsumexp(-1).square().mean()

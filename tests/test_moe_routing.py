@@ -1,0 +1,111 @@
+"""Chapter 7, one process: routing and capacity, the balancing losses (Switch's, DeepSeek-V3's bias and
+sequence-wise loss), the router z-loss, dropless MoE beside capacity buffers. The exercises' checker is
+tested in tests/test_exercise_answers_ch7.py."""
+import pytest
+import torch
+
+from labs.expert_parallel import dropless, moe, moe_routing as mr, router
+
+# compares floating-point results: `make test` runs it again under another CPU's rounding
+pytestmark = pytest.mark.numerics
+
+# fp32, different orders of the same additions (a grouped GEMM or a batched product against
+# per-expert nn.Linear calls, and index_add orders): a few ulps of values of order 1. A row given
+# to the wrong expert or a dropped pair kept errs by order 1.
+TOL = 1e-5
+
+
+def test_capacity_priority_first_choices_first():
+    # 3 tokens, all prefer expert 0 then expert 1; capacity 2: token 2 loses expert 0, and the
+    # first choices of tokens 0 and 1 do not lose to anyone's second choice
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]] * 3)
+    r = router.route(logits, 2, cap=2)
+    assert r.idx.tolist() == [[0, 1]] * 3
+    assert r.keep.tolist() == [[True, True], [True, True], [False, False]]
+    assert router.capacity(tokens=3, experts=4, top_k=2, capacity_factor=1.25) == 2  # ceil(1.875)
+
+
+def test_switch_aux_loss_is_alpha_when_uniform_and_alpha_n_when_collapsed():
+    n, k, alpha = 8, 2, 1e-2
+    idx = torch.arange(32).view(16, 2) % n  # every expert chosen 4 times
+    uniform = router.Routing(torch.full((16, n), 1 / n), idx, None, None)
+    assert mr.switch_aux_loss(uniform, n, k, alpha).item() == pytest.approx(alpha, rel=1e-6)
+    collapsed = router.Routing(torch.tensor([[1.0, 0, 0, 0]] * 4), torch.zeros(4, 1, dtype=torch.long), None, None)
+    assert mr.switch_aux_loss(collapsed, 4, 1, alpha).item() == pytest.approx(alpha * 4, rel=1e-6)
+
+
+def test_sequence_wise_loss_sees_what_the_batch_wise_loss_averages_away():
+    # two sequences of 4 tokens, top-1 of 2 experts: each sequence sends every token to one expert,
+    # the batch as a whole is balanced
+    probs = torch.tensor([[0.9, 0.1]] * 4 + [[0.1, 0.9]] * 4)
+    r = router.Routing(probs, probs.argmax(1, keepdim=True), None, None)
+    alpha = 1e-4
+    batch = mr.switch_aux_loss(r, 2, 1, alpha).item()
+    seq = mr.sequence_balance_loss(r, 2, 1, seq_len=4, alpha=alpha).item()
+    assert batch == pytest.approx(alpha, rel=1e-5)                 # balanced: the uniform value
+    assert seq == pytest.approx(alpha * 2 * 0.9, rel=1e-5)         # each sequence: N f_1 P_1 = 2 * 0.9
+    # one sequence spanning the batch: V3's loss is Switch's (f^V3 = N f^Switch)
+    assert mr.sequence_balance_loss(r, 2, 1, seq_len=8, alpha=alpha).item() == pytest.approx(batch, rel=1e-6)
+    with pytest.raises(ValueError, match="do not split into sequences of 3"):
+        mr.sequence_balance_loss(r, 2, 1, seq_len=3)
+
+
+def test_router_z_loss_formula_and_its_effect_on_the_logits():
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
+    want = (torch.log(torch.tensor(4.0)) ** 2 + torch.log(torch.exp(torch.tensor(2.0)) + 3) ** 2) / 2
+    assert router.router_z_loss(logits).item() == pytest.approx(want.item(), rel=1e-6)
+    runs = mr.zloss_runs((0.0, 1e-2), steps=80)    # the notebook runs c_z = 1e-3 too
+    assert runs[0.0]["z_loss"] > runs[0.0]["first_z_loss"]         # without it, the logits grow
+    assert runs[1e-2]["z_loss"] < 0.75 * runs[0.0]["z_loss"]       # with it, they are held down
+
+
+def test_dropless_and_capacity_buffers_equal_their_references_and_flops_follow_the_slots():
+    r = dropless.compare(capacity_factors=(1.0, 2.0))
+    assert r["routing_margin"] > router.margin_bound(8)
+    assert r["ran"] == "torch._grouped_mm"                    # torch 2.13 runs it on the CPU
+    for row in r["rows"]:
+        assert row["error"] < TOL, row
+    dl, cf1, cf2 = r["rows"]
+    router_flops = r["dropless_flops_counter_sees"]           # FlopCounterMode sees the router, not _grouped_mm
+    assert dl["dropped"] == 0 and dl["slots"] == r["pairs"] and cf1["dropped"] > cf2["dropped"] > 0
+    # counted FLOPs of the experts scale with the slots computed, padding included
+    assert (cf2["flops"] - router_flops) * dl["slots"] == (dl["flops"] - router_flops) * cf2["slots"]
+
+
+def test_grouped_gemm_falls_back_to_one_block_diagonal_product(monkeypatch):
+    x, w = torch.randn(7, 4), torch.randn(3, 4, 5)
+    counts = torch.tensor([2, 0, 5])
+    want = torch.cat([x[:2] @ w[0], x[2:] @ w[2]])
+    monkeypatch.delattr(torch, "_grouped_mm")
+    got = dropless.grouped_mm(x, w, counts)
+    assert dropless.grouped_mm.last == "block-diagonal matmul"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)   # zeros added: the same products
+
+
+def test_dropped_fraction_follows_the_load_distribution():
+    rows = mr.drop_curve([0.5, 1.0, 1.5, 2.0], trials=30)
+    for row in rows:
+        # batch by batch, the layer drops exactly sum_i max(0, L_i - C) / T of its measured loads
+        assert row["per_batch"] == pytest.approx(row["from_loads"], abs=1e-9)
+        # and on average what the Binomial(T, p_i) loads predict: within 4 standard errors
+        assert abs(row["measured"] - row["predicted"]) < 4 * row["stderr"]
+        assert row["routing_margin"] > router.margin_bound(8)   # the same choices on every CPU
+    assert [r["measured"] for r in rows] == sorted((r["measured"] for r in rows), reverse=True)
+
+
+def test_balancing_orders_the_final_imbalance():
+    runs = mr.balance_runs(steps=150)  # the notebook runs 250; the order is set by step 150
+    floor = runs["uniform_floor"]  # max/mean of a router with no preference, about 1.2 at T = 128
+    # no balancing collapses toward N/k = 4; the bias and the aux loss at alpha = 0.1 reach the
+    # floor: within 0.15, several times the spread of a 20-step mean of a uniform router's
+    # max/mean (one step's standard deviation / sqrt(20)), while the unbalanced runs stay more
+    # than 1.2 above it; alpha = 1e-2 is too weak in this many steps
+    assert 0.15 > 4 * runs["uniform_spread"] / 20 ** 0.5
+    assert runs["none"]["final"] > 2.5 and runs["aux 0.01"]["final"] > 2.5
+    assert runs["bias 0.001"]["final"] < floor + 0.15 and runs["aux 0.1"]["final"] < floor + 0.15
+
+
+def test_the_layer_without_residual_is_the_switch_equation():
+    x = torch.randn(8, 16)
+    with_res, without = moe.MoE(residual=True), moe.MoE(residual=False)
+    torch.testing.assert_close(with_res(x), x + without(x), rtol=0, atol=0)   # same ops, same order: exact
