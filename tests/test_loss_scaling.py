@@ -91,15 +91,3 @@ def test_exercise_answers_agree_with_a_cast():
     assert q.float()[0, 1] != 0 and q.float()[0, 2] == 0  # the flush-to-zero bound, measured
     s = ls.EXERCISES["1"]()
     assert torch.tensor(2.0 ** -30 * s, dtype=torch.float16).item() == torch.finfo(torch.float16).smallest_normal
-
-
-@pytest.mark.parametrize("question, wrong", [
-    ("1", 2.0 ** 30),                       # lifting 2^-30 to 1.0, not to the smallest normal
-    ("1", 2.0 ** 6),                        # lifting it to the smallest subnormal 2^-24
-    ("2", 2.0 ** -9 * 1792 / 448),          # the whole smallest subnormal, not half of it
-    ("3", 8 * (2 ** 20 + 4)),               # N shards instead of N - 1
-    ("3", 7 * 2 ** 21),                     # the BF16 answer
-])
-def test_the_checker_refuses_plausible_wrong_answers(question, wrong):
-    assert ls.check(question, ls.EXERCISES[question]())
-    assert not ls.check(question, wrong)
