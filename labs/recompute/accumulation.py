@@ -123,6 +123,20 @@ def fsdp_no_sync(world_size=2, accumulation=4, batch=2, lr=0.1, timeout=180.0):
     return {"world_size": world_size, "accumulation": accumulation, "ranks": results, **results[0]}
 
 
+def _sync_switches(rank, world_size, accumulation, batch, lr):
+    return {"ddp": _no_sync_counts(rank, world_size, accumulation, 1),
+            "fsdp": _fsdp_no_sync(rank, world_size, accumulation, batch, lr)}
+
+
+def sync_switches(world_size=2, accumulation=4, batch=2, lr=0.1, timeout=240.0):
+    """`no_sync_counts` (one optimizer step) and `fsdp_no_sync` in one spawn: the process start, the
+    slowest part at this size, is paid once for both."""
+    results = launch.spawn(_sync_switches, world_size, accumulation, batch, lr, timeout=timeout)
+    fsdp_runs = [r["fsdp"] for r in results]
+    return {"ddp": results[0]["ddp"],
+            "fsdp": {"world_size": world_size, "accumulation": accumulation, "ranks": fsdp_runs, **fsdp_runs[0]}}
+
+
 # --- clipping and the loss scale under accumulation ---------------------------------------------
 
 def _clipped_update(mode, cfg, data, max_norm, scale, lr):
