@@ -1,11 +1,12 @@
-"""Chapter 8: FP8 scaling granularity, limited-precision accumulation, FP8 bytes through gloo."""
+"""Chapter 8: FP8 scaling granularity, the kernels tried, MXFP8, delayed scaling, limited-precision
+accumulation, BF16 without a master copy, FP8 bytes through gloo's wire."""
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from labs.precision import fp8
+from labs.precision import fp8, fp8_wire, kernels, master_weights as mw, scaling
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -16,9 +17,20 @@ def test_block_scaling_beats_per_tensor_on_outlier_channels():
     e, z = r["errors"], r["x_zero_fraction"]
     assert e["block"] < e["row"] < e["tensor"]
     assert z["block"] < z["tensor"] / 5  # per-tensor flushes the ordinary channels to zero
-    # _scaled_mm multiplies the same FP8 operands the emulation dequantises; fp32 accumulation
-    # order differs: 1e-6 relative
-    assert r["scaled_mm_vs_emulated"] < 1e-6
+
+
+def test_every_kernel_that_runs_agrees_with_the_emulation_and_a_wrong_scale_is_caught():
+    r = kernels.try_kernels(M=128, K=256, N=128)["kernels"]
+    assert r["tensorwise"]["ran"], r["tensorwise"]     # every CPU build since 2.11 has this one
+    for name, v in r.items():
+        assert v["ran"] == (v["error"] is None) and (v["gap"] is None) != v["ran"], name
+        if v["ran"]:   # the same FP8 values multiplied; only the order of the fp32 additions differs
+            assert v["gap"] < kernels.GAP_BOUND, name
+    # the plausible bug: handing the kernel the *encoding* scales (448 / amax) instead of decoding ones
+    x, w = fp8.activations(128, 256), torch.randn(128, 256) / 16
+    a, b, sa, sb, kinds, ref = kernels._operands("tensorwise", x, w)
+    wrong = kernels._call(a, b, 1 / sa, 1 / sb, kinds)
+    assert ((wrong.double() - ref).norm() / ref.norm()).item() > 1e3 * kernels.GAP_BOUND
 
 
 def test_without_outliers_granularity_matters_little():
@@ -53,12 +65,68 @@ def test_round_to_bits():
 
 
 @pytest.mark.parametrize("world_size", [3])
-def test_fp8_allgather_sends_half_the_bytes_of_bf16(world_size):
-    r = fp8.allgather_bytes(world_size, numel=1000)
-    assert r["gloo_refuses_fp8"]                             # FP8 cannot be sent as FP8
-    assert r["bf16_payload"] == 2 * r["fp8_payload"] == 2000  # counted payload, from the tensors
-    assert r["scale_payload"] == 4                           # one fp32 scale per rank
-    assert r["fp8_formula_sent"] == (world_size - 1) * (1000 + 4)
+def test_fp8_allgather_wire_bytes_are_half_of_bf16s_plus_framing(world_size):
+    r = fp8_wire.allgather_bytes(world_size, numel=1000, timeout=120)
+    assert r["gloo_refuses_fp8"] and not r["wire_missing"]    # FP8 cannot be sent as FP8
+    assert r["payload"] == {"bf16": 2000, "fp8": 1000, "scale": 4}
+    # measured on every rank, equal to gloo's model of its ring all-gather for the payloads gathered;
+    # a shard sent as fp32 (dequantised) or as bf16 would write 2 or 4 times the fp8 data bytes
+    assert all(w == r["model"] for w in r["wire"])
+    w = r["wire"][0]
+    framing = r["model"]["fp8"] - (world_size - 1) * 1000
+    assert w["bf16"] - framing == 2 * (w["fp8"] - framing) == 2 * (world_size - 1) * 1000
+
+
+def test_mxfp8_scales_are_bytes_of_powers_of_two_and_the_spec_rule_saturates():
+    x = fp8.activations(64, 256)
+    for rounding in ("floor", "ceil"):
+        q, scale, saturated = scaling.mx_quantize(x, rounding)
+        assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu and scale.element_size() == 1
+        s = scale.float()
+        assert torch.equal(s, torch.exp2(torch.log2(s).round()))   # E8M0 holds powers of two only
+        amax = x.abs().reshape(64, 256 // 32, 32).amax(2)
+        top = amax / s                                               # where each block's amax lands
+        over = int((x.reshape(64, 256 // 32, 32).abs() / s.unsqueeze(2) >= scaling.OVERFLOW).sum())
+        assert saturated == over
+        if rounding == "floor":   # the specification: floor(log2 amax) - 8 puts the top in [256, 512)
+            assert bool(((top >= 256) & (top < 512)).all()) and saturated > 0
+        else:                     # rounded up: the top in (224, 448], nothing saturates
+            assert bool(((top > 224) & (top <= 448)).all()) and saturated == 0
+    with pytest.raises(ValueError, match="divisible by 32"):
+        scaling.mx_quantize(torch.ones(4, 48))
+    r = scaling.blocks_vs_mx(M=128, K=256)["rows"]
+    assert r["1x128, fp32 scale"]["scale_bytes_per_element"] == r["1x32 MX, E8M0 (round up)"]["scale_bytes_per_element"]
+    assert r["1x32 MX, E8M0 (spec: floor)"]["error"] > r["1x32 MX, E8M0 (round up)"]["error"]
+    assert r["1x32 MX, E8M0 (round up)"]["flushed"] < r["1x128, fp32 scale"]["flushed"]
+
+
+def test_delayed_scaling_overflows_exactly_where_its_window_is_behind():
+    r = scaling.drift(history=4, steps=24, spike_step=12)
+    # a delayed scale that (wrongly) included the current amax would never overflow: steps must exist
+    assert r["saturating_steps"] and r["saturating_steps"] == r["saturating_steps_predicted"]
+    assert 12 in r["saturating_steps"] and r["steps"]["delayed"][12]["error"] > 0.5
+    assert r["totals"]["current"]["saturated"] == 0
+
+
+def test_bf16_without_a_master_loses_updates_and_both_fixes_keep_them():
+    r = mw.lost_updates(steps=100, lr=0.01, n=1024)
+    assert r["rule_mismatches"] == 0                 # every loss is where half the spacing says
+    d = r["distance_to_fp32"]
+    assert d["nearest"] > 0.5 and d["stochastic"] < 0.15 and d["kahan"] < 0.05
+
+
+def test_stochastic_rounding_is_unbiased_between_two_neighbours():
+    x = torch.full((1 << 14,), 1 + 2 ** -9)         # a quarter of the way from 1 to 1 + 2^-7
+    got = mw.round_stochastic(x, torch.Generator().manual_seed(0)).float()
+    assert set(got.unique().tolist()) == {1.0, 1 + 2 ** -7}
+    up = (got > 1).double().mean().item()
+    assert abs(up - 0.25) < 4 * (0.25 * 0.75 / x.numel()) ** 0.5    # four binomial standard deviations
+
+
+def test_fp32_accumulation_of_bf16_products_and_torchs_matmul_agree():
+    r = mw.dot_accumulation(Ks=(64, 2048), rows=16)
+    assert all(e < 2 ** -8 for e in r["fp32"] + r["torch_matmul"])   # one rounding to bf16 at the end
+    assert r["bf16"][1] > 0.1 > r["bf16"][0]                           # a bf16 accumulator swamps
 
 
 def test_cli_runs_the_issue_command_line():

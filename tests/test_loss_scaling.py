@@ -19,6 +19,15 @@ def test_formats_match_the_published_maxima_and_layouts():
     assert f["bf16"]["smallest_normal"] == f["fp32"]["smallest_normal"]  # same 8-bit exponent
 
 
+def test_the_cast_check_refuses_a_misread_maximum():
+    # formats() asserts that max survives a cast and max + one step does not; a maximum misread as
+    # E4M3's IEEE-style 240 or E5M2's 57,344 would survive the step above it and be caught
+    assert ls._survives(448.0, torch.float8_e4m3fn) and not ls._survives(448.0 + 32, torch.float8_e4m3fn)
+    assert ls._survives(240.0 + 16, torch.float8_e4m3fn)
+    assert not ls._survives(57344.0, torch.float8_e4m3fn)
+    assert not ls._survives(65504.0 + 32, torch.float16)
+
+
 def test_loss_scale_rescues_fp16_gradients_and_bf16_never_loses_them():
     rows = {(r["format"], r["scale"]): r for r in ls.underflow()["rows"]}
     assert rows[("fp16", 1)]["zero"] > 0.5                    # most of the sample is below 2^-24
@@ -61,6 +70,12 @@ def test_bf16_tracks_fp32_fp16_stalls_and_loss_scaling_recovers():
     torch.testing.assert_close(torch.tensor(runs["fp16_scaled"]["losses"]), ref, rtol=1e-3, atol=0)
     assert runs["fp16"]["zero_grad_fraction"][0] == 1.0   # every gradient underflowed
     assert runs["fp16"]["losses"][-1] > ref[-1] + 0.1     # and the model did not learn
+
+
+def test_the_loss_weight_is_invisible_to_fp32_adam_only_with_eps_scaled_too():
+    r = ls.weight_invisible("fp32", steps=2)
+    assert r["equal_with_eps_scaled"] and not r["equal_with_eps_fixed"]
+    assert not ls.weight_invisible("fp16", steps=2)["equal_with_eps_scaled"]   # FP16 underflows
 
 
 def test_unknown_mode_is_refused():

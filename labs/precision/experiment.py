@@ -4,9 +4,9 @@
     python -m labs.precision.fp8 --experiment fp8-scaling         # one file's own experiments
     python -m labs.precision.loss_scaling --experiment loss-scaling
 
-The experiments live in `labs.precision.loss_scaling` and `labs.precision.fp8` (a name -> function
-of the parsed arguments returning (result, summary)); this module imports neither, so each of
-them runs its own experiments through it and `labs/precision/__main__.py` runs them all.
+The experiments live in the chapter's modules, each an ``EXPERIMENTS`` dict (a name -> function of
+the parsed arguments returning (result, summary)); this module imports none of them, so each runs
+its own experiments through it and `labs/precision/__main__.py` runs them all.
 """
 from labs.launcher import cli
 

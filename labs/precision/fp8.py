@@ -10,30 +10,29 @@ tensor cores keep about 14 bits of the running sum, it promotes the partial sum 
 register every N_C = 128 elements of K.
 
 `quantize` does all four granularities; `matmul_error` compares them on heavy-tailed activations
-with outlier channels (per-tensor and per-row through ``torch._scaled_mm``); `accumulation`
-emulates the short accumulator; `allgather_bytes` sends FP8 as uint8 through gloo.
+with outlier channels; `accumulation` emulates the short accumulator. The kernels themselves
+(``torch._scaled_mm``) are tried in `labs.precision.kernels`; FP8 on gloo's wire is
+`labs.precision.fp8_wire`; MXFP8 and delayed scaling are `labs.precision.scaling`.
 """
 import math
 
 import torch
-import torch.distributed as dist
-
-from labs.measure import comm
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 GRANULARITIES = ("tensor", "row", "1x128", "128x128")
 BLOCK = 128
 
 
-def activations(rows=256, cols=512, outliers=4, outlier_gain=100.0, seed=0):
+def activations(rows=256, cols=512, outliers=4, outlier_gain=100.0, seed=0, channels=False):
     """Heavy-tailed activations (Student-t, 3 degrees of freedom) with ``outliers`` channels
     (columns) ``outlier_gain`` times larger than the rest: the shape of a transformer's
-    activations that per-tensor scaling handles badly."""
+    activations that per-tensor scaling handles badly. ``channels=True`` also returns the outlier
+    columns."""
     g = torch.Generator().manual_seed(seed)
     x = _student_t(rows, cols, g)  # (M, K)
-    channels = torch.randperm(cols, generator=g)[:outliers]
-    x[:, channels] *= outlier_gain
-    return x
+    chosen = torch.randperm(cols, generator=g)[:outliers]
+    x[:, chosen] *= outlier_gain
+    return (x, chosen) if channels else x
 
 
 def _student_t(rows, cols, g, df=3):
@@ -83,53 +82,27 @@ def _rel(y, ref):
     return ((y - ref).norm() / ref.norm()).item()
 
 
-def scaled_mm(x, w, granularity):
-    """Y = X W^T from FP8 operands through ``torch._scaled_mm`` (tensorwise or rowwise scales).
-
-    _scaled_mm multiplies by *dequantisation* scales (1/scale), rowwise ones shaped (M, 1) and
-    (1, N); its second operand must be column-major, hence w_q.t(). Returns (Y, how) where how
-    says whether the kernel ran or, where this torch has no such CPU kernel, an emulation did.
-    """
-    xq, sx = quantize(x, granularity)
-    wq, sw = quantize(w, granularity)  # (N, K): per-row of W is per output channel
-    inv_x, inv_w = (1 / sx).float(), (1 / sw).float()
-    if granularity == "row":
-        inv_w = inv_w.reshape(1, -1)  # (1, N)
-    else:
-        inv_x, inv_w = inv_x.reshape(()), inv_w.reshape(())
-    try:
-        y = torch._scaled_mm(xq, wq.t(), scale_a=inv_x, scale_b=inv_w, out_dtype=torch.float32)
-        return y, "torch._scaled_mm"
-    except (RuntimeError, NotImplementedError):
-        return dequantize(xq, sx) @ dequantize(wq, sw).t(), "emulated (no _scaled_mm CPU kernel)"
-
-
 def matmul_error(M=256, K=512, N=256, outliers=4, outlier_gain=1000.0, seed=0, fmt="e4m3"):
-    """Relative Frobenius error of X W^T from FP8 operands vs FP32, per granularity.
+    """Relative Frobenius error of X W^T from FP8 operands vs the exact product, per granularity.
 
-    Activations X get outlier channels; weights W are Gaussian. Block scaling is the DeepSeek-V3
-    pairing: X per 1x128 tile, W per 128x128 block (emulated: dequantise, matmul in fp32).
+    Activations X get outlier channels; weights W are Gaussian. Per tensor: one scale each for X and
+    W; per row: one per row of X and per row of W (an output channel); block: the DeepSeek-V3
+    pairing, X per 1x128 tile and W per 128x128 block. Each product is the FP8 operands dequantised
+    and multiplied in fp32, the same on every build (`labs.precision.kernels` runs the kernels).
     The outliers dominate ||Y||, so the damage to the ordinary channels is also reported as
     ``x_zero_fraction``: the share of X's entries flushed to zero by each scaling.
-    Returns {"errors": {granularity: error}, "x_zero_fraction": {...}, "scaled_mm": how
-    per-tensor/per-row ran, "scaled_mm_vs_emulated": max relative gap}.
     """
     x = activations(M, K, outliers, outlier_gain, seed=seed)  # (M, K)
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed + 1)) / math.sqrt(K)  # (N, K)
     ref = x.double() @ w.double().t()
-    errors, how, gap = {}, {}, 0.0
-    for gran in ("tensor", "row"):
-        y, how[gran] = scaled_mm(x, w, gran)
-        emulated = dequantize(*quantize(x, gran, fmt)) @ dequantize(*quantize(w, gran, fmt)).t()
-        gap = max(gap, _rel(y.double(), emulated.double()))
-        errors[gran] = _rel(y.double(), ref)
-    xq = dequantize(*quantize(x, "1x128", fmt))
-    wq = dequantize(*quantize(w, "128x128", fmt))
-    errors["block"] = _rel((xq.double() @ wq.double().t()), ref)
-    zeros = {g: (quantize(x, g, fmt)[0].float() == 0).double().mean().item() for g in ("tensor", "row", "1x128")}
-    zeros["block"] = zeros.pop("1x128")
-    return {"errors": errors, "x_zero_fraction": zeros, "scaled_mm": how, "scaled_mm_vs_emulated": gap,
-            "shape": [M, K, N], "outliers": outliers}
+    pairs = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128")}
+    errors, zeros = {}, {}
+    for name, (gx, gw) in pairs.items():
+        xq = quantize(x, gx, fmt)
+        y = dequantize(*xq) @ dequantize(*quantize(w, gw, fmt)).t()
+        errors[name] = _rel(y.double(), ref)
+        zeros[name] = (xq[0].float() == 0).double().mean().item()
+    return {"errors": errors, "x_zero_fraction": zeros, "shape": [M, K, N], "outliers": outliers}
 
 
 def round_to_bits(s, bits):
@@ -170,56 +143,6 @@ def accumulation(Ks=(128, 256, 512, 1024, 2048, 4096), rows=64, bits=14, interva
     return out
 
 
-def _gloo_refuses_fp8(shard):
-    """Whether the process group refuses an FP8 tensor (gloo has no FP8 type); the message if so."""
-    out = torch.empty(dist.get_world_size() * shard.numel(), dtype=shard.dtype)
-    try:
-        comm.all_gather_single(out, shard)
-        return None
-    except (RuntimeError, TypeError, ValueError) as exc:
-        return str(exc).splitlines()[0][:120]
-
-
-def allgather_worker(rank, world_size, numel=4096):
-    """All-gather a BF16 shard, then the same shard as E4M3 bytes (viewed as uint8) plus its fp32
-    scale; payload bytes counted by labs.measure.comm. The gathered FP8 is checked against quantising
-    every rank's shard locally."""
-    g = torch.Generator().manual_seed(rank)
-    shard = torch.randn(numel, generator=g).to(torch.bfloat16)  # (numel,)
-    with comm.counting() as bf16_tally:
-        full = torch.empty(world_size * numel, dtype=torch.bfloat16)
-        comm.all_gather(full, shard)
-    q, scale = quantize(shard.float().reshape(1, -1), "tensor")  # (1, numel) e4m3, (1, 1) fp32
-    refused = _gloo_refuses_fp8(q.reshape(-1)) if dist.get_backend() == "gloo" else None
-    with comm.counting() as fp8_tally:
-        raw = torch.empty(world_size * numel, dtype=torch.uint8)
-        comm.all_gather(raw, q.reshape(-1).view(torch.uint8))  # the FP8 bits, as bytes
-        scales = torch.empty(world_size, dtype=torch.float32)
-        comm.all_gather(scales, scale.reshape(1).float())
-    gathered = raw.view(torch.float8_e4m3fn).float().reshape(world_size, numel) / scales.reshape(-1, 1)
-    return {"bf16_payload": bf16_tally.ops["all_gather"]["payload_bytes"],
-            "fp8_payload": fp8_tally.ops["all_gather"]["payloads"][0],
-            "scale_payload": fp8_tally.ops["all_gather"]["payloads"][1],
-            "bf16_formula_sent": bf16_tally.formula_bytes_sent, "fp8_formula_sent": fp8_tally.formula_bytes_sent,
-            "gloo_refuses_fp8": refused, "gathered": gathered, "full_bf16": full}
-
-
-def allgather_bytes(world_size=2, numel=4096, timeout=60.0):
-    """Spawn ``world_size`` ranks of `allgather_worker`; check the gathered FP8 on rank 0 against
-    every rank's shard quantised here. Returns the byte counts (payload and formula, labelled)."""
-    from labs.launcher import launch
-    results = launch.spawn(allgather_worker, world_size, numel, timeout=timeout)
-    r0 = results[0]
-    for rank in range(world_size):
-        shard = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
-        local = dequantize(*quantize(shard.float().reshape(1, -1), "tensor")).reshape(-1)
-        assert torch.equal(r0["gathered"][rank], local), f"rank {rank}'s FP8 bytes arrived changed"
-        assert torch.equal(r0["full_bf16"][rank * numel:(rank + 1) * numel], shard)
-    keys = ("bf16_payload", "fp8_payload", "scale_payload", "bf16_formula_sent", "fp8_formula_sent",
-            "gloo_refuses_fp8")
-    return {"world_size": world_size, "numel": numel, **{k: r0[k] for k in keys}}
-
-
 def _fp8_scaling(args):
     r = matmul_error()
     return r, "\n".join(f"{g}: relative error {e:.4f}, X zeros {r['x_zero_fraction'][g]:.4f}"
@@ -232,13 +155,7 @@ def _accumulation(args):
                         for k, a, b in zip(r["K"], r["limited"], r["promoted"]))
 
 
-def _allgather(args):
-    r = allgather_bytes(args.world_size, timeout=args.timeout)
-    return r, (f"all-gather payload per rank: bf16 {r['bf16_payload']} B, fp8 {r['fp8_payload']} B "
-               f"+ scale {r['scale_payload']} B (counted); gloo on raw fp8: {r['gloo_refuses_fp8']}")
-
-
-EXPERIMENTS = {"fp8-scaling": _fp8_scaling, "accumulation": _accumulation, "fp8-allgather": _allgather}
+EXPERIMENTS = {"fp8-scaling": _fp8_scaling, "accumulation": _accumulation}
 
 if __name__ == "__main__":
     from labs.launcher import cli

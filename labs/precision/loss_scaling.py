@@ -22,20 +22,24 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
 
 
 def _survives(value, dtype):
+    """Whether ``value`` comes back unchanged from a cast to ``dtype`` (not rounded, not inf/NaN)."""
     return torch.tensor(value, dtype=torch.float64).to(dtype).double().item() == value
 
 
 def formats():
     """Each format's layout from torch.finfo: bits, exponent/mantissa bits, max, smallest normal,
-    smallest subnormal (= smallest normal * eps, checked by a cast: it survives, half of it
-    rounds to zero) and eps (the gap after 1.0)."""
+    smallest subnormal (= smallest normal * eps) and eps (the gap after 1.0). Both ends are checked
+    by casting: the smallest subnormal survives and half of it rounds to zero; the max survives and
+    the next number of its spacing, max + 2^(floor(log2 max) - mantissa), does not (inf, or NaN for
+    E4M3, which has no inf), so a max or a mantissa width misread from finfo would fail here."""
     out = {}
     for name, dtype in DTYPES.items():
         fi = torch.finfo(dtype)
         mantissa = round(-math.log2(fi.eps))
         subnormal = fi.smallest_normal * fi.eps
         assert _survives(subnormal, dtype) and not _survives(subnormal / 2, dtype)
-        assert _survives(fi.max, dtype)
+        top_step = 2.0 ** (math.floor(math.log2(fi.max)) - mantissa)
+        assert _survives(fi.max, dtype) and not _survives(fi.max + top_step, dtype)
         out[name] = {"bits": fi.bits, "exponent_bits": fi.bits - 1 - mantissa, "mantissa_bits": mantissa,
                      "max": fi.max, "smallest_normal": fi.smallest_normal,
                      "smallest_subnormal": subnormal, "eps": fi.eps}
@@ -147,20 +151,25 @@ def scaler_trace(steps=12, init_scale=2.0 ** 22, growth_interval=3):
 TRACK_MODES = ("fp32", "bf16", "fp16", "fp16_scaled")
 
 
-def track(mode, steps=30, loss_weight=2.0 ** -24, lr=3e-3, seed=0):
+def track(mode, steps=30, loss_weight=2.0 ** -24, lr=3e-3, seed=0, scale_eps=True, params=False):
     """Train the tiny GPT ``steps`` Adam steps in one precision; return its (unweighted) losses.
 
     The loss is multiplied by ``loss_weight`` so the gradients sit where a large model's do (most
-    below 2^-24, Micikevicius et al. 2018, Figure 3). Adam divides by sqrt(v), so FP32 training
-    is unchanged by the weight (eps is shrunk by the same factor); what FP16 cannot represent is
-    lost before Adam sees it. Modes: fp32; bf16 and fp16 under autocast with fp32 weights;
-    fp16_scaled adds `DynamicScaler`.
+    below 2^-24, Micikevicius et al. 2018, Figure 3). Modes: fp32; bf16 and fp16 under autocast
+    with fp32 weights; fp16_scaled adds `DynamicScaler`.
+
+    Why FP32 does not see the weight: multiplying the loss by a power of two multiplies every
+    gradient by it exactly (backpropagation is linear in the loss, and a power-of-two product is
+    exact while nothing leaves the normal range), so Adam's m scales by w and sqrt(v) by w too.
+    Adam's step m / (sqrt(v) + eps) is then unchanged only if eps is scaled by w as well, which
+    ``scale_eps=True`` does (eps = 1e-8 * w). ``params=True`` also returns the final weights, so
+    a run can be compared bit for bit with the unweighted one (`weight_invisible`).
     """
     if mode not in TRACK_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(TRACK_MODES)}.")
     cfg = model.GPTConfig()
     net = model.build(cfg, seed=seed)
-    opt = torch.optim.Adam(net.parameters(), lr=lr, eps=1e-8 * loss_weight)
+    opt = torch.optim.Adam(net.parameters(), lr=lr, eps=1e-8 * (loss_weight if scale_eps else 1.0))
     scaler = DynamicScaler(init_scale=2.0 ** 32, growth_interval=10) if mode == "fp16_scaled" else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp16_scaled": torch.float16}.get(mode)
     losses, zero_grads = [], []
@@ -177,7 +186,27 @@ def track(mode, steps=30, loss_weight=2.0 ** -24, lr=3e-3, seed=0):
         if scaler:
             scaler.update()
         losses.append(loss.item())
-    return {"mode": mode, "losses": losses, "zero_grad_fraction": zero_grads}
+    out = {"mode": mode, "losses": losses, "zero_grad_fraction": zero_grads}
+    if params:
+        out["params"] = [p.detach().clone() for p in net.parameters()]
+    return out
+
+
+def weight_invisible(mode, steps=6, loss_weight=2.0 ** -24):
+    """Whether training with the loss weighted by ``loss_weight`` (eps scaled with it) gives the
+    unweighted run's weights bit for bit, and whether it still does with eps left at 1e-8.
+
+    Exact comparisons are right here: the two runs execute the same operations in the same order
+    on the same shapes; a power of two changes only exponents, unless a value leaves the format's
+    normal range, which is what FP16 does and FP32 and BF16 do not."""
+    plain = track(mode, steps, loss_weight=1.0, params=True)
+    scaled = track(mode, steps, loss_weight, params=True)
+    fixed = track(mode, steps, loss_weight, scale_eps=False, params=True)
+    same = lambda run: all(torch.equal(a, b) for a, b in zip(plain["params"], run["params"]))  # noqa: E731
+    return {"mode": mode, "loss_weight": loss_weight, "steps": steps,
+            "equal_with_eps_scaled": same(scaled), "equal_with_eps_fixed": same(fixed),
+            "final_loss": {"unweighted": plain["losses"][-1], "eps_scaled": scaled["losses"][-1],
+                           "eps_fixed": fixed["losses"][-1]}}
 
 
 def _underflow(args):

@@ -1,5 +1,9 @@
 """Chapter 9, recomputation and gradient accumulation: memory kept against FLOPs spent.
 
 - `policies`: none, full, selective and every-k recomputation on a stack of blocks: bytes kept,
-  FLOPs counted, gradients equal; accumulation through chapter 2's DDP and loss normalisation.
+  FLOPs counted, gradients equal; the GPT-3 overheads, the lab's count beside Korthikanti et al.'s.
+- `accumulation`: micro-batches against the full batch; DDP's no_sync counted; FSDP2's and the hand
+  FSDP's gradient sync switch (bytes sent, bytes held, peak); clipping and the loss scale under accumulation.
+- `offload`: saved activations copied to a simulated host (save_on_cpu's hooks): bytes kept, peak, bytes moved.
+- `pipeline_memory`: 1F1B on chapter 5's executor with and without recomputation: held = in flight x policy.
 """

@@ -17,8 +17,8 @@ Four policies on a stack of L tiny GPT blocks (`labs.model.Block`, bf16, dropout
 Measured, not assumed: the bytes the forward leaves alive for backward are the live storages after
 the forward (`memory.PeakMemory`: saved-tensor hooks see the checkpoints' inputs but not what the
 selective policy caches, a dispatch mode sees both), FLOPs are counted by ``FlopCounterMode``
-(`flops.counting`), gradients are compared with "none"'s. Gradient accumulation reuses chapter 2:
-`labs.data_parallel.loss_reduction` (token-weighted loss) and `labs.data_parallel.ddp` (``no_sync``, all-reduces counted).
+(`flops.counting`), gradients are compared with "none"'s. Gradient accumulation is
+`labs.recompute.accumulation`.
 
     python -m labs.recompute.policies --policy selective --json
 """
@@ -31,8 +31,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 
 from labs.memory_budget import activations, compute
 from labs.measure import flops
-from labs.data_parallel import ddp, loss_reduction
-from labs.launcher import launch
+from labs.data_parallel import loss_reduction
 from labs.measure import memory
 from labs import model as tiny
 
@@ -180,48 +179,30 @@ def timing(cfg=None, batch=4, k=2, repeats=7, dtype=torch.float32, threads=1):
     return {"seconds": seconds, "ratio_vs_none": {p: t / seconds["none"] for p, t in seconds.items()}}
 
 
-# --- gradient accumulation ------------------------------------------------------------------------
-
-def accumulation_vs_full_batch(accumulation=4, micro_batch=2, seed=0):
-    """k micro-batches of unequal token counts in one process against the full batch at once:
-    chapter 2's `loss_reduction.compare` at world size 1. right_err (sum of token losses over the
-    global count N) is rounding; naive_err (each micro-batch's own mean / k) is not."""
-    return loss_reduction.compare(1, accumulation, micro_batch, seed)
-
-
-def _no_sync_counts(rank, world_size, accumulation, steps):
-    """All-reduces of chapter 2's hand DDP with and without ``no_sync``, and without accumulation."""
-    out = {}
-    for name, acc, use in (("no_accumulation", 1, True), ("no_sync", accumulation, True),
-                           ("sync_every_micro_batch", accumulation, False)):
-        r = ddp.run(rank, world_size, steps=steps, accumulation=acc, use_no_sync=use)
-        out[name] = {"allreduce_calls": r["allreduce_calls"], "payload_bytes": r["allreduce_payload_bytes"],
-                     "calls_per_step": r["allreduce_calls"] // steps,
-                     "payload_bytes_per_step": r["allreduce_payload_bytes"] // steps,
-                     "max_param_diff_vs_single_process": r["max_param_diff_vs_single_process"]}
-    return out
-
-
-def no_sync_counts(world_size=2, accumulation=4, steps=2, timeout=120.0):
-    """Counted all-reduce calls and payload bytes per optimizer step (`labs.measure.comm` through `ddp.run`)."""
-    return launch.spawn(_no_sync_counts, world_size, accumulation, steps, timeout=timeout)[0]
-
-
 # --- at scale: the GPT-3 setting of Korthikanti et al. 2022 -------------------------------------
 
-def selective_at_scale(h=12288, a=96, s=2048):
-    """Selective recomputation on a GPT-3 175B layer (h = 12288, a = 96, s = 2048; Brown et al. 2020,
-    Table 2.1), from the formulas the lab proves on the tiny stack: the share of a layer's activation
-    bytes it removes (Korthikanti et al. 2022, Table 2: 5as/h of 34 + 5as/h) and the matmul FLOPs it
-    adds to a training step (4hs of 72h^2 + 12hs per token; full recomputation adds 1/3)."""
+def selective_at_scale(h=12288, a=96, s=2048, layers=96, vocab=51200, dropout=True):
+    """Selective recomputation on a GPT-3 175B layer (h = 12288, a = 96, s = 2048, L = 96; Brown et
+    al. 2020, Table 2.1; V = 51200 as in Korthikanti et al. 2022, Table 3), from the formulas the lab
+    proves on the tiny stack: the share of a layer's activation bytes it removes (Table 2: 5as/h of
+    34 + 5as/h with dropout, 2as/h of 32 + 2as/h without) and the matmul FLOPs it adds to a training
+    step: one more forward of q k^T and scores @ v, 4hs of 72h^2 + 12hs per token and layer.
+
+    Korthikanti et al.'s own figure (2.7 %, Section 5) comes from their Appendix A, where the
+    hardware FLOPs with selective recomputation are 72BsLh^2 (1 + s/(3h) + V/(12hL)) against the
+    model FLOPs' 72BsLh^2 (1 + s/(6h) + V/(12hL)): the attention term is doubled, which adds the
+    attention products' forward *and* backward, 12Bs^2h per layer, three times the 4Bs^2h that
+    rerunning their forward costs. ``korthikanti_flops_added`` evaluates that ratio."""
     if h % a:
         raise ValueError(f"h={h} is not divisible by a={a}; pick a head count that divides h.")
-    none = activations.gpt3_activation_bytes_per_layer(s, 1, h, a)
-    selective = activations.gpt3_activation_bytes_per_layer(s, 1, h, a, recompute="selective")
+    none = activations.gpt3_activation_bytes_per_layer(s, 1, h, a, dropout=dropout)
+    selective = activations.gpt3_activation_bytes_per_layer(s, 1, h, a, recompute="selective", dropout=dropout)
     step = compute.flops_per_token(12 * h * h, 1, h, s)["total"]
-    return {"memory_removed": 1 - selective / none, "scores_term": 5 * a * s / h,
+    model = 1 + s / (6 * h) + vocab / (12 * h * layers)                  # Korthikanti et al., Appendix A
+    return {"memory_removed": 1 - selective / none, "scores_term": (5 if dropout else 2) * a * s / h,
             "selective_flops_added": compute.recompute_flops_per_token(12 * h * h, 1, h, s, "selective") / step,
-            "full_flops_added": compute.recompute_flops_per_token(12 * h * h, 1, h, s, "full") / step}
+            "full_flops_added": compute.recompute_flops_per_token(12 * h * h, 1, h, s, "full") / step,
+            "korthikanti_flops_added": (model + s / (6 * h)) / model - 1}
 
 
 # Chapter 9's exercises: the answers are computed here, so the book never types them.

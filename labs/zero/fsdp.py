@@ -143,6 +143,9 @@ class Unit:
         if self.done:
             return
         self.done = True
+        if not self.fsdp.requires_gradient_sync:  # no sync: autograd sums the full grads in place
+            self.free()
+            return
         got = [i for i, u in enumerate(self.unsharded) if u.grad is not None]
         if got:  # ranks agree on this (FSDP2 requires it too), so they all call the collective
             flat = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.full.device)
@@ -200,6 +203,7 @@ class HandFSDP:
         if any(id(u) not in inside for u in units):
             raise ValueError("every unit must be a submodule of the model being wrapped.")
         self.model, self.group, self._queued, self.units = model, group, False, []
+        self.requires_gradient_sync = True
         self.max_units_gathered = 0   # the most units holding full weights at once, ever
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
         owners = _owners(model, units + [model])
@@ -207,6 +211,13 @@ class HandFSDP:
         for u in self.units:
             u.module.register_forward_pre_hook(u.pre_forward, with_kwargs=True)
             u.module.register_forward_hook(u.post_forward)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync):
+        """FSDP2's switch of the same name (FSDP1's ``no_sync``): with False, backward skips the
+        reduce-scatter and each unit keeps its full gradients on its unsharded parameters, where
+        autograd sums the micro-batches; the next backward with True reduce-scatters the sum once.
+        The price is the full gradients held in between, as PyTorch's documentation warns."""
+        self.requires_gradient_sync = requires_gradient_sync
 
     def queue_end_of_backward(self):
         if not self._queued:

@@ -1,0 +1,43 @@
+"""Chapters 8-9: each exercise checker accepts its computed answer and refuses the wrong answer a
+source note or a careless reader gives. A checker that compared an answer with itself, or whose
+tolerance swallowed the usual mistake, would fail here.
+
+Each wrong answer is computed from the mistake it stands for, not typed in.
+"""
+import pytest
+
+from labs.precision import loss_scaling as ls
+from labs.recompute import policies as rc
+
+H, A, S = 12288, 96, 2048   # the GPT-3 175B layer of chapter 9's exercises
+
+CASES = [
+    # chapter 8, mixed precision
+    (ls, "1", 2.0 ** 0 / 2.0 ** -30, "lifting 2^-30 to 1.0 instead of to FP16's smallest normal"),
+    (ls, "1", 2.0 ** -24 / 2.0 ** -30, "lifting it to the smallest subnormal 2^-24, not the smallest normal"),
+    (ls, "2", 2.0 ** -9 / (448 / 1792), "the whole smallest subnormal, not half of it"),
+    (ls, "3", 8 * (2 ** 20 + 4), "N shards sent instead of N - 1"),
+    (ls, "3", 7 * 2 ** 20 * 2, "the BF16 answer: two bytes per element"),
+    # chapter 9, recomputation and accumulation
+    (rc, "1", (2 * A * S / H) / (32 + 2 * A * S / H), "the dropout-free count sbh(32 + 2as/h) for a layer with dropout"),
+    (rc, "2", rc.selective_at_scale()["korthikanti_flops_added"] * 100, "Korthikanti et al.'s 2.7 %, which counts "
+     "the attention products' forward and backward again"),
+    (rc, "2", 100 / 3, "full recomputation's third"),
+    (rc, "3", 1024 // 64, "the micro-batch of 2 left out: 1024 / dp"),
+]
+
+
+@pytest.mark.parametrize("module, question, wrong, mistake", CASES,
+                         ids=[f"{m.__name__.split('.')[-1]}-{q}-{i}" for i, (m, q, _, _) in enumerate(CASES)])
+def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake, capsys):
+    right = module.EXERCISES[question]()
+    assert module.check(question, right), (question, right)
+    assert not module.check(question, wrong), (question, wrong, mistake)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"exercise {question}: correct", f"exercise {question}: not yet, try again"]
+
+
+def test_every_exercise_of_chapters_8_and_9_has_a_wrong_answer_tested():
+    for module in (ls, rc):
+        tested = {q for m, q, _, _ in CASES if m is module}
+        assert tested == set(module.EXERCISES), module.__name__
