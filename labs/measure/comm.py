@@ -56,6 +56,7 @@ class Tally:
         self.wire = wire          # measure the wire around every synchronous library collective
         self.wire_missing = []    # why some collectives' wire bytes are not in wire_bytes_sent
         self.ops = defaultdict(lambda: dict.fromkeys(FIELDS, 0) | {"payloads": []})
+        self.bytes_sent_to = defaultdict(int)   # counted messages' bytes by destination (global rank)
 
     def call(self, op, payload):
         self.ops[op]["calls"] += 1
@@ -114,7 +115,6 @@ def _add(op, **fields):
 # ---- the library's wire bytes (labs.measure.wire) -----------------------------------------------------
 
 wire_bytes = wire.measure           # comm.wire_bytes(group): the block's wire bytes, or None + reason
-wire_unavailable = wire.unavailable
 
 
 def _library(op, payload, sent, received, group, async_op, run):
@@ -284,8 +284,10 @@ def all_to_all(output, input, group=None, async_op=False, output_split_sizes=Non
 
 # ---- point-to-point: counted messages ----------------------------------------------------------
 
-def _message(default_op, **fields):
-    """Count one message, under the hand collective that sends it if there is one."""
+def _message(default_op, dst=None, **fields):
+    """Count one message, under the hand collective that sends it if there is one, and its destination."""
+    for tally in _active if dst is not None else ():
+        tally.bytes_sent_to[dst] += fields["bytes_sent"]
     if _op_name:
         _add(_op_name[-1], **fields)
     else:
@@ -294,7 +296,7 @@ def _message(default_op, **fields):
 
 
 def send(tensor, dst, group=None):
-    _message("send", bytes_sent=_nbytes(tensor))
+    _message("send", dst, bytes_sent=_nbytes(tensor))
     dist.send(tensor, dst=dst, group=group)
 
 
@@ -304,7 +306,7 @@ def recv(tensor, src, group=None):
 
 
 def isend(tensor, dst, group=None, tag=0):
-    _message("send", bytes_sent=_nbytes(tensor))
+    _message("send", dst, bytes_sent=_nbytes(tensor))
     return dist.isend(tensor, dst=dst, group=group, tag=tag)
 
 
