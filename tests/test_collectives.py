@@ -1,7 +1,7 @@
 """Chapter 10: every collective built from point-to-point messages equals the library's and moves
 exactly the formula's rounds and bytes, all counted; RS then AG equals two all-reduces not built
 from them; the two-level all-reduce's bytes per link tier are counted; the crossover's inputs are
-the counted rounds and bytes; the exercises' checker refuses plausible wrong answers."""
+the counted rounds and bytes. The exercises' checker: tests/test_exercise_answers_ch1011.py."""
 import functools
 import json
 import os
@@ -13,8 +13,9 @@ import pytest
 from labs.collectives import alpha_beta, toolkit as col
 from labs.launcher import launch
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
-pytestmark = pytest.mark.numerics
+# Only the tests that compare floats another CPU rounds differently are marked `numerics` (`make
+# test` runs those again under OTHER_CPU); the rest compare counts, or sums of small integers, which
+# are exact in any order.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32 sums of at most 8 standard normals in another order than the library's: a few ulps of
@@ -29,6 +30,7 @@ def every(world_size):
     return col.every(world_size, NUMEL, timeout=180)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 7, 8])
 def test_every_collective_equals_the_library_and_the_formula(world_size):
     results = every(world_size)
@@ -62,7 +64,7 @@ def test_the_count_can_disagree_with_the_wrong_formula():
     assert (rab["steps"], max(rab["bytes_sent"])) == (4, ring[1]) and ring[0] == 6
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [3])   # notebook 10 asserts the same on 4 ranks
 def test_reduce_scatter_then_all_gather_equals_two_other_all_reduces(world_size):
     for r in launch.spawn(col.rank_rs_then_ag, world_size, NUMEL, timeout=120):
         # integer-valued fp32 inputs: every order of additions gives the same bits, so any wrong
@@ -97,6 +99,7 @@ def test_two_level_all_reduce_counted_per_link_tier(two_level):
         hierarchical.check(4, 2, 10)
 
 
+@pytest.mark.numerics
 def test_alpha_beta_fit_is_a_least_squares_fit_of_the_measured_times():
     fit = alpha_beta.fit(sizes=[4, 4096, 65536, 262144], repeats=5)
     # least squares: the residuals are orthogonal to both columns of the design (1 and n); swapped
@@ -132,11 +135,6 @@ def test_measured_crossover_and_sweep_sizes():
     assert all(s % 16 == 0 for s in X.sweep_sizes(1e6, 4)) and len(X.sweep_sizes(1e6, 4)) == len(X.FACTORS)
     with pytest.raises(ValueError, match="even world size"):
         X.sweep(3)
-    # fit_timed recovers the alpha and beta that generated exact model times
-    p, alpha, beta = 4, 2e-4, 1e-9
-    seconds = {a: [alpha_beta.costs(p)[a][0] * alpha + alpha_beta.costs(p)[a][1] * n * beta for n in sizes]
-               for a in X.ALGORITHMS}
-    assert X.fit_timed(p, sizes, seconds) == pytest.approx((alpha, beta), rel=1e-6)
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
@@ -147,16 +145,6 @@ def test_bus_bandwidth_factor_is_the_counted_ring_bytes(op):
         r = every(world_size)[f"{op}/ring"]
         bw = bus_bandwidth.bandwidths(r["nbytes"], 1.0, world_size, op)
         assert bw["busbw"] / bw["algbw"] == pytest.approx(max(r["bytes_sent"]) / r["nbytes"])
-
-
-def test_exercise_checker_accepts_the_answers_and_refuses_plausible_wrong_ones():
-    for q in col.EXERCISES:
-        assert col.check_answer(q, col.EXERCISES[q]())
-    wrong = {"1": 2 * 2 ** 30,                 # 2n: forgot the (N-1)/N
-             "2": 2 * 7 / 8 * 2 ** 20,         # the ring's bytes, not doubling's n lg N
-             "3": 11 * 5e-6 * 25e9}            # alpha/beta times the rounds saved, without the bytes' 1.25
-    for q, answer in wrong.items():
-        assert not col.check_answer(q, answer), q
 
 
 def test_bad_input_is_one_sentence():
@@ -179,7 +167,7 @@ def test_cli_json():
     assert r["max_abs_error"] == 0.0   # an all-to-all moves elements, no arithmetic: exact
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [3])   # notebook 10 asserts the same on 4 ranks
 def test_gloo_wire_bytes_equal_the_model_of_its_source(world_size):
     from labs.collectives import gloo_collectives as gc
     rows = gc.beside(world_size, NUMEL, timeout=120)

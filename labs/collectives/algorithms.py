@@ -8,9 +8,8 @@ alpha + n beta per message. The ring all-reduce, a ring reduce-scatter then a ri
 the bandwidth-optimal algorithm of Patarasuk & Yuan (2009). The recursive algorithms, and the fold
 that lets them run on any p, are `labs.collectives.recursive`. Every function counts the exchanges
 this rank takes part in through one counter (``rounds``, `recursive.Rounds`), and every message
-goes through `labs.measure.comm`. `HAND`
-names them by (op, algorithm); `labs.collectives.toolkit` checks each against its cost formula
-and the library's collective.
+goes through `labs.measure.comm`. `HAND` names them by (op, algorithm); `labs.collectives.toolkit`
+checks each against its cost formula and the library's collective.
 """
 import torch
 import torch.distributed as dist

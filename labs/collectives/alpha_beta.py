@@ -3,13 +3,14 @@
 Hockney's model, as Thakur, Rabenseifner & Gropp (2005) use it: a message of n bytes
 takes alpha + n * beta. `fit` estimates alpha and beta by least squares from measured times of
 one exchange (both ranks send and receive n bytes at once, as in every round of chapter 10's
-algorithms) on 2 ranks. With them, recursive doubling's all-reduce, lg p * alpha + n lg p * beta,
-beats the ring's, 2(p-1) * alpha + 2(p-1)/p * n * beta, below the size
+algorithms) on 2 ranks. `costs` gives each all-reduce's rounds and bytes along its critical path
+(the tests set them beside the counted ones), and `crossover` the size below which recursive
+doubling, L (alpha + n beta), beats the ring, 2(p-1) * alpha + 2(p-1)/p * n * beta:
 
     n* = (2(p-1) - L) * alpha / ((L - 2(p-1)/p) * beta)
 
 with L = lg p rounds for a power of two, lg p' + 2 otherwise (p' = 2^floor(lg p): the extra ranks
-fold in first and unfold last).
+fold in first and unfold last). `labs.collectives.crossover` times both algorithms around n*.
 
 `bench` times the library's collectives and reports algbw and busbw with nccl-tests' definitions
 (`labs.data_parallel.bus_bandwidth`), on whatever backend `labs.launcher.launch` chose: gloo here, NCCL on a GPU box.

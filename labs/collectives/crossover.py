@@ -3,14 +3,14 @@
 `alpha_beta.crossover` predicts, from fitted alpha and beta, the size n* below which recursive
 doubling's all-reduce (few rounds, n bytes each) beats the ring's (2(p-1) rounds of n/p bytes).
 A prediction is not a measurement, so `sweep` times both hand all-reduces of
-`labs.collectives.algorithms` on p ranks, at sizes from n*/8 to 8 n*, and reports where the
+`labs.collectives.algorithms` on p ranks, at sizes from n*/4 to 4 n*, and reports where the
 measured times cross beside where the model says they should.
 
 In every round of both algorithms all ranks exchange at once, so alpha and beta are fitted here, in
 the same job, on the same p ranks: rank r swaps n bytes with r XOR 1, every pair at once. Each time
-is the slowest rank's (a collective ends when its last rank does): a collective's size as a median
-of repeats, each after a barrier; the fit's exchanges as the fastest of repeats (as `alpha_beta.fit`
-does). Timings vary with the machine and its load: the notebook prints them and asserts nothing
+is the slowest rank's (a collective ends when its last rank does): a collective's time at a size is
+the median of repeats, each after a barrier, the two algorithms taking turns; the fit's exchanges
+are the fastest of repeats (as `alpha_beta.fit` does). Timings vary with the machine and its load: the notebook prints them and asserts nothing
 about them.
 
     python -m labs.collectives.crossover --world-size 4 --json
@@ -26,7 +26,7 @@ from labs.collectives import algorithms, alpha_beta
 from labs.collectives.recursive import Rounds
 from labs.launcher import launch
 
-FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8)   # sizes swept, as multiples of the predicted n*
+FACTORS = (1 / 4, 1 / 2, 1, 2, 4)   # sizes swept, as multiples of the predicted n*
 ALGORITHMS = ("ring", "recursive_doubling")
 
 
@@ -70,22 +70,33 @@ def sweep_sizes(n_star, p, factors=FACTORS):
 
 
 def rank_sweep(rank, world_size, fit_sizes, factors, repeats):
-    """One rank: fit alpha and beta, predict n*, time both all-reduces around it (slowest rank's median)."""
+    """One rank: fit alpha and beta, predict n*, time both all-reduces around it.
+
+    At each size the two algorithms take turns, repeat by repeat, so a burst of load on the
+    machine falls on both; each time is the slowest rank's, and a size's time the median."""
     alpha, beta, fit_seconds = _fit(rank, fit_sizes, repeats)
     n_star = alpha_beta.crossover(alpha, beta, world_size)
     sizes = sweep_sizes(n_star, world_size, factors) if n_star else list(fit_sizes)
-    times, done = {a: [] for a in ALGORITHMS}, []
+    times, exact = {a: [] for a in ALGORITHMS}, True
     for nbytes in sizes:
+        x = torch.ones(nbytes // 4, device=launch.device())
+        per_repeat = {a: [] for a in ALGORITHMS}
+        for repeat in range(repeats + 1):                    # repeat 0: warm-up, not kept
+            for name in ALGORITHMS:
+                x.fill_(1.0)
+                dist.barrier()
+                start = time.perf_counter()
+                algorithms.HAND["all_reduce", name](x, Rounds())
+                seconds = time.perf_counter() - start
+                exact = exact and bool((x == world_size).all())   # p ones summed: exactly p in fp32
+                if repeat:
+                    per_repeat[name].append(seconds)
         for name in ALGORITHMS:
-            run = algorithms.HAND["all_reduce", name]
-            fresh = [torch.ones(nbytes // 4, device=launch.device()) for _ in range(repeats + 1)]
-            call = lambda: done.append(run(fresh.pop(), Rounds()))
-            times[name].append(statistics.median(_slowest(_timed(call, repeats))))
-    # every buffer summed p ones: each element is p, exactly (small integers in fp32)
-    exact = torch.tensor([int(all(bool((b == world_size).all()) for b in done))])
-    dist.all_reduce(exact, op=dist.ReduceOp.MIN)   # on every rank
+            times[name].append(statistics.median(_slowest(per_repeat[name])))
+    ok = torch.tensor([int(exact)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)                # every rank's results
     return {"alpha": alpha, "beta": beta, "fit_sizes": list(fit_sizes), "fit_seconds": fit_seconds,
-            "predicted": n_star, "sizes": sizes, "seconds": times, "exact": bool(exact.item())}
+            "predicted": n_star, "sizes": sizes, "seconds": times, "exact": bool(ok.item())}
 
 
 def measured_crossover(sizes, ring, doubling):
@@ -102,26 +113,13 @@ def measured_crossover(sizes, ring, doubling):
     return "at", math.exp(lo + frac * (hi - lo))
 
 
-def fit_timed(p, sizes, seconds):
-    """alpha and beta that best fit the timed all-reduces themselves (least squares over both
-    algorithms, T = R alpha + b n beta with (R, b) = `alpha_beta.costs(p)`): the latency a round
-    costs inside a chain of rounds, to set beside the alpha of isolated exchanges."""
-    rows, times = [], []
-    for name in ALGORITHMS:
-        r, b = alpha_beta.costs(p)[name]
-        rows += [[float(r), b * n] for n in sizes]
-        times += seconds[name]
-    a = torch.tensor(rows, dtype=torch.float64)                  # (2 * sizes, 2)
-    alpha, beta = torch.linalg.lstsq(a, torch.tensor(times, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
-    return alpha, beta
-
-
 def sweep(world_size, fit_sizes=alpha_beta.FIT_SIZES, factors=FACTORS, repeats=7, timeout=300.0):
     """Fit, predict and time on ``world_size`` ranks; the predicted and the measured crossover.
 
     Returns alpha, beta (isolated exchanges), predicted (n* in bytes, None for p = 2), sizes, seconds
     per algorithm (slowest rank, median), exact (every result right), measured: (where, bytes) from
-    `measured_crossover`, and alpha_in_collectives, beta_in_collectives from `fit_timed`."""
+    `measured_crossover`, and seconds_per_round_smallest: each algorithm's time at the smallest size
+    over its rounds, the latency a round paid inside a chain of rounds."""
     if world_size < 2 or world_size % 2:
         raise ValueError(f"the sweep pairs rank r with r XOR 1 to fit alpha and beta: use an even world "
                          f"size of at least 2, not {world_size}.")
@@ -129,9 +127,10 @@ def sweep(world_size, fit_sizes=alpha_beta.FIT_SIZES, factors=FACTORS, repeats=7
         raise ValueError(f"repeats must be at least 1, got {repeats}.")
     r = launch.spawn(rank_sweep, world_size, list(fit_sizes), list(factors), repeats, timeout=timeout)[0]
     where, nbytes = measured_crossover(r["sizes"], r["seconds"]["ring"], r["seconds"]["recursive_doubling"])
-    alpha_chain, beta_chain = fit_timed(world_size, r["sizes"], r["seconds"])
+    # at the smallest size the bytes cost little: its time over its rounds is what one round cost
+    per_round = {a: r["seconds"][a][0] / alpha_beta.costs(world_size)[a][0] for a in ALGORITHMS}
     return {"world_size": world_size, **r, "measured": {"where": where, "bytes": nbytes},
-            "alpha_in_collectives": alpha_chain, "beta_in_collectives": beta_chain}
+            "seconds_per_round_smallest": per_round}
 
 
 def main(argv=None):
