@@ -2,11 +2,12 @@
 
 Ranks are laid out with the first axis of ``order`` fastest-varying; Llama 3 orders its groups
 [TP, CP, PP, DP] (Llama Team 2024, "The Llama 3 Herd of Models", arXiv 2407.21783, section 3.3.2).
-A group of N ranks along an axis whose faster axes multiply to a stride q holds the ranks
-b, b + q, ..., b + q(N-1). It stays inside one node of g GPUs exactly when its first and last rank
-do: floor(b / g) = floor((b + q(N-1)) / g). Every group of the axis does so when qN divides g;
-when qN <= g but does not divide it, some groups straddle a node boundary (tp = 1, cp = 3 on
-nodes of 4: the group [3, 4, 5]). So the calculator decides group by group (`group_nodes`).
+A group of N ranks along an axis whose faster axes multiply to a stride Delta holds the ranks
+r0, r0 + Delta, ..., r0 + Delta(N-1). It stays inside one node of G GPUs exactly when its first
+and last rank do: floor(r0 / G) = floor((r0 + Delta(N-1)) / G). Every group of the axis does so
+when Delta N divides G; when Delta N <= G but does not divide it, some groups straddle a node
+boundary (tp = 1, cp = 3 on nodes of 4: the group [3, 4, 5]). So the calculator decides group by
+group (`group_nodes`).
 
 Bytes per rank per step, bf16 (2 bytes), ring collectives (2(N-1)/N * M for an all-reduce of M
 bytes, (N-1)/N * M for an all-gather of the full M; Patarasuk & Yuan 2009), for the busiest
@@ -38,6 +39,10 @@ NVLINK4_BPS = 18 * 25e9     # H100 SXM: 18 links x 25 GB/s = 450 GB/s per direct
 NDR_IB_BPS = 400e9 / 8      # NDR InfiniBand: 400 Gb/s per port = 50 GB/s
 PCIE5_X16_BPS = 64e9        # PCIe 5.0 x16: 32 GT/s x 16 lanes, ~64 GB/s per direction
 LLAMA3_POD_GPUS = 3072      # Llama 3 section 3.3.1: a pod of 3,072 GPUs, full bisection bandwidth
+# What NCCL reaches, as its maintainers quote it (book/11-hardware.md): an effective NVLink bandwidth
+# of ~370 GB/s on H100 (NVIDIA/nccl-tests issue 212), 46 to 48 GB/s per NDR port (issue 290)
+NCCL_NVLINK_BPS = 370e9
+NCCL_NDR_BPS = (46e9, 48e9)
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ class Placement:
         return out
 
     def stride(self, axis):
-        """Distance q in global rank between neighbours of ``axis``: the product of faster axes."""
+        """Distance Delta in global rank between neighbours of ``axis``: the product of faster axes."""
         out = 1
         for a in self.order[:self.order.index(axis)]:
             out *= self.degrees.get(a, 1)
