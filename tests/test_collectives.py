@@ -133,6 +133,7 @@ def test_measured_crossover_and_sweep_sizes():
     # a dip back below 1 after a crossing: the crossing that holds is the later one
     assert X.measured_crossover(sizes, [2, 2, 2, 2], [1, 3, 1, 4])[1] > 4000
     assert all(s % 16 == 0 for s in X.sweep_sizes(1e6, 4)) and len(X.sweep_sizes(1e6, 4)) == len(X.FACTORS)
+    assert max(X.sweep_sizes(1e9, 4)) == X.LARGEST and len(X.sweep_sizes(1e9, 4)) == 1   # capped
     with pytest.raises(ValueError, match="even world size"):
         X.sweep(3)
 
@@ -159,10 +160,10 @@ def test_bad_input_is_one_sentence():
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "multiple of 4" in out.stderr
 
 
-def test_cli_json():
-    out = subprocess.run([sys.executable, "-m", "labs.collectives.toolkit", "--world-size", "2", "--op", "all_to_all",
-                          "--numel", "8", "--json"], capture_output=True, text=True, cwd=REPO, check=True)
-    r = json.loads(out.stdout.splitlines()[-1])
+def test_cli_json(capsys):
+    # in process (test_bad_input_is_one_sentence runs `python -m`): the --json line, parsed
+    col.main(["--world-size", "2", "--op", "all_to_all", "--numel", "8", "--json"])
+    r = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert r["bytes_sent"] == [16, 16] and r["steps"] == 1
     assert r["max_abs_error"] == 0.0   # an all-to-all moves elements, no arithmetic: exact
 
@@ -188,13 +189,12 @@ def test_gloo_wire_bytes_equal_the_model_of_its_source(world_size):
     assert rows["reduce_scatter"]["wire"][0] > 2 * max(rows["reduce_scatter"]["counted"])
 
 
-def test_gloo_cli_json_and_bad_input():
-    out = subprocess.run([sys.executable, "-m", "labs.collectives.gloo_collectives", "--world-size", "2", "--numel", "8",
-                          "--json"], capture_output=True, text=True, cwd=REPO, check=True, timeout=60)
-    rows = json.loads(out.stdout.splitlines()[-1])["rows"]
+def test_gloo_cli_json_and_bad_input(capsys):
+    from labs.collectives import gloo_collectives as gc
+    gc.main(["--world-size", "2", "--numel", "8", "--json"])   # in process: no second interpreter to start
+    rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
     if rows["all_to_all"]["wire"][0] is not None:
         assert all(r["wire"] == r["wire_model"] for r in rows.values())
     assert rows["all_to_all"]["counted"] == [16, 16] and rows["all_to_all"]["formula_max"] == 16
-    from labs.collectives import gloo_collectives as gc
     with pytest.raises(ValueError, match="multiple of 3"):   # refused before any rank starts
         gc.main(["--world-size", "3", "--numel", "10"])
