@@ -27,7 +27,6 @@ from labs.collectives.recursive import Rounds
 from labs.launcher import launch
 
 FACTORS = (1 / 4, 1 / 2, 1, 2, 4)   # sizes swept, as multiples of the predicted n*
-LARGEST = 8 * 2 ** 20                # bytes: the sweep's largest all-reduce
 ALGORITHMS = ("ring", "recursive_doubling")
 
 
@@ -64,12 +63,10 @@ def _fit(rank, sizes, repeats):
     return alpha, beta, fastest
 
 
-def sweep_sizes(n_star, p, factors=FACTORS, largest=LARGEST):
-    """Byte sizes around n*, each a multiple of 4p (fp32 elements in p equal blocks), at least 4p
-    and at most ``largest``: on a loaded machine alpha, and with it n*, grows, and the sweep's
-    time with it; a crossover beyond the cap is reported as "above" it."""
+def sweep_sizes(n_star, p, factors=FACTORS):
+    """Byte sizes around n*, each a multiple of 4p (fp32 elements in p equal blocks), at least 4p."""
     step = 4 * p
-    return sorted({min(largest // step * step, max(step, round(n_star * f / step) * step)) for f in factors})
+    return sorted({max(step, round(n_star * f / step) * step) for f in factors})
 
 
 def rank_sweep(rank, world_size, fit_sizes, factors, repeats):
