@@ -1,20 +1,20 @@
 """Chapter 10: every collective built from point-to-point messages, one function per algorithm.
 
 Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH"
-(IJHPCA 19(1), 2005): broadcast and reduce as binomial trees, all-gather and reduce-scatter as a
-ring or by recursive doubling and halving, all-reduce as a ring, by recursive doubling or as
-Rabenseifner's halving reduce-scatter then doubling all-gather, all-to-all by pairwise exchange.
-The ring halves are chapter 2's (`labs.data_parallel.hand_ring`); the recursive ones, and the fold
-that lets them run on any p, are `labs.collectives.recursive`. Each function counts the exchanges
-this rank takes part in (``rounds``); every message goes through `labs.measure.comm`. `HAND`
-names them by (op, algorithm); `labs.collectives.toolkit` checks each against its cost formula
-and the library's collective.
+(IJHPCA 19(1), 2005): broadcast and reduce as binomial trees, all-gather as a ring or by recursive
+doubling, reduce-scatter by recursive halving, all-reduce by recursive doubling or as Rabenseifner's
+halving reduce-scatter then doubling all-gather, all-to-all by pairwise exchange, each costed as
+alpha + n beta per message. The ring all-reduce, a ring reduce-scatter then a ring all-gather, is
+the bandwidth-optimal algorithm of Patarasuk & Yuan (2009). The recursive algorithms, and the fold
+that lets them run on any p, are `labs.collectives.recursive`. Every function counts the exchanges
+this rank takes part in through one counter (``rounds``, `recursive.Rounds`), and every message
+goes through `labs.measure.comm`. `HAND` names them by (op, algorithm); `labs.collectives.toolkit`
+checks each against its cost formula and the library's collective.
 """
 import torch
 import torch.distributed as dist
 
 from labs.collectives import recursive
-from labs.data_parallel import hand_ring
 
 OPS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 CHOICES = {"broadcast": ("tree",), "reduce": ("tree",), "all_gather": ("ring", "recursive_doubling"),
@@ -56,17 +56,38 @@ def tree_reduce(x, rounds, root=0):
     return x
 
 
-def ring_all_gather(out, shard, rounds):
-    """Chapter 2's ring: p-1 rounds of one shard each."""
-    rounds.count += dist.get_world_size() - 1
-    return hand_ring.ring_all_gather_into(out, shard)
+def _ring(ranks):
+    """(p, i, right, left): the ring ``ranks`` (global ranks in ring order; None: every rank), this
+    rank's position i on it and its neighbours' global ranks."""
+    ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+    i = ranks.index(dist.get_rank())
+    return len(ranks), i, ranks[(i + 1) % len(ranks)], ranks[(i - 1) % len(ranks)]
 
 
-def ring_reduce_scatter(out, x, rounds):
-    """Chapter 2's ring: p-1 rounds; rank r ends with block r of the sum."""
-    p = dist.get_world_size()
-    rounds.count += p - 1
-    return hand_ring.ring_reduce_scatter(out, list(x.view(-1).chunk(p)))
+def ring_all_gather(out, shard, rounds, ranks=None):
+    """Ring (TRG 2005): in round s = 0..p-2 position i passes block (i - s) mod p to its right and
+    receives block (i - 1 - s) mod p from its left; p-1 rounds of one block each."""
+    p, i, right, left = _ring(ranks)
+    blocks = out.view(-1).chunk(p)
+    blocks[i].copy_(shard.view(-1))
+    for s in range(p - 1):
+        rounds.exchange(sends=[(blocks[(i - s) % p], right)], recvs=[(blocks[(i - 1 - s) % p], left)])
+    return out
+
+
+def ring_reduce_scatter(out, x, rounds, ranks=None):
+    """Ring: in round s = 0..p-2 position i sends right its partial sum of block (i - 1 - s) mod p
+    (its own input at s = 0) and adds its input to block (i - 2 - s) mod p arriving from the left;
+    after p-1 rounds it holds block i of the sum. ``x`` is only read."""
+    p, i, right, left = _ring(ranks)
+    blocks = x.view(-1).chunk(p)
+    outgoing = blocks[(i - 1) % p]
+    for s in range(p - 1):
+        j = (i - 2 - s) % p
+        incoming = torch.empty_like(blocks[j])
+        rounds.exchange(sends=[(outgoing, right)], recvs=[(incoming, left)])
+        outgoing = incoming.add_(blocks[j])
+    return out.view(-1).copy_(outgoing).view(out.shape)
 
 
 def doubling_all_gather(out, shard, rounds):
@@ -81,10 +102,13 @@ def halving_reduce_scatter(out, x, rounds):
     return recursive.halving_reduce_scatter(out, x, rounds, *_rank_and_size())
 
 
-def ring_all_reduce(x, rounds):
-    """Chapter 2's ring: reduce-scatter then all-gather, 2(p-1) rounds."""
-    rounds.count += 2 * (dist.get_world_size() - 1)
-    return hand_ring.ring_allreduce(x)
+def ring_all_reduce(x, rounds, ranks=None):
+    """Ring reduce-scatter then ring all-gather (Patarasuk & Yuan 2009): 2(p-1) rounds, each rank
+    sending 2(p-1)/p of ``x``, the least any all-reduce can send. In place."""
+    p = _ring(ranks)[0]
+    block = torch.empty(x.numel() // p, dtype=x.dtype, device=x.device)
+    ring_reduce_scatter(block, x, rounds, ranks)
+    return ring_all_gather(x, block, rounds, ranks)
 
 
 def doubling_all_reduce(x, rounds):

@@ -3,13 +3,14 @@
 Hockney's model, as Thakur, Rabenseifner & Gropp (2005) use it: a message of n bytes
 takes alpha + n * beta. `fit` estimates alpha and beta by least squares from measured times of
 one exchange (both ranks send and receive n bytes at once, as in every round of chapter 10's
-algorithms) on 2 ranks. With them, recursive doubling's all-reduce, lg p * alpha + n lg p * beta,
-beats the ring's, 2(p-1) * alpha + 2(p-1)/p * n * beta, below the size
+algorithms) on 2 ranks. `costs` gives each all-reduce's rounds and bytes along its critical path
+(the tests set them beside the counted ones), and `crossover` the size below which recursive
+doubling, L (alpha + n beta), beats the ring, 2(p-1) * alpha + 2(p-1)/p * n * beta:
 
     n* = (2(p-1) - L) * alpha / ((L - 2(p-1)/p) * beta)
 
 with L = lg p rounds for a power of two, lg p' + 2 otherwise (p' = 2^floor(lg p): the extra ranks
-fold in first and unfold last).
+fold in first and unfold last). `labs.collectives.crossover` times both algorithms around n*.
 
 `bench` times the library's collectives and reports algbw and busbw with nccl-tests' definitions
 (`labs.data_parallel.bus_bandwidth`), on whatever backend `labs.launcher.launch` chose: gloo here, NCCL on a GPU box.
@@ -24,7 +25,7 @@ from labs.data_parallel import bus_bandwidth
 from labs.measure import comm
 from labs.launcher import launch, preflight
 
-FIT_SIZES = [4, 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024]   # bytes
+FIT_SIZES = [4, 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024]   # bytes
 BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BENCH_SIZES = [4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024]      # bytes, the full buffer S
 
@@ -83,20 +84,28 @@ def doubling_rounds(p):
     return lg if p & (p - 1) == 0 else lg + 2
 
 
-def crossover(alpha, beta, p):
-    """Bytes below which recursive doubling's all-reduce beats the ring's (TRG 2005 costs), or None
-    where one wins at every size (p = 2: doubling saves one alpha and sends the same bytes).
-
-    Every round of doubling, fold and unfold included, moves the whole n bytes, so its time is
-    L (alpha + n beta) with L = `doubling_rounds(p)`; the ring's is 2(p-1) alpha + 2(p-1)/p n beta.
-    """
+def costs(p):
+    """Per all-reduce algorithm, (rounds, bytes per byte of n) on its critical path, the two
+    numbers alpha and beta multiply: the ring's 2(p-1) rounds of n/p bytes (Patarasuk & Yuan 2009),
+    and recursive doubling's rounds, fold and unfold included, each moving the whole n.
+    The tests set both beside the rounds and bytes the hand algorithms were counted to send."""
     if p < 2:
         raise ValueError(f"a crossover needs at least 2 ranks, not {p}.")
     rounds = doubling_rounds(p)
-    extra_alpha, saved_beta = 2 * (p - 1) - rounds, rounds - 2 * (p - 1) / p
-    if saved_beta <= 0 or alpha <= 0 or beta <= 0:
+    return {"ring": (2 * (p - 1), 2 * (p - 1) / p), "recursive_doubling": (rounds, rounds)}
+
+
+def crossover(alpha, beta, p):
+    """Bytes below which recursive doubling's all-reduce beats the ring's, or None where one wins
+    at every size (p = 2: doubling saves one alpha and sends the same bytes).
+
+    With T = R alpha + b n beta for (R, b) = `costs(p)`, the times are equal at
+    n* = (R_ring - R_doubling) alpha / ((b_doubling - b_ring) beta).
+    """
+    (r_ring, b_ring), (r_rd, b_rd) = costs(p)["ring"], costs(p)["recursive_doubling"]
+    if b_rd - b_ring <= 0 or alpha <= 0 or beta <= 0:
         return None
-    return extra_alpha * alpha / (saved_beta * beta)
+    return (r_ring - r_rd) * alpha / ((b_rd - b_ring) * beta)
 
 
 def _library_call(op, s, p):

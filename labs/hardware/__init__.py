@@ -1,5 +1,7 @@
 """Chapter 11, hardware reality: this machine's links measured, and which group sits on which link.
 
 - `machine`: copy bandwidth and loopback latency measured here, and a real two-node torchrun launch.
-- `placement`: the bytes each link tier carries for a placement of TP, PP and DP groups.
+- `latency`: why the loopback ping-pong and chapter 10's fitted alpha differ, ingredient by ingredient.
+- `placement`: which groups straddle nodes, group by group, and the bytes each link tier carries.
+- `boundary`: the bytes crossing a simulated node boundary, counted by each message's destination.
 """

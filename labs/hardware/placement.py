@@ -1,30 +1,36 @@
 """Chapter 11: which parallel group sits on which link tier, and the bytes each tier carries.
 
 Ranks are laid out with the first axis of ``order`` fastest-varying; Llama 3 orders its groups
-[TP, CP, PP, DP] so that the chattiest group (TP) is innermost, on NVLink inside a node
-(Llama 3 Herd of Models, Dubey et al. 2024, arXiv 2407.21783, section 3.3.2). A group of n ranks
-with stride ``stride`` (the product of the faster axes' degrees) stays inside a node of g GPUs
-exactly when stride * n <= g.
+[TP, CP, PP, DP] (Llama Team 2024, "The Llama 3 Herd of Models", arXiv 2407.21783, section 3.3.2).
+A group of N ranks along an axis whose faster axes multiply to a stride Delta holds the ranks
+r0, r0 + Delta, ..., r0 + Delta(N-1). It stays inside one node of G GPUs exactly when its first
+and last rank do: floor(r0 / G) = floor((r0 + Delta(N-1)) / G). Every group of the axis does so
+when Delta N divides G; when Delta N <= G but does not divide it, some groups straddle a node
+boundary (tp = 1, cp = 3 on nodes of 4: the group [3, 4, 5]). So the calculator decides group by
+group (`group_nodes`).
 
-Bytes per rank per step, bf16 (2 bytes), ring collectives (2(n-1)/n * M for an all-reduce of M
-bytes, (n-1)/n * M for an all-gather of the full M; Patarasuk & Yuan 2009):
+Bytes per rank per step, bf16 (2 bytes), ring collectives (2(N-1)/N * M for an all-reduce of M
+bytes, (N-1)/N * M for an all-gather of the full M; Patarasuk & Yuan 2009), for the busiest
+pipeline stage (`stage_layers`: Llama 3 takes one layer from the first and the last stage):
 - TP (Megatron, Shoeybi et al. 2019, section 3): 4 all-reduces of b*(s/cp)*h per layer per
   micro-batch (2 forward, 2 backward).
 - CP (all-gather of K and V, Llama 3 section 3.3.2): forward all-gather and backward
   reduce-scatter of 2*b*s*h_kv/tp per layer per micro-batch.
-- PP: one activation b*(s/cp)*h/tp forward and one gradient back per micro-batch and boundary.
+- PP: one activation forward and one gradient back per micro-batch and boundary, b*(s/cp)*h/tp
+  bytes from each TP rank: each TP rank sends only its 1/tp of the activation, which holds with
+  sequence parallelism (Korthikanti et al. 2022: between blocks each TP rank keeps s/tp of the
+  sequence) or with Megatron's scatter/gather (Narayanan et al. 2021, section 4.1: the sender
+  splits the tensor into tp chunks, the receiver all-gathers them over NVLink). Without either,
+  every TP rank would send the whole b*s*h. An interleaved schedule with v chunks per rank sends
+  v times as many (Narayanan et al. 2021, section 2.2).
 - DP: one all-reduce of the gradients, params/(tp*pp) per rank, per step.
 - EP (formula only, not simulated): dispatch and combine, forward and backward, 4 all-to-alls of
-  k*b*s*h/(tp*cp) per MoE layer, each sending (n-1)/n of it.
+  k*b*s*h/(tp*cp) per MoE layer, each sending (N-1)/N of it.
+The counted check, every message's destination on a simulated cluster, is `labs.hardware.boundary`.
 """
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-
-from labs.measure import comm
-from labs.launcher import launch
-from labs.data_parallel.hand_ring import ring_allreduce
 
 BF16 = 2
 ORDER = ("tp", "cp", "pp", "dp")  # Llama 3's order, fastest-varying first
@@ -32,11 +38,16 @@ ORDER = ("tp", "cp", "pp", "dp")  # Llama 3's order, fastest-varying first
 NVLINK4_BPS = 18 * 25e9     # H100 SXM: 18 links x 25 GB/s = 450 GB/s per direction
 NDR_IB_BPS = 400e9 / 8      # NDR InfiniBand: 400 Gb/s per port = 50 GB/s
 PCIE5_X16_BPS = 64e9        # PCIe 5.0 x16: 32 GT/s x 16 lanes, ~64 GB/s per direction
+LLAMA3_POD_GPUS = 3072      # Llama 3 section 3.3.1: a pod of 3,072 GPUs, full bisection bandwidth
+# What NCCL reaches, as its maintainers quote it (book/11-hardware.md): an effective NVLink bandwidth
+# of ~370 GB/s on H100 (NVIDIA/nccl-tests issue 212), 46 to 48 GB/s per NDR port (issue 290)
+NCCL_NVLINK_BPS = 370e9
+NCCL_NDR_BPS = (46e9, 48e9)
 
 
 @dataclass(frozen=True)
 class Model:
-    """Shapes that set the traffic: hidden h, KV width h_kv, layers, sequence s, micro-batch b."""
+    """Shapes that set the traffic: hidden h, KV width h_kv, layers L, sequence s, micro-batch b."""
     hidden: int
     kv_hidden: int
     layers: int
@@ -48,8 +59,23 @@ class Model:
     top_k: int = 1
 
 
+# Llama 3 Table 3 shapes; 16 micro-batches of one sequence: Table 4's 16 sequences per DP rank at DP = 128
 LLAMA3_405B = Model(hidden=16384, kv_hidden=8 * 128, layers=126, params=405_000_000_000, seq=8192,
-                    micro_batches=16)  # Llama 3 Table 3 shapes; 16 micro-batches is illustrative
+                    micro_batches=16)
+
+
+def stage_layers(layers, pp):
+    """Transformer layers per pipeline stage with Llama 3's balance (section 3.3.2: "we reduce one
+    Transformer layer each from the first and the last stages"): the embedding and the output head
+    each take a layer's slot, L + 2 slots split as evenly as possible. 126 on 16: [7, 8, ..., 8, 7]."""
+    if pp < 1 or layers + 2 < 2 * pp:
+        raise ValueError(f"{layers} layers cannot fill {pp} pipeline stages; use at most {(layers + 2) // 2} stages.")
+    if pp == 1:
+        return [layers]
+    base, extra = divmod(layers + 2, pp)
+    slots = [base + (1 if i < extra else 0) for i in range(pp)]
+    slots[0], slots[-1] = slots[0] - 1, slots[-1] - 1
+    return slots
 
 
 @dataclass(frozen=True)
@@ -66,9 +92,9 @@ class Placement:
                 raise ValueError(f"degree {axis} must be a positive integer, got {d!r}.")
         if sorted(self.order) != sorted(ORDER):
             raise ValueError(f"order must be a permutation of {ORDER}, got {self.order}.")
-        if self.world_size % self.gpus_per_node and self.gpus_per_node % self.world_size:
-            raise ValueError(f"{self.world_size} ranks do not fill nodes of {self.gpus_per_node}; "
-                             "choose degrees whose product is a multiple of gpus_per_node.")
+        g = self.gpus_per_node
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"gpus_per_node must be a positive integer, got {g!r}.")
 
     @property
     def world_size(self):
@@ -78,19 +104,11 @@ class Placement:
         return out
 
     def stride(self, axis):
-        """Distance in global rank between neighbours of ``axis``: the product of faster axes."""
+        """Distance Delta in global rank between neighbours of ``axis``: the product of faster axes."""
         out = 1
         for a in self.order[:self.order.index(axis)]:
             out *= self.degrees.get(a, 1)
         return out
-
-    def nodes_spanned(self, axis):
-        """How many nodes one group of ``axis`` touches (1: all on the fast tier)."""
-        span = self.stride(axis) * self.degrees.get(axis, 1)
-        return max(1, -(-span // self.gpus_per_node)) if self.degrees.get(axis, 1) > 1 else 1
-
-    def tier(self, axis):
-        return "intra" if self.nodes_spanned(axis) == 1 else "inter"
 
     def grid(self):
         """Rank grid with dims in ``order`` reversed (slowest first), so order[0] is contiguous."""
@@ -102,6 +120,16 @@ class Placement:
         moved = self.grid().movedim(dim, -1)
         return moved.reshape(-1, moved.shape[-1]).tolist()
 
+    def group_nodes(self, axis, unit=None):
+        """Per group of ``axis``, how many units of ``unit`` GPUs (default: nodes) its ranks touch."""
+        unit = unit or self.gpus_per_node
+        return [len({r // unit for r in ranks}) for ranks in self.groups(axis)]
+
+    def tier(self, axis):
+        """"intra" when every group of ``axis`` is inside one node; a synchronous step waits for its
+        slowest group, so one straddling group puts the axis on the slow tier."""
+        return "intra" if max(self.group_nodes(axis)) == 1 else "inter"
+
 
 def tier_of(stride, n, gpus_per_node):
     """The tier of a group of n ranks whose faster axes multiply to ``stride``: "intra" exactly
@@ -110,9 +138,10 @@ def tier_of(stride, n, gpus_per_node):
 
 
 def collectives(model, p):
-    """Per axis: (kind, payload bytes M per call, calls per rank per step), from the shapes."""
+    """Per axis: (kind, payload bytes M per call, calls per rank per step), from the shapes, for the
+    pipeline stage with the most layers."""
     d = {a: p.degrees.get(a, 1) for a in ORDER}
-    local_layers = model.layers // d["pp"]
+    local_layers = max(stage_layers(model.layers, d["pp"]))
     act = model.micro_batch * (model.seq // d["cp"]) * model.hidden * BF16  # (b, s/cp, h)
     kv = 2 * model.micro_batch * model.seq * model.kv_hidden // d["tp"] * BF16  # K and V, full s
     out = {"tp": ("all_reduce", act, 4 * local_layers * model.micro_batches),
@@ -145,63 +174,26 @@ def plan(model, p, ep=1):
     return rows
 
 
-def crossing_formula(p, payloads):
-    """Bytes that cross a node boundary in one call per axis (all ranks together, ring order).
+def exposed(model, p, flops_per_gpu=400e12):
+    """PP against DP, the two groups that leave the node, as time on the critical path.
 
-    A ring over a group that spans k > 1 nodes (contiguous blocks) crosses k links, each carrying
-    the per-rank ring bytes; a PP send crosses when the two stages sit on different nodes.
-    """
-    total = {}
-    for axis, (kind, m) in payloads.items():
-        n, out = p.degrees.get(axis, 1), 0
-        for ranks in p.groups(axis):
-            nodes = [r // p.gpus_per_node for r in ranks]
-            if kind == "send":
-                out += m * sum(a != b for a, b in zip(nodes, nodes[1:]))
-            else:
-                out += bytes_per_call(kind, m, n) * sum(nodes[i] != nodes[(i + 1) % n] for i in range(n))
-        total[axis] = out
-    return total
-
-
-def mesh(p):
-    """The simulated cluster as a torch DeviceMesh: dims slowest first (``order`` reversed), named
-    after the axes, so mesh.get_group("tp") is this rank's TP group (the same grid as `groups`)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    names = tuple(reversed(p.order))
-    return init_device_mesh(launch.device().type, tuple(p.degrees.get(a, 1) for a in names),
-                            mesh_dim_names=names)
-
-
-def simulate(rank, world_size, p, numel):
-    """Run one ring all-reduce (TP, CP, DP) and one PP send per axis over the groups of ``p``'s
-    DeviceMesh, counting the bytes this rank sends to a rank on another simulated node
-    (node = rank // gpus_per_node). ``numel``: fp32 elements per call, one number for every axis
-    or a dict {axis: numel}. Also checks that the mesh's groups are the calculator's.
-    """
-    sizes = numel if isinstance(numel, dict) else dict.fromkeys(ORDER, numel)
-    node, grid = rank // p.gpus_per_node, mesh(p)
-    crossed = {}
-    for axis in ORDER:
-        my_group = grid.get_group(axis)
-        mine = dist.get_process_group_ranks(my_group)
-        assert mine in p.groups(axis), f"the mesh's {axis} group {mine} is not the calculator's"
-        i, n = mine.index(rank), len(mine)
-        x = torch.full((sizes[axis],), float(rank), device=launch.device())
-        with comm.counting() as tally:
-            if axis == "pp":
-                if i + 1 < n:
-                    comm.send(x, mine[i + 1])
-                if i > 0:
-                    comm.recv(x, mine[i - 1])
-                dst = mine[i + 1] if i + 1 < n else None
-            else:
-                ring_allreduce(x, my_group)
-                assert x[0].item() == sum(mine), "the group's sum"
-                dst = mine[(i + 1) % n] if n > 1 else None
-        crosses = dst is not None and dst // p.gpus_per_node != node
-        crossed[axis] = tally.bytes_sent if crosses else 0
-    return crossed
+    PP: the first micro-batch's activation crosses all p - 1 stage boundaries before the last stage
+    can start, and the last gradient crosses them back, with every stage waiting: at least 2(p - 1)
+    sends of one activation lie on the critical path, whatever else overlaps. DP: one reduction
+    per step that FSDP runs behind the backward pass (Llama 3 section 3.3.2: DP "can tolerate longer
+    network latency by asynchronously prefetching sharded model weights and reducing gradients");
+    the backward pass's length is 4 * params * tokens / (GPUs * FLOP/s), two thirds of 6 P T
+    (chapter 1), at Table 4's 400 TFLOP/s per GPU on 16,384 GPUs. Also how many of Llama 3's pods
+    of 3,072 GPUs (section 3.3.1; 1:7 oversubscribed above them) one group of each axis spans."""
+    rows, pp = plan(model, p), p.degrees.get("pp", 1)
+    send_s = rows["pp"]["payload_bytes"] / p.tiers[rows["pp"]["tier"]]
+    tokens = model.micro_batch * model.seq * model.micro_batches * p.degrees.get("dp", 1)  # a CP group shares a sequence
+    backward_s = 4 * model.params * tokens / (p.world_size * flops_per_gpu)
+    return {"pp_send_bytes": rows["pp"]["payload_bytes"], "pp_sends_per_step": rows["pp"]["calls"],
+            "pp_send_s": send_s, "pp_critical_sends": 2 * (pp - 1), "pp_critical_s": 2 * (pp - 1) * send_s,
+            "dp_bytes": rows["dp"]["bytes_per_rank"], "dp_s": rows["dp"]["seconds"], "backward_s": backward_s,
+            "dp_share_of_backward": rows["dp"]["seconds"] / backward_s,
+            "pods_per_group": {a: max(p.group_nodes(a, LLAMA3_POD_GPUS)) for a in ORDER}}
 
 
 def _tp_traffic(order):
@@ -235,6 +227,7 @@ def main(argv=None):
     if args.world_size not in (None, layout.world_size):
         raise ValueError(f"--world-size {args.world_size} is not tp*cp*pp*dp = {layout.world_size}; "
                          "drop --world-size or change the degrees.")
+    stage_layers(LLAMA3_405B.layers, args.pp)   # refuse more stages than the model can fill
     rows = plan(LLAMA3_405B, layout)
     lines = [f"{a}: {r['tier']} {r['bytes_per_rank'] / 1e9:.2f} GB/rank {r['seconds'] * 1e3:.1f} ms"
              for a, r in rows.items()]

@@ -115,7 +115,6 @@ def _add(op, **fields):
 # ---- the library's wire bytes (labs.measure.wire) -----------------------------------------------------
 
 wire_bytes = wire.measure           # comm.wire_bytes(group): the block's wire bytes, or None + reason
-wire_unavailable = wire.unavailable
 
 
 def _library(op, payload, sent, received, group, async_op, run):

@@ -1,0 +1,120 @@
+"""Chapter 11: one machine, two latencies. Why the loopback ping-pong and chapter 10's alpha differ.
+
+`machine.ping_pong` reports gloo's loopback latency as half the round trip of a blocking send and
+recv, the median of back-to-back trips. `labs.collectives.alpha_beta.fit` reports alpha as the
+intercept of a least-squares line through exchanges (both ranks send and receive at once), each
+timed right after a barrier, keeping the fastest of many tries per size. On a shared 2-core machine
+the two differ by an order of magnitude. `measure` times, in one job of 2 ranks, each ingredient
+that separates them, so the gap is measured, not argued:
+
+- the pattern: ping-pong (one-way = round trip / 2) or simultaneous exchange;
+- the start: each timing after a barrier (both processes just woken and running), or back to
+  back, where each message must wake a process that went to sleep waiting for it;
+- the statistic: median or fastest of the repeats;
+- the estimate: the time of a small message, or the intercept of a line fitted over sizes.
+
+A process blocked in a receive is woken when its data arrives; on a machine whose cores are all
+busy it may wait for the running process's time slice to end, which on Linux ends at a scheduler
+tick (1/CONFIG_HZ s). `kernel_tick_s` reads CONFIG_HZ from /proc/config.gz where the kernel
+exposes it, and `measure` reports the share of back-to-back round trips that took at least one tick.
+
+    python -m labs.hardware.latency --json
+"""
+import gzip
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from labs.launcher import launch
+
+SMALL = 8                                              # bytes: the latency message
+FIT_SIZES = (8, 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024)
+
+
+def kernel_tick_s():
+    """1 / CONFIG_HZ from /proc/config.gz, or None where the kernel does not expose its config."""
+    try:
+        with gzip.open("/proc/config.gz", "rt") as f:
+            hz = [line.split("=")[1] for line in f if line.startswith("CONFIG_HZ=")]
+        return 1 / int(hz[0]) if hz else None
+    except OSError:
+        return None
+
+
+def _pattern(kind, rank, mine, theirs):
+    peer = 1 - rank
+    if kind == "exchange":
+        return lambda: [req.wait() for req in (dist.isend(mine, peer), dist.irecv(theirs, peer))]
+    first, second = (dist.send, dist.recv) if rank == 0 else (dist.recv, dist.send)
+    return lambda: (first(mine, peer), second(mine, peer))
+
+
+def rank_times(rank, world_size, sizes, repeats):
+    """One rank: {(pattern, start, size): seconds per repeat}, one-way for the ping-pong."""
+    out = {}
+    for nbytes in sizes:
+        mine, theirs = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+        for kind in ("pingpong", "exchange"):
+            call, per_call = _pattern(kind, rank, mine, theirs), 2 if kind == "pingpong" else 1
+            call()                                            # warm-up: connections, buffers
+            for start in ("barrier", "back_to_back"):
+                times = []
+                for _ in range(repeats):
+                    if start == "barrier":
+                        dist.barrier()
+                    t0 = time.perf_counter()
+                    call()
+                    times.append((time.perf_counter() - t0) / per_call)
+                out[f"{kind}/{start}/{nbytes}"] = times
+    return out
+
+
+def _intercept(sizes, seconds):
+    a = torch.tensor([[1.0, float(n)] for n in sizes], dtype=torch.float64)   # (sizes, 2)
+    return torch.linalg.lstsq(a, torch.tensor(seconds, dtype=torch.float64)[:, None]).solution[0, 0].item()
+
+
+def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
+    """Every variant's small-message latency (median and fastest, slower rank per repeat), the
+    intercepts of lines fitted over ``sizes``, and the share of back-to-back round trips of at least
+    one scheduler tick."""
+    if SMALL not in sizes:
+        raise ValueError(f"the sizes must include the {SMALL}-byte latency message, got {list(sizes)}.")
+    ranks = launch.spawn(rank_times, 2, list(sizes), repeats, timeout=timeout)
+    slowest = {k: [max(a, b) for a, b in zip(ranks[0][k], ranks[1][k])] for k in ranks[0]}
+    small = {}
+    for kind in ("pingpong", "exchange"):
+        for start in ("barrier", "back_to_back"):
+            t = slowest[f"{kind}/{start}/{SMALL}"]
+            small[f"{kind}/{start}"] = {"median_s": statistics.median(t), "fastest_s": min(t)}
+    fits = {f"exchange/barrier/{stat}": _intercept(sizes, [f(slowest[f"exchange/barrier/{n}"]) for n in sizes])
+            for stat, f in (("fastest", min), ("median", statistics.median))}
+    tick = kernel_tick_s()
+    trips = [2 * t for t in slowest[f"pingpong/back_to_back/{SMALL}"]]
+    return {"small_bytes": SMALL, "repeats": repeats, "small": small, "alpha_fits": fits, "tick_s": tick,
+            "trips_of_a_tick_or_more": None if tick is None else sum(t >= tick for t in trips) / len(trips)}
+
+
+def main(argv=None):
+    from labs.launcher import cli
+    p = cli.parser("One machine, two latencies: a loopback ping-pong and chapter 10's fitted alpha, "
+                   "taken apart ingredient by ingredient.", world_size_default=2)
+    p.add_argument("--repeats", type=cli.positive_int, default=20)
+    args = cli.parse(p, argv)
+    if args.world_size != 2:
+        raise ValueError(f"the measurement uses exactly 2 ranks, got --world-size {args.world_size}; "
+                         "drop --world-size.")
+    r = measure(repeats=args.repeats, timeout=args.timeout)
+    lines = [f"{k:24s} median {v['median_s'] * 1e6:8.0f} us, fastest {v['fastest_s'] * 1e6:8.0f} us"
+             for k, v in r["small"].items()]
+    lines += [f"intercept, {k:24s} {v * 1e6:8.0f} us" for k, v in r["alpha_fits"].items()]
+    lines.append(f"scheduler tick {r['tick_s']} s; back-to-back round trips of a tick or more: "
+                 f"{r['trips_of_a_tick_or_more']}")
+    cli.report(r, args, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    from labs.launcher import cli
+    cli.main(main)

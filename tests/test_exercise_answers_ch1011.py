@@ -1,0 +1,58 @@
+"""Chapters 10-11: each exercise checker accepts its computed answer and refuses the wrong answer a
+source note or a careless reader gives. A checker that compared an answer with itself, or whose
+tolerance swallowed the usual mistake, would fail here.
+
+Each wrong answer is computed from the mistake it stands for, not typed in.
+"""
+from types import SimpleNamespace
+
+import pytest
+
+from labs.collectives import toolkit as col
+from labs.hardware import placement as P
+
+M1, M2 = 2 ** 30, 2 ** 20           # the buffers of exercises 10.1 and 10.2
+ALPHA, INV_BETA = 5e-6, 25e9        # exercise 10.3: 5 us, 25 GB/s
+SPLIT = P.stage_layers(P.LLAMA3_405B.layers, 16)
+
+
+# each chapter's checker under the (EXERCISES, check) names chapters 1-5 use
+Chapter10 = SimpleNamespace(__name__=col.__name__, EXERCISES=col.EXERCISES, check=col.check_answer)
+Chapter11 = SimpleNamespace(__name__=P.__name__, EXERCISES=P.ANSWERS, check=P.check)
+
+
+CASES = [
+    # chapter 10, the collectives toolkit
+    (Chapter10, "1", M1, "the payload M for what the ring sends, 2(N-1)/N M"),
+    (Chapter10, "1", 2 * M1, "2M: the ring's (N-1)/N left out"),
+    (Chapter10, "2", col.formula("all_reduce", "ring", 8, M2)[1], "the ring's 2(N-1)/N M for doubling's M lg N"),
+    (Chapter10, "2", M2, "one swap of M: the lg N rounds left out"),
+    (Chapter10, "3", 11 * ALPHA * INV_BETA, "the rounds saved times alpha/beta, without the bytes' lg N - 2(N-1)/N"),
+    (Chapter10, "3", (8 - 1 - 3) * ALPHA * INV_BETA / (3 - 2 * 7 / 8),
+     "the ring's N-1 rounds (one half) for its 2(N-1)"),
+    # chapter 11, hardware and placement
+    (Chapter11, "11.1", P.ANSWERS["11.1"]() * (P.LLAMA3_405B.layers // 16) / max(SPLIT),
+     "126 // 16 = 7 layers on every stage"),
+    (Chapter11, "11.1", P.ANSWERS["11.1"]() * (P.LLAMA3_405B.layers / 16) / max(SPLIT),
+     "126 / 16 = 7.875 layers on every stage: the first and last stages' lighter load ignored"),
+    (Chapter11, "11.1", P.ANSWERS["11.1"]() * 8 / 7, "2M per all-reduce: the ring's (N-1)/N left out"),
+    (Chapter11, "11.2", P.ANSWERS["11.2"]() * P.NDR_IB_BPS / P.NVLINK4_BPS, "the NVLink time, not the network's"),
+    (Chapter11, "11.2", P.ANSWERS["11.2"]() / 8, "400 Gb/s read as 400 GB/s"),
+]
+
+
+@pytest.mark.parametrize("module, question, wrong, mistake", CASES,
+                         ids=[f"{m.__name__.split('.')[-1]}-{q}-{i}" for i, (m, q, _, _) in enumerate(CASES)])
+def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake, capsys):
+    right = module.EXERCISES[question]()
+    assert module.check(question, right), (question, right)
+    assert not module.check(question, wrong), (question, wrong, mistake)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"exercise {question}: correct", f"exercise {question}: not yet, try again"]
+
+
+def test_every_exercise_of_chapters_10_and_11_has_a_wrong_answer_tested():
+    covered = {(m.__name__, q) for m, q, _, _ in CASES}
+    for m in (Chapter10, Chapter11):
+        assert {(m.__name__, q) for q in m.EXERCISES} <= covered, m.__name__
+
