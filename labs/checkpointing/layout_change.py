@@ -160,14 +160,17 @@ def run_both(rank, world_size, root, steps, tp, save_at=None, load_at=None, cfg=
 
 def change_layout(src=(2, 2), dsts=((4, 1), (1, 2)), steps=5, save_at=3, timeout=180.0, cfg=None):
     """Train under ``src`` = (dp, tp), save after ``save_at`` steps; load under each (dp', tp') of
-    ``dsts`` and train to ``steps``. Returns {"dp x tp -> dp' x tp'": {kind: checks}}."""
+    ``dsts`` and train to ``steps``. Returns {"dp x tp -> dp' x tp'": {kind: checks}} and the bytes
+    of the source's hand-format shard files, summed over its ranks, read from the disk."""
     for dp, tp in (src,) + tuple(dsts):
         megatron.check_degree(cfg or tiny.GPTConfig(), tp)
         if training.GLOBAL_BATCH % dp:
             raise ValueError(f"dp={dp} does not divide the global batch of {training.GLOBAL_BATCH}; use 1, 2, 3, 4, 6 or 12.")
     with tempfile.TemporaryDirectory(prefix="ckpt-layout-") as root:
         a = launch.spawn(run_both, src[0] * src[1], root, steps, src[1], save_at, timeout=timeout, cfg=cfg)[0]
-        out = {}
+        folder = os.path.join(root, "hand", f"step-{save_at}")
+        out = {"hand_bytes_on_disk": sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)
+                                         if n.endswith(".bin"))}
         for dp, tp in dsts:
             b = launch.spawn(run_both, dp * tp, root, steps, tp, None, save_at, timeout=timeout, cfg=cfg)[0]
             out[f"{src[0]}x{src[1]} -> {dp}x{tp}"] = {kind: {
