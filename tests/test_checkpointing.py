@@ -136,12 +136,6 @@ def test_an_async_save_in_flight_leaves_the_previous_checkpoint_as_the_restart_p
     assert "step-6.tmp" in k["folders"]
 
 
-def test_each_exercise_checker_accepts_the_answer_and_refuses_the_careless_one():
-    for q, answer in cost.EXERCISES.items():
-        assert cost.check(q, answer()), q
-        assert not cost.check(q, cost.WRONG[q]), q
-
-
 def test_cli_prints_the_contract_fields(capsys):
     ck.main(["--world-size", "1", "--steps", "4", "--json"])   # in-process: no second torch import
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
