@@ -1,5 +1,6 @@
 """Chapter 13's faults, injected into real ranks: each must be detected, the right rank named, and
 the recovery must end where an undisturbed run ends; no process may outlive its scenario."""
+import json
 import math
 import time
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from labs.launcher import cli
-from labs.failures import scenarios, reliability, silent_faults, stragglers
+from labs.failures import scenarios, reliability, silent_faults, slow_link, stragglers
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -61,13 +62,18 @@ def test_a_killed_rank_restarts_from_the_checkpoint_to_the_same_loss():
     assert_gone(r["pids"])
 
 
-def test_a_flipped_bit_is_caught_in_its_step_and_the_rank_named():
-    r = silent_faults.sdc(world_size=2, bad_rank=0, steps=5, bad_step=1, bit=20)
-    assert r["detected"] and r["detected_rank"] == 0 and r["detected_at_step"] == 1
+def test_a_flipped_bit_is_caught_in_its_step_and_the_rank_named(capsys):
+    """Through the command line, so the one spawn also checks the CLI contract's fields."""
+    cli.main(lambda: scenarios.main(["--scenario", "sdc", "--world-size", "3", "--rank", "2", "--json"]))
+    r = json.loads(capsys.readouterr().out.splitlines()[-1])
+    for key in ("detected", "detected_rank", "seconds_to_detect", "steps_lost", "final_loss_match"):
+        assert key in r
+    assert r["detected"] and r["detected_rank"] == 2 and r["detected_at_step"] == 2   # the CLI's bad step
     assert r["false_alarms_clean"] == 0 and r["weights_unchanged_on_reject"]
     # the rejected step is redone with the same operations in the same order: bit for bit
-    assert r["final_loss_match"] and r["replicas_agree_checked"]
-    assert not r["replicas_agree_unchecked"]  # without the check the replicas drift apart
+    assert r["final_loss_match"] is True and r["replicas_agree_checked"]
+    # without the check the replicas drift apart: the two untouched ones still agree, rank 2 does not
+    assert not r["replicas_agree_unchecked"] and r["distinct_models_unchecked"] == [[0, 1], [2]]
 
 
 def test_flip_bit_flips_one_bit():
@@ -102,31 +108,34 @@ def test_find_straggler_needs_a_sustained_gap():
     assert stragglers.find_straggler([fast, slow, fast]) == (1, 5)  # one blip at step 1 is ignored
 
 
-def test_job_mtbf_and_the_intervals():
-    M = reliability.job_mtbf(50_000, 16_000)
-    assert M == 50_000 / 16_000
-    delta, R = 0.05, 0.1
+def test_find_slow_link_needs_a_link_far_above_the_others():
+    healthy = [0.001, 0.003, 0.0004, 0.002]
+    assert slow_link.find_slow_link(healthy) is None              # 7x spread, but all within 20 ms
+    assert slow_link.find_slow_link([0.001, 0.051, 0.003, 0.0004]) == 1
+    with pytest.raises(ValueError, match="is not a ring link"):   # refused before any process starts
+        slow_link.slow_link_scenario(world_size=4, slow_link=(1, 3))
+
+
+def test_the_intervals_against_the_exact_optimum():
+    M, delta, R = 50_000 / 16_000, 0.05, 0.1
     exact = reliability.best_interval(delta, M, R)
+    # the search finds a maximum: 5 % either side is worse (a search that stopped early fails)
+    assert reliability.goodput(exact, delta, M, R) > max(reliability.goodput(exact * f, delta, M, R) for f in (0.95, 1.05))
     assert math.isclose(reliability.daly(delta, M), exact, rel_tol=1e-3)  # Daly: higher order
     assert reliability.young(delta, M) > exact * 1.02  # Young's first order is measurably long
-    assert reliability.daly(3 * M, M) == M  # Daly's rule for delta >= 2M
 
 
-def test_monte_carlo_best_interval_agrees_with_the_closed_form_within_its_noise():
+def test_monte_carlo_checks_the_algebra_and_sees_weibull_failures_the_formula_leaves_out():
     a = reliability.agreement(delta=5 / 60, M=3.0, R=10 / 60, trials=300, seed=3)
-    for row in a["rows"]:  # the simulation confirms the formula itself at every interval
+    for row in a["rows"]:  # Daly's own assumptions: the simulation confirms his algebra at every interval
         assert abs(row["goodput"] - row["formula"]) < 4 * row["se"], row
     assert a["closed_form_agrees"], a["indistinguishable_taus"]
     assert a["rows"][-1]["tau"] not in a["indistinguishable_taus"]  # 4x too long is told apart
-
-
-def test_cli_reports_the_contract_fields(capsys):
-    cli.main(lambda: scenarios.main(["--scenario", "sdc", "--world-size", "3", "--rank", "2", "--json"]))
-    import json
-    out = json.loads(capsys.readouterr().out.splitlines()[-1])
-    for key in ("detected", "detected_rank", "seconds_to_detect", "steps_lost", "final_loss_match"):
-        assert key in out
-    assert out["detected_rank"] == 2 and out["final_loss_match"] is True
+    # clustered failures (Weibull, shape 0.7, same mean): the formula is told apart where it is
+    # furthest off, at the longest interval; a sampler that ignored the shape would agree with it
+    w = reliability.agreement(delta=5 / 60, M=3.0, R=10 / 60, trials=200, seed=3, points=9, shape=0.7)
+    last = w["rows"][-1]
+    assert last["goodput"] - last["formula"] > 4 * last["se"], last
 
 
 @pytest.mark.parametrize("argv, message", [

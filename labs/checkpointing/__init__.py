@@ -1,11 +1,16 @@
-"""Chapter 12, checkpointing: sharded, atomic, verified, resharded.
+"""Chapter 12, checkpointing: sharded, committed, verified, resharded.
 
-- `training`: the training run every lab here interrupts (model, optimizer, schedule, loader).
-- `sharded_checkpoint`: a hand sharded checkpoint (the interface of DCP): atomic commit, checksums,
-  loaded at any world size.
-- `resharding`: save at one world size, load at another, train on: the losses match.
-- `async_checkpoint`: how long training stops for ``dcp.save`` against ``dcp.async_save``.
+- `training`: the training run every lab here interrupts (model, optimizer, schedule, loader, and
+  a draw from the global RNG every step).
+- `sharded_checkpoint`: a hand sharded checkpoint (the interface of DCP): fsynced commit, checksums,
+  loaded under any layout, and an asynchronous save.
+- `resharding`: save at one world size, load at another, train on: the losses match; a resume that
+  forgets Adam's state or the RNG does not.
+- `layout_change`: save under one (dp, tp) layout, load under another, by hand and with DCP.
+- `async_checkpoint`: an asynchronous save must copy the state (a stager that does not fails), and
+  how long training stops for ``dcp.save`` against ``dcp.async_save``.
+- `async_window`: the steps a failure loses while an asynchronous save is still in flight.
 - `stateful_loader`: a data loader whose position is part of the checkpoint.
-- `checkpoint_faults`: a writer killed half-way, and a flipped byte, against the safeguards.
-- `checkpoint_cost`: what a checkpoint weighs and how long writing it stops training.
+- `checkpoint_faults`: a two-rank save killed before its commit, a flipped byte, the fsync order.
+- `checkpoint_cost`: what a checkpoint weighs, how long writing it stops training, the exercises.
 """

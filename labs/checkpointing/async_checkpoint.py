@@ -1,13 +1,21 @@
-"""Chapter 12: how long training stops for a checkpoint, ``dcp.save`` against ``dcp.async_save``.
+"""Chapter 12: what an asynchronous save must copy, and how long training stops for it.
 
 A synchronous save stops every rank for the whole write. ``dcp.async_save`` stops it only while
 the state is copied to host memory (the "staging"); the write then runs in the background and
 returns a future that the caller waits on before the next save (PyTorch blog, Pasqualin et al.
-2024: a 7B model's checkpoint downtime from 148.8 s to 6.3 s). On a CPU the staging is itself a
-memory copy, so the ratio measured here says little about a GPU; it is printed, never asserted.
+2024: a 7B model's checkpoint downtime from 148.8 s to 6.3 s).
+
+- `staging`: training changes its weights in place right after ``async_save`` returns, while the
+  write is held back (a gated writer); the checkpoint must hold the values of the save, not the
+  new ones. It does with DCP's default stager and the hand `sharded_checkpoint.stage`, which
+  copy; it does not with a stager that hands the live tensors to the writer.
+- `pauses`: the two pauses, after a warm-up, as the median of a few repeats. On a CPU the staging
+  is itself a memory copy, so the ratio says little about a GPU; it is printed, never asserted.
 """
 import os
+import statistics
 import tempfile
+import threading
 import time
 
 import torch
@@ -17,53 +25,125 @@ from labs.launcher import launch
 from labs import model as tiny
 from labs.checkpointing import sharded_checkpoint as sc, training
 
+PAUSE_CFG = dict(vocab_size=256, seq_len=16, n_layer=4, n_head=4, hidden=256)   # about 20 MB per rank at 2 ranks
 
-def pauses(rank, world_size, root, cfg=None):
-    """Seconds training stops for ``dcp.save`` and for ``dcp.async_save`` (until it returns: the
-    copy to CPU memory; the write goes on in the background), on the same FSDP2 state."""
-    import torch.distributed.checkpoint as dcp
+
+def _fsdp_state(rank, world_size, cfg):
+    """The FSDP2 tiny GPT after one step, as DCP's {"model", "optim"} state of DTensors."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    cfg = cfg or tiny.GPTConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=4, hidden=256)
     net, _, opt, _, loader = training.build("dcp", rank, world_size, cfg, launch.device())
     net(*training.batch(cfg, loader.next(), launch.device())).backward()
     opt.step()
     msd, osd = get_state_dict(net, opt)
-    state = {"model": msd, "optim": osd}
-    dist.barrier()
-    t0 = time.perf_counter()
-    dcp.save(state, checkpoint_id=os.path.join(root, "sync"))
-    sync = time.perf_counter() - t0
-    dist.barrier()
-    t0 = time.perf_counter()
-    future = dcp.async_save(state, checkpoint_id=os.path.join(root, "async"))
-    paused = time.perf_counter() - t0
-    future.result()
-    total = time.perf_counter() - t0
-    return {"sync_pause_s": sync, "async_pause_s": paused, "async_total_s": total,
-            "async_equals_sync": _same_after_load(state, os.path.join(root, "async")),
-            "state_bytes_per_rank": sum(t.numel() * t.element_size() for t in _local_tensors(state))}
+    return {"model": msd, "optim": osd}
 
 
-def _same_after_load(state, checkpoint_id):
-    """Whether the background write holds exactly the state it was given: load it into zeroed
-    copies of every tensor and compare this rank's pieces bit for bit."""
-    import torch.distributed.checkpoint as dcp
-    from torch.utils._pytree import tree_map
-    blank = tree_map(lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v, state)
-    dcp.load(blank, checkpoint_id=checkpoint_id)
-    return all(torch.equal(a, b) for a, b in zip(_local_tensors(state), _local_tensors(blank)))
-
-
-def _local_tensors(state):
+def _local(state):
+    """This rank's pieces of every tensor in ``state``, in a fixed order."""
+    out = []
     for _, v in sc._flatten(state):
+        v = v.tensor if isinstance(v, sc.Shard) else v
         if isinstance(v, torch.Tensor):
-            yield v.to_local() if hasattr(v, "to_local") else v
+            out.append(v.to_local() if hasattr(v, "to_local") else v)
+    return out
 
 
-def measure_pauses(world_size=2, timeout=60.0):
+def _no_copy(state):
+    return state   # the bug: the writer reads the live tensors training is about to change
+
+
+def _dcp_holds_old(state, root, copying, group):
+    """``dcp.async_save`` with a writer held back until training has changed every tensor."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+    from torch.utils._pytree import tree_map
+
+    class GatedWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            gate.wait()        # slow storage: nothing is written before training has moved on
+            return super().write_data(plan, planner)
+
+    class NoCopyStager(AsyncStager):
+        _synchronize_after_execute = False
+
+        def stage(self, state_dict):
+            return _no_copy(state_dict)
+
+    gate, before = threading.Event(), [t.clone() for t in _local(state)]
+    stager = DefaultStager(StagingOptions(False, False, False, False)) if copying else NoCopyStager()
+    future = dcp.async_save(state, storage_writer=GatedWriter(root), async_stager=stager, process_group=group)
+    for t in _local(state):
+        t.add_(1.0)            # the next optimizer step, in place
+    gate.set()
+    future.result()
+    blank = tree_map(lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v, state)
+    dcp.load(blank, checkpoint_id=root, process_group=group)
+    for t in _local(state):
+        t.sub_(1.0)
+    return all(torch.equal(a, b) for a, b in zip(before, _local(blank)))
+
+
+def _hand_holds_old(rank, root, copying, group):
+    """The same with the hand format's `sharded_checkpoint.async_save` and its gate."""
+    state = {"w": sc.Shard(torch.arange(8, dtype=torch.float32) + 8 * rank, 8 * rank, (8 * dist.get_world_size(),))}
+    before, gate = state["w"].tensor.clone(), threading.Event()
+    future = sc.async_save(state, root, group, sc.stage if copying else _no_copy, gate=gate)
+    state["w"].tensor.add_(1.0)
+    gate.set()
+    future.result()
+    back = {"w": sc.Shard(torch.zeros(8), 8 * rank, state["w"].shape)}
+    sc.load(back, root)
+    return torch.equal(back["w"].tensor, before)
+
+
+def staging(rank, world_size, root, cfg=None):
+    """Whether the checkpoint holds the values of the save after training changed them in place
+    right after ``async_save`` returned: DCP and the hand format, each with a copying stager and
+    with one that does not copy. Every rank must agree; returns this rank's four answers."""
+    group = dist.new_group(backend="gloo")       # the writer's collectives, apart from training's
+    state = _fsdp_state(rank, world_size, cfg or tiny.GPTConfig())
+    out = {}
+    for copying in (True, False):
+        name = "copy" if copying else "no_copy"
+        out[f"dcp_{name}"] = _dcp_holds_old(state, os.path.join(root, f"dcp-{name}"), copying, group)
+        out[f"hand_{name}"] = _hand_holds_old(rank, os.path.join(root, f"hand-{name}"), copying, group)
+    return out
+
+
+def pauses(rank, world_size, root, repeats=3, cfg=None):
+    """Seconds training stops for ``dcp.save`` and for ``dcp.async_save`` (until it returns: the
+    copy to CPU memory; the write goes on in the background), on the same FSDP2 state: one
+    warm-up of each, then the median of ``repeats``."""
+    import torch.distributed.checkpoint as dcp
+    state = _fsdp_state(rank, world_size, cfg or tiny.GPTConfig(**PAUSE_CFG))
+    group = dist.new_group(backend="gloo")
+    sync, paused, total = [], [], []
+    for i in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.save(state, checkpoint_id=os.path.join(root, f"sync-{i}"))
+        sync.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=os.path.join(root, f"async-{i}"), process_group=group)
+        paused.append(time.perf_counter() - t0)
+        future.result()
+        total.append(time.perf_counter() - t0)
+    med = lambda xs: statistics.median(xs[1:])  # noqa: E731  (the first is the warm-up)
+    return {"sync_pause_s": med(sync), "async_pause_s": med(paused), "async_total_s": med(total),
+            "repeats": repeats, "state_bytes_per_rank": sum(t.numel() * t.element_size() for t in _local(state))}
+
+
+def measure_staging(world_size=2, timeout=120.0):
+    """`staging` on ``world_size`` ranks: {check: True if every rank's checkpoint held the old values}."""
+    with tempfile.TemporaryDirectory(prefix="ckpt-stage-") as root:
+        results = launch.spawn(staging, world_size, root, timeout=timeout)
+    return {k: all(r[k] for r in results) for k in results[0]}
+
+
+def measure_pauses(world_size=2, repeats=3, timeout=300.0):
     """`pauses` on ``world_size`` ranks; the slowest rank's figures (the job waits for it)."""
     with tempfile.TemporaryDirectory(prefix="ckpt-pause-") as root:
-        results = launch.spawn(pauses, world_size, root, timeout=timeout)
-    out = {k: max(r[k] for r in results) for k in results[0]}
-    out["async_equals_sync"] = all(r["async_equals_sync"] for r in results)   # every rank's pieces
-    return out
+        results = launch.spawn(pauses, world_size, root, repeats, timeout=timeout)
+    return {k: max(r[k] for r in results) for k in results[0]}

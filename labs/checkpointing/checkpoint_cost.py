@@ -38,10 +38,26 @@ def per_gpu_bytes(model, gpus, recipe="mixed"):
     return checkpoint_bytes(model, recipe) / gpus
 
 
+def whole_checkpoint(model="405B", gpus=16_384, replicas=1, with_working_weights=False):
+    """Bytes of one checkpoint summed over every GPU that writes: the optimizer state once when it is
+    sharded over all ``gpus`` (FSDP, as Llama 3 shards optimizer states, §3.3.2), ``replicas`` times
+    when each of that many data-parallel replicas writes its own copy; and the average per GPU."""
+    total = replicas * checkpoint_bytes(model, with_working_weights=with_working_weights)
+    return {"total_bytes": total, "per_gpu_bytes": total / gpus, "gpus": gpus, "replicas": replicas}
+
+
 def shard_range(numel, world_size, rank):
     """[start, end) of the real elements rank ``rank`` writes of a flat tensor padded to world_size."""
     shard = math.ceil(numel / world_size)
     return min(rank * shard, numel), min((rank + 1) * shard, numel)
+
+
+def lost_steps(s, tau, omega):
+    """Steps a job loses when it dies after step ``s``, saving every ``tau`` steps with each save
+    committed ``omega`` steps after it starts (0: synchronous); no checkpoint before step ``tau``."""
+    if s < tau:
+        return s
+    return s % tau + (tau if s % tau < omega else 0)
 
 
 # Chapter 12's exercises: the answers are computed here, so the book never types them.
@@ -49,6 +65,16 @@ EXERCISES = {
     "1": lambda: write_seconds(checkpoint_bytes("70B"), 10),          # sync write at 10 GB/s, seconds
     "2": lambda: (lambda r: r[1] - r[0])(shard_range(10, 4, 3)),       # elements rank 3 of 4 writes
     "3": lambda: (7 * 12) % 60,                                       # loader position in its epoch
+    "4": lambda: lost_steps(9, 4, 2),                                 # steps lost, async save in flight
+}
+
+# The answer a careless reader gives to each, which the checker must refuse (tests/test_exercise_answers_ch1213.py
+# tests these and more).
+WRONG = {
+    "1": write_seconds(16 * budget.MODELS["70B"].params(), 10),  # chapter 1's 16 bytes, gradients and bf16 weights kept
+    "2": 3,                                                      # the padded shard's size
+    "3": 7 * 12,                                                 # samples consumed, not the position in the epoch
+    "4": 9 % 4,                                                  # as if the save of step 8 had committed
 }
 
 

@@ -5,19 +5,23 @@ with the hand `labs.checkpointing.sharded_checkpoint` format, and PyTorch's FSDP
 `labs.zero.fsdp.fully_shard_units`) with torch.distributed.checkpoint (DCP: ``dcp.save``,
 ``dcp.load``, ``dcp.async_save``, with ``get_state_dict``/``set_state_dict`` from
 torch.distributed.checkpoint.state_dict). A checkpoint holds everything a restart needs: weights,
-Adam's state (exp_avg, exp_avg_sq, step), the LR schedule's step, the RNG state and the data
-loader's position (missing loader state is the restart bug of torchtitan issue #811).
+Adam's state (exp_avg, exp_avg_sq, step), the LR schedule's step, the RNG state (training draws
+from it every step, `labs.checkpointing.training.masked_batch`) and the data loader's position.
+torchtitan issue #811 is a checkpoint of an 8-GPU FSDP run that failed to load on 16 GPUs; pull
+request #816 traced it to the loader state, saved per data-parallel rank under that rank's key, and
+made a change of data-parallel degree an error. This loader keeps its position in global samples,
+so it loads at any world size.
 
 - `run`: train, save at step k, keep training (the uninterrupted run); or load at step k, at any
   world size, and continue. `reshard` compares the two.
 - `labs.checkpointing.training` builds the run (model, optimizer, schedule, loader) every lab here
   interrupts;
-- `pauses` (in `labs.checkpointing.async_checkpoint`): how long training stops for ``dcp.save``
-  against ``dcp.async_save`` on one state.
+- `staging` and `pauses` (in `labs.checkpointing.async_checkpoint`): what an asynchronous save must
+  copy, and how long training stops for ``dcp.save`` against ``dcp.async_save``.
 - the loader whose position is saved is `labs.checkpointing.stateful_loader`; what a 70B checkpoint weighs and
   the chapter's exercises are in `labs.checkpointing.checkpoint_cost`.
-- `killed_save`, `corruption` (in `labs.checkpointing.checkpoint_faults`): a writer process killed half-way,
-  and a flipped byte, against the hand format's atomic commit and checksums.
+- `killed_save`, `corruption` (in `labs.checkpointing.checkpoint_faults`): a two-rank save killed
+  between its ranks' writes, and a flipped byte, against the hand format's commit and checksums.
 
     python -m labs.checkpointing.resharding --world-size 2 --json
 """
@@ -31,7 +35,7 @@ from labs.zero import fsdp
 from labs.launcher import launch
 from labs import model as tiny
 from labs.checkpointing import sharded_checkpoint as sc, training
-from labs.checkpointing.async_checkpoint import measure_pauses
+from labs.checkpointing.async_checkpoint import measure_staging
 
 # Another world size splits each step's batch and sums its gradients in another order, so fp32
 # results drift by rounding: a few ulps of a loss near 4 per step (ulp 4.8e-7), over a few steps;
@@ -74,9 +78,11 @@ def _extra(loader, sched):
     return {"loader": loader.state_dict(), "lr_step": sched.last_epoch, "rng": torch.get_rng_state()}
 
 
-def _save(kind, net, hand, opt, sched, loader, path):
+def _save(kind, net, hand, opt, sched, loader, path, state_fn=hand_state):
+    """Save to ``path``; ``state_fn(hand, opt)`` gives the hand format's shards (`hand_state`, or a
+    tensor-parallel layout's, `labs.checkpointing.layout_change`)."""
     if kind == "hand":
-        sc.save({**hand_state(hand, opt), "extra": _extra(loader, sched)}, path)
+        sc.save({**state_fn(hand, opt), "extra": _extra(loader, sched)}, path)
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -84,12 +90,13 @@ def _save(kind, net, hand, opt, sched, loader, path):
     dcp.save({"model": msd, "optim": osd, "extra": _extra(loader, sched)}, checkpoint_id=path)
 
 
-def _load(kind, net, hand, opt, sched, loader, path):
-    """Restore weights, optimizer, LR step, RNG and loader position from ``path``."""
+def _load(kind, net, hand, opt, sched, loader, path, restore_rng=True, state_fn=hand_state):
+    """Restore weights, optimizer, LR step, RNG (unless ``restore_rng`` is False: the bug `run`'s
+    ``forget="rng"`` shows) and loader position from ``path``, written under any layout."""
     extra = {"loader": loader.state_dict(), "lr_step": 0, "rng": torch.get_rng_state()}
     if kind == "hand":
         _init_adam(opt)
-        state = {**hand_state(hand, opt), "extra": extra}
+        state = {**state_fn(hand, opt), "extra": extra}
         values = sc.load(state, path)
         extra["loader"] = {k.split(".")[-1]: v for k, v in values.items() if k.startswith("extra.loader.")}
         extra["lr_step"] = values["extra.lr_step"]
@@ -102,37 +109,42 @@ def _load(kind, net, hand, opt, sched, loader, path):
         set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = state["extra"]
     loader.load_state_dict(extra["loader"])
-    torch.set_rng_state(extra["rng"])
+    if restore_rng:
+        torch.set_rng_state(extra["rng"])
     sched.last_epoch = int(extra["lr_step"])     # the schedule resumes at its step, not at 0
     for group, base in zip(opt.param_groups, sched.base_lrs):
         group["lr"] = base * sched.lr_lambdas[0](sched.last_epoch)
 
 
+FORGETTABLE = ("optimizer", "rng")
+
+
 def run(rank, world_size, kind, root, steps, save_at=None, load_at=None, cfg=None, forget=None):
     """Train ``steps`` steps in all. ``save_at=k``: save to ``root/step-k`` after step k and go on
     (the uninterrupted run). ``load_at=k``: start from ``root/step-k`` (written at any world size).
-    ``forget="optimizer"``: a buggy resume that restores everything but Adam's state (its moments
-    and step count start again from zero), to show the losses' tolerance cannot hide such a bug.
+    ``forget``: a buggy resume that restores everything but one part, to show the losses'
+    tolerance cannot hide it: ``"optimizer"`` (Adam's moments and step count start again from
+    zero) or ``"rng"`` (the RNG is not restored, so the masks drawn after the load differ).
 
     Returns losses (the global mean loss of each step run here), batches (the global sample ids of
     each step, gathered from what every rank actually consumed), saved / loaded (full weights at
-    the save, and just after the load), rng_draw (one draw after the save or load), and after a
-    save `_disk_bytes`: this rank's file size against the bytes of the shards it holds."""
+    the save, and just after the load), rng (the RNG state at the save, and just after the load),
+    and after a save `_disk_bytes`: this rank's file size against the bytes of the shards it holds."""
+    if forget is not None and forget not in FORGETTABLE:
+        raise ValueError(f"forget={forget!r}: only one of {FORGETTABLE} can be left out of a resume.")
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     net, hand, opt, sched, loader = training.build(kind, rank, world_size, cfg, dev)
     out = {"losses": [], "batches": [], "world_size": world_size, "kind": kind}
     first = 0
     if load_at is not None:
-        _load(kind, net, hand, opt, sched, loader, os.path.join(root, f"step-{load_at}"))
+        _load(kind, net, hand, opt, sched, loader, os.path.join(root, f"step-{load_at}"), forget != "rng")
         if forget == "optimizer":
             opt.state.clear()               # Adam re-creates zero moments at its next step
-        elif forget is not None:
-            raise ValueError(f"forget={forget!r}: only 'optimizer' can be left out of a resume.")
         out["loaded"], first = _full(net, hand), load_at
-        out["rng_draw"] = torch.rand(()).item()
+        out["rng"] = torch.get_rng_state()
     for step in range(first, steps):
         ids = loader.next()
-        x, y = training.batch(cfg, ids, dev)
+        x, y = training.masked_batch(cfg, ids, rank, world_size, dev)
         loss = net(x, y)
         loss.backward()
         opt.step()
@@ -147,8 +159,7 @@ def run(rank, world_size, kind, root, steps, save_at=None, load_at=None, cfg=Non
         if save_at is not None and step + 1 == save_at:
             path = os.path.join(root, f"step-{save_at}")
             _save(kind, net, hand, opt, sched, loader, path)
-            out["saved"] = _full(net, hand)
-            out["rng_draw"] = torch.rand(()).item()
+            out["saved"], out["rng"] = _full(net, hand), torch.get_rng_state()
             out.update(_disk_bytes(kind, hand, opt, path, rank))
     return out
 
@@ -205,7 +216,7 @@ def _compare(src, dst, k):
                      "losses_bit_exact": tail == b["losses"],
                      "max_loss_diff": max(abs(x - y) for x, y in zip(tail, b["losses"])),
                      "batches_match": a["batches"][k:] == b["batches"],
-                     "rng_match": a["rng_draw"] == b["rng_draw"],
+                     "rng_match": torch.equal(a["rng"], b["rng"]),
                      "uninterrupted": a["losses"], "resumed": b["losses"]}
     out["hand_vs_dcp_max_loss_diff"] = max(abs(x - y) for x, y in zip(dst["hand"]["losses"], dst["dcp"]["losses"]))
     return out
@@ -231,25 +242,30 @@ def reshard(pairs=PAIRS, steps=8, save_at=3, root=None, timeout=60.0, cfg=None):
     return out
 
 
-def resume_without(part="optimizer", world_size=2, steps=5, save_at=3, timeout=120.0, cfg=None):
-    """The largest loss difference from the uninterrupted run after a correct resume and after one
-    that leaves ``part`` out, both at the same world size and in the hand format:
-    {"correct": 0.0 (bit for bit), "forgot": the bug's difference, which must exceed LOSS_TOL}."""
+def resume_without(parts=FORGETTABLE, world_size=2, steps=5, save_at=3, timeout=120.0, cfg=None):
+    """The largest loss difference from the uninterrupted run after a correct resume and after
+    resumes that each leave one of ``parts`` out, at the same world size, in the hand format, all in
+    one spawn: {"correct": 0.0 (bit for bit), part: that bug's difference (must exceed LOSS_TOL),
+    f"{part}_rng_match": whether the RNG state after the load equals the one at the save}."""
     with tempfile.TemporaryDirectory(prefix="ckpt-") as root:
-        src = launch.spawn(run, world_size, "hand", root, steps, save_at, timeout=timeout, cfg=cfg)[0]
-        tail = src["losses"][save_at:]
-        out = {}
-        for name, forget in (("correct", None), ("forgot", part)):
-            dst = launch.spawn(run, world_size, "hand", root, steps, None, save_at, cfg, forget,
-                               timeout=timeout)[0]
-            out[name] = max(abs(x - y) for x, y in zip(tail, dst["losses"]))
+        return launch.spawn(_resumes, world_size, root, steps, save_at, tuple(parts), cfg,
+                            timeout=timeout)[0]
+
+
+def _resumes(rank, world_size, root, steps, save_at, parts, cfg):
+    src = run(rank, world_size, "hand", root, steps, save_at, cfg=cfg)
+    out = {}
+    for name in ("correct",) + parts:
+        dst = run(rank, world_size, "hand", root, steps, None, save_at, cfg, None if name == "correct" else name)
+        out[name] = max(abs(x - y) for x, y in zip(src["losses"][save_at:], dst["losses"]))
+        out[f"{name}_rng_match"] = torch.equal(src["rng"], dst["rng"])
     return out
 
 
 def main(argv=None):
     from labs.checkpointing import checkpoint_faults
     from labs.launcher import cli
-    p = cli.parser("Sharded checkpoints: resharding, sync vs async pause, a killed save, a corrupt file.")
+    p = cli.parser("Sharded checkpoints: resharding, an async save's copy, a killed save, a corrupt file.")
     p.add_argument("--steps", type=cli.positive_int, default=6, help="training steps in all (default 6)")
     p.add_argument("--save-at", type=cli.positive_int, default=3, help="step after which to save (default 3)")
     args = cli.parse(p, argv)
@@ -261,11 +277,10 @@ def main(argv=None):
     res = reshard(((args.world_size, target),), args.steps, args.save_at, timeout=args.timeout)
     pair = res[f"{args.world_size}->{target}"]
     same = res[f"{args.world_size}->{args.world_size}"]
-    pause = measure_pauses(args.world_size, timeout=args.timeout)
-    killed, corrupt = checkpoint_faults.killed_save(args.timeout), checkpoint_faults.corruption()
-    ok = lambda c: c["weights_bit_exact"] and c["batches_match"] and c["max_loss_diff"] < LOSS_TOL  # noqa: E731
-    result = {"sync_pause_s": pause["sync_pause_s"], "async_pause_s": pause["async_pause_s"],
-              "async_equals_sync": pause["async_equals_sync"],
+    staged = measure_staging(args.world_size, timeout=args.timeout)
+    killed, corrupt = checkpoint_faults.killed_save(timeout=args.timeout), checkpoint_faults.corruption()
+    ok = lambda c: c["weights_bit_exact"] and c["batches_match"] and c["rng_match"] and c["max_loss_diff"] < LOSS_TOL  # noqa: E731
+    result = {"async_save_copies": staged["dcp_copy"] and staged["hand_copy"],
               "resharded_loss_match": all(ok(pair[k]) for k in ("hand", "dcp")),
               "same_world_bit_exact": all(same[k]["losses_bit_exact"] for k in ("hand", "dcp")),
               "killed_save_recovered": killed["killed_save_recovered"],
@@ -273,8 +288,8 @@ def main(argv=None):
               "max_loss_diff": max(pair[k]["max_loss_diff"] for k in ("hand", "dcp")),
               "world_size": args.world_size}
     cli.report(result, args, f"{args.world_size} -> {target} ranks: losses match {result['resharded_loss_match']}; "
-               f"pause sync {pause['sync_pause_s']:.3f} s, async {pause['async_pause_s']:.3f} s; killed save "
-               f"recovered {killed['killed_save_recovered']}; corruption detected {corrupt['corruption_detected']}")
+               f"async save copies {result['async_save_copies']}; killed save recovered "
+               f"{killed['killed_save_recovered']}; corruption detected {corrupt['corruption_detected']}")
 
 
 if __name__ == "__main__":

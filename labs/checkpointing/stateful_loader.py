@@ -2,9 +2,12 @@
 
 A restart that rebuilds the loader from scratch replays the epoch's first batches (and, if it
 skips ahead by a guess, skips others): the model sees some samples twice and some never, and the
-loss curve after the restart is not the one the uninterrupted run would have had. torchtitan
-issue #811 is this bug in practice. The fix is the one torchdata's StatefulDataLoader offers:
-``state_dict()`` / ``load_state_dict()`` on the loader, saved with the weights.
+loss curve after the restart is not the one the uninterrupted run would have had. The fix is the
+one torchdata's StatefulDataLoader offers: ``state_dict()`` / ``load_state_dict()`` on the loader,
+saved with the weights. The state must also survive a change of world size: in torchtitan each
+data-parallel rank saved its loader state under its own key, so a checkpoint from 8 GPUs failed to
+load on 16 (issue #811), and pull request #816 made any change of data-parallel degree an error.
+This loader counts its position in *global* samples, which every world size can resume from.
 """
 import torch
 

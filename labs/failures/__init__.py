@@ -4,6 +4,8 @@
 - `scenarios`: a hang named by the heartbeat, a killed rank restarted from its checkpoint, and the
   command line for all five scenarios.
 - `silent_faults`: the faults that raise no error: a flipped bit, a bad batch (loss spike).
-- `stragglers`: one rank slower every step, found from the step times.
+- `stragglers`: one rank slower every step, found from all-gathered per-rank compute times.
+- `slow_link`: a straggler caused by one slow ring link, which compute times cannot name; a
+  round-trip probe of each link finds it.
 - `reliability`: how often a job fails, how often to checkpoint, and what it costs.
 """

@@ -73,7 +73,17 @@ def sdc(world_size=3, bad_rank=1, steps=6, bad_step=2, bit=20, timeout=60.0):
             "false_alarms_clean": len(runs["clean"]["events"]),
             "final_loss_match": runs["checked"]["loss"] == runs["clean"]["loss"],
             "replicas_agree_checked": len(set(runs["checked"]["weights"])) == 1,
-            "replicas_agree_unchecked": len(set(runs["unchecked"]["weights"])) == 1}
+            "replicas_agree_unchecked": len(set(runs["unchecked"]["weights"])) == 1,
+            "distinct_models_unchecked": replica_groups(runs["unchecked"]["weights"])}
+
+
+def replica_groups(hashes):
+    """The ranks grouped by the hash of their final weights: [[ranks holding one model], ...],
+    in order of their lowest rank. One group: every replica is the same model."""
+    groups = {}
+    for rank, h in enumerate(hashes):
+        groups.setdefault(h, []).append(rank)
+    return sorted(groups.values())
 
 
 def spike_rank(rank, world_size, steps, every, bad_batch, scale, skip=(), ratio=3.0, confirm=2, window=5):

@@ -1,0 +1,48 @@
+"""Chapters 12 and 13: each exercise checker accepts its computed answer and refuses the wrong
+answer a source note or a careless reader gives. A checker that compared an answer with itself, or
+whose tolerance swallowed the usual mistake, would fail here.
+
+Each wrong answer is computed from the mistake it stands for, not typed in.
+"""
+import math
+
+import pytest
+
+from labs.checkpointing import checkpoint_cost as cost
+from labs.failures import reliability as rel
+from labs.memory_budget import budget
+
+P70 = budget.MODELS["70B"].params()
+PER_GPU = rel.llama3_per_gpu_mtbf_h()
+JOB_16K = rel.job_mtbf(PER_GPU, rel.LLAMA3_GPUS)
+
+CASES = [
+    # chapter 12, checkpointing
+    (cost, "1", cost.write_seconds(16 * P70, 10), "chapter 1's 16 bytes: gradients and bf16 weights saved too"),
+    (cost, "1", cost.write_seconds(12 * P70, 10 / 8), "10 Gb/s read for 10 GB/s"),
+    (cost, "2", math.ceil(10 / 4), "the padded shard's size, padding counted as written"),
+    (cost, "3", 7 * 12, "samples consumed, not the position in the epoch"),
+    (cost, "4", cost.lost_steps(9, 4, 0), "as if the save of step 8 had committed (a synchronous save)"),
+    # chapter 13, failures
+    (rel, "1", rel.job_mtbf(rel.LLAMA3_DAYS * 24 / (rel.LLAMA3_UNEXPECTED + 47) * rel.LLAMA3_GPUS, 100_000) * 60,
+     "all 466 interruptions counted, the 47 planned ones included"),
+    (rel, "1", JOB_16K * 60, "the 16k-GPU job's MTBF, not scaled to 100,000 GPUs"),
+    (rel, "2", math.sqrt(1 / 60 * JOB_16K) * 60, "sqrt(delta M): Young's factor 2 left out"),
+    (rel, "2", math.sqrt(2 * 1 * JOB_16K), "delta in minutes, M in hours"),
+]
+
+
+@pytest.mark.parametrize("module, question, wrong, mistake", CASES,
+                         ids=[f"{m.__name__.split('.')[-1]}-{q}-{i}" for i, (m, q, _, _) in enumerate(CASES)])
+def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake, capsys):
+    right = module.EXERCISES[question]()
+    assert module.check(question, right), (question, right)
+    assert not module.check(question, wrong), (question, wrong, mistake)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"exercise {question}: correct", f"exercise {question}: not yet, try again"]
+
+
+def test_every_exercise_of_chapters_12_and_13_has_a_wrong_answer_tested():
+    covered = {(m.__name__, q) for m, q, _, _ in CASES}
+    for m in (cost, rel):
+        assert {(m.__name__, q) for q in m.EXERCISES} <= covered, m.__name__
