@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import exercise_cases
+
 from labs.collectives import toolkit as col
 from labs.hardware import placement as P
 
@@ -41,18 +43,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("module, question, wrong, mistake", CASES,
-                         ids=[f"{m.__name__.split('.')[-1]}-{q}-{i}" for i, (m, q, _, _) in enumerate(CASES)])
+@pytest.mark.parametrize("module, question, wrong, mistake", CASES, ids=exercise_cases.ids(CASES))
 def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake, capsys):
-    right = module.EXERCISES[question]()
-    assert module.check(question, right), (question, right)
-    assert not module.check(question, wrong), (question, wrong, mistake)
-    out = capsys.readouterr().out.splitlines()
-    assert out == [f"exercise {question}: correct", f"exercise {question}: not yet, try again"]
+    exercise_cases.refuses(module.check, module.EXERCISES, question, wrong, mistake, capsys)
 
 
 def test_every_exercise_of_chapters_10_and_11_has_a_wrong_answer_tested():
-    covered = {(m.__name__, q) for m, q, _, _ in CASES}
-    for m in (Chapter10, Chapter11):
-        assert {(m.__name__, q) for q in m.EXERCISES} <= covered, m.__name__
+    assert exercise_cases.untested(CASES, (Chapter10, Chapter11)) == set()
 

@@ -8,6 +8,8 @@ import math
 
 import pytest
 
+import exercise_cases
+
 from labs.checkpointing import checkpoint_cost as cost
 from labs.failures import reliability as rel
 from labs.memory_budget import budget
@@ -32,17 +34,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("module, question, wrong, mistake", CASES,
-                         ids=[f"{m.__name__.split('.')[-1]}-{q}-{i}" for i, (m, q, _, _) in enumerate(CASES)])
+@pytest.mark.parametrize("module, question, wrong, mistake", CASES, ids=exercise_cases.ids(CASES))
 def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake, capsys):
-    right = module.EXERCISES[question]()
-    assert module.check(question, right), (question, right)
-    assert not module.check(question, wrong), (question, wrong, mistake)
-    out = capsys.readouterr().out.splitlines()
-    assert out == [f"exercise {question}: correct", f"exercise {question}: not yet, try again"]
+    exercise_cases.refuses(module.check, module.EXERCISES, question, wrong, mistake, capsys)
 
 
 def test_every_exercise_of_chapters_12_and_13_has_a_wrong_answer_tested():
-    covered = {(m.__name__, q) for m, q, _, _ in CASES}
-    for m in (cost, rel):
-        assert {(m.__name__, q) for q in m.EXERCISES} <= covered, m.__name__
+    assert exercise_cases.untested(CASES, (cost, rel)) == set()

@@ -9,6 +9,8 @@ from fractions import Fraction
 
 import pytest
 
+import exercise_cases
+
 from labs.context_parallel import crossover, methods as cp, sequence_parallel as sp
 from labs.memory_budget import activations, budget
 
@@ -49,15 +51,9 @@ def _check(module):
     return sp.check if module is sp else cp.check_answer
 
 
-@pytest.mark.parametrize("module, question, wrong, mistake", CASES,
-                         ids=[f"{m.__name__.split('.')[-1]}-{q}-{i}" for i, (m, q, _, _) in enumerate(CASES)])
+@pytest.mark.parametrize("module, question, wrong, mistake", CASES, ids=exercise_cases.ids(CASES))
 def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake, capsys):
-    right = module.EXERCISES[question]()
-    check = _check(module)
-    assert check(question, right), (question, right)
-    assert not check(question, wrong), (question, wrong, mistake)
-    out = capsys.readouterr().out.splitlines()
-    assert out == [f"exercise {question}: correct", f"exercise {question}: not yet, try again"]
+    exercise_cases.refuses(_check(module), module.EXERCISES, question, wrong, mistake, capsys)
 
 
 def test_the_answers_are_the_derivations():
@@ -71,6 +67,4 @@ def test_the_answers_are_the_derivations():
 
 
 def test_every_exercise_of_chapter_6_has_a_wrong_answer_tested():
-    covered = {(m.__name__, q) for m, q, _, _ in CASES}
-    for m in (sp, cp):
-        assert {(m.__name__, q) for q in m.EXERCISES} <= covered, m.__name__
+    assert exercise_cases.untested(CASES, (sp, cp)) == set()

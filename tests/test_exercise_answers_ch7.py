@@ -7,6 +7,8 @@ Each wrong answer is computed from the mistake it stands for, not typed in, and 
 """
 import pytest
 
+import exercise_cases
+
 from labs.expert_parallel import moe_routing as mr
 
 MIB = 2**20
@@ -29,11 +31,7 @@ CASES = [
 
 @pytest.mark.parametrize("question, wrong, mistake", CASES, ids=[f"ch7-{q}-{i}" for i, (q, _, _) in enumerate(CASES)])
 def test_the_checker_refuses_the_usual_mistake(question, wrong, mistake, capsys):
-    right = mr.EXERCISES[question]()
-    assert mr.check(question, right), (question, right)
-    assert not mr.check(question, wrong), (question, wrong, mistake)
-    out = capsys.readouterr().out.splitlines()
-    assert out == [f"exercise {question}: correct", f"exercise {question}: not yet, try again"]
+    exercise_cases.refuses(mr.check, mr.EXERCISES, question, wrong, mistake, capsys)
 
 
 def test_every_exercise_of_chapter_7_has_a_wrong_answer_tested():

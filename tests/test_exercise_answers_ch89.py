@@ -6,6 +6,8 @@ Each wrong answer is computed from the mistake it stands for, not typed in.
 """
 import pytest
 
+import exercise_cases
+
 from labs.precision import loss_scaling as ls
 from labs.recompute import policies as rc
 
@@ -27,17 +29,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("module, question, wrong, mistake", CASES,
-                         ids=[f"{m.__name__.split('.')[-1]}-{q}-{i}" for i, (m, q, _, _) in enumerate(CASES)])
+@pytest.mark.parametrize("module, question, wrong, mistake", CASES, ids=exercise_cases.ids(CASES))
 def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake, capsys):
-    right = module.EXERCISES[question]()
-    assert module.check(question, right), (question, right)
-    assert not module.check(question, wrong), (question, wrong, mistake)
-    out = capsys.readouterr().out.splitlines()
-    assert out == [f"exercise {question}: correct", f"exercise {question}: not yet, try again"]
+    exercise_cases.refuses(module.check, module.EXERCISES, question, wrong, mistake, capsys)
 
 
 def test_every_exercise_of_chapters_8_and_9_has_a_wrong_answer_tested():
-    for module in (ls, rc):
-        tested = {q for m, q, _, _ in CASES if m is module}
-        assert tested == set(module.EXERCISES), module.__name__
+    assert exercise_cases.untested(CASES, (ls, rc)) == set()
