@@ -18,7 +18,7 @@ Bytes one rank sends, per link tier (q, kappa: its Q and K blocks, T/cp tokens; 
     inside the node (the all-to-alls, u ranks): (u-1)/u (2q + 2 r kappa) forward, the same backward
     across nodes (the ring, R nodes): its K block has u times the tokens and 1/u of the heads,
     r kappa bytes: 2(R-1) r kappa forward, (4R-2) r kappa backward.
-Each message is entered by destination (`ring_attention.per_destination`), so the tiers are counted.
+Each message is counted under its destination (`comm.Tally.sent_to`), so the tiers are counted.
 
     python -m labs.context_parallel.hybrid --world-size 4 --ulysses 2 --json
 """
@@ -108,12 +108,13 @@ def check(rank, world_size, u=2, seq_len=24, heads=8, kv_heads=8, head_dim=8, ba
         work = dict.fromkeys(("tiles_full", "tiles_masked", "score_entries", "unmasked_entries"), 0)
         sent, tiers = {}, {}
         for phase in ("forward", "backward"):
-            with comm.counting() as tally, ra.per_destination() as to:
+            with comm.counting() as tally:
                 if phase == "forward":
                     o = _run(method, mine, table, causal, u, groups_, work, block)
                 else:
                     (o * do[:, :, rows]).sum().backward()
             sent[phase] = tally.bytes_sent
+            to = tally.sent_to
             tiers[phase] = {"intra": sum(b for dst, b in to.items() if dst // u == node),
                             "inter": sum(b for dst, b in to.items() if dst // u != node)}
         errors = {"output": (o - ref[:, :, rows]).abs().max().item()}

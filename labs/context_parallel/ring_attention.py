@@ -28,9 +28,7 @@ skips the blocks of a diagonal tile that the mask hides, c(c + block)/2 score en
 GQA (Ainslie et al. 2023): K and V have k heads, query head j reads KV head j // (a/k); the KV
 blocks that travel are the small ones.
 """
-import contextlib
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -149,34 +147,12 @@ def tile_backward(q, k, v, mask, scale, do, lse, delta):
     return dq, _fold(dk, k.shape[1]), _fold(dv, k.shape[1])
 
 
-_ledgers = []   # open `per_destination` ledgers
-
-
-@contextlib.contextmanager
-def per_destination():
-    """Counted bytes this rank's ring and all-to-all messages carry, by destination (global rank):
-    which link each message crossed. Every message is also counted by `labs.measure.comm`."""
-    sent = defaultdict(int)
-    _ledgers.append(sent)
-    try:
-        yield sent
-    finally:
-        _ledgers.remove(sent)
-
-
-def send(tensor, dst, group=None, tag=0):
-    """`comm.isend`, also entered in every open `per_destination` ledger."""
-    for sent in _ledgers:
-        sent[dst] += tensor.numel() * tensor.element_size()
-    return comm.isend(tensor, dst, group=group, tag=tag)
-
-
 def _pass(tensors, group):
     """Post sends of ``tensors`` to the next rank and receives from the previous one (counted)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     glob = (lambda x: dist.get_global_rank(group, x)) if group is not None else (lambda x: x)
     bufs = [torch.empty_like(t) for t in tensors]
-    reqs = [send(t.contiguous(), glob((r + 1) % n), group=group, tag=i) for i, t in enumerate(tensors)]
+    reqs = [comm.isend(t.contiguous(), glob((r + 1) % n), group=group, tag=i) for i, t in enumerate(tensors)]
     reqs += [comm.irecv(b, glob((r - 1) % n), group=group, tag=i) for i, b in enumerate(bufs)]
     return bufs, reqs
 

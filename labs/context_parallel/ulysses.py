@@ -55,7 +55,7 @@ def _hand_all_to_all(x, group):
     glob = (lambda i: dist.get_global_rank(group, i)) if group is not None else (lambda i: i)
     out = torch.empty_like(x)
     out[r] = x[r]                                                    # a rank's own slice stays home
-    reqs = [ra.send(x[j].contiguous(), glob(j), group=group) for j in range(n) if j != r]
+    reqs = [comm.isend(x[j].contiguous(), glob(j), group=group) for j in range(n) if j != r]
     reqs += [comm.irecv(out[j], glob(j), group=group) for j in range(n) if j != r]
     for req in reqs:
         req.wait()
