@@ -73,7 +73,10 @@ def from_log(log):
                 re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)", log)]
     sigterms = [int(p) for p in re.findall(r"Sending process (\d+) closing signal SIGTERM", log)]
     restarts = re.findall(r"Worker group FAILED\. (\d+)/(\d+) attempts left; will restart worker group", log)
-    return {"failures": failures, "sigterm_pids": sigterms, "restart_decisions": len(restarts)}
+    # the port of the TCPStore the workers bootstrap from, as the agent printed it for each attempt
+    ports = [int(p) for p in re.findall(r"master_port=(\d+)", log)]
+    return {"failures": failures, "sigterm_pids": sigterms, "restart_decisions": len(restarts),
+            "store_ports": ports}
 
 
 def one_run(world_size, max_restarts, steps, every, kill_step, kill_rank, timeout):
@@ -105,6 +108,7 @@ def summarize(run, kill_rank, kill_step):
            "survivors_stopped": {r: rec["ended"] for (r, a), rec in recs.items() if a == 0 and r != kill_rank},
            "survivors_sigtermed": sorted(r for (r, a), rec in recs.items()
                                          if a == 0 and rec["pid"] in run["agent"]["sigterm_pids"]),
+           "store_ports": run["agent"]["store_ports"],
            "seconds": run["seconds"], "command": run["command"], "pids": run["pids"]}
     if (kill_rank, 1) in recs:
         again = recs[(kill_rank, 1)]
@@ -117,7 +121,9 @@ def summarize(run, kill_rank, kill_step):
                    final_weights_equal=all(f["weights"] == f["reference"]["weights"] for f in finals),
                    final_losses_equal=all(f["losses"] == f["reference"]["losses"][f["resumed_from"]:]
                                           for f in finals),
-                   final_loss=finals[0]["losses"][-1], threads=sorted({f["threads"] for f in finals}))
+                   final_loss=finals[0]["losses"][-1], threads=sorted({f["threads"] for f in finals}),
+                   # a timing: from the SIGKILL until every worker of attempt 1 had its process group
+                   restart_s=max(f["started_at"] for f in finals) - killed["killed_at"])
     return out
 
 

@@ -16,6 +16,7 @@ weights of an uninterrupted run of the same job in the same processes (the refer
 import json
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,8 @@ def work(folder, steps, every, kill_step, kill_rank):
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     path = os.path.join(folder, f"rank{rank}_attempt{attempt}.json")
     rec = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "threads": torch.get_num_threads(),
-           "resumed_from": 0, "steps": [], "losses": [], "ended": "running"}
+           "resumed_from": 0, "steps": [], "losses": [], "ended": "running",
+           "started_at": time.time()}  # after init_process_group: the group is up
     signal.signal(signal.SIGTERM, lambda *_: (_write(path, dict(rec, ended="SIGTERM")), os._exit(143)))
     model, opt = ft.make_model()
     snap = ft.latest(os.path.join(folder, "ckpt"))
@@ -76,7 +78,7 @@ def work(folder, steps, every, kill_step, kill_rank):
         if rank == 0 and (s + 1) % every == 0:
             ft.save(os.path.join(folder, "ckpt"), ft.state(model, opt, s + 1, s + 1))
         if attempt == 0 and rank == kill_rank and s + 1 == kill_step:
-            _write(path, dict(rec, ended="SIGKILL"))
+            _write(path, dict(rec, ended="SIGKILL", killed_at=time.time()))
             os.kill(os.getpid(), signal.SIGKILL)  # a crash: no handler, no cleanup, no goodbye
         _write(path, rec)
     rec.update(weights=_weights(model), reference=uninterrupted(rank, world_size, steps), ended="finished")
