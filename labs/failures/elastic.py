@@ -106,6 +106,9 @@ def summarize(run, kill_rank, kill_step):
            # the agent's log names the killed worker's pid with exit code -9 (SIGKILL)
            "killed_exit_in_log": failed.get(killed.get("pid")),
            "survivors_stopped": {r: rec["ended"] for (r, a), rec in recs.items() if a == 0 and r != kill_rank},
+           # what a survivor's own collective said before the agent stopped it (None if it was stopped first)
+           "survivors_saw": {r: rec.get("collective_error") for (r, a), rec in recs.items()
+                             if a == 0 and r != kill_rank},
            "survivors_sigtermed": sorted(r for (r, a), rec in recs.items()
                                          if a == 0 and rec["pid"] in run["agent"]["sigterm_pids"]),
            "store_ports": run["agent"]["store_ports"],

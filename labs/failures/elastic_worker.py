@@ -72,7 +72,12 @@ def work(folder, steps, every, kill_step, kill_rank):
         try:
             rec["losses"].append(ft.step(model, opt, s, rank, world_size))
         except RuntimeError as exc:  # on gloo a survivor's collective fails when its peer's socket closes
-            _write(path, dict(rec, ended="collective failed: " + str(exc).splitlines()[0][:160]))
+            rec["collective_error"] = str(exc).splitlines()[0].split("] ")[-1][:120]
+            _write(path, rec)
+            # Wait for the agent's SIGTERM instead of exiting: a survivor that died on its own within
+            # one monitor interval of the kill would be reaped in the same poll, and the agent would
+            # log whichever of the two failures it ranked first, not necessarily the SIGKILL.
+            time.sleep(60)
             raise
         rec["steps"].append(s)
         if rank == 0 and (s + 1) % every == 0:
