@@ -38,8 +38,8 @@ def attempt_store():
     """The agent's TCPStore, under a prefix of its own for this attempt.
 
     torchrun's workers all connect to one store that the agent's rendezvous keeps across restarts
-    (dynamic_rendezvous.py: the shared TCPStore server is made once; rendezvous.py: "no need to add
-    prefix for each attempt"). The keys in which attempt 0's ranks published their gloo addresses are
+    (dynamic_rendezvous.py makes the shared TCPStore server once, although a comment in rendezvous.py
+    says a new one is made for every retry; the lab reads one port for both attempts). The keys in which attempt 0's ranks published their gloo addresses are
     still there, so a plain ``init_process_group`` on attempt 1 can read a dead rank's address and
     fail with "Connection refused"; a prefix per attempt gives each attempt a clean namespace."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
