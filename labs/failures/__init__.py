@@ -7,5 +7,9 @@
 - `stragglers`: one rank slower every step, found from all-gathered per-rank compute times.
 - `slow_link`: a straggler caused by one slow ring link, which compute times cannot name; a
   round-trip probe of each link finds it.
+- `elastic`: a real ``torchrun --max-restarts`` run: one rank SIGKILLs itself, the agent restarts
+  the group, the workers resume from the latest checkpoint to an uninterrupted run's weights, bit
+  for bit; with ``--max-restarts=0`` the same kill fails the job.
+- `elastic_worker`: the training script `elastic` runs under torchrun (one attempt of one rank).
 - `reliability`: how often a job fails, how often to checkpoint, and what it costs.
 """
