@@ -108,6 +108,11 @@ def _load(kind, net, hand, opt, sched, loader, path, restore_rng=True, state_fn=
         dcp.load(state, checkpoint_id=path)
         set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = state["extra"]
+    _resume(extra, opt, sched, loader, restore_rng)
+
+
+def _resume(extra, opt, sched, loader, restore_rng=True):
+    """Hand the loaded non-tensor state back: loader position, RNG, the LR schedule's step."""
     loader.load_state_dict(extra["loader"])
     if restore_rng:
         torch.set_rng_state(extra["rng"])
