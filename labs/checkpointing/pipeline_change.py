@@ -112,7 +112,7 @@ def _load(kind, named, opt, sched, loader, path):
         planner = _recording_planner()
         dcp.load(state, checkpoint_id=path, planner=planner)
         extra, keys = state["extra"], planner.keys
-    ck._resume(extra, opt, sched, loader)
+    training.resume(extra, opt, sched, loader)
     return sorted({k for k in keys if k.startswith(("model.", "optim."))})
 
 
@@ -228,7 +228,7 @@ def _job(rank, world_size, root, steps, save_at, src, dsts, cfg):
     out = {}
     for kind in KINDS:
         folder = os.path.join(root, kind)
-        out[kind] = {src: run(rank, world_size, kind, folder, steps, src, save_at, cfg=cfg)}
+        out[kind] = {"src": run(rank, world_size, kind, folder, steps, src, save_at, cfg=cfg)}
         for pp in dsts:
             out[kind][pp] = run(rank, world_size, kind, folder, steps, pp, None, save_at, cfg)
     out["wrong"] = run(rank, world_size, "hand", os.path.join(root, "hand"), steps, dsts[-1], None, save_at, cfg,
@@ -236,10 +236,10 @@ def _job(rank, world_size, root, steps, save_at, src, dsts, cfg):
     return out if rank == 0 else None
 
 
-def change_pipeline(src=2, dsts=(1, 4), world_size=4, steps=5, save_at=3, timeout=180.0, cfg=None):
+def change_pipeline(src=2, dsts=(2, 1, 4), world_size=4, steps=5, save_at=3, timeout=180.0, cfg=None):
     """Train under (pp, dp) = (``src``, world_size / src), save after ``save_at`` steps, load under
     each pp of ``dsts`` and train to ``steps``, by hand and with DCP; then the local-names bug.
-    Returns {"2 -> 1": {kind: checks, keys read per rank}, "written": {kind: {rank: keys}},
+    Returns {"2 -> 1": {kind: checks, keys read per rank}, ..., "written": {kind: {rank: keys}},
     "wrong_names": what the bug loads and whether `check_coverage` refuses it}."""
     cfg = cfg or CFG
     for pp in (src,) + tuple(dsts):
@@ -251,14 +251,14 @@ def change_pipeline(src=2, dsts=(1, 4), world_size=4, steps=5, save_at=3, timeou
         res = launch.spawn(_job, world_size, root, steps, save_at, src, tuple(dsts), cfg, timeout=timeout)[0]
         out = {"written": {k: written(k, os.path.join(root, k, f"step-{save_at}")) for k in KINDS}}
         for pp in dsts:
-            out[f"{src} -> {pp}"] = {kind: _compare(res[kind][src], res[kind][pp], save_at) for kind in KINDS}
-        bug = _compare(res["hand"][src], res["wrong"], save_at)
+            out[f"{src} -> {pp}"] = {kind: _compare(res[kind]["src"], res[kind][pp], save_at) for kind in KINDS}
+        bug = _compare(res["hand"]["src"], res["wrong"], save_at)
         try:
             check_coverage(bug["read_by_rank"], out["written"]["hand"], f"step-{save_at}")
             bug["refused"] = None
         except ValueError as e:
             bug["refused"] = str(e)
-        a = res["hand"][src]["saved"]
+        a = res["hand"]["src"]["saved"]
         bug["wrong_weights"] = parts([f"model.{n}" for n in a if not torch.equal(a[n], res["wrong"]["loaded"][n])])
         out["wrong_names"] = bug
     return out
@@ -268,6 +268,7 @@ def _compare(a, b, k):
     tail = a["losses"][k:]
     return {"weights_bit_exact": all(torch.equal(a["saved"][n], b["loaded"][n]) for n in a["saved"]),
             "batches_match": a["batches"][k:] == b["batches"],
+            "losses_bit_exact": tail == b["losses"],
             "max_loss_diff": max(abs(x - y) for x, y in zip(tail, b["losses"])),
             "uninterrupted": a["losses"], "resumed": b["losses"], "read_by_rank": b["read_by_rank"]}
 
@@ -281,11 +282,12 @@ def main(argv=None):
     res = change_pipeline(timeout=args.timeout)
     ok = all(c[k]["weights_bit_exact"] and c[k]["batches_match"] and c[k]["max_loss_diff"] < ck.LOSS_TOL
              for c in (res["2 -> 1"], res["2 -> 4"]) for k in KINDS)
-    result = {"world_size": 4, "loads_match": ok, "wrong_names_refused": res["wrong_names"]["refused"] is not None,
-              "wrong_names_max_loss_diff": res["wrong_names"]["max_loss_diff"]}
-    cli.report(result, args, f"pp 2 -> 1 and 2 -> 4: weights exact, losses within {ck.LOSS_TOL:g}: {ok}; "
-               f"local names refused: {result['wrong_names_refused']}")
-
+    same = all(res["2 -> 2"][k]["losses_bit_exact"] for k in KINDS)
+    bug = res["wrong_names"]
+    result = {"world_size": 4, "loads_match": ok, "same_layout_bit_exact": same,
+              "wrong_names_refused": bug["refused"] is not None, "wrong_names_max_loss_diff": bug["max_loss_diff"]}
+    cli.report(result, args, f"pp 2 -> 2 bit for bit: {same}; 2 -> 1 and 2 -> 4 weights exact and losses within "
+               f"{ck.LOSS_TOL:g}: {ok}; local names refused: {result['wrong_names_refused']}")
 
 if __name__ == "__main__":
     from labs.launcher import cli
