@@ -7,6 +7,7 @@ again under another CPU's rounding); the others compare bytes, names and step co
 Checks that notebook 12 already asserts with the same calls are not repeated here (nbval runs the
 notebook natively and under another CPU's rounding): a resume that forgets Adam's state or the RNG
 (`resharding.resume_without`), the (dp, tp) layout change (`layout_change.change_layout`), the
+pipeline-degree change and its refused local-names load (`pipeline_change.change_pipeline`), the
 two-rank killed save and its refusals (`checkpoint_faults.killed_save`), the async stager's copy
 (`async_checkpoint.measure_staging`) and the save killed in flight (`async_window.killed_in_flight`)."""
 import json
@@ -15,8 +16,9 @@ import pytest
 import torch
 
 from labs import model as tiny
-from labs.checkpointing import (async_window, checkpoint_faults, layout_change, resharding as ck,
+from labs.checkpointing import (async_window, checkpoint_faults, layout_change, pipeline_change, resharding as ck,
                                 sharded_checkpoint as sc)
+from labs.pipeline import executor
 from labs.checkpointing.stateful_loader import StatefulLoader
 
 # 3 is a world size the notebook does not use; 2 -> 2 and 3 -> 3 come with their sources.
@@ -118,6 +120,31 @@ def test_bad_window_and_layout_input_is_refused_before_any_process_starts(tmp_pa
         async_window.window(tau=3, omega=3)
     with pytest.raises(ValueError, match="is not divisible by tp = 3"):
         layout_change.change_layout(src=(1, 3))
+    with pytest.raises(ValueError, match="is not divisible by tp\\*pp = 1\\*3"):
+        pipeline_change.change_pipeline(dsts=(3,))
+    with pytest.raises(ValueError, match="does not give whole layers of 2"):
+        pipeline_change.change_pipeline(dsts=(4,), cfg=tiny.GPTConfig(n_layer=2))
     sc.save({"x": 1}, str(tmp_path / "step-1"))
     with pytest.raises(KeyError, match="has no entry 'nope'"):
         sc.load({"nope": 1}, str(tmp_path / "step-1"))
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_a_stage_keys_its_layers_by_the_whole_models_names(pp):
+    cfg = pipeline_change.CFG
+    for stage, piece in enumerate(executor.split(tiny.build(cfg), pp)):
+        own = sorted(n for n, _ in piece.named)            # the names the whole GPT gives these tensors
+        local = [n for n, _ in piece.named_parameters()]   # the stage module's names: blocks.0, ...
+        assert sorted(pipeline_change.global_name(n, stage, cfg.n_layer // pp) for n in local) == own
+        # the bug keeps the local names: right on stage 0 only
+        bug = sorted(pipeline_change.local_as_global(n, stage, cfg.n_layer // pp) for n in local)
+        assert (bug == own) == (stage == 0)
+
+
+def test_a_load_that_leaves_a_saved_key_unread_is_refused():
+    saved = {0: ["model.tok_emb.weight", "model.blocks.0.ln1.weight"],
+             1: ["model.blocks.1.ln1.weight", "model.blocks.1.ln1.bias"], 2: []}
+    pipeline_change.check_coverage([saved[0], saved[1]], saved, "step-3")        # every key read once: accepted
+    both_as_layer_0 = [saved[0], ["model.blocks.0.ln1.weight"]]                  # stage 1 read as layer 0
+    with pytest.raises(ValueError, match=r"^2 saved entries of step-3 were read by no rank \(blocks.1\)"):
+        pipeline_change.check_coverage(both_as_layer_0, saved, "step-3")

@@ -17,9 +17,9 @@ Two ways, each trained on the tiny GPT from the same seed:
 
 The run saved under (dp, tp) is loaded under (dp', tp') and trains on; the weights must come back
 bit for bit and the losses stay within `resharding.LOSS_TOL` of the uninterrupted run (another
-layout sums its partial products in another order). PP is not trained here: a pipeline stage
-holds whole layers, so a change of PP degree changes only *which keys* a rank loads, which the
-format's key index already serves.
+layout sums its partial products in another order). A change of pipeline degree is trained in
+`labs.checkpointing.pipeline_change`: a stage holds whole layers, so it changes which keys a rank
+reads, provided each stage keys its layers by their global names.
 """
 import os
 import tempfile

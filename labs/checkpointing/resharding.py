@@ -108,12 +108,7 @@ def _load(kind, net, hand, opt, sched, loader, path, restore_rng=True, state_fn=
         dcp.load(state, checkpoint_id=path)
         set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = state["extra"]
-    loader.load_state_dict(extra["loader"])
-    if restore_rng:
-        torch.set_rng_state(extra["rng"])
-    sched.last_epoch = int(extra["lr_step"])     # the schedule resumes at its step, not at 0
-    for group, base in zip(opt.param_groups, sched.base_lrs):
-        group["lr"] = base * sched.lr_lambdas[0](sched.last_epoch)
+    training.resume(extra, opt, sched, loader, restore_rng)
 
 
 FORGETTABLE = ("optimizer", "rng")

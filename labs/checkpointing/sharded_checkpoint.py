@@ -214,10 +214,11 @@ def _starts(runs):
     return out
 
 
-def load(state, checkpoint_id):
+def load(state, checkpoint_id, reads=None):
     """Fill ``state`` in place from a verified checkpoint written under any layout; returns the
     non-tensor values by their dotted keys, e.g. {"extra.loader.consumed": 36} (the caller hands
-    them to loader.load_state_dict, the LR scheduler, ...)."""
+    them to loader.load_state_dict, the LR scheduler, ...). ``reads``: a list that gets one
+    (key, saved rank) for every entry of a saved file this rank copied bytes from."""
     meta = verify(checkpoint_id)
     saved = _read_index(checkpoint_id, meta["world_size"])
     blobs, values = {}, {}
@@ -237,6 +238,8 @@ def load(state, checkpoint_id):
             for r, e in saved[key]:   # copy the overlap of every saved run with ours
                 size = torch.empty((), dtype=getattr(torch, e["dtype"])).element_size()
                 for lo, hi, at, pos in _overlaps(mine, e["runs"]):
+                    if reads is not None and (key, r) not in reads[-1:]:
+                        reads.append((key, r))
                     start = e["at"] + pos * size
                     data = bytearray(blob(r)[start:start + (hi - lo) * size])
                     target[at:at + hi - lo].copy_(torch.frombuffer(data, dtype=getattr(torch, e["dtype"])))

@@ -59,3 +59,14 @@ def optimizer(net):
     opt = torch.optim.Adam(net.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
     return opt, sched
+
+
+def resume(extra, opt, sched, loader, restore_rng=True):
+    """Hand a loaded checkpoint's non-tensor state back: the loader's position, the RNG state
+    (unless ``restore_rng`` is False) and the LR schedule's step."""
+    loader.load_state_dict(extra["loader"])
+    if restore_rng:
+        torch.set_rng_state(extra["rng"])
+    sched.last_epoch = int(extra["lr_step"])     # the schedule resumes at its step, not at 0
+    for group, base in zip(opt.param_groups, sched.base_lrs):
+        group["lr"] = base * sched.lr_lambdas[0](sched.last_epoch)
