@@ -16,7 +16,7 @@ def run():
     reason = cc.unavailable()
     if reason:
         pytest.skip(reason)
-    return cc.compare(policies.config(layers=1, seq=8), batch=1, budgets=BUDGETS, policies_=("none", "full"))
+    return cc.compare(policies.config(layers=1, seq=8), batch=1, budgets=BUDGETS, hand_policies=("none", "full"))
 
 
 def test_the_budget_trades_kept_bytes_for_recomputed_flops(run):

@@ -37,8 +37,6 @@ One process: what a rank saves for backward does not depend on the other ranks.
 
     python -m labs.recompute.compiled --budgets 1 0.5 0 --json
 """
-import functools
-
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
@@ -102,10 +100,10 @@ def _backend(record):
 
     def partition(joint, inputs, **kwargs):
         fw, bw = min_cut_rematerialization_partition(joint, inputs, **kwargs)
-        record["saved"] = [n.meta["val"] for n in bw.graph.nodes
+        # the backward graph's inputs: what the forward saved ("primals_*" are the region's own
+        # inputs, weights and x), then the output's gradients ("tangents_*")
+        record["saved"] = [(n.name, n.meta["val"]) for n in bw.graph.nodes
                            if n.op == "placeholder" and not n.name.startswith("tangents")]
-        record["saved_names"] = [n.name for n in bw.graph.nodes
-                                 if n.op == "placeholder" and not n.name.startswith("tangents")]
         return fw, bw
 
     def forward_compiler(gm, example_inputs):
@@ -136,7 +134,7 @@ def measure_compiled(budget, cfg, batch):
     saved = node.saved_tensors
     kept = memory.storage_bytes(list(saved), _state_storages(blocks))
     # the graph's view: saved inputs of the backward graph that are not the region's inputs
-    graph_bytes = sum(v.numel() * v.element_size() for v, name in zip(record["saved"], record["saved_names"])
+    graph_bytes = sum(v.numel() * v.element_size() for name, v in record["saved"]
                       if not name.startswith("primals"))
     with flops.counting() as bwd:
         loss.backward()
@@ -205,11 +203,11 @@ def max_relative_grad_diff(grads, reference):
                      / r.float().abs().max()) for g, r in zip(grads, reference))
 
 
-def compare(cfg=None, batch=2, budgets=(1.0, 0.5, 0.0), policies_=("none", "selective", "full")):
+def compare(cfg=None, batch=2, budgets=(1.0, 0.5, 0.0), hand_policies=("none", "selective", "full")):
     """The compiled region at each budget beside the hand policies, all with the same loss."""
     check_budgets(budgets)
     cfg = cfg or policies.config(layers=2, seq=16)
-    eager = {p: measure_eager(p, cfg, batch) for p in dict.fromkeys(("none", *policies_))}
+    eager = {p: measure_eager(p, cfg, batch) for p in dict.fromkeys(("none", *hand_policies))}
     compiled = {b: measure_compiled(b, cfg, batch) for b in budgets}
     base = eager["none"]
     for r in [*eager.values(), *compiled.values()]:
