@@ -161,7 +161,8 @@ def measure_eager(policy, cfg, batch):
         with flops.counting() as bwd:
             loss.backward()
     return {"policy": policy, "kept_bytes": kept, "forward_flops": fwd.get_total_flops(),
-            "backward_flops": bwd.get_total_flops(), "backward_by_op": _by_op(bwd), "loss": loss.item(), "grads": _grads(blocks, x)}
+            "backward_flops": bwd.get_total_flops(), "backward_by_op": _by_op(bwd), "loss": loss.item(),
+            "grads": _grads(blocks, x)}
 
 
 def grad_bound(layers):
