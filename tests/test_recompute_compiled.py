@@ -74,3 +74,20 @@ def test_cli_prints_the_contract_keys(capsys, run):
     cc.main(["--budgets", "0", "--layers", "1", "--seq", "8", "--batch", "1", "--json"])   # in process
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["compiled"]["0.0"]["kept_bytes"] == run["compiled"][0.0]["kept_bytes"]
+
+
+def test_under_a_dispatch_mode_the_compiled_graph_does_not_run(run):
+    """Why kept bytes are read from the autograd node and not from a live-storage dispatch mode:
+    under an active TorchDispatchMode (here FlopCounterMode) torch.compile runs the function
+    eagerly, so the mode would measure eager autograd."""
+    import torch
+    import torch._dynamo
+    from labs.measure import flops
+    record = {"forward_runs": 0}
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x.sin().square().sum(), backend=cc._backend(record))
+    x = torch.randn(8, requires_grad=True)
+    assert type(f(x).grad_fn).__name__ == "CompiledFunctionBackward" and record["forward_runs"] == 1
+    with flops.counting():
+        loss = f(x)
+    assert record["forward_runs"] == 1 and type(loss.grad_fn).__name__ != "CompiledFunctionBackward"
