@@ -10,4 +10,7 @@
 - `torchrun`: the same promises inside torchrun's ranks (watchdog, error file).
 - `cli`: the command-line contract every lab keeps (``--world-size``, ``--timeout``, ``--json``).
 - `hello`: the smallest lab, ``python -m labs.launcher.hello``: start N ranks, time it, inject a fault.
+- `under_load`: ``python -m labs.launcher.under_load``: 50 launches in a row while other processes
+  keep every core busy, the failures counted (the start-up races it found are fixed in `_rank` and
+  `zygote`).
 """

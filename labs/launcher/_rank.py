@@ -64,6 +64,7 @@ def run(tmp, rank, parent_pid):
         torch.save(result, file("tmp"))
         os.replace(file("tmp"), file("result"))  # atomic: the parent never reads half a file
         pulse.stop(done=True)
+        leave_together(store, rank, world_size, timeout)
     except BaseException as exc:
         supervise.write_json(file("error"), {"time": time.time(), "type": type(exc).__name__, "phase": phase,
                                            "message": str(exc), "traceback": traceback.format_exc()})
@@ -71,6 +72,24 @@ def run(tmp, rank, parent_pid):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def leave_together(store, rank, world_size, timeout):
+    """Wait, after the run, until every rank has finished its function: only then close this
+    rank's sockets.
+
+    gloo connects the ranks pair by pair (connectFullMesh), and a rank's connections are complete
+    when its own ``init_process_group`` (or ``new_group``) returns, not its peers'. A fast rank that
+    ran a function without a collective and exited could close its end of a pair that a slow,
+    starved peer was still setting up; that peer's ``init_process_group`` then failed with "Gloo
+    connectFullMesh failed ... Connection closed by peer" and the launch with it (seen under load
+    average 7 to 40 on 2 cores; `python -m labs.launcher.under_load` reproduces it and checks the
+    fix). A rank that got here has finished every group it was asked to join, so once all ranks
+    have checked in through the store, no connection is still being made. The store, not a gloo
+    barrier: no byte on the process group, and a function may have left its group unusable.
+    """
+    store.set(f"labs-finished/{rank}", "1")
+    store.wait([f"labs-finished/{r}" for r in range(world_size)], timeout)  # the group's own timeout
 
 
 # What the zygote imports before it forks: the libraries every rank needs, never the caller's code

@@ -82,9 +82,12 @@ def spawn(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
             f.write(spec)
         for rank in range(world_size):
             procs.append(_start_rank(tmp, rank, backend))
+        zygote.wait_ready(procs, timeout)  # a new zygote's import of torch is not the run's time
         unfinished, failures = supervise.wait(procs, tmp, time.monotonic() + timeout)
         if failures:  # a failure outranks a timeout: the stuck ranks wait on the failed one
             raise supervise.rank_error(failures, world_size, tmp)
+        # a rank with a result waits only for its peers to finish (_rank.leave_together): not stuck
+        unfinished = [r for r in unfinished if not os.path.exists(supervise.path(tmp, r, "result"))] or unfinished
         if unfinished:
             raise supervise.timeout_error(procs, unfinished, world_size, timeout, tmp)
         results = [torch.load(supervise.path(tmp, r, "result"), weights_only=False) for r in range(world_size)]

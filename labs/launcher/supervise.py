@@ -48,11 +48,14 @@ def read_json(path):
         return None
 
 
-def wait(procs, tmp, deadline, grace=2.0):
+def wait(procs, tmp, deadline, grace=2.0, symptom_grace=10.0):
     """Wait until every rank exits, one fails, or the deadline passes.
 
     After the first failure the others get ``grace`` seconds to report theirs, so that the cause,
-    not a peer that merely lost its connection to it, can be named.
+    not a peer that merely lost its connection to it, can be named; ``symptom_grace`` while every
+    failure seen is only such a symptom. A peer sees the broken connection at once, in gloo's own
+    thread, while the rank that broke it is still formatting its traceback: on a starved machine
+    that takes seconds.
     """
     pending = set(range(len(procs)))
     failures = {}  # rank -> error record
@@ -69,10 +72,16 @@ def wait(procs, tmp, deadline, grace=2.0):
                 failures[r] = {"time": _last_sign_of_life(tmp, r), "type": "died", "phase": "run",
                                "traceback": "", "message": _exit_reason(code)}
         if failures:
-            deadline = min(deadline, time.monotonic() + grace)
+            causes = [f for f in failures.values() if not _only_symptom(f)]
+            deadline = min(deadline, time.monotonic() + (grace if causes else symptom_grace))
             if all(r in failures for r in pending):
                 break
     return sorted(pending), [(record, r) for r, record in failures.items()]
+
+
+def _only_symptom(record):
+    record = record or {}
+    return record.get("type") != "died" and heartbeat.is_symptom(record.get("message"))
 
 
 def _last_sign_of_life(tmp, rank):
@@ -103,7 +112,7 @@ def _tail(path, lines=40):
 def rank_error(failures, world_size, tmp):
     """Name the cause: a rank that died or raised its own error, the earliest first; the ranks
     whose error only says that a peer went away come last, whatever their time."""
-    failures.sort(key=lambda item: (item[0]["type"] != "died" and heartbeat.is_symptom(item[0]["message"]), item[0]["time"]))
+    failures.sort(key=lambda item: (_only_symptom(item[0]), item[0]["time"]))
     record, rank = failures[0]
     if record["type"] == "died":
         head = f"rank {rank} of {world_size} {record['message']}"

@@ -53,13 +53,16 @@ class Zygote:
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True))
         self.pids, self.codes, self.live = {}, {}, set()  # request id -> pid; pid -> exit code
         self.changed, self.drained = threading.Condition(), threading.Event()
+        self.ready = threading.Event()  # set once it has imported torch (or has died trying)
         threading.Thread(target=self._listen, name="labs-zygote", daemon=True).start()
 
     def _listen(self):
         for line in self.proc.stdout:
             record = json.loads(line)
             with self.changed:
-                if "id" in record:
+                if "ready" in record:
+                    self.ready.set()
+                elif "id" in record:
                     self.pids[record["id"]] = record["pid"]
                     self.live.add(record["pid"])
                 elif "code" in record:
@@ -68,6 +71,7 @@ class Zygote:
                 self.changed.notify_all()
         self.proc.wait()
         with self.changed:
+            self.ready.set()
             self.drained.set()
             self.changed.notify_all()
 
@@ -139,6 +143,18 @@ class Rank:
         return self.returncode
 
 
+def wait_ready(ranks, seconds):
+    """Wait, at most ``seconds``, until the zygotes that fork ``ranks`` have imported torch.
+
+    A new zygote imports torch before it forks its first rank: about 2 s of CPU, over a minute
+    on 2 cores under a load average of 20. That is the launcher's start-up, paid once per
+    process, not the run's: a run's timeout that counted it would fire on the first launch of a
+    busy machine before any rank existed. So the launcher starts the run's clock after this."""
+    deadline = time.monotonic() + seconds
+    for zygote in {id(r.zygote): r.zygote for r in ranks if isinstance(r, Rank)}.values():
+        zygote.ready.wait(max(0.0, deadline - time.monotonic()))
+
+
 def _import_time_env():
     return {k: v for k, v in os.environ.items() if k.startswith(IMPORT_TIME)}
 
@@ -155,6 +171,16 @@ def start_rank(tmp, rank):
             current = Zygote()
             _zygotes.append(current)
     return current.start(tmp, rank)
+
+
+def retire():
+    """Close this process's zygotes (each ends once its ranks have): the next launch starts a new
+    one, as the first launch of a process does (`labs.launcher.under_load` launches that way)."""
+    with _lock:
+        for old in _zygotes:
+            if old.owner == os.getpid():
+                old.close()
+        _zygotes.clear()
 
 
 # The kernel sends a child its parent-death signal when the *thread* that started it ends, so the
