@@ -11,5 +11,12 @@
   the group, the workers resume from the latest checkpoint to an uninterrupted run's weights, bit
   for bit; with ``--max-restarts=0`` the same kill fails the job.
 - `elastic_worker`: the training script `elastic` runs under torchrun (one attempt of one rank).
+- `torchft_run`: torchft for real: three replica groups, one SIGKILLed mid-step and restarted; the
+  others carry on with a smaller quorum, the killed one heals from a live peer; killing the
+  lighthouse stops them all.
+- `torchft_replica`: one replica group of that run (its Manager, gloo group and training loop), or
+  the lighthouse; every event in its own log.
+- `torchft_check`: the figures read from those logs, and a one-process replay that matches them
+  bit for bit through the steps with the smaller quorum.
 - `reliability`: how often a job fails, how often to checkpoint, and what it costs.
 """
