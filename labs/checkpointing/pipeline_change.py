@@ -34,7 +34,7 @@ import torch.distributed as dist
 from labs import groups, model as tiny
 from labs.launcher import launch
 from labs.pipeline import executor, pipeline_dp, schedules
-from labs.checkpointing import resharding as ck, sharded_checkpoint as sc, training
+from labs.checkpointing import one_name, resharding as ck, sharded_checkpoint as sc, training
 from labs.checkpointing.stateful_loader import StatefulLoader
 
 CFG = tiny.GPTConfig(n_layer=4)   # 4 layers: pp = 1, 2 and 4 all hold whole layers
@@ -213,6 +213,7 @@ def run(rank, world_size, kind, root, steps, pp, save_at=None, load_at=None, cfg
         if save_at is not None and step + 1 == save_at:
             path = os.path.join(root, f"step-{save_at}")
             state = {**_state(kind, named, opt, kind == "dcp" or dp_rank == 0), "extra": ck._extra(loader, sched)}
+            one_name.check_one_name(state)     # two stages under one name would lose one (key_clash)
             if kind == "hand":
                 sc.save(state, path)           # data-parallel rank 0 of each stage writes that stage
             else:
