@@ -18,5 +18,8 @@
   the lighthouse; every event in its own log.
 - `torchft_check`: the figures read from those logs, and a one-process replay that matches them
   bit for bit through the steps with the smaller quorum.
+- `oom`: out of memory in backward on one rank under a limit the lab sets: the rank named, its peer
+  not left hanging, the run resumed from its checkpoint with recomputation (bit for bit) or with
+  smaller micro-batches (within a changed split's rounding).
 - `reliability`: how often a job fails, how often to checkpoint, and what it costs.
 """

@@ -96,9 +96,10 @@ def read_log(folder, i):
 
 
 def run(steps=30, kill_replica=None, kill_step=8, step_s=0.3, kill_lighthouse_after=None,
-        timeout=600.0, wrapper=False, replicas=REPLICAS, replica_timeout_s=15):
+        timeout=600.0, wrapper=False, replicas=REPLICAS, replica_timeout_s=15, restart=True):
     """One run of ``replicas`` groups. With ``kill_replica``, that group is SIGKILLed in the middle of
-    step ``kill_step`` (inside the all-reduce, its peers waiting on it) and started again; with
+    step ``kill_step`` (inside the all-reduce, its peers waiting on it) and, if ``restart``, started
+    again; ``wrapper`` trains with torchft's DistributedDataParallel instead; with
     ``kill_lighthouse_after``, the lighthouse is SIGKILLed once replica 0 has finished that step
     (the replicas are then asked for as many steps again)."""
     folder = tempfile.mkdtemp(prefix="labs-torchft-")
@@ -121,8 +122,9 @@ def run(steps=30, kill_replica=None, kill_step=8, step_s=0.3, kill_lighthouse_af
             victim.wait()
             events["kill"]["returncode"] = victim.returncode
             os.remove(os.path.join(folder, f"arm{kill_step}"))
-            events["restart"] = {"time": time.time()}
-            job.start_replica(kill_replica)  # what torchelastic would do for a real replica group
+            if restart:
+                events["restart"] = {"time": time.time()}
+                job.start_replica(kill_replica)  # what torchelastic would do for a real replica group
             state = torch.load(os.path.join(folder, f"state0_{kill_step}.pt"))
         if kill_lighthouse_after is not None:
             while not any(e.get("step", -1) >= kill_lighthouse_after for e in _safe_log(folder, 0)):
@@ -171,7 +173,8 @@ def lighthouse_lost(run_):
     return out
 
 
-def torchft(steps=30, kill_step=8, step_s=0.3, kill_replica=2, timeout=600.0, noise_runs=2):
+def torchft(steps=30, kill_step=8, step_s=0.3, kill_replica=2, timeout=600.0, noise_runs=2,
+            wrapper_check=True):
     """The uninterrupted run (its lighthouse killed after the last step), the run with a replica
     group killed mid-step and restarted, what the logs say, and the replay's checks."""
     from labs.failures import torchft_check as check
@@ -184,8 +187,24 @@ def torchft(steps=30, kill_step=8, step_s=0.3, kill_replica=2, timeout=600.0, no
     fault = run(steps, kill_replica=kill_replica, kill_step=kill_step, step_s=step_s, timeout=timeout)
     summary = check.summarize(fault, reference)
     exact = check.replay_exact(summary, fault["state_before_kill"], fault["logs"][0])
-    return {"summary": summary, "replay_exact": exact, "trajectory": check.trajectory(summary, noise_runs),
-            "lighthouse_lost": lighthouse_lost(reference), "pids": reference["pids"] + fault["pids"]}
+    out = {"summary": summary, "replay_exact": exact, "trajectory": check.trajectory(summary, noise_runs),
+           "lighthouse_lost": lighthouse_lost(reference), "pids": reference["pids"] + fault["pids"]}
+    if wrapper_check:
+        out["ddp_wrapper"] = ddp_wrapper(step_s, timeout)
+        out["pids"] += out["ddp_wrapper"]["pids"]
+    return out
+
+
+def ddp_wrapper(step_s=0.3, timeout=600.0):
+    """The same kill with torchft's own DistributedDataParallel, two replica groups, no restart:
+    does the survivor carry on?"""
+    r = run(10, kill_replica=1, kill_step=3, step_s=step_s, timeout=timeout, wrapper=True, replicas=2,
+            restart=False)
+    failed = [e for e in r["logs"][0] if e["event"] == "failed"]
+    return {"survivor_returncode": r["returncodes"][0], "survivor_error": failed[0]["error"] if failed else None,
+            "in_ddp_hook": "assert fut._fut" in r["stderr"][0] and "torchft/ddp.py" in r["stderr"][0],
+            "survivor_steps": sorted({e["step"] for e in r["logs"][0] if e["event"] == "step" and e["committed"]}),
+            "pids": r["pids"]}
 
 
 def main(argv=None):
