@@ -151,3 +151,13 @@ def test_the_budget_calculator_reports_once_under_torchrun():
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert len(lines) == 1, "only global rank 0 reports"
     assert json.loads(lines[0])["params"] > 6e9
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_rank_that_finishes_first_waits_for_every_peer_before_it_leaves(tmp_path):
+    """gloo connects pair by pair; a rank that ran a function without a collective and exited while a
+    starved peer was still connecting failed that peer's init ("Gloo connectFullMesh failed ...
+    Connection closed by peer", seen under load: `python -m labs.launcher.under_load`). A rank now
+    leaves only once every rank has finished its function."""
+    results = launch.spawn(workers.finish_apart, 2, str(tmp_path), timeout=60)
+    assert results == [None, True], "rank 0 had left while rank 1 was still running"

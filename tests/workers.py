@@ -236,3 +236,24 @@ def kill_parent_then_wait(rank, world_size, pid_dir):
         os.kill(os.getppid(), signal.SIGKILL)
     dist.barrier()
     time.sleep(60)
+
+
+def finish_apart(rank, world_size, folder):
+    """Rank 0 returns at once, without a collective; rank 1 returns a second later and says whether
+    rank 0's process was still there (waiting for its peers to finish, not gone)."""
+    path = os.path.join(folder, "rank0.pid")
+    if rank == 0:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+        return None
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    time.sleep(1.0)
+    with open(path) as f:
+        pid = int(f.read())
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
