@@ -21,5 +21,11 @@
 - `oom`: out of memory in backward on one rank under a limit the lab sets: the rank named, its peer
   not left hanging, the run resumed from its checkpoint with recomputation (bit for bit) or with
   smaller micro-batches (within a changed split's rounding).
+- `bigram`: the learnable data (a fixed next-token rule) the torchft, compression and DiLoCo labs
+  train on, a pure function of (step, replica).
+- `compression`: top-k with and without error feedback and int8, built by hand as DDP communication
+  hooks, beside PyTorch's 16-bit and PowerSGD hooks: payload and wire bytes per step, loss against DDP.
+- `diloco`: DiLoCo through torchft beside torchft's DDP path: bytes per step, loss at H = 1, 8, 32;
+  H = 1 with SGD inside and SGD at 1 outside is DDP with SGD, within a derived rounding bound.
 - `reliability`: how often a job fails, how often to checkpoint, and what it costs.
 """

@@ -33,32 +33,10 @@ from datetime import timedelta
 import torch
 
 from labs import model as tiny
+from labs.failures import bigram
 
-CFG = tiny.GPTConfig()
-BATCH = 4          # sequences per replica per step
+CFG, batch, held_out_loss = bigram.CFG, bigram.batch, bigram.held_out_loss
 LR, MOMENTUM = 0.02, 0.9
-HELD_OUT = 10**6   # seed of the held-out batch every replica evaluates after each step
-
-
-def sequences(n, seed):
-    """``n`` sequences of a fixed bigram rule (each token is followed by ``NEXT[token]``) from random
-    first tokens: a rule the tiny GPT can learn, so the loss falls as it trains. (B, T) inputs and
-    next-token targets."""
-    first = torch.randint(0, CFG.vocab_size, (n, 1), generator=torch.Generator().manual_seed(seed))
-    tokens = [first]
-    for _ in range(CFG.seq_len):
-        tokens.append(NEXT[tokens[-1]])
-    tokens = torch.cat(tokens, dim=1)                       # (B, T + 1)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-NEXT = torch.randperm(CFG.vocab_size, generator=torch.Generator().manual_seed(7))
-
-
-def batch(step, replica):
-    """Replica ``replica``'s rows of step ``step``: a pure function of both, so a replica that is
-    away simply never sees its rows of the steps it missed."""
-    return sequences(BATCH, seed=1000 * step + replica)
 
 
 def optimizer(model):
@@ -66,12 +44,6 @@ def optimizer(model):
     over fewer replicas changes the update visibly (Adam would divide most of it away), and the
     momentum buffers are optimizer state a joining replica must get from a peer."""
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-
-
-def held_out_loss(model):
-    x, y = sequences(4 * BATCH, seed=HELD_OUT)
-    with torch.no_grad():
-        return model(x, y).item()
 
 
 def digest(model, opt):
