@@ -187,14 +187,14 @@ def train_with_checkpoints(rank, world_size, folder, steps, every, step_s=0.0):
     model, opt = ft.make_model()
     snap = ft.latest(folder)
     start = ft.restore(model, opt, snap)[0] if snap else 0
-    loss = None
+    started, loss = time.time(), None   # the group is up and the checkpoint loaded: training again
     for step in range(start, steps):
         loss = ft.step(model, opt, step, rank, world_size)
         if rank == 0 and (step + 1) % every == 0:
             ft.save(folder, ft.state(model, opt, step + 1, step + 1))
         _write(folder, f"progress{rank}", step + 1)
         time.sleep(step_s)  # slow enough for the killer to land mid-training
-    return {"loss": loss, "start": start}
+    return {"loss": loss, "start": start, "started": started, "pid": os.getpid()}
 
 
 def _killer(folder, rank, after, record, deadline):
@@ -236,7 +236,10 @@ def kill(world_size=2, kill_rank=1, steps=12, every=4, kill_after=6, step_s=0.05
             "seconds_to_detect": caught - record["time"], "killed_at_step": record["at_step"],
             "steps_reached": reached, "resumed_at_step": start, "steps_lost": reached - start,
             "checkpoint_every": every, "final_loss": resumed[0]["loss"], "clean_final_loss": clean[0]["loss"],
-            "final_loss_match": resumed[0]["loss"] == clean[0]["loss"], "pids": pids}
+            "final_loss_match": resumed[0]["loss"] == clean[0]["loss"], "pids": pids,
+            # a timing: from the SIGKILL until every rank of the restarted job was training again
+            "restart_s": max(r["started"] for r in resumed) - record["time"],
+            "processes_restarted": len({r["pid"] for r in resumed})}
 
 
 RUNNERS = {"hang": hang, "kill": kill, "straggler": stragglers.straggler,

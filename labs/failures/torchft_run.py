@@ -90,6 +90,19 @@ class Job:
             p.wait()
 
 
+def alive(pids):
+    """The PIDs in ``pids`` still running (a zombie has exited): none, once a run has returned."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
 def read_log(folder, i):
     with open(os.path.join(folder, f"replica{i}.jsonl")) as f:
         return [json.loads(line) for line in f]
