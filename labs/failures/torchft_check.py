@@ -138,23 +138,27 @@ def trajectory(summary, noise_runs=2):
     The run with a smaller quorum saw, in each of those steps, two thirds of the rows; the
     average it stepped with has the same expectation as the full one and more noise. So its loss
     must stay within the noise between uninterrupted runs on other data (``noise_runs`` replays
-    with other batches), and the replay of its own schedule must predict it to fp32 rounding."""
-    n, steps = summary["replicas"], min(summary["final_step"], max(summary["reference_held_out"])) + 1
-    full = {s: list(range(n)) for s in range(steps)}
-    predicted = replay(summary["schedule"], steps)
+    with other batches), over the steps both runs made; and the replay of its own schedule must
+    predict it to fp32 rounding over all of its steps (the rejoin may come after the reference's
+    last step when the restart is slow)."""
+    n = summary["replicas"]
+    run_steps = summary["final_step"] + 1
+    steps = min(run_steps, max(summary["reference_held_out"]) + 1)
+    full = {s: list(range(n)) for s in range(run_steps)}
+    fault = [summary["held_out"][s] for s in range(run_steps)]
+    predicted = replay(summary["schedule"], run_steps)
     uninterrupted = replay(full, steps)
     noise = [replay(full, steps, data_offset=10**5 * (j + 1)) for j in range(noise_runs)]
-    fault = [summary["held_out"][s] for s in range(steps)]
     reference = [summary["reference_held_out"][s] for s in range(steps)]
     return {
-        "steps": steps, "fault": fault, "reference": reference, "predicted": predicted,
-        "uninterrupted_replay": uninterrupted,
+        "steps": steps, "run_steps": run_steps, "fault": fault, "reference": reference,
+        "predicted": predicted, "uninterrupted_replay": uninterrupted,
         "gap": [f - r for f, r in zip(fault, reference)],
         "prediction_error": max(abs(f - p) for f, p in zip(fault, predicted)),
         "reference_replay_error": max(abs(r - u) for r, u in zip(reference, uninterrupted)),
         "noise_at_end": statistics.median(abs(nz[-1] - uninterrupted[-1]) for nz in noise),
-        "gap_at_end": fault[-1] - reference[-1],
-        "misreadings": misreadings(summary, fault, steps),
+        "gap_at_end": fault[steps - 1] - reference[-1],
+        "misreadings": misreadings(summary, fault, run_steps),
     }
 
 
