@@ -12,8 +12,10 @@ src/manager.rs, ``compute_quorum_results``).
 The lab starts a lighthouse and three replica groups (`labs.failures.torchft_replica`, one
 process each), lets them train the tiny GPT, SIGKILLs one group in the middle of a step from
 outside, starts it again (what torchelastic would do for a real group), and reads every figure
-from the processes' own logs. It also runs the same job without the kill (the reference), and a
-run in which the lighthouse itself is killed: a fault torchft does not survive.
+from the processes' own logs. It also runs the same job without the kill (the reference), with
+its lighthouse killed after the last step: a fault torchft does not survive; and the kill once
+more with torchft's own ``DistributedDataParallel``, whose survivor does not survive it on gloo
+in 0.2.0 (see `labs.failures.torchft_replica`).
 
     python -m labs.failures.torchft_run --json
 """
