@@ -12,7 +12,6 @@ any other answer must be within ``rel`` (1 % unless the chapter says otherwise).
 import contextlib
 import io
 import math
-import numbers
 import textwrap
 
 GB_PER_GIB = 2**30 / 1e9
@@ -64,6 +63,11 @@ def close(a, b, rel):
     return abs(a - b) <= rel * abs(b)
 
 
+def factor(ratio):
+    x = max(ratio, 1 / ratio)
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.3g}"
+
+
 def percent(ratio):
     pct = abs(ratio - 1) * 100
     return f"{pct:.0f} %" if pct >= 10 else f"{pct:.2g} %"
@@ -81,10 +85,10 @@ def miss(answer, expected):
         text = f"{way} by {diff:,}" if isinstance(diff, int) else f"{way} by {diff:,.6g}"
         if not expected or diff < 0.01 * abs(expected):
             return text
-        return f"{text} (a factor {max(ratio, 1 / ratio):.3g})" if large else f"{text} ({percent(ratio)})"
+        return f"{text} (a factor {factor(ratio)})" if large else f"{text} ({percent(ratio)})"
     if not expected:
         return f"{way} by {abs(answer):.3g}"
-    return f"{way} by a factor {max(ratio, 1 / ratio):.3g}" if large else f"{percent(ratio)} {way}"
+    return f"{way} by a factor {factor(ratio)}" if large else f"{percent(ratio)} {way}"
 
 
 def mistakes_matched(answer, expected, mistakes, rel):
