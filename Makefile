@@ -56,8 +56,11 @@ OTHER_CPU := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=
 # the recording run and cost a fifth of the time budget (`make test-numerics` and `make book` run
 # the notebooks natively).
 # Then the site is built from the verified outputs with warnings as errors, and every page is
-# opened in headless Chromium with the network blocked (tools/check_site.py). Chromium is checked
-# first, so a machine without it fails in seconds, not after the notebooks.
+# opened in headless Chromium with the network blocked (tools/check_site.py), at 1280 px and at a
+# phone's 390 px. Its checks of notebook code cells wider than the column and of figures too small
+# at 390 px only count and list what they find until `--enforce code-cells --enforce figures` is
+# added below, once the notebooks pass them. Chromium is checked first, so a machine without it
+# fails in seconds, not after the notebooks.
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest tests -q
 	$(OTHER_CPU) $(BIN)/python -m pytest tests -q -m numerics
