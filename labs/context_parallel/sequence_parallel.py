@@ -181,7 +181,8 @@ EXERCISES = {
 MISTAKES = {
     "1": [(lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96, tp=8) / 2**20,
            "the TP-only row sbh(10 + 24/t + 5as/(ht)): the 10sbh left whole"),
-          (lambda: 2048 * 12288 * (34 / 8 + 5 * 96 * 2048 / 12288) / 2**20, "the scores' 5as/h not divided by t"),
+          (lambda: 2048 * 12288 * (34 / 8 + 5 * 96 * 2048 / 12288) / 2**20,
+           "the scores' 5as/h not divided by t"),
           (lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96) / 2**20,
            "the unsplit layer's, not one rank's")],
     "2": [(lambda: forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2 / 2**20,

@@ -217,7 +217,8 @@ MISTAKES = {q: [wrong] for q, wrong in WRONG.items()}
 MISTAKES["2"].append((dispatch_bytes(4096, 8, 64, 7168) / 1e6, "MB taken for MiB"))
 MISTAKES["4"].append((dispatch_bytes(4096, 8, 64, 7168) / 2**20, "FP8 dispatch forgotten: the bf16 bytes"))
 MISTAKES["5"].append((1.0, "uniform routing assumed: the slowest rank at the mean"))
-MISTAKES["6"].append((2 * (4 - 1) / 4 * 64 * 50e6 * 2 / 1e9, "every expert's gradient reduced, not the 64/ep = 8 a rank holds"))
+MISTAKES["6"].append((2 * (4 - 1) / 4 * 64 * 50e6 * 2 / 1e9,
+                      "every expert's gradient reduced, not the 64/ep = 8 a rank holds"))
 
 
 def check(question, answer, rel=0.01):

@@ -153,7 +153,8 @@ EXERCISES = {
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
     "1": [(lambda: llama3_per_gpu_mtbf_h() * 60, "one GPU's MTBF: the 100,000 GPUs' rates not added"),
-          (lambda: job_mtbf(LLAMA3_DAYS * 24 / (LLAMA3_UNEXPECTED + 47) * LLAMA3_GPUS, 100_000) * 60,  # 47 planned
+          # the same section's 47 planned interruptions counted too
+          (lambda: job_mtbf(LLAMA3_DAYS * 24 / (LLAMA3_UNEXPECTED + 47) * LLAMA3_GPUS, 100_000) * 60,
            "the planned interruptions counted as failures too"),
           (lambda: job_mtbf(llama3_per_gpu_mtbf_h(), LLAMA3_GPUS) * 60,
            "the MTBF of Llama 3's 16,384-GPU job, not scaled to 100,000 GPUs")],

@@ -211,7 +211,8 @@ MISTAKES = {
     "11.1": [(lambda: ANSWERS["11.1"]() * (LLAMA3_405B.layers // 16) / max(stage_layers(LLAMA3_405B.layers, 16)),
               f"{LLAMA3_405B.layers} // 16 layers on every stage"),
              (lambda: ANSWERS["11.1"]() * (LLAMA3_405B.layers / 16) / max(stage_layers(LLAMA3_405B.layers, 16)),
-              f"{LLAMA3_405B.layers} / 16 layers on every stage: the first and last stages' lighter load ignored"),
+              f"{LLAMA3_405B.layers} / 16 layers on every stage: "
+              "the first and last stages' lighter load ignored"),
              (lambda: ANSWERS["11.1"]() * 8 / 7, "2M per all-reduce: the ring's (N-1)/N left out")],
     "11.2": [(lambda: ANSWERS["11.2"]() * NDR_IB_BPS / NVLINK4_BPS, "the NVLink time, not the network's"),
              (lambda: ANSWERS["11.2"]() / 8, "400 Gb/s read as 400 GB/s")],

@@ -53,7 +53,8 @@ def as_number(key, answer):
         value = float(answer)
     except (TypeError, ValueError):
         raise TypeError(f"exercise {key} takes a number, e.g. check({key!r}, 153.0), not a "
-                        f"{type(answer).__name__}: give the value alone, in the unit the question asks for.") from None
+                        f"{type(answer).__name__}: give the value alone, in the unit the question asks "
+                        "for.") from None
     if not math.isfinite(value):
         raise ValueError(f"exercise {key} takes a finite number, not {answer!r}.")
     return value
@@ -138,8 +139,9 @@ def checker(answers, mistakes=None, rel=0.01):
     """A chapter's ``check(question, answer)`` over its ``answers`` and ``mistakes``."""
     def check_answer(question, answer, rel=rel):
         return check(answers, question, answer, rel, mistakes)
-    check_answer.__doc__ = (f"Automatic checker: True when the answer is the computed one (exactly for a count, "
-                            f"else within {rel:.0%}); prints which way and how far a wrong answer misses.")
+    check_answer.__doc__ = (f"Automatic checker: True when the answer is the computed one (exactly for a "
+                            f"count, else within {rel:.0%}); prints which way and how far a wrong answer "
+                            "misses.")
     return check_answer
 
 

@@ -261,8 +261,10 @@ EXERCISES = {
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
-    "1": [(lambda: formula("1f1b", 16, 48)["over_ideal"], "(p-1)/m: the bubble over the ideal time, not the total")],
-    "2": [(lambda: next(m for m in range(1, 1000) if 15 / m <= 0.05), "(p-1)/m <= 5 %: the bubble over the ideal time, not the total")],
+    "1": [(lambda: formula("1f1b", 16, 48)["over_ideal"],
+           "(p-1)/m: the bubble over the ideal time, not the total")],
+    "2": [(lambda: next(m for m in range(1, 1000) if 15 / m <= 0.05),
+           "(p-1)/m <= 5 %: the bubble over the ideal time, not the total")],
     "3": [(lambda: formula("1f1b", 8, 32)["over_ideal"], "the interleaving's v = 4 left out")],
 }
 

@@ -258,7 +258,8 @@ def main(argv=None):
     p.add_argument("--eta", type=lambda t: cli.positive_float(t, 1.0), default=0.5,
                    help="matmul efficiency, above 0 and at most 1 (default 0.5; chapter 14 calibrates it "
                         "on a published row)")
-    p.add_argument("--top", type=cli.positive_int, default=5, help="how many of the fastest layouts to print (default 5)")
+    p.add_argument("--top", type=cli.positive_int, default=5,
+                   help="how many of the fastest layouts to print (default 5)")
     args = cli.parse(p, argv)
     job = Job(MODELS[args.model], shapes.DGX_H100, args.world_size or 64, args.batch_tokens)
     result = plan(job, args.eta)

@@ -78,7 +78,8 @@ NOTE = {"1": 3 * 17.5,            # "bf16 weights ~17.5 GB + grads ~17.5 GB + op
         "16": 1 / 3}              # "~33% extra FLOPs vs full recompute"
 
 
-MISTAKES = {q: [(figure, "the note's own figure, which this chapter shows to be wrong")] for q, figure in NOTE.items()}
+MISTAKES = {q: [(figure, "the note's own figure, which this chapter shows to be wrong")]
+            for q, figure in NOTE.items()}
 
 
 def check(question, answer, rel=0.02):

@@ -187,7 +187,8 @@ EXERCISES = {
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
-    "1": [(lambda: layer_costs("70B", 8)["hh_weight_bytes"] / 2**20, "sized by the h x h weight, not by b s h")],
+    "1": [(lambda: layer_costs("70B", 8)["hh_weight_bytes"] / 2**20,
+           "sized by the h x h weight, not by b s h")],
     "2": [(lambda: layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3 / 8,
            "400 Gb/s read as 400 GB/s")],
 }
