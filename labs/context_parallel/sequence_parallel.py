@@ -177,10 +177,26 @@ EXERCISES = {
     "2": lambda: forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2**20,
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96, tp=8) / 2**20,
+           "the TP-only row sbh(10 + 24/t + 5as/(ht)): the 10sbh left whole"),
+          (lambda: 2048 * 12288 * (34 / 8 + 5 * 96 * 2048 / 12288) / 2**20,
+           "the scores' 5as/h not divided by t"),
+          (lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96) / 2**20,
+           "the unsplit layer's, not one rank's")],
+    "2": [(lambda: forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2 / 2**20,
+           "the all-gathers only: the reduce-scatters left out"),
+          (lambda: 4 * forward_bytes_per_layer(1, 2048, 12288, 8)["message_bytes"] / 2**20,
+           "all of M per collective: the ring's (t-1)/t left out"),
+          (lambda: 2 * forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2**20,
+           "each of SP's four collectives priced as an all-reduce")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def main(argv=None):

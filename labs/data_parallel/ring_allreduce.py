@@ -126,10 +126,18 @@ EXERCISES = {
     "3": lambda: 7 * 14e9 / 1e9,                      # GB the naive root sends for the same job
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(14.0, "the payload M instead of what the ring sends, 2(N-1)/N M"),
+          (2 * 14.0, "2M: the ring's (N-1)/N left out")],
+    "2": [(lambda: 2 * 7 / 8 * 14e9 / 900e9 * 1e3, "NVLink's 900 GB/s counts both directions: 450 each way")],
+    "3": [(8 * 14.0, "the root sending to itself too: N M instead of (N-1) M")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def bench(rank, world_size, sizes_bytes, repeats=5, algorithms=("ring", "library")):

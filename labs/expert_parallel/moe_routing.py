@@ -212,7 +212,15 @@ WRONG = {
     "6": (2 * (32 - 1) / 32 * (64 // 8) * 50e6 * 2 / 1e9, "the ring over all 32 ranks instead of edp = 4"),
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {q: [wrong] for q, wrong in WRONG.items()}
+MISTAKES["2"].append((dispatch_bytes(4096, 8, 64, 7168) / 1e6, "MB taken for MiB"))
+MISTAKES["4"].append((dispatch_bytes(4096, 8, 64, 7168) / 2**20, "FP8 dispatch forgotten: the bf16 bytes"))
+MISTAKES["5"].append((1.0, "uniform routing assumed: the slowest rank at the mean"))
+MISTAKES["6"].append((2 * (4 - 1) / 4 * 64 * 50e6 * 2 / 1e9,
+                      "every expert's gradient reduced, not the 64/ep = 8 a rank holds"))
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)

@@ -206,10 +206,22 @@ ANSWERS = {  # chapter 11's exercises, computed by the calculator above
     "11.2": lambda: _tp_traffic(tuple(reversed(ORDER)))["seconds"],      # s, TP over NDR
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "11.1": [(lambda: ANSWERS["11.1"]() * (LLAMA3_405B.layers // 16) / max(stage_layers(LLAMA3_405B.layers, 16)),
+              f"{LLAMA3_405B.layers} // 16 layers on every stage"),
+             (lambda: ANSWERS["11.1"]() * (LLAMA3_405B.layers / 16) / max(stage_layers(LLAMA3_405B.layers, 16)),
+              f"{LLAMA3_405B.layers} / 16 layers on every stage: "
+              "the first and last stages' lighter load ignored"),
+             (lambda: ANSWERS["11.1"]() * 8 / 7, "2M per all-reduce: the ring's (N-1)/N left out")],
+    "11.2": [(lambda: ANSWERS["11.2"]() * NDR_IB_BPS / NVLINK4_BPS, "the NVLink time, not the network's"),
+             (lambda: ANSWERS["11.2"]() / 8, "400 Gb/s read as 400 GB/s")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(ANSWERS, question, answer, rel)
+    return exercises.check(ANSWERS, question, answer, rel, MISTAKES)
 
 
 def main(argv=None):

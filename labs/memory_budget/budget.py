@@ -213,6 +213,22 @@ def state_gb(model, world_size, zero_stage, recipe="mixed"):
     return state_bytes_per_param(zero_stage, world_size, recipe)["total"] * MODELS[model].params() / GB
 
 
+def nominal_params(model):
+    """The parameter count a model's name suggests (70e9 for "70B"), not its real Psi."""
+    return float(model.removesuffix("B")) * 1e9
+
+
+def nominal_mistake(model):
+    """The mistake of taking a model's name for its parameter count, in words."""
+    return (f"the {nominal_params(model) / 1e9:g}e9 parameters of the model's name for its "
+            f"{MODELS[model].params() / 1e9:.2f}e9 (chapter 1)")
+
+
+def nominal(model, answer):
+    """(the answer the nominal count gives, the mistake in words) for an ``answer()`` linear in Psi."""
+    return lambda: answer() * nominal_params(model) / MODELS[model].params(), nominal_mistake(model)
+
+
 # Chapter 1's exercises: the answers are computed here, so the book never types them.
 EXERCISES = {
     "1": lambda: state_gb("13B", 8, zero_stage=2),
@@ -221,10 +237,21 @@ EXERCISES = {
     "4": lambda: GPU_GIB * GIB / 16 / 1e9,  # billions of parameters in 80 GiB
 }
 
-
-def check(question, answer, rel=0.01):
-    """Automatic checker: within 1% of the computed answer."""
-    return exercises.check(EXERCISES, question, answer, rel)
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: state_gb("13B", 8, zero_stage=2, recipe="bf16_no_master"),
+           "12 bytes per parameter: the fp32 master copy of the weights left out"),
+          (lambda: 16 * MODELS["13B"].params() / GB,
+           "ZeRO-2 forgotten: all 16 bytes per parameter on every GPU")],
+    "2": [(lambda: math.ceil(16 * MODELS["70B"].params() / (GPU_GIB * GB)), "80 GB taken for 80 GiB"),
+          (lambda: math.ceil(16 * nominal_params("70B") / (GPU_GIB * GIB)), nominal_mistake("70B")),
+          (lambda: math.ceil(12 * MODELS["70B"].params() / (GPU_GIB * GIB)),
+           "12 bytes per parameter: the fp32 master copy of the weights left out")],
+    "3": [(lambda: 34 * 2048 * 1 * 12288 / GB, "sbh(34 + 5as/h) without the attention scores' 5as/h")],
+    "4": [(lambda: GPU_GIB / 16, "80 GB taken for 80 GiB"),
+          (lambda: GPU_GIB * GIB / 12 / 1e9, "12 bytes per parameter instead of 16")],
+}
+check = exercises.checker(EXERCISES, MISTAKES)
 
 
 def main(argv=None):

@@ -259,7 +259,16 @@ EXERCISES = {
     "3": lambda: formula("interleaved", 8, 32, 4)["over_ideal"],
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: formula("1f1b", 16, 48)["over_ideal"],
+           "(p-1)/m: the bubble over the ideal time, not the total")],
+    "2": [(lambda: next(m for m in range(1, 1000) if 15 / m <= 0.05),
+           "(p-1)/m <= 5 %: the bubble over the ideal time, not the total")],
+    "3": [(lambda: formula("1f1b", 8, 32)["over_ideal"], "the interleaving's v = 4 left out")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)

@@ -246,11 +246,20 @@ def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("Rank every layout of Llama 2 70B or Llama 3 405B on H100 nodes (one process; "
                    "--world-size is the number of GPUs).", None)
-    p.add_argument("--model", choices=sorted(MODELS), default="70B")
-    p.add_argument("--batch-tokens", type=cli.positive_int, default=4 * 2 ** 20)
+    for action in p._actions:  # the contract's options, as they read for a plan of GPUs
+        if action.dest == "world_size":
+            action.help = "number of GPUs to plan for, H100s in nodes of 8 (default 64)"
+        elif action.dest == "timeout":
+            action.help = "kept for the command-line contract; the planner starts no rank (default 120)"
+    p.add_argument("--model", choices=sorted(MODELS), default="70B",
+                   help="Llama 2 70B or Llama 3 405B (default 70B)")
+    p.add_argument("--batch-tokens", type=cli.positive_int, default=4 * 2 ** 20,
+                   help="tokens in one global batch (default 4,194,304: 4M)")
     p.add_argument("--eta", type=lambda t: cli.positive_float(t, 1.0), default=0.5,
-                   help="matmul efficiency (chapter 14 calibrates it on a published row)")
-    p.add_argument("--top", type=cli.positive_int, default=5)
+                   help="matmul efficiency, above 0 and at most 1 (default 0.5; chapter 14 calibrates it "
+                        "on a published row)")
+    p.add_argument("--top", type=cli.positive_int, default=5,
+                   help="how many of the fastest layouts to print (default 5)")
     args = cli.parse(p, argv)
     job = Job(MODELS[args.model], shapes.DGX_H100, args.world_size or 64, args.batch_tokens)
     result = plan(job, args.eta)

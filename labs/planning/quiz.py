@@ -78,9 +78,13 @@ NOTE = {"1": 3 * 17.5,            # "bf16 weights ~17.5 GB + grads ~17.5 GB + op
         "16": 1 / 3}              # "~33% extra FLOPs vs full recompute"
 
 
+MISTAKES = {q: [(figure, "the note's own figure, which this chapter shows to be wrong")]
+            for q, figure in NOTE.items()}
+
+
 def check(question, answer, rel=0.02):
     """The quiz's checker: True when ``answer`` is within 2 % of the computed one."""
-    return exercises.check(ANSWERS, question, answer, rel)
+    return exercises.check(ANSWERS, question, answer, rel, MISTAKES)
 
 
 def note_verdicts():

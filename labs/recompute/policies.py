@@ -213,10 +213,20 @@ EXERCISES = {
     "3": lambda: 1024 // loss_reduction.global_batch_size(2, 1, 64)["sequences"],
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: selective_at_scale(dropout=False)["memory_removed"],
+           "the dropout-free count sbh(32 + 2as/h) for a layer with dropout")],
+    "2": [(lambda: selective_at_scale()["korthikanti_flops_added"] * 100,
+           "Korthikanti et al.'s figure, which counts the attention products' forward and backward again"),
+          (lambda: selective_at_scale()["full_flops_added"] * 100, "full recomputation's third")],
+    "3": [(1024 // 64, "the micro-batch of 2 left out: 1024 / dp")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def main(argv=None):

@@ -185,10 +185,18 @@ EXERCISES = {
     "2": lambda: layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: layer_costs("70B", 8)["hh_weight_bytes"] / 2**20,
+           "sized by the h x h weight, not by b s h")],
+    "2": [(lambda: layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3 / 8,
+           "400 Gb/s read as 400 GB/s")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def main(argv=None):

@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from labs.memory_budget import budget
-from labs.measure import comm, memory
+from labs.measure import comm, exercises, memory
 from labs.data_parallel import hand_ring
 from labs.zero import adam_drift, fsdp
 from labs.launcher import launch
@@ -272,16 +272,16 @@ def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None
     return out
 
 
-# Chapter 3's exercises: the answers are computed here, so the book never types them.
-EXERCISES = {
-    "1": lambda: budget.state_gb("70B", 64, zero_stage=2),
-    "2": lambda: formula_comm(3, budget.MODELS["13B"].params(), 8) / budget.GB,
-}
-
-
-def check(question, answer, rel=0.01):
-    from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+# Chapter 3's exercises, and the answers the usual mistakes give (the checker names them), computed here.
+EXERCISES = {"1": lambda: budget.state_gb("70B", 64, zero_stage=2),
+             "2": lambda: formula_comm(3, budget.MODELS["13B"].params(), 8) / budget.GB}
+MISTAKES = {"1": [(lambda: budget.state_gb("70B", 64, 2, "bf16_no_master"),
+                   "2 + 10/N bytes per parameter: the 12-byte recipe, without the fp32 master copy"),
+                  (lambda: budget.state_gb("70B", 64, zero_stage=1), "ZeRO-1's 4 + 12/N: the gradients left whole"),
+                  budget.nominal("70B", EXERCISES["1"])],
+            "2": [(lambda: formula_comm(0, budget.MODELS["13B"].params(), 8) / budget.GB,
+                   "DDP's bytes: ZeRO-3's extra all-gather left out")]}
+check = exercises.checker(EXERCISES, MISTAKES)
 
 
 def main(argv=None):
