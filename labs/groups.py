@@ -27,7 +27,8 @@ class Groups:
         # cp, dp_cp, ep, ... only when a lab splits that axis: new_group is a collective, and every
         # other lab would pay for groups it never uses
         axes = ["tp", "pp", "dp"] + (["cp", ("dp", "cp")] if dims.cp > 1 else []) + \
-               (["ep", "edp"] if dims.ep > 1 else []) + (["dp_shard", "dp_replicate"] if dims.dp_replicate > 1 else [])
+            (["ep", "edp"] if dims.ep > 1 else []) + \
+            (["dp_shard", "dp_replicate"] if dims.dp_replicate > 1 else [])
         for axis in axes:
             name = axis if isinstance(axis, str) else "_".join(axis)
             for ranks in dims.groups(axis):

@@ -201,7 +201,8 @@ def second_homes(sources):
     for name, source in sources.items():
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
-                fields = {t.target.id for t in node.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
+                fields = {t.target.id for t in node.body
+                          if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
                 if len(fields & DEGREES) >= 2:
                     found.add(("degrees", name))
                 if {"layers", "hidden"} <= fields:
@@ -229,12 +230,14 @@ def test_the_homes_define_what_they_are_home_to():
 SECOND_HOMES = {
     "a Plan with its own degrees": ("from dataclasses import dataclass\n@dataclass\nclass Plan:\n    dp: int\n"
                                     "    tp: int = 1\n", ("degrees", "labs.planning.memory")),
-    "the older tier rule": ("def tier_of(stride, n, g):\n    return stride * n <= g\n", ("placement rule", "labs.hardware.placement")),
-    "a mesh built by hand": ("from torch.distributed.device_mesh import init_device_mesh\nm = init_device_mesh('cpu', (2,))\n",
-                             ("device mesh", "labs.zero.stages")),
+    "the older tier rule": ("def tier_of(stride, n, g):\n    return stride * n <= g\n",
+                            ("placement rule", "labs.hardware.placement")),
+    "a mesh built by hand": ("from torch.distributed.device_mesh import init_device_mesh\n"
+                             "m = init_device_mesh('cpu', (2,))\n", ("device mesh", "labs.zero.stages")),
     "a second model type": ("import dataclasses\n@dataclasses.dataclass(frozen=True)\nclass Arch:\n    layers: int\n"
                             "    hidden: int\n", ("model shape", "labs.memory_budget.budget")),
-    "a second split": ("def split_counts(n, parts):\n    return [n // parts] * parts\n", ("stage split", "labs.planning.memory")),
+    "a second split": ("def split_counts(n, parts):\n    return [n // parts] * parts\n",
+                       ("stage split", "labs.planning.memory")),
 }
 
 

@@ -5,7 +5,8 @@ their rings move. Here a real job checks it: the ranks are laid out as the calcu
 out, on simulated nodes of g ranks (node = rank // g), the groups come from the layout's torch
 DeviceMesh (`ParallelDims.mesh`: `init_device_mesh`, one named dimension per axis, slowest first) and
 are checked equal to the calculator's, and each rank runs one hand ring all-reduce (chapter 2's,
-`hand_ring.ring_allreduce`) per TP, CP and DP group and one send to its next pipeline stage. `labs.measure.comm` records every
+`hand_ring.ring_allreduce`) per TP, CP and DP group and one send to its next pipeline stage.
+`labs.measure.comm` records every
 message with its destination; a message crosses when its destination's node is not the sender's.
 `crossing_formula` predicts the same total from the groups alone (a ring crosses a boundary once
 per pair of ring neighbours on different nodes), so the two can disagree if the messages went
@@ -93,7 +94,8 @@ def main(argv=None):
     ap.add_argument("--numel", type=cli.positive_int, default=1020, help="fp32 elements per call")
     ap.add_argument("--reversed", action="store_true", help="order [DP, PP, CP, TP] instead of Llama 3's")
     args = cli.parse(ap, argv)
-    dims = ParallelDims(**{a: getattr(args, a) for a in AXES}, order=tuple(reversed(ORDER)) if args.reversed else ORDER)
+    order = tuple(reversed(ORDER)) if args.reversed else ORDER
+    dims = ParallelDims(**{a: getattr(args, a) for a in AXES}, order=order)
     layout = Placement(dims, gpus_per_node=args.gpus_per_node)
     if args.world_size not in (None, dims.world_size):
         raise ValueError(f"--world-size {args.world_size} is not tp*cp*pp*dp = {dims.world_size}; "

@@ -34,6 +34,7 @@ reduce-scatter; Patarasuk & Yuan 2009), for the busiest pipeline stage (chapter 
   k*b*s*h/(tp*cp) per MoE layer, each sending (N-1)/N of it.
 The counted check, every message's destination on a simulated cluster, is `labs.hardware.boundary`.
 """
+import dataclasses
 from dataclasses import dataclass, field
 
 from labs.dims import ORDER, ParallelDims
@@ -186,7 +187,7 @@ def main(argv=None):
     if args.world_size not in (None, dims.world_size):
         raise ValueError(f"--world-size {args.world_size} is not tp*cp*pp*dp = {dims.world_size}; "
                          "drop --world-size or change the degrees.")
-    run = Run(LLAMA3_RUN.micro_batch, LLAMA3_RUN.micro_batches, args.v, LLAMA3_RUN.param_bytes, LLAMA3_RUN.grad_bytes)
+    run = dataclasses.replace(LLAMA3_RUN, v=args.v)
     stage_layers(LLAMA3_405B.layers, args.pp, args.v)   # refuse more chunks than the model can fill
     rows = plan(LLAMA3_405B, Placement(dims, gpus_per_node=args.gpus_per_node), run)
     lines = [f"{a}: {r['tier']} {r['bytes_per_rank'] / 1e9:.2f} GB/rank {r['seconds'] * 1e3:.1f} ms"

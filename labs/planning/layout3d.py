@@ -136,7 +136,8 @@ def predict_bytes_per_group(cfg, dims, micro_batch, num_microbatches, seq, stage
     n = dims.size(("dp", "cp"))                                 # ranks that average gradients
     padded = -(-local_params(cfg, tp, pp, stage) // n) * n
     return {"tp": layers * m * 4 * costs.sent("all_reduce", act, tp),
-            "cp": layers * m * 4 * costs.sent("all_gather", act // tp * cp, cp),   # K or V gathered, dK or dV scattered
+            # K and V gathered forward, dK and dV reduce-scattered backward: four (s/cp)-row blocks
+            "cp": layers * m * 4 * costs.sent("all_gather", act // tp * cp, cp),
             "pp": m * act * ((stage < pp - 1) + (stage > 0)),
             "dp": costs.sent("reduce_scatter", padded * elem, n) + costs.sent("all_gather", padded * elem, n)}
 

@@ -132,8 +132,8 @@ def main(argv=None):
     args = cli.parse(p, argv)
     plan = memory.Plan(ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp), zero=3)
     if args.world_size not in (None, plan.dims.world_size):
-        raise ValueError(f"--world-size {args.world_size} is not dp*pp*tp = {plan.dims.world_size}; drop it or change "
-                         "the degrees.")
+        raise ValueError(f"--world-size {args.world_size} is not dp*pp*tp = {plan.dims.world_size}; "
+                         "drop it or change the degrees.")
     model = shapes.LLAMA3_405B if args.model == "405B" else shapes.LLAMA2_70B
     r = measure_rank(model, plan, args.rank)
     cli.report(r, args, f"rank {r['rank']} of {r['world_size']:,} (stage {r['stage']}): {r['local_elements']:,} "

@@ -62,10 +62,12 @@ class LibraryBytes(TorchDispatchMode):
             self._record("all_reduce", pg, _nbytes(args[0][0]), self._ring(args[0][0], pg))
         elif name == "c10d._allgather_base_.default":              # (output, input, pg): FSDP2
             pg = dist.ProcessGroup.unbox(args[2])
-            self._record("all_gather", pg, _nbytes(args[1]), costs.sent("all_gather", pg.size() * _nbytes(args[1]), pg.size()))
+            n, shard = pg.size(), _nbytes(args[1])
+            self._record("all_gather", pg, shard, costs.sent("all_gather", n * shard, n))
         elif name == "c10d._reduce_scatter_base_.default":         # (output, input, pg, op): FSDP2
             pg = dist.ProcessGroup.unbox(args[2])
-            self._record("reduce_scatter", pg, _nbytes(args[1]), costs.sent("reduce_scatter", _nbytes(args[1]), pg.size()))
+            self._record("reduce_scatter", pg, _nbytes(args[1]),
+                         costs.sent("reduce_scatter", _nbytes(args[1]), pg.size()))
         elif name == "c10d.send.default":                          # ([tensors], pg, dst, tag): pipelining
             pg, size = dist.ProcessGroup.unbox(args[1]), sum(_nbytes(t) for t in args[0])
             self._record("send", pg, size, size)
