@@ -114,3 +114,16 @@ def test_placement_cli(capsys):
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]["tp"]["tier"] == "inter"
     with pytest.raises(ValueError, match="cannot fill"):
         P.main(["--tp", "1", "--pp", "100", "--dp", "1"])      # 100 stages x 8 chunks for 126 layers
+
+
+def test_chapters_11_and_14_count_the_same_tp_and_pp_bytes():
+    """One formula table (`labs.measure.costs`), one stage split, one degrees type: the calculator's TP and
+    PP bytes for a middle stage of Llama 3 405B equal the planner's (`planning.traffic`) for the same
+    layout, b, m and v, without the planner's vocabulary terms (a middle stage has none)."""
+    from labs.planning import memory, traffic
+    run = P.LLAMA3_RUN
+    calc = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS), run)
+    plan = memory.Plan(P.LLAMA3_DIMS, zero=1, micro_batch=run.micro_batch, v=run.v)
+    planner = traffic.predict_bytes_per_group(P.LLAMA3_405B, plan, num_microbatches=run.micro_batches, stage=8)
+    assert planner["terms"]["tp_vocab"] == 0 and planner["tp"] == calc["tp"]["bytes_per_rank"]
+    assert planner["pp"] == calc["pp"]["bytes_per_rank"]
