@@ -32,6 +32,7 @@ import torch
 from labs.measure import comm, exercises, memory
 from labs.launcher import launch
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.memory_budget import recipes as mixed_precision  # `recipes` names a parameter below
 from labs.memory_budget.model_shape import ModelShape
 from labs.memory_budget.activations import (activation_bytes_per_layer, llama_activation_terms,
@@ -94,10 +95,7 @@ def budget(model="7B", world_size=8, tp=1, pp=1, zero_stage=0, recipe="mixed", s
     = gpu_gib * 2**30; ``fits``: total bytes <= capacity_bytes.
     """
     arch = _arch(model)
-    if world_size % (tp * pp):
-        raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}; "
-                         f"choose tp and pp whose product divides {world_size}.")
-    dp = world_size // (tp * pp)
+    dp = ParallelDims.build(world_size, tp=tp, pp=pp).dp       # the degrees, checked once
     if arch.layers % pp or arch.heads % tp or arch.ffn % tp or (arch.kv_heads % tp and tp % arch.kv_heads):
         raise ValueError(f"{model} has {arch.layers} layers, {arch.heads} heads, {arch.kv_heads} KV heads and "
                          f"MLP width {arch.ffn}: pp must divide the layers and tp the heads and the width "
