@@ -5,9 +5,10 @@ uses; imports point one way (a chapter uses the shared packages and earlier chap
 reverse; `tests/test_layout.py` checks it):
 
     launcher/         start N ranks from a notebook, a test or torchrun; the command-line contract
-    measure/          counted collectives, wire bytes, memory, FLOPs, how a notebook states a number
+    measure/          counted collectives, wire bytes, formula bytes (the ring factors), memory, FLOPs
     model.py          the tiny GPT (and Llama block) every chapter parallelises from outside
-    groups.py         the rank grid every process group comes from
+    dims.py           the degrees of a layout (ParallelDims), checked once: rank grid, groups, mesh, tiers
+    groups.py         the process groups of a running job, made from a ParallelDims
     memory_budget/    chapter 1          data_parallel/    chapter 2          zero/            chapter 3
     tensor_parallel/  chapter 4          pipeline/         chapter 5          context_parallel/ chapter 6
     expert_parallel/  chapter 7          precision/        chapter 8          recompute/       chapter 9

@@ -3,6 +3,7 @@ derived drift bound; bytes per group counted against the prediction; broken layo
 import pytest
 import torch
 
+from labs.dims import ParallelDims
 from labs.planning import drift, layout3d, torch3d, train3d
 
 # The tests marked `numerics` compare floating-point results: `make test` runs them again under
@@ -113,13 +114,16 @@ def test_bf16_has_no_useful_worst_case_bound_and_degrees_are_refused():
     from labs.planning import rounding
     assert rounding.gamma(256, drift.BF16) == float("inf")      # 256 u = 1: no bound at all
     assert rounding.gamma(64, drift.BF16) > 1000 * rounding.gamma(64, drift.FP32)
-    for degrees, words in (({"tp": 3}, "heads"), ({"pp": 3}, "layers"), ({"cp": 3}, "zig-zag"),
-                           ({"dp": 0}, "positive integer")):
+    for degrees, words in (({"tp": 3}, "heads"), ({"pp": 3}, "layers"), ({"cp": 3}, "zig-zag")):
         with pytest.raises(ValueError, match=words):
-            layout3d.check(CFG, **degrees)
+            layout3d.check(CFG, ParallelDims(**degrees))
+    with pytest.raises(ValueError, match="positive integer"):
+        ParallelDims(dp=0)
     with pytest.raises(ValueError, match="world_size 3"):
-        layout3d.check(CFG, dp=2, world_size=3)
+        ParallelDims.build(3, dp=2)
     with pytest.raises(ValueError, match="does not run on CPU"):
-        torch3d.check({"cp": 2, "tp": 2})
+        torch3d.check(ParallelDims(cp=2, tp=2))
+    with pytest.raises(ValueError, match="world_size 3"):      # the command line's --world-size, checked once
+        train3d.main(["--dp", "2", "--world-size", "3", "--json"])
     with pytest.raises(ValueError, match="layers"):           # the command line, before any process starts
         train3d.main(["--dp", "2", "--pp", "3", "--json"])

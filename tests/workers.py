@@ -79,10 +79,18 @@ def count_collectives(rank, world_size, numel):
 
 def tp_group_sum(rank, world_size, tp):
     from labs import groups
-    g = groups.Groups(groups.layout(world_size, tp=tp))
+    from labs.dims import ParallelDims
+    g = groups.Groups(ParallelDims.build(world_size, tp=tp))
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=g.tp)
     return {"coords": g.coords, "tp_ranks": g.tp_ranks, "dp_ranks": g.dp_ranks, "tp_sum": t.item()}
+
+
+def mesh_groups(rank, world_size, dims):
+    """{dimension: this rank's group's ranks} of ``dims.mesh()``, the flattened "dp" included."""
+    mesh = dims.mesh("cpu")
+    return {a: dist.get_process_group_ranks(mesh.get_group(a)) for a in mesh.mesh_dim_names + ("dp",)
+            if a == "dp" or a in mesh.mesh_dim_names}
 
 
 # ---- hand collectives (labs.data_parallel.hand_ring.hand_collectives) ------------------------

@@ -23,20 +23,19 @@ import torch
 import torch.distributed as dist
 
 from labs.launcher import launch, preflight
-from labs.measure import wire
+from labs.measure import costs, wire
 
-FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-           "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+DOCUMENTED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")   # the ops doc/PERFORMANCE.md defines
 KiB, MiB = 1024, 1024 ** 2
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB]
 
 
 def bus_factor(op, world_size):
     """nccl-tests' busbw / algbw for ``op`` on ``world_size`` ranks (doc/PERFORMANCE.md)."""
-    if op not in FACTORS:
-        raise ValueError(f"unknown collective {op!r}; use one of {', '.join(FACTORS)}.")
+    if op not in DOCUMENTED:
+        raise ValueError(f"unknown collective {op!r}; use one of {', '.join(DOCUMENTED)}.")
     preflight.check_world_size(world_size)
-    return FACTORS[op](world_size)
+    return float(costs.factor(op, world_size)) if world_size > 1 else float(op == "broadcast")
 
 
 def bandwidths(nbytes, seconds, world_size, op="all_reduce"):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from labs.data_parallel.hand_ring import naive_allreduce, ring_allreduce
-from labs.measure import comm, wire
+from labs.measure import comm, costs, wire
 from labs.launcher import launch, preflight
 
 ALGORITHMS = ("ring", "naive", "library")
@@ -116,7 +116,7 @@ def alpha_beta_fit(sizes_bytes, seconds, n):
     """Least-squares alpha (s per step) and beta (s per byte) of T = 2(N-1)alpha + 2(N-1)/N M beta."""
     import numpy as np
     slope, intercept = np.polyfit(np.asarray(sizes_bytes, float), np.asarray(seconds, float), 1)
-    return intercept / (2 * (n - 1)), slope / (2 * (n - 1) / n)
+    return intercept / (2 * (n - 1)), slope / float(costs.factor("all_reduce", n))
 
 
 # Chapter 2's exercises: the answers are computed here, so the book never types them.
@@ -176,7 +176,7 @@ def main(argv=None):
               "bytes_received": [r["bytes_received"] for r in results],
               "formula_bytes_sent": [r["formula_bytes_sent"] for r in results],
               "wire_bytes": [r["wire_bytes"] for r in results], "wire_reason": results[0]["wire_reason"],
-              "bytes_sent_formula_per_rank": 2 * (n - 1) / n * m,
+              "bytes_sent_formula_per_rank": float(costs.sent("all_reduce", m, n)),
               "seconds": statistics.median(r["seconds"] for r in results)}
     cli.report(result, args, f"{args.algorithm} all-reduce of {m} bytes on {n} ranks: max error "
                f"{result['max_abs_error']:.2e}, counted bytes sent per rank {result['bytes_sent']} "

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from labs import groups
+from labs.dims import ParallelDims
 from labs.expert_parallel import moe
 from labs.launcher import launch
 
@@ -109,7 +110,7 @@ def compare(rank, world_size, ranks_per_node=2, tokens=64, hidden=16, experts=16
     """Flat and node-deduplicated dispatch on the same layer and tokens, with and without a limit
     of one node per token (M = 1). Per setting: bytes per tier and kind (counted), the rows derived
     from the single-process routing, the error of each forward against the single-process layer."""
-    grid = groups.Groups(groups.layout(world_size, tp=ranks_per_node))   # tp axis = the ranks of a node
+    grid = groups.Groups(ParallelDims.build(world_size, tp=ranks_per_node))   # tp axis = the ranks of a node
     dev, per = launch.device(), moe.check_ep(experts, world_size)
     epn = per * ranks_per_node                                            # experts per node
     g = torch.Generator().manual_seed(seed + 1)

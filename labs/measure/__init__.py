@@ -3,6 +3,7 @@
 - `comm`: counted collectives and point-to-point calls: counted messages, formula bytes and the
   library's wire bytes kept apart, and the payload each call was made with.
 - `wire`: the library's wire bytes, the rise of ``wchar`` in /proc/self/io around a gloo call.
+- `costs`: formula bytes, the one table of what a collective sends per rank (the ring factors).
 - `memory`: bytes a rank holds (storage accounting) and its peak during a step.
 - `flops`: FLOPs counted by ``FlopCounterMode``, the CPU's SDPA kernel included.
 - `report`: how a notebook states a float to the precision its assertion guarantees; glue.

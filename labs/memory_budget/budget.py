@@ -26,14 +26,15 @@ against the activation formulas.
     python -m labs.memory_budget.budget --measure --world-size 2 --json
 """
 import math
-from dataclasses import dataclass
 
 import torch
 
 from labs.measure import comm, exercises, memory
 from labs.launcher import launch
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.memory_budget import recipes as mixed_precision  # `recipes` names a parameter below
+from labs.memory_budget.model_shape import ModelShape
 from labs.memory_budget.activations import (activation_bytes_per_layer, llama_activation_terms,
                                             measure_activations, measure_llama)
 
@@ -42,31 +43,14 @@ GIB = 2 ** 30     # what a GPU's memory is counted in
 GPU_GIB = 80      # an H100 SXM "80GB": 80 GiB = 85.9e9 bytes
 
 
-@dataclass(frozen=True)
-class Arch:
-    """Published shapes (Touvron et al. 2023 for Llama 2; Llama 3 Herd paper, 2024, for 405B)."""
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-
-    def layer_params(self):
-        return (self.params() - 2 * self.vocab * self.hidden - self.hidden) // self.layers
-
-    def params(self):
-        """Llama block: q, o (h x h); k, v (h x kv*d); SwiGLU (3 matrices h x ffn); 2 RMSNorms."""
-        kv = self.kv_heads * (self.hidden // self.heads)
-        per_layer = 2 * self.hidden ** 2 + 2 * self.hidden * kv + 3 * self.hidden * self.ffn + 2 * self.hidden
-        return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden  # + embed, head, final norm
-
-
+# Published shapes: Touvron et al. 2023 (Llama 2, Table 1: 4,096-token context) and Llama Team 2024
+# (arXiv 2407.21783, Table 3; 405B pre-trained at 8,192 tokens, Table 4)
 MODELS = {
-    "7B": Arch(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
-    "13B": Arch(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000),
-    "70B": Arch(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
-    "405B": Arch(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256),
+    "7B": ModelShape("Llama 2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, seq=4096),
+    "13B": ModelShape("Llama 2 13B", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, seq=4096),
+    "70B": ModelShape("Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, seq=4096),
+    "405B": ModelShape("Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256,
+                       seq=8192),
 }
 
 
@@ -111,10 +95,7 @@ def budget(model="7B", world_size=8, tp=1, pp=1, zero_stage=0, recipe="mixed", s
     = gpu_gib * 2**30; ``fits``: total bytes <= capacity_bytes.
     """
     arch = _arch(model)
-    if world_size % (tp * pp):
-        raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}; "
-                         f"choose tp and pp whose product divides {world_size}.")
-    dp = world_size // (tp * pp)
+    dp = ParallelDims.build(world_size, tp=tp, pp=pp).dp       # the degrees, checked once
     if arch.layers % pp or arch.heads % tp or arch.ffn % tp or (arch.kv_heads % tp and tp % arch.kv_heads):
         raise ValueError(f"{model} has {arch.layers} layers, {arch.heads} heads, {arch.kv_heads} KV heads and "
                          f"MLP width {arch.ffn}: pp must divide the layers and tp the heads and the width "

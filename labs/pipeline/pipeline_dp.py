@@ -21,6 +21,7 @@ import torch
 
 from labs.measure import comm
 from labs import groups, model as tiny
+from labs.dims import ParallelDims
 from labs.pipeline import executor, schedules
 
 
@@ -47,7 +48,7 @@ def run(rank, world_size, pp=2, m=4, batch_size=2, unit_seconds=0.02):
     """One 1F1B step on pp x dp ranks, then each stage's all-reduce over its DP group: counted calls
     and bytes, the logical time it is issued, wall-clock times, and the gradient error against one
     process over all dp x m micro-batches."""
-    lay = groups.layout(world_size, pp=pp)
+    lay = ParallelDims.build(world_size, pp=pp)
     g = groups.Groups(lay)
     stage, d, dp = g.coords["pp"], g.coords["dp"], lay.dp
     cfg = executor.config()

@@ -1,8 +1,8 @@
 """Chapter 14, planning a real layout: a planner built from the earlier chapters' formulas, checked
 against published runs; then the layouts composed, trained and held to one process.
 
-- `shapes`: a model as its weight matrices and how tensor parallelism splits each; a cluster as its links and peak.
-- `memory`: what one rank of a layout holds, six terms, each from the chapter that derived it.
+- `shapes`: the models the planner is checked on (chapter 1's `ModelShape`) and a cluster as its links and peak.
+- `memory`: a layout (`Plan`: a `ParallelDims` and its settings) and what one rank holds, six terms.
 - `traffic`: the formula bytes each parallel group sends per rank per step, and the link tier it uses.
 - `timing`: the estimated step time (compute at a calibrated efficiency, exposed bytes, bubble) and the papers' FLOPs.
 - `planner`: every layout of a job, the rule or memory term that rejects it, the rest ranked by step time.

@@ -20,8 +20,10 @@ Calibration: one efficiency constant eta per GPU generation (A100; Hopper: H100 
 fitted on one row (`CALIBRATION_ROWS`) so that the planner's estimate for that row's published
 layout equals its published TFLOP/s; every other row is a prediction.
 """
+import dataclasses
 from dataclasses import dataclass, field
 
+from labs.dims import ParallelDims
 from labs.memory_budget import compute
 from labs.planning import planner, shapes
 
@@ -48,7 +50,7 @@ class Case:
     name: str
     source: str
     job: planner.Job
-    published: dict          # degrees {"tp", "pp", "cp", "ep", "dp"}
+    published: ParallelDims  # the layout the source states
     fixed: dict = field(default_factory=dict)   # settings the source states
     tflops: float = None     # published TFLOP/s per GPU (None: the source gives none)
     counted: str = "none"    # the recomputation the source's FLOP count includes
@@ -64,7 +66,7 @@ def megatron_cases():
                           zero_stages=(0,), recompute=("full",), sp=False)
         fixed = {}
         out.append(Case(f"GPT {b}B", "Narayanan et al. 2021, Table 1", job,
-                        {"tp": tp, "pp": pp, "cp": 1, "ep": 1, "dp": gpus // (tp * pp)}, fixed, tflops, "full"))
+                        ParallelDims(tp=tp, pp=pp, dp=gpus // (tp * pp)), fixed, tflops, "full"))
     return out
 
 
@@ -72,7 +74,7 @@ def llama3_cases():
     out = []
     for r in compute.LLAMA3_405B_TABLE4:
         dp = r["gpus"] // (r["tp"] * r["cp"] * r["pp"])       # 8 on the long-context row (see above)
-        model = shapes.ModelShape(**{**shapes.LLAMA3_405B.__dict__, "seq": r["seq"]})
+        model = dataclasses.replace(shapes.LLAMA3_405B, seq=r["seq"])
         # FSDP keeping the gathered weights through backward, fp32 gradients: ZeRO-1's memory and bytes;
         # at 8K "without activation checkpointing"
         job = planner.Job(model, shapes.LLAMA3_CLUSTER, r["gpus"], compute.LLAMA3_TOKENS_PER_BATCH,
@@ -82,7 +84,7 @@ def llama3_cases():
         # chunk on the last stage has only output projection and loss": 126 = 16 x 8 - 2 layers, v = 8
         fixed = {"v": 8}
         out.append(Case(f"Llama 3 405B, {r['gpus']:,} GPUs, s = {r['seq']:,}", "Llama Team 2024, Table 4", job,
-                        {"tp": r["tp"], "pp": r["pp"], "cp": r["cp"], "ep": 1, "dp": dp}, fixed, r["tflops"]))
+                        ParallelDims(tp=r["tp"], pp=r["pp"], cp=r["cp"], dp=dp), fixed, r["tflops"]))
     return out
 
 
@@ -95,7 +97,7 @@ def deepseek_case():
     job = planner.Job(model, shapes.H800_CLUSTER, 2048, DEEPSEEK_BATCH * model.seq, "mixed_fp32_grads", "fused",
                       zero_stages=(1,))
     return Case("DeepSeek-V3, 2,048 H800s", "DeepSeek-AI 2024, §3.2, §4.2 (TFLOP/s from §1's GPU hours)", job,
-                {"tp": 1, "pp": 16, "cp": 1, "ep": 64, "dp": 128}, {"zero": 1}, tflops)
+                ParallelDims(pp=16, ep=64, dp=128), {"zero": 1}, tflops)
 
 
 def notes_cases():
@@ -104,9 +106,9 @@ def notes_cases():
     q1 = planner.Job(m70, shapes.DGX_H100, 8, 1024 * m70.seq, "mixed", "fused")   # a 4M-token batch
     q2 = planner.Job(shapes.LLAMA3_405B, shapes.DGX_H100, 16_384, compute.LLAMA3_TOKENS_PER_BATCH, "mixed", "fused")
     return [Case("70B on one node of 8 H100s", "source 001, quiz 1: ZeRO-3 over 8", q1,
-                 {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 8}, {"zero": 3}),
+                 ParallelDims(dp=8), {"zero": 3}),
             Case("405B on 16,384 H100s", "source 001, quiz 2: TP 8, PP 16, DP 128, ZeRO-1", q2,
-                 {"tp": 8, "pp": 16, "cp": 1, "ep": 1, "dp": 128}, {"zero": 1, "recompute": "selective"})]
+                 ParallelDims(tp=8, pp=16, dp=128), {"zero": 1, "recompute": "selective"})]
 
 
 def evaluate(case, eta, result=None):
@@ -114,8 +116,7 @@ def evaluate(case, eta, result=None):
     verdict (fits by the planner's count, or the term that overflows), its rank among the layouts
     that fit, and its estimated TFLOP/s per GPU against the published figure."""
     result = result or planner.plan(case.job, eta)
-    d = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, **case.published}
-    row = planner.published(case.job, d, eta, case.fixed)
+    row = planner.published(case.job, case.published, eta, case.fixed)
     out = {"case": case, "result": result, "row": row, "fits": row["fits"], "of": len(result["ranked"]),
            "best": result["ranked"][:3], "rank": None, "estimate": None, "error": None}
     if "time" in row:
@@ -128,7 +129,7 @@ def evaluate(case, eta, result=None):
 
 def estimate(case, eta):
     """The estimated TFLOP/s per GPU of the case's published layout alone (no enumeration)."""
-    row = planner.published(case.job, {"tp": 1, "pp": 1, "cp": 1, "ep": 1, **case.published}, eta, case.fixed)
+    row = planner.published(case.job, case.published, eta, case.fixed)
     if "time" not in row:
         raise ValueError(f"{case.name}: the published layout has no setting to time: {row['reason']}.")
     return planner.tflops_per_gpu(case.job, row, case.counted)

@@ -26,11 +26,12 @@ micro-batch's targets, and all-gather CP without the reduce-scatter of dK and dV
 """
 import torch
 
+from labs.dims import ParallelDims
 from labs.planning import layout3d, rounding, train3d
 from labs.zero.adam_drift import adam_step_bound
 
 FP32, BF16 = 2.0 ** -24, 2.0 ** -8
-LAYOUT_3D, LAYOUT_4D = {"dp": 2, "tp": 2, "pp": 2}, {"cp": 2, "tp": 2, "pp": 2}
+LAYOUT_3D, LAYOUT_4D = ParallelDims(dp=2, tp=2, pp=2), ParallelDims(cp=2, tp=2, pp=2)
 VARIANTS = {   # name: (layout, bugs, what is wrong)
     "3d": (LAYOUT_3D, (), "correct: dp 2 x tp 2 x pp 2"),
     "tp_backward": (LAYOUT_3D, ("tp_backward",), "TP: f without its all-reduce in backward"),
@@ -42,9 +43,9 @@ VARIANTS = {   # name: (layout, bugs, what is wrong)
 }
 
 
-def reordered(degrees):
+def reordered(dims):
     """The kinds of forward op whose sums this layout orders differently, and whether its gradients' are."""
-    tp, cp, dp = (degrees.get(a, 1) for a in ("tp", "cp", "dp"))
+    tp, cp, dp = dims.tp, dims.cp, dims.dp
     kinds = ({"block"} if tp > 1 else set()) | (set(rounding.KINDS) if cp > 1 else set())
     return kinds, dp > 1 or tp > 1 or cp > 1
 
@@ -84,7 +85,7 @@ def weight_drift(grads, deltas, lr, betas=(0.9, 0.999), eps=1e-8):
     return out
 
 
-def bound(degrees, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
+def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
           num_microbatches=layout3d.MICROBATCHES, u=FP32):
     """One process's run, watched; the bound B_t of every step for this layout, with its terms.
 
@@ -93,8 +94,8 @@ def bound(degrees, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MI
     (the smallest |g| / delta over weights with a nonzero delta: how far the nearest gradient is from
     flipping; inf when the layout reorders no gradient)."""
     cfg = layout3d.config()
-    kinds, grads_reordered = reordered(degrees)
-    dp, m, b = degrees.get("dp", 1), num_microbatches, micro_batch
+    kinds, grads_reordered = reordered(dims)
+    dp, m, b = dims.dp, num_microbatches, micro_batch
     ref = layout3d.reference(cfg, dp, m, b, steps, lr, watch=lambda net: rounding.Rounding(net, u))
     tokens = dp * m * b * cfg.seq_len
     scale = 2 * rounding.gamma(tokens, u) if grads_reordered else 0.0
@@ -122,14 +123,14 @@ def table(names=tuple(VARIANTS), steps=layout3d.STEPS, lr=layout3d.LR, timeout=6
         mine = [n for n in names if VARIANTS[n][0] == layout]
         if not mine:
             continue
-        key = tuple(sorted(layout.items()))
+        key = layout
         bounds[key] = bound(layout, steps, lr)
         runs = train3d.run(layout, [VARIANTS[n][1] for n in mine], steps, lr, timeout=timeout)
         for n, r in zip(mine, runs):
             b = bounds[key]
             diff = [abs(x - y) for x, y in zip(r["losses"], b["losses"])]
             beyond = [t + 1 for t, (d, lim) in enumerate(zip(diff, b["bound"])) if d > lim]
-            rows[n] = {"layout": dict(layout), "what": VARIANTS[n][2], "bug": bool(VARIANTS[n][1]),
+            rows[n] = {"layout": layout.degrees(), "what": VARIANTS[n][2], "bug": bool(VARIANTS[n][1]),
                        "diff": diff, "bound": b["bound"], "first_step_beyond": beyond[0] if beyond else None,
                        "losses": r["losses"], "sent": r["sent"]}
-    return {"rows": rows, "bounds": {str(dict(k)): v for k, v in bounds.items()}}
+    return {"rows": rows, "bounds": {repr(k): v for k, v in bounds.items()}}

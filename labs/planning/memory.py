@@ -1,12 +1,13 @@
 """Chapter 14: what one rank of a layout holds, term by term, each from the chapter that derived it.
 
-A layout (`Plan`) is the degrees dp x tp x pp x cp x ep, the ZeRO stage, the recomputation policy,
-the micro-batch size b and the virtual stages v (model chunks per rank, interleaved 1F1B). The
-ranks are ordered [tp, cp, ep, pp, dp] fastest first, Llama 3's order with the expert group inside
-the data-parallel one (Llama Team 2024, §3.3.2; DeepSeek-AI 2024, §3.2: EP 64 over 8 nodes).
+A layout (`Plan`) is the degrees dp x tp x pp x cp x ep (`labs.dims.ParallelDims`, which checks them
+and orders the ranks [tp, cp, ep, pp, dp] fastest first: Llama 3's order with the expert group inside
+the data-parallel one), the ZeRO stage, the recomputation policy, the micro-batch size b and the
+virtual stages v (model chunks per rank, interleaved 1F1B), over chapter 5's stage split
+(`stage_balance.stage_layers`).
 
 Bytes of rank r (stage r of the pipeline), in the order the planner names an overflow:
-- weights, gradients, optimizer state: the rank's parameters (`shapes.ModelShape` weights split by
+- weights, gradients, optimizer state: the rank's parameters (`ModelShape` weights split by
   tp, experts by ep) times chapter 1's bytes per parameter for the recipe and ZeRO stage
   (`budget.state_bytes_per_param`) over the data-parallel group dp * cp (the experts' over
   dp * cp / ep); stage 3 is FSDP2, whose pieces are chapter 3's (fp32 shard 4, fp32 gradient 4,
@@ -26,8 +27,10 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
+from labs.dims import ParallelDims
 from labs.memory_budget import activations, budget, fused_swiglu, logits
 from labs.pipeline import schedules
+from labs.pipeline.stage_balance import stage_layers
 from labs.zero import distributed_optimizer
 
 TERMS = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
@@ -36,11 +39,8 @@ BF16 = 2
 
 @dataclass(frozen=True)
 class Plan:
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
+    """A layout: the degrees (`labs.dims.ParallelDims`, checked there) and the settings of each rank."""
+    dims: ParallelDims
     zero: int = 1            # 0: DDP, 1-2: ZeRO (chapter 3), 3: FSDP2
     recompute: str = "none"  # "none", "selective", "full" (chapter 9)
     micro_batch: int = 1     # b, sequences per micro-batch
@@ -48,39 +48,11 @@ class Plan:
     sp: bool = True          # sequence parallelism with tp > 1 (chapter 6; Megatron-LM from 2022)
 
     @property
-    def world_size(self):
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
     def schedule(self):
         return "interleaved" if self.v > 1 else "1f1b"
 
-    def degrees(self):
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
-
     def with_(self, **changes):
         return replace(self, **changes)
-
-
-def split_counts(n, parts):
-    """n items over ``parts`` as evenly as possible, the short parts first and last (Llama 3's
-    split of 126 layers over 16 stages, §3.3.2: [7, 8, ..., 8, 7]; chapter 5's `stage_balance`)."""
-    base, extra = divmod(n, parts)
-    short = parts - extra
-    first = short // 2 + short % 2 if extra else 0   # short parts at the ends, the first end first
-    return [base + (first <= i < first + extra) if extra else base for i in range(parts)]
-
-
-@functools.lru_cache(maxsize=None)
-def stage_layers(layers, pp, v=1):
-    """Layer indices of each rank: p*v chunks in order, chunk c on rank c mod p (Narayanan et al.
-    2021, §2.2.2), chunk sizes from `split_counts`."""
-    sizes = split_counts(layers, pp * v)
-    out, start = [[] for _ in range(pp)], 0
-    for c, size in enumerate(sizes):
-        out[c % pp].extend(range(start, start + size))
-        start += size
-    return out
 
 
 def local_numel(w, tp, ep, kv_heads=None):
@@ -97,29 +69,31 @@ def local_numel(w, tp, ep, kv_heads=None):
     return w.copies * numel / ep if w.expert else w.copies * numel
 
 
-def stage_weights(model, plan, stage):
-    """The weights rank ``stage`` of the pipeline holds: its layers, the embedding on the first,
-    the final norm and the head on the last (a tied embedding: its copy there too, as Megatron keeps)."""
-    layers = stage_layers(model.layers, plan.pp, plan.v)[stage]
+def stage_weights(model, pp, v, stage):
+    """The weights rank ``stage`` of a pipeline of pp ranks (v chunks each) holds: its layers, the
+    embedding on the first, the final norm and the head on the last (a tied embedding: its copy
+    there too, as Megatron keeps)."""
+    layers = stage_layers(model.layers, pp, v)[stage]
     ws = [w for i in layers for w in model.layer_weights(i)]
     if stage == 0:
         ws += model.embedding_weights()
-    if stage == plan.pp - 1:
+    if stage == pp - 1:
         ws += model.head_weights()
-        if model.tied and plan.pp > 1:
+        if model.tied and pp > 1:
             ws += model.embedding_weights()[:1]
     return ws
 
 
 def rank_params(model, plan, stage):
     """{"dense": elements, "expert": elements} this rank holds, before any ZeRO sharding."""
-    return dict(_rank_params(model, plan.tp, plan.pp, plan.ep, plan.v, stage))
+    d = plan.dims
+    return dict(_rank_params(model, d.tp, d.pp, d.ep, plan.v, stage))
 
 
 @functools.lru_cache(maxsize=None)
 def _rank_params(model, tp, pp, ep, v, stage):
     out = {"dense": 0, "expert": 0}
-    for w in stage_weights(model, Plan(1, tp, pp, 1, ep, v=v), stage):
+    for w in stage_weights(model, pp, v, stage):
         out["expert" if w.expert else "dense"] += local_numel(w, tp, ep, model.kv_heads)
     return tuple(out.items())
 
@@ -144,8 +118,9 @@ def layer_activation_bytes(model, plan, kernels, i):
     ``kernels``: "materialized" (the GPT-3 block, Korthikanti et al. 2022, or a Llama block with
     its scores written out), "flash" (FlashAttention, the SwiGLU op by op: the book's Llama block)
     or "fused" (FlashAttention and a fused SwiGLU, `fused_swiglu`)."""
-    return _layer_activation_bytes(model, kernels, model.is_moe_layer(i), plan.micro_batch, plan.tp, plan.cp,
-                                   plan.recompute, plan.sp and plan.tp > 1)
+    d = plan.dims
+    return _layer_activation_bytes(model, kernels, model.is_moe_layer(i), plan.micro_batch, d.tp, d.cp,
+                                   plan.recompute, plan.sp and d.tp > 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,13 +139,14 @@ def _layer_activation_bytes(model, kernels, moe_layer, b, tp, cp, recompute, sp)
 def activation_bytes(model, plan, kernels, stage, m):
     """Activations rank ``stage`` holds at its peak: chapter 5's peak chunk micro-batches times the
     layers of an average chunk, at the costliest layer's bytes."""
-    layers = stage_layers(model.layers, plan.pp, plan.v)[stage]
+    d = plan.dims
+    layers = stage_layers(model.layers, d.pp, plan.v)[stage]
     if not layers:
         return 0
-    chunks = schedules.peak_chunks(plan.schedule, plan.pp, m, plan.v, stage)
-    sp = plan.sp and plan.tp > 1
-    per_layer = max(_layer_activation_bytes(model, kernels, model.is_moe_layer(i), plan.micro_batch, plan.tp, plan.cp,
-                                            plan.recompute, sp) for i in _kinds(model, plan.pp, plan.v, stage))
+    chunks = schedules.peak_chunks(plan.schedule, d.pp, m, plan.v, stage)
+    sp = plan.sp and d.tp > 1
+    per_layer = max(_layer_activation_bytes(model, kernels, model.is_moe_layer(i), plan.micro_batch, d.tp, d.cp,
+                                            plan.recompute, sp) for i in _kinds(model, d.pp, plan.v, stage))
     return chunks * len(layers) / plan.v * per_layer
 
 
@@ -194,15 +170,16 @@ def rank_memory(model, plan, recipe, kernels, m, stage):
 
 def rank_memory_terms(model, plan, recipe, kernels, m, stage):
     """The six TERMS of rank ``stage`` as a tuple (the planner's inner loop: cached pieces, no dicts)."""
-    state = _state_terms(model, plan.tp, plan.pp, plan.ep, plan.v, stage, plan.zero, plan.dp * plan.cp, recipe)
+    d = plan.dims
+    state = state_terms(model, d.tp, d.pp, d.ep, plan.v, stage, plan.zero, d.size(("dp", "cp")), recipe)
     acts = activation_bytes(model, plan, kernels, stage, m)
-    tail = _logits(model, plan.tp, plan.cp, plan.micro_batch) if stage == plan.pp - 1 else 0
-    buffers = _buffers(model, plan.zero, plan.tp, plan.pp, plan.cp, plan.ep, plan.v, stage, plan.micro_batch, plan.sp)
+    tail = _logits(model, d.tp, d.cp, plan.micro_batch) if stage == d.pp - 1 else 0
+    buffers = _buffers(model, plan.zero, d.tp, d.pp, d.cp, d.ep, plan.v, stage, plan.micro_batch, plan.sp)
     return state + (acts, tail, buffers)
 
 
 @functools.lru_cache(maxsize=None)
-def _state_terms(model, tp, pp, ep, v, stage, zero, group, recipe):
+def state_terms(model, tp, pp, ep, v, stage, zero, group, recipe):
     """Weights, gradients, optimizer state: the rank's parameters times chapter 1's (or, stage 3,
     chapter 3's FSDP2) bytes per parameter over the data-parallel group (dp cp; dp cp / ep for experts)."""
     params = dict(_rank_params(model, tp, pp, ep, v, stage))

@@ -1,10 +1,10 @@
 """Chapter 14: the planner. Every layout of a job, the rules each breaks, what does not fit, and a ranking.
 
-A job is a model (`shapes.ModelShape`), a cluster (`shapes.Cluster`), a number of GPUs and a global
-batch in tokens, with the precision recipe (chapter 1's `recipes.RECIPES`) and the kernels
+A job is a model (chapter 1's `ModelShape`), a cluster (`shapes.Cluster`), a number of GPUs and a
+global batch in tokens, with the precision recipe (chapter 1's `recipes.RECIPES`) and the kernels
 (`memory.KERNELS`) its software runs. The planner enumerates the degrees tp x pp x cp x ep x dp that
-multiply to the GPUs, and for each the ZeRO stage, recomputation, micro-batch size b and virtual
-stages v. A layout is refused for the first rule it breaks:
+multiply to the GPUs (each a `labs.dims.ParallelDims`), and for each the ZeRO stage, recomputation,
+micro-batch size b and virtual stages v. A layout is refused for the first rule it breaks:
 
 - tensor parallelism beyond a node (chapters 4 and 11: its all-reduces would cross the network);
 - heads that tp does not divide (chapter 4's `gqa_parallel.kv_layout`), or a vocabulary, layers or
@@ -20,7 +20,9 @@ other knobs, so "rank" is among degree tuples.
 """
 from dataclasses import dataclass
 
+from labs.dims import ParallelDims
 from labs.memory_budget import recipes
+from labs.memory_budget.model_shape import ModelShape
 from labs.planning import memory, shapes, timing
 from labs.tensor_parallel import gqa_parallel
 
@@ -30,7 +32,7 @@ MICRO_BATCHES = (1, 2, 4, 8)
 
 @dataclass(frozen=True)
 class Job:
-    model: shapes.ModelShape
+    model: ModelShape
     cluster: shapes.Cluster
     gpus: int
     batch_tokens: int
@@ -66,7 +68,7 @@ def _divisors(n, most):
 
 
 def degree_tuples(job):
-    """Every (tp, pp, cp, ep, dp) whose product tp pp cp dp is the GPUs (ep divides dp)."""
+    """Every `ParallelDims` (tp, pp, cp, ep, dp) whose product tp pp cp dp is the GPUs (ep divides dp)."""
     m, n = job.model, job.gpus
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if n % t == 0]
     for tp in tps:
@@ -74,40 +76,40 @@ def degree_tuples(job):
             for cp in [c for c in (1, 2, 4, 8, 16, 32) if (n // (tp * pp)) % c == 0]:
                 dp = n // (tp * pp * cp)
                 for ep in (_divisors(dp, m.experts) if m.moe else [1]):
-                    yield {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp": dp}
+                    yield ParallelDims(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp)
 
 
 def broken_rule(job, d):
     """The first rule the degrees ``d`` break, in one sentence; None if they break none."""
     m, c = job.model, job.cluster
-    if d["tp"] > c.gpus_per_node:
-        return f"tp = {d['tp']} reaches beyond a node of {c.gpus_per_node} GPUs"
+    if d.tp > c.gpus_per_node:
+        return f"tp = {d.tp} reaches beyond a node of {c.gpus_per_node} GPUs"
     try:
-        gqa_parallel.kv_layout(m.heads, m.kv_heads, d["tp"])
+        gqa_parallel.kv_layout(m.heads, m.kv_heads, d.tp)
     except ValueError as exc:
         return str(exc).rstrip(".")
-    if job.sequences % d["dp"]:
-        return f"the batch of {job.sequences:,} sequences does not split over dp = {d['dp']}"
-    if d["cp"] > 1 and job.kernels == "materialized":   # chapter 6's methods attend block by block
+    if job.sequences % d.dp:
+        return f"the batch of {job.sequences:,} sequences does not split over dp = {d.dp}"
+    if d.cp > 1 and job.kernels == "materialized":   # chapter 6's methods attend block by block
         return "context parallelism needs a fused attention kernel, not scores written out"
-    if d["cp"] > 1 and m.seq % (2 * d["cp"]):
-        return f"the sequence of {m.seq:,} tokens does not split into 2 cp = {2 * d['cp']} chunks"
-    if m.moe and m.experts % d["ep"]:
-        return f"{m.experts} experts do not split over ep = {d['ep']}"
+    if d.cp > 1 and m.seq % (2 * d.cp):
+        return f"the sequence of {m.seq:,} tokens does not split into 2 cp = {2 * d.cp} chunks"
+    if m.moe and m.experts % d.ep:
+        return f"{m.experts} experts do not split over ep = {d.ep}"
     return None
 
 
 def _settings(job, d):
     """(b, v, m, ZeRO stages) to try for degrees ``d``."""
-    zeros = job.zero_stages if d["dp"] * d["cp"] > 1 else (0,)
+    zeros = job.zero_stages if d.dp * d.cp > 1 else (0,)
     for b in MICRO_BATCHES:
-        if job.sequences % (d["dp"] * b):
+        if job.sequences % (d.dp * b):
             continue
-        m = job.sequences // (d["dp"] * b)
-        for v in range(1, 9 if d["pp"] > 1 else 2):
+        m = job.sequences // (d.dp * b)
+        for v in range(1, 9 if d.pp > 1 else 2):
             # every chunk holds a layer, but the first and the last may hold only the embedding and
-            # the head (Llama 3's 126 layers on 16 x 8 chunks, §3.3.2)
-            if d["pp"] * v > job.model.layers + 2 or (v > 1 and m % d["pp"]):
+            # the head (Llama 3's 126 layers on 16 x 8 chunks, §3.3.2; `stage_balance.stage_layers`)
+            if d.pp * v > job.model.layers + 2 or (v > 1 and m % d.pp):
                 continue
             yield b, v, m, zeros
 
@@ -116,7 +118,7 @@ def fits(job, plan, m):
     """(the overflowing term or None, {term: bytes} of the fullest stage, that stage). The first,
     a middle and the last stage are checked: the embedding, the most layers, the head and logits."""
     worst = None
-    for stage in sorted({0, plan.pp // 2, plan.pp - 1}):
+    for stage in sorted({0, plan.dims.pp // 2, plan.dims.pp - 1}):
         terms = memory.rank_memory_terms(job.model, plan, job.recipe, job.kernels, m, stage)
         total = sum(terms)
         if worst is None or total > worst[0]:
@@ -139,7 +141,7 @@ def best_for(job, d, eta, fixed=None):
             # more ZeRO sharding or more recomputation only costs time and saves memory: for each stage
             # the least recomputation that fits, never more than the previous stage needed
             for k, recompute in enumerate(recomputes[:limit]):
-                plan = memory.Plan(d["dp"], d["tp"], d["pp"], d["cp"], d["ep"], zero, recompute, b, v, job.sp)
+                plan = memory.Plan(d, zero, recompute, b, v, job.sp)
                 term, mem, stage = fits(job, plan, m)
                 total = sum(mem.values())
                 if smallest is None or total < smallest[0]:
@@ -167,31 +169,31 @@ def published(job, d, eta, fixed=None):
     published run did fit, so the gap is what the count leaves out."""
     row = best_for(job, d, eta, fixed)
     if "reason" not in row:
-        return {"degrees": d, "fits": True, **row}
+        return {"dims": d, "fits": True, **row}
     if "closest" not in row:
-        return {"degrees": d, "fits": False, **row}
+        return {"dims": d, "fits": False, **row}
     c = row["closest"]
     t = timing.step_time(job.model, job.cluster, c["plan"], c["m"], eta, job.kernels, job.grad_bytes)
-    return {"degrees": d, "fits": False, "reason": row["reason"], "term": row["term"], "plan": c["plan"],
+    return {"dims": d, "fits": False, "reason": row["reason"], "term": row["term"], "plan": c["plan"],
             "m": c["m"], "time": t, "memory": c["memory"]}
 
 
 def plan(job, eta):
     """Every degree tuple of ``job``: {"ranked": [rows, fastest first], "rejected": [rows]}.
-    A ranked row: degrees, plan, m, time, memory, rank (1 = fastest). ``eta``: the calibrated
+    A ranked row: dims, plan, m, time, memory, rank (1 = fastest). ``eta``: the calibrated
     matmul efficiency of the cluster's GPU generation (`cases.calibrate`)."""
     job.check()
     ranked, rejected = [], []
     for d in degree_tuples(job):
         rule = broken_rule(job, d)
         if rule:
-            rejected.append({"degrees": d, "reason": rule, "kind": "rule"})
+            rejected.append({"dims": d, "reason": rule, "kind": "rule"})
             continue
         best = best_for(job, d, eta)
         if "reason" in best:
-            rejected.append({"degrees": d, "reason": best["reason"], "kind": "memory", "term": best["term"]})
+            rejected.append({"dims": d, "reason": best["reason"], "kind": "memory", "term": best["term"]})
         else:
-            ranked.append({"degrees": d, **best})
+            ranked.append({"dims": d, **best})
     ranked.sort(key=lambda r: r["time"]["step"])
     for i, row in enumerate(ranked):
         row["rank"] = i + 1
@@ -201,17 +203,16 @@ def plan(job, eta):
 def rank_of(result, row):
     """Where ``row`` (e.g. a `published` layout) ranks among ``result``'s layouts that fit: 1 + the
     number of other degree tuples estimated faster."""
-    return 1 + sum(r["time"]["step"] < row["time"]["step"] for r in result["ranked"] if r["degrees"] != row["degrees"])
+    return 1 + sum(r["time"]["step"] < row["time"]["step"] for r in result["ranked"] if r["dims"] != row["dims"])
 
 
-def find(result, degrees):
-    """The row of ``degrees`` ({"tp": 8, "pp": 16, ...}; missing axes are 1) in a `plan` result."""
-    want = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, **degrees}
+def find(result, dims):
+    """The row of ``dims`` (a `ParallelDims`) in a `plan` result."""
     for row in result["ranked"] + result["rejected"]:
-        if all(row["degrees"][k] == want[k] for k in ("tp", "pp", "cp", "ep")) and \
-                row["degrees"]["dp"] == want.get("dp", row["degrees"]["dp"]):
+        if row["dims"] == dims:
             return row
-    raise ValueError(f"no layout {want} for {result['job'].gpus} GPUs: its degrees do not multiply to the GPUs.")
+    raise ValueError(f"no layout {dims.degrees()} for {result['job'].gpus} GPUs: its degrees do not multiply "
+                     "to the GPUs.")
 
 
 def tflops_per_gpu(job, row, counted="none"):
@@ -226,8 +227,8 @@ def markdown_table(job, result, top=5):
     """The ``top`` fastest layouts of a `plan` result as a MyST table (the site shows it; a kernel is not needed)."""
     head = ["| rank | tp | pp | cp | ep | dp | ZeRO | recompute | b | v | m | step (s) | TFLOP/s per GPU |",
             "|---:|---:|---:|---:|---:|---:|---:|:--|---:|---:|---:|---:|---:|"]
-    body = [f"| {r['rank']} | {r['degrees']['tp']} | {r['degrees']['pp']} | {r['degrees']['cp']} | {r['degrees']['ep']} | "
-            f"{r['degrees']['dp']} | {r['plan'].zero} | {r['plan'].recompute} | {r['plan'].micro_batch} | {r['plan'].v} | "
+    body = [f"| {r['rank']} | {r['dims'].tp} | {r['dims'].pp} | {r['dims'].cp} | {r['dims'].ep} | "
+            f"{r['dims'].dp} | {r['plan'].zero} | {r['plan'].recompute} | {r['plan'].micro_batch} | {r['plan'].v} | "
             f"{r['m']} | {r['time']['step']:.1f} | {tflops_per_gpu(job, r):.0f} |" for r in result["ranked"][:top]]
     return "\n".join(head + body) if body else "no layout fits"
 
@@ -263,7 +264,7 @@ def main(argv=None):
     args = cli.parse(p, argv)
     job = Job(MODELS[args.model], shapes.DGX_H100, args.world_size or 64, args.batch_tokens)
     result = plan(job, args.eta)
-    rows = [{"degrees": r["degrees"], "zero": r["plan"].zero, "recompute": r["plan"].recompute,
+    rows = [{"degrees": r["dims"].degrees(), "zero": r["plan"].zero, "recompute": r["plan"].recompute,
              "micro_batch": r["plan"].micro_batch, "v": r["plan"].v, "step_s": r["time"]["step"],
              "tflops_per_gpu": tflops_per_gpu(job, r)} for r in result["ranked"][:args.top]]
     lines = [f"{i + 1}. {r['degrees']} ZeRO-{r['zero']} {r['recompute']} b={r['micro_batch']} v={r['v']}: "

@@ -4,6 +4,7 @@ each so the book can say where the note is wrong. The checker (`check`) is chapt
 `labs.measure.exercises.check` over these answers.
 """
 from labs.context_parallel import sequence_parallel
+from labs.dims import ParallelDims
 from labs.measure import exercises
 from labs.memory_budget import budget, compute
 from labs.pipeline import schedules
@@ -15,7 +16,8 @@ GB = 1e9
 def q1_state_gb():
     """70B on 8 H100s, ZeRO-3 over 8: weights, gradients and Adam state per GPU (chapter 1's 16 bytes
     per parameter, all sharded), in GB."""
-    return sum(memory.rank_memory(shapes.LLAMA2_70B, memory.Plan(8, zero=3), "mixed", "fused", 1, 0)[t]
+    plan = memory.Plan(ParallelDims(dp=8), zero=3)
+    return sum(memory.rank_memory(shapes.LLAMA2_70B, plan, "mixed", "fused", 1, 0)[t]
                for t in ("weights", "gradients", "optimizer")) / GB
 
 
@@ -29,7 +31,8 @@ def q2_least_bubble():
 
 def q3_fsdp_over_ddp():
     """Bytes a rank sends per step under FSDP (ZeRO-3, no accumulation) over DDP's: chapter 3's 3/2."""
-    m, ddp, fsdp = shapes.LLAMA2_70B, memory.Plan(8, zero=0), memory.Plan(8, zero=3)
+    m, eight = shapes.LLAMA2_70B, ParallelDims(dp=8)
+    ddp, fsdp = memory.Plan(eight, zero=0), memory.Plan(eight, zero=3)
     a, b = traffic.dp_calls(m, ddp, 0, 2, 2), traffic.dp_calls(m, fsdp, 0, 2, 2)
     return (b["reduce"] + 2 * b["gather"]) / (a["reduce"] + a["gather"])
 
@@ -49,7 +52,7 @@ def q5_bubble_share():
 def q7_dp_gb_per_rank():
     """405B at TP 8, PP 16, DP 128: GB of bf16 gradients one rank of the first stage sends in the
     data-parallel all-reduce of one step (its 1/128 ring share of its own stage's shard, chapter 2)."""
-    plan = memory.Plan(128, 8, 16, zero=0)
+    plan = memory.Plan(ParallelDims(dp=128, tp=8, pp=16), zero=0)
     return traffic.dp_calls(shapes.LLAMA3_405B, plan, 0, 2, 2)["reduce"] / GB
 
 

@@ -25,7 +25,8 @@ import functools
 
 from labs.memory_budget import compute
 from labs.pipeline import schedules
-from labs.planning import memory, traffic
+from labs.pipeline.stage_balance import stage_layers
+from labs.planning import traffic
 
 
 def layer_flops(model, i, seq, recompute, causal):
@@ -37,15 +38,16 @@ def layer_flops(model, i, seq, recompute, causal):
 
 def stage_flops(model, plan, stage, kernels):
     """FLOPs this rank executes for one micro-batch, forward and backward: {"total", "backward"}."""
-    per_token, forward = _stage_flops_per_token(model, plan.pp, plan.v, stage, plan.recompute, kernels)
-    tokens = plan.micro_batch * model.seq / plan.cp
-    total = tokens * per_token / plan.tp
-    return {"total": total, "backward": total - tokens * forward / plan.tp}
+    d = plan.dims
+    per_token, forward = _stage_flops_per_token(model, d.pp, plan.v, stage, plan.recompute, kernels)
+    tokens = plan.micro_batch * model.seq / d.cp
+    total = tokens * per_token / d.tp
+    return {"total": total, "backward": total - tokens * forward / d.tp}
 
 
 @functools.lru_cache(maxsize=None)
 def _stage_flops_per_token(model, pp, v, stage, recompute, kernels):
-    layers = memory.stage_layers(model.layers, pp, v)[stage]
+    layers = stage_layers(model.layers, pp, v)[stage]
     causal = kernels != "materialized"   # a fused attention kernel skips the masked half
     per_token = sum(layer_flops(model, i, model.seq, recompute, causal) for i in layers)
     forward = sum(compute.flops_per_token(model.block_matmul_params(i), 1, model.attention_width, model.seq,
@@ -70,7 +72,7 @@ def step_time(model, cluster, plan, m, eta, kernels="fused", grad_bytes=2):
     """Seconds per step and its parts: {"step", "compute", "bubble", "exposed_comm", "dp_exposed",
     "t_max", "slowest_stage", "tiers", "bytes"}. ``eta``: the calibrated matmul efficiency."""
     pipe = _pipeline(model, cluster, plan.with_(zero=0), m, eta, kernels)   # the same for every ZeRO stage
-    tiers = traffic.tiers(plan.with_(zero=0), cluster.gpus_per_node)
+    tiers = traffic.tiers(plan.dims, cluster.gpus_per_node)
     bw = cluster.intra_bw if tiers["dp"] == "intra" else cluster.inter_bw
     dp = _dp_exposed(model, plan, m, bw, pipe["backward_mb"], grad_bytes)
     return {"step": pipe["pipe"] + dp, "compute": m * pipe["compute_mb"], "exposed_comm": m * pipe["comm_mb"],
@@ -82,19 +84,20 @@ def step_time(model, cluster, plan, m, eta, kernels="fused", grad_bytes=2):
 def _pipeline(model, cluster, plan, m, eta, kernels):
     """The slowest stage's micro-batch (compute and the TP, CP, EP, PP bytes at their tiers) and the
     pipeline's m t_max (1 + bubble)."""
-    tiers = traffic.tiers(plan, cluster.gpus_per_node)
+    d = plan.dims
+    tiers = traffic.tiers(d, cluster.gpus_per_node)
     bw = {g: cluster.intra_bw if tier == "intra" else cluster.inter_bw for g, tier in tiers.items()}
     best = None
-    for stage in _stages(plan.pp):
+    for stage in _stages(d.pp):
         f = stage_flops(model, plan, stage, kernels)
-        sent = traffic.micro_batch_bytes(model, plan.tp, plan.pp, plan.cp, plan.ep, plan.v, plan.micro_batch,
+        sent = traffic.micro_batch_bytes(model, d.tp, d.pp, d.cp, d.ep, plan.v, plan.micro_batch,
                                          plan.recompute, stage, model.seq, 2)
         comm = sum(sent[k] / bw[k.split("_")[0]] for k in sent)
         t = f["total"] / (cluster.peak_flops * eta)
         if best is None or t + comm > best["t_mb"]:
             best = {"t_mb": t + comm, "compute_mb": t, "comm_mb": comm, "stage": stage, "bytes": sent,
                     "backward_mb": f["backward"] / (cluster.peak_flops * eta)}
-    best["bubble"] = schedules.formula(plan.schedule, plan.pp, m, plan.v)["over_ideal"] if plan.pp > 1 else 0.0
+    best["bubble"] = schedules.formula(plan.schedule, d.pp, m, plan.v)["over_ideal"] if d.pp > 1 else 0.0
     best["pipe"] = m * best["t_mb"] * (1 + best["bubble"])
     return best
 

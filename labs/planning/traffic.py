@@ -1,27 +1,24 @@
 """Chapter 14: the bytes each parallel group sends per rank per step, and the link tier it uses.
 
 Every count is a formula of an earlier chapter, for a ring collective of M bytes on n ranks: each
-rank sends chapter 2's bus factor of it, 2(n-1)/n for an all-reduce and (n-1)/n for an all-gather
-or a reduce-scatter (`bus_bandwidth.bus_factor`, Patarasuk & Yuan 2009). These are formula bytes:
-what the algorithms send, the same on NCCL and on gloo's rings; chapter 14's three-dimensional lab
-counts a tiny run's messages against them.
+rank sends 2(n-1)/n of it for an all-reduce and (n-1)/n for an all-gather or a reduce-scatter (the
+one table, `labs.measure.costs`; Patarasuk & Yuan 2009). These are formula bytes: what the
+algorithms send, the same on NCCL and on gloo's rings; chapter 14's three-dimensional lab counts a
+tiny run's messages against them.
 
-Which tier a group uses: chapter 11's rule (`placement.tier_of`), with the ranks ordered
-[tp, cp, ep, pp, dp] fastest first.
+Which tier a group uses: chapter 11's group-by-group rule (`ParallelDims.tier`), with the ranks
+ordered [tp, cp, ep, pp, dp] fastest first.
 """
 import functools
 
 from labs.context_parallel import allgather_cp, sequence_parallel
-from labs.data_parallel import bus_bandwidth
 from labs.expert_parallel import moe_routing
-from labs.hardware import placement
+from labs.measure import costs
+from labs.pipeline.stage_balance import stage_layers
 from labs.planning import memory
 
 FP32 = 4
-
-
-def _ring(op, payload, n):
-    return 0 if n == 1 else bus_bandwidth.bus_factor(op, n) * payload
+_ring = costs.sent
 
 
 def predict_bytes_per_group(model, layout, micro_batch=None, num_microbatches=1, seq=None, dtype_bytes=2,
@@ -31,7 +28,7 @@ def predict_bytes_per_group(model, layout, micro_batch=None, num_microbatches=1,
 
     Symbols: b = micro_batch (default layout.micro_batch), m = num_microbatches, s = seq (default
     model.seq), h = model.hidden, e = dtype_bytes (activations and weights), e_g = grad_bytes
-    (gradients; default e), t = tp, c = cp, L_r = the layers of this stage (`memory.stage_layers`),
+    (gradients; default e), t = tp, c = cp, L_r = the layers of this stage (`stage_layers`),
     P_r = its parameters after the tp and ep split (`memory.rank_params`), M = b (s/c) h e.
 
     TP (chapter 4; chapter 6 for sequence parallelism, same bytes): per layer and micro-batch two
@@ -58,12 +55,12 @@ def predict_bytes_per_group(model, layout, micro_batch=None, num_microbatches=1,
     `moe_routing.dispatch_bytes` of the rank's b s / (c t) tokens with top-k; full recomputation
     repeats the forward's two.
     """
-    b = micro_batch or layout.micro_batch
+    b, d = micro_batch or layout.micro_batch, layout.dims
     m, s, e = num_microbatches, seq or model.seq, dtype_bytes
-    per_mb = micro_batch_bytes(model, layout.tp, layout.pp, layout.cp, layout.ep, layout.v, b, layout.recompute,
+    per_mb = micro_batch_bytes(model, d.tp, d.pp, d.cp, d.ep, layout.v, b, layout.recompute,
                                stage, s, e, vocab_parallel, sequence_parallel_pp)
     terms = {k: m * v for k, v in per_mb.items()}
-    p, t = layout.pp, layout.tp
+    p, t = d.pp, d.tp
     tied = model.tied and p > 1 and stage in (0, p - 1)
     e_g = grad_bytes or e
     terms["pp_tied_embedding"] = _ring("all_reduce", -(-model.vocab // t) * model.hidden * e_g, 2) if tied else 0
@@ -77,7 +74,7 @@ def predict_bytes_per_group(model, layout, micro_batch=None, num_microbatches=1,
 @functools.lru_cache(maxsize=None)
 def micro_batch_bytes(model, t, p, c, ep, v, b, recompute, stage, s, e, vocab_parallel=True, sequence_parallel_pp=None):
     """The TP, PP, CP and EP bytes of one micro-batch on rank ``stage`` (the terms above for m = 1)."""
-    layers = memory.stage_layers(model.layers, p, v)[stage]
+    layers = stage_layers(model.layers, p, v)[stage]
     full = recompute == "full"
     M = b * (s // c) * model.hidden * e
     out = {}
@@ -107,24 +104,19 @@ def dp_calls(model, layout, stage, dtype_bytes=2, grad_bytes=None):
     """Bytes rank ``stage`` sends in one gradient reduction (an all-reduce under DDP, a reduce-scatter
     under ZeRO) and in one all-gather of the weights (ZeRO), over its data-parallel groups: dp * cp
     ranks for the dense parameters, dp * cp / ep for the experts'."""
-    params = memory.rank_params(model, layout, stage)
+    params, d = memory.rank_params(model, layout, stage), layout.dims
     e_g = grad_bytes or dtype_bytes
     out = {"reduce": 0, "gather": 0}
-    for kind, n in (("dense", layout.dp * layout.cp), ("expert", max(layout.dp * layout.cp // layout.ep, 1))):
+    for kind, n in (("dense", d.size(("dp", "cp"))), ("expert", d.size(("edp", "cp")))):
         out["reduce"] += _ring("all_reduce" if layout.zero == 0 else "reduce_scatter", params[kind] * e_g, n)
         out["gather"] += _ring("all_gather", params[kind] * dtype_bytes, n) if layout.zero else 0
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def tiers(layout, gpus_per_node):
-    """{group: "intra" or "inter"} for the order [tp, cp, ep, pp, dp] (chapter 11's stride rule,
-    `placement.tier_of`). The data-parallel group (dp * cp ranks with the same tp and pp
-    coordinates) covers the cp and ep axes and, when dp > ep, the outermost axis beyond pp: then it
-    spans the whole job."""
-    t, c, ep, p, d = layout.tp, layout.cp, layout.ep, layout.pp, layout.dp
-    out = {"tp": placement.tier_of(1, t, gpus_per_node), "cp": placement.tier_of(t, c, gpus_per_node),
-           "ep": placement.tier_of(t * c, ep, gpus_per_node), "pp": placement.tier_of(t * c * ep, p, gpus_per_node)}
-    span = t * c * ep if d == ep else layout.world_size
-    out["dp"] = "intra" if d * c == 1 or span <= gpus_per_node else "inter"
+def tiers(dims, gpus_per_node):
+    """{group: "intra" or "inter"} by chapter 11's group-by-group rule (`ParallelDims.tier`): tp, cp,
+    ep, pp, and dp, the data-parallel group of the gradient reduction (dp x cp ranks)."""
+    out = {a: dims.tier(a, gpus_per_node) for a in ("tp", "cp", "ep", "pp")}
+    out["dp"] = dims.tier(("dp", "cp"), gpus_per_node)
     return out

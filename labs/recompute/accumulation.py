@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.data_parallel import ddp, hand_ring, loss_reduction
 from labs.launcher import launch
 from labs.measure import comm, memory
@@ -60,8 +61,7 @@ def _wrap(kind, net, world_size):
     """Shard ``net`` by blocks with the hand FSDP or FSDP2 (its collectives through labs.measure.comm)."""
     if kind == "hand":
         return fsdp.HandFSDP(net, units=list(net.blocks))
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = ParallelDims(dp=world_size).mesh("cpu")["dp"]
     return fsdp.fully_shard_units(net, list(net.blocks), mesh, hand_comm=True)
 
 

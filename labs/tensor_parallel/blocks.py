@@ -15,6 +15,7 @@ import torch
 from labs.measure import comm
 from labs.launcher import launch, preflight
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.tensor_parallel import megatron
 
 def config(**overrides):
@@ -130,13 +131,12 @@ def train(rank, world_size, steps=3, batch_size=2, lr=1e-2):
 
 def dtensor_mlp(rank, world_size, b=2, s=8):
     """PyTorch's DTensor tensor parallelism on the same MLP: same outputs and gradients as the hand one."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     cfg, dev = config(), launch.device()
     g = torch.Generator().manual_seed(1)
     x, upstream = torch.randn(b, s, cfg.hidden, generator=g).to(dev), torch.randn(b, s, cfg.hidden, generator=g).to(dev)
     hand = megatron.parallelize_mlp(_full_block("mlp", cfg).to(dev), None)
-    lib = parallelize_module(_full_block("mlp", cfg).to(dev), init_device_mesh(dev.type, (world_size,)),
+    lib = parallelize_module(_full_block("mlp", cfg).to(dev), ParallelDims(tp=world_size).mesh(dev.type)["tp"],
                              {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
     outs, grads = [], []
     for block in (hand, lib):

@@ -27,11 +27,12 @@ import dataclasses
 import torch
 
 from labs.memory_budget import budget
-from labs.measure import comm, exercises, memory
+from labs.measure import comm, costs, exercises, memory
 from labs.data_parallel import hand_ring
 from labs.zero import adam_drift, fsdp
 from labs.launcher import launch
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
 
 
@@ -47,9 +48,9 @@ def formula_bytes(stage, padded, n):
 
 
 def formula_comm(stage, padded, n, zero1_allreduce=False):
-    """Bytes each rank sends per step: (N-1)/N x {2, 2, 2, 3} x Psi x 2 bytes."""
+    """Bytes each rank sends per step: {2, 2, 2, 3} passes of (N-1)/N x Psi x 2 bytes (`measure.costs`)."""
     passes = 3 if stage == 3 or (stage == 1 and zero1_allreduce) else 2
-    return passes * (n - 1) * padded * BF16 // n
+    return passes * costs.sent("all_gather", padded * BF16, n)
 
 
 def _batch(cfg, step, rank, batch_size, device):
@@ -229,11 +230,10 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, c
     compute and reduction): losses, how each weight is split, bytes held, the last step's peak and
     bytes sent. ``collectives="hand"`` gives FSDP2 the hand rings through its custom-collective
     hooks (`fsdp.fully_shard_units`): counted messages, and no collective on gloo's threads."""
-    from torch.distributed.device_mesh import init_device_mesh
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     # fp32 masters that start from the bf16-rounded weights, exactly as the hand recipe's do
     net = tiny.build(cfg, seed=0, device=dev).to(torch.bfloat16).float()
-    mesh = init_device_mesh(dev.type, (world_size,))
+    mesh = ParallelDims(dp=world_size).mesh(dev.type)["dp"]
     fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload, hand_comm=collectives == "hand")
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses, tally, window = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives)
