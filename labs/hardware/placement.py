@@ -167,9 +167,9 @@ ANSWERS = {  # chapter 11's exercises, computed by the calculator above
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
-    "11.1": [(lambda: ANSWERS["11.1"]() * (LLAMA3_405B.layers // 16) / max(stage_layers(LLAMA3_405B.layers, 16)),
+    "11.1": [(lambda: ANSWERS["11.1"]() * (LLAMA3_405B.layers // 16) / max(map(len, stage_layers(LLAMA3_405B.layers, 16))),
               f"{LLAMA3_405B.layers} // 16 layers on every stage"),
-             (lambda: ANSWERS["11.1"]() * (LLAMA3_405B.layers / 16) / max(stage_layers(LLAMA3_405B.layers, 16)),
+             (lambda: ANSWERS["11.1"]() * (LLAMA3_405B.layers / 16) / max(map(len, stage_layers(LLAMA3_405B.layers, 16))),
               f"{LLAMA3_405B.layers} / 16 layers on every stage: "
               "the first and last stages' lighter load ignored"),
              (lambda: ANSWERS["11.1"]() * 8 / 7, "2M per all-reduce: the ring's (N-1)/N left out")],
