@@ -1,8 +1,11 @@
 """Chapter 14: published training runs, each table as its source prints it (`published_runs` reads them).
 
-Numbers are typed as printed (a table's rounding kept); nothing here is computed. Each table names its
-source: repository, path and commit, or paper, table and the text it was read from.
+Numbers are typed as printed (a table's rounding kept), and the models' shapes as their configurations
+print them; nothing here is computed. Each table names its source: repository, path and commit, or paper,
+table and the text it was read from.
 """
+from dataclasses import dataclass
+
 
 # Megatron-LM README, "Training Speed and Scalability": images/model_table.png, added in NVIDIA/Megatron-LM
 # commit f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4 (2024-07-15, "New scaling figures on H100 GPUs"). The README
@@ -197,3 +200,101 @@ NEMOTRON4_15B_TABLE2 = (
 # (search index file 53994610483).
 DEEPSEEK_V2_GPU_HOURS_PER_T_TOKENS = 172.8e3
 DEEPSEEK_V2_BATCH = 9216
+
+
+# --- the models' shapes, as their configurations print them ------------------------------------------
+
+@dataclass(frozen=True)
+class Model:
+    """A model's shapes, named as `shapes.ModelShape` names them; ``mlp``: "gelu", "relu" or "squared_relu"
+    (two matrices) or "swiglu" (three); ``head_dim``: None when it is hidden / heads."""
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    mlp: str
+    tied: bool
+    positions: bool
+    source: str
+    head_dim: int = None
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    mla: tuple = ()
+
+
+_TT = "torchtitan 9dec370 torchtitan/models/llama/__init__.py (dims, ffn multipliers); "
+_N = "NVIDIA/NeMo 8e3d65dc nemo/collections/llm/gpt/model/"
+_NV = "; vocabulary: NeMo nemo/collections/common/parts/perf_metrics_utils.py LLM_VOCAB_SIZE_MAP (0bbc558b)"
+_L3 = ("ffn as printed in " + _N + "llama.py {}; vocabulary 128,256: tiktoken's 128,000 + 256 reserved "
+       "(torchtitan datasets/tokenizer/tiktoken.py)")
+_ZOO = "Megatron-MoE-ModelZoo e8650517 model_configs/benchmarking/"
+_GPT = dict(mlp="gelu", tied=True, positions=True)            # Megatron's GPT: 4h MLP, learned positions
+_LLAMA = dict(mlp="swiglu", tied=False, positions=False)
+MODEL_SHAPES = {
+    "llama3-8b": Model(name="Llama 3.1 8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128_256,
+                      source=_TT + _L3.format("Llama3Config8B"), **_LLAMA),
+    "llama3-70b": Model(name="Llama 3.1 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128_256,
+                       source=_TT + _L3.format("Llama3Config70B"), **_LLAMA),
+    "llama3-405b": Model(name="Llama 3.1 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248,
+                        vocab=128_256, source=_TT + _L3.format("Llama31Config405B"), **_LLAMA),
+    "llama2-7b": Model(name="Llama 2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32_000,
+                      source=_N + "llama.py Llama2Config7B" + _NV, **_LLAMA),
+    "llama2-13b": Model(name="Llama 2 13B", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32_000,
+                       source=_N + "llama.py Llama2Config13B" + _NV, **_LLAMA),
+    "llama2-70b": Model(name="Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32_000,
+                       source=_N + "llama.py Llama2Config70B" + _NV, **_LLAMA),
+    "gpt3-5b": Model(name="GPT3-5B", layers=24, hidden=4096, heads=32, kv_heads=32, ffn=16384, vocab=51_200,
+                    source=_N + "base.py GPTConfig5B" + _NV, **_GPT),
+    "gpt3-20b": Model(name="GPT3-20B", layers=44, hidden=6144, heads=48, kv_heads=48, ffn=24576, vocab=51_200,
+                     source=_N + "base.py GPTConfig20B" + _NV, **_GPT),
+    "gpt3-175b": Model(name="GPT3-175B", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=49152, vocab=51_200,
+                      source=_N + "base.py GPTConfig175B" + _NV, **_GPT),
+    "nemotron-8b": Model(name="Nemotron-8B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=16384, vocab=256_000,
+                        mlp="squared_relu", tied=False, positions=False,
+                        source=_N + "nemotron.py Nemotron3Config8B" + _NV),
+    "nemotron-22b": Model(name="Nemotron-22B", layers=40, hidden=6144, heads=48, kv_heads=48, ffn=24576,
+                         vocab=256_000, mlp="squared_relu", tied=False, positions=False,
+                         source=_N + "nemotron.py Nemotron4Config22B" + _NV),
+    "nemotron-340b": Model(name="Nemotron-4 340B", layers=96, hidden=18432, heads=96, kv_heads=8, ffn=73728,
+                          vocab=256_000, mlp="squared_relu", tied=False, positions=False,
+                          source=_N + "nemotron.py Nemotron4Config340B" + _NV),
+    "nemotron4-15b": Model(name="Nemotron-4 15B", layers=32, hidden=6144, heads=48, kv_heads=8, ffn=24576,
+                          vocab=256_000, mlp="squared_relu", tied=False, positions=False,
+                          source="Parmar et al. 2024, Table 1 and §2 (squared ReLU, untied, RoPE, GQA); ffn from "
+                                 + _N + "nemotron.py Nemotron4Config15B"),
+    "bloom": Model(name="BLOOM-176B", layers=70, hidden=14336, heads=112, kv_heads=112, ffn=4 * 14336, vocab=250_880,
+                  mlp="gelu", tied=True, positions=False,
+                  source="bigscience 9e64edec train/tr11-176B-ml/README.md: NHIDDEN, NLAYERS, NHEADS, the 250,880-row "
+                         "embedding, 12h^2 + 13h per layer (so a 4h GeLU MLP), v*h counted once (tied); ALiBi"),
+    "opt-175b": Model(name="OPT-175B", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=4 * 12288, vocab=50_265,
+                     mlp="relu", tied=True, positions=True,
+                     source="Zhang et al. 2022, Table 1, §2.1-2.2 (ReLU, s 2048, 'largely follow Brown et al.': "
+                            "inferred 4h MLP, learned positions, tied); vocabulary: the 50,265 entries of metaseq "
+                            "f7ffa5fd projects/OPT/assets/gpt2-vocab.json (the embedding may be padded)"),
+    "qwen3-235b": Model(name="Qwen3-235B-A22B", layers=94, hidden=4096, heads=64, kv_heads=4, ffn=12288,
+                       vocab=151_936, head_dim=128, experts=128, top_k=8, expert_ffn=1536, **_LLAMA,
+                       source=_ZOO + "Qwen3-235B-A22B.yaml (every layer MoE, no shared expert); vocabulary inferred: "
+                              "the tokenizer's padded to a multiple of 1,187 (--make-vocab-size-divisible-by)"),
+    "qwen3-30b": Model(name="Qwen3-30B-A3B", layers=48, hidden=2048, heads=32, kv_heads=4, ffn=6144, vocab=151_936,
+                      head_dim=128, experts=128, top_k=8, expert_ffn=768, **_LLAMA,
+                      source=_ZOO + "Qwen3-30B-A3B.yaml; vocabulary inferred as for Qwen3-235B-A22B"),
+    "deepseek-v2": Model(name="DeepSeek-V2", layers=60, hidden=5120, heads=128, kv_heads=128, ffn=12288,
+                        vocab=102_400, experts=160, top_k=6, expert_ffn=1536, shared_experts=2, dense_layers=1,
+                        mla=(512, 1536, 128, 64), **_LLAMA,
+                        source="DeepSeek-V2 §3.1.2 (60 layers, h 5120, 128 heads, MLA 512/1536/128/64, 2 shared + "
+                               "160 routed experts of 1536, 6 routed, first layer dense); dense ffn and vocabulary "
+                               "(100K padded to a multiple of 3,200) from " + _ZOO + "DeepSeek-V2.yaml"),
+}
+
+# the `MODEL_SHAPES` key of each NeMo table's model name
+NEMO_MODEL_KEYS = {"GPT3-5B": "gpt3-5b", "GPT3-20B": "gpt3-20b", "GPT3-175B": "gpt3-175b", "LLAMA2-7B": "llama2-7b",
+             "LLAMA2-13B": "llama2-13b", "LLAMA2-70B": "llama2-70b", "Nemotron-8B": "nemotron-8b",
+             "Nemotron-22B": "nemotron-22b", "Nemotron-340B": "nemotron-340b", "LLAMA3-8B": "llama3-8b",
+             "LLAMA3-70B": "llama3-70b", "LLAMA3_8B": "llama3-8b", "LLAMA3_70B": "llama3-70b",
+             "LLAMA3.1_405B": "llama3-405b", "Qwen3_30B_a3B": "qwen3-30b", "Qwen3_235B_a22B": "qwen3-235b"}
