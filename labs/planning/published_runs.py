@@ -76,28 +76,34 @@ def korthikanti_eq7(m, seq, hardware=False):
     return 72 * L * h * h * (1 + seq / ((3 if hardware else 6) * h) + m.vocab / (12 * h * L))
 
 
-def as_model_shape(m, seq):
-    """The model as the planner's `shapes.ModelShape`; a sentence when it cannot be one."""
+def as_model_shape(m, seq, counting=False):
+    """The model as the planner's `shapes.ModelShape`; a sentence when it cannot be one. Relu and squared relu
+    have gelu's two matrices (the planner's "gelu" adds biases, a few h per layer) but its fused qkv has no
+    GQA; with ``counting`` such a model becomes the SwiGLU of width 2f/3: the same weights and FLOPs."""
     if m.head_dim and not m.mla and m.head_dim * m.heads != m.hidden:
         raise ValueError(f"{m.name}: heads of {m.head_dim} x {m.heads} = {m.head_dim * m.heads} wide on a hidden "
                          f"size of {m.hidden}; shapes.ModelShape takes a head width of hidden / heads.")
-    # relu and squared relu have gelu's two matrices; the planner's "gelu" adds biases (a few h per layer)
-    mlp = "swiglu" if m.mlp == "swiglu" else "gelu"
-    return shapes.ModelShape(m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.vocab, seq, mlp, m.tied,
+    mlp, ffn = ("swiglu" if m.mlp == "swiglu" else "gelu"), m.ffn
+    if mlp == "gelu" and m.kv_heads != m.heads:
+        if not counting or 2 * ffn % 3:
+            raise ValueError(f"{m.name}: a two-matrix MLP with {m.kv_heads} KV heads; shapes.ModelShape has GQA "
+                             "only beside a SwiGLU MLP.")
+        mlp, ffn = "swiglu", 2 * ffn // 3
+    return shapes.ModelShape(m.name, m.layers, m.hidden, m.heads, m.kv_heads, ffn, m.vocab, seq, mlp, m.tied,
                              m.positions, m.experts, m.top_k, m.expert_ffn, m.shared_experts, m.dense_layers, m.mla)
 
 
 def palm(m, seq, causal=False):
     """PaLM's count (Chowdhery et al. 2022, App. B; chapter 1): 6 P_mm + 12 L h s, the attention term halved
     with ``causal`` (Megatron-LM's current count, megatron/training/training.py: "causal mask")."""
-    shape = as_model_shape(m, seq)
+    shape = as_model_shape(m, seq, counting=True)
     return compute.flops_per_token(shape.matmul_params(), m.layers, shape.attention_width, seq, causal)["total"]
 
 
 def torchtitan_count(m, seq):
     """torchtitan at 9dec370, utils.get_num_flop_per_token: 6 x (parameters but the token embedding)
     + 12 L h s."""
-    params = as_model_shape(m, seq).params() - m.vocab * m.hidden
+    params = as_model_shape(m, seq, counting=True).params() - m.vocab * m.hidden
     return 6 * params + 12 * m.layers * m.hidden * seq
 
 
