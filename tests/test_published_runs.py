@@ -98,6 +98,7 @@ def test_nemotron4_15b_iteration_times_give_the_printed_mfu():
         got = 100 * p.tflops(batch * 4096 / sec / gpus, p.palm(m, 4096)) * 1e12 / p.H100_PEAK
         assert abs(got - mfu) <= mfu * 0.005 / sec + 0.05, gpus      # seconds printed to 0.01
         assert dp * 8 == gpus
+        assert abs(tokens * 1e9 * sec / (batch * 4096) / 86400 - days) <= 0.05 + days * 0.005 / sec, gpus
 
 
 @pytest.mark.parametrize("key, billions", [("bloom", 176), ("opt-175b", 175), ("nemotron4-15b", 15.6),

@@ -45,15 +45,8 @@ class Run:
     sharding: str = None
     tokens_per_gpu_s: float = None
     memory_gib: float = None  # peak memory per GPU, where published
+    counted: str = "none"    # the recomputation ``tflops`` counts ("full": Narayanan eq. 3), as `cases.Case.counted`
     notes: str = ""
-
-    @property
-    def moe(self):
-        return self.model.experts > 0
-
-    @property
-    def generation(self):
-        return self.gpu.split()[0]
 
 
 def degrees(gpus, tp=1, pp=1, cp=1, ep=1):
@@ -171,7 +164,7 @@ def narayanan_table2():
                        "DeepSpeed ZeRO-3" if zero else "Megatron-LM", (tf, "teraFLOP/s per GPU"), tf,
                        "as printed: Narayanan eq. 3 (recomputation counted)",
                        "Narayanan et al. 2021 (arXiv 2104.04473), §5.2, Table 2", micro_batch=b, global_batch=batch,
-                       sharding="ZeRO-3" if zero else None,
+                       sharding="ZeRO-3" if zero else None, counted="full",
                        notes=("" if zero else f"inferred: TP 8 x PP {mp // 8} from model-parallel size {mp} (TP 8 "
                               "as every Table 1 row with PP > 1); ") + f"{days} days for 300B tokens printed; "
                               "recomputation, precision and schedule not stated in Table 2"))
@@ -184,9 +177,9 @@ def single_runs():
     bloom = Run("BLOOM-176B", model("bloom"), 2048, "A100 80GB", 384, degrees(384, 4, 12),
                 "Megatron-DeepSpeed + DeepSpeed", (tf, "TFLOPs (log)"), tf, "as logged: Narayanan eq. 3 with the "
                 "checkpoint factor 4 (recomputation counted)", "bigscience-workshop/bigscience 9e64edec "
-                "train/tr11-176B-ml/README.md", v=1, micro_batch=2, global_batch=gbs, recompute="full",
-                precision="bf16", sharding="ZeRO-1", tokens_per_gpu_s=gbs * 2048 / sec / 384,
-                notes=f"iteration {it}: {sec} s, {sps} samples/s")
+                "train/tr11-176B-ml/README.md", micro_batch=2, global_batch=gbs, recompute="full",
+                precision="bf16", sharding="ZeRO-1", tokens_per_gpu_s=gbs * 2048 / sec / 384, counted="full",
+                notes=f"iteration {it}: {sec} s, {sps} samples/s; ZeRO-1 is the BF16_Optimizer's own (ZERO_STAGE=0)")
     opt = Run("OPT-175B", model("opt-175b"), 2048, "A100 80GB", 992, degrees(992, 8), "metaseq (FSDP + Megatron-LM "
               "TP)", (147, "TFLOP/s per GPU, 'up to'"), 147, "as printed; the paper names no count",
               "Zhang et al. 2022 (arXiv 2205.01068), §2.4", precision="fp16", sharding="FSDP",

@@ -88,7 +88,7 @@ MEGASCALE_TABLE2 = (
     ("MegaScale", 768, 256, 32.0, 49.0e3, 65.3, 52.2),
     ("MegaScale", 6144, 12288, 6.34, 1984.0e3, 55.2, 2166.3),
 )
-# rows whose aggregate does not equal MFU x 312 TFLOP/s x GPUs in the transcription (the others agree to 0.1)
+# rows whose aggregate is not MFU x 312 TFLOP/s x GPUs in the transcription (the others agree to 0.1)
 MEGASCALE_AGGREGATE_MISMATCH = {("Megatron-LM", 256): 43.3, ("Megatron-LM", 512): 77.6, ("Megatron-LM", 1024): 131.9,
                                 ("MegaScale", 12288): 2166.3}
 
@@ -292,7 +292,6 @@ MODEL_SHAPES = {
                                "160 routed experts of 1536, 6 routed, first layer dense); dense ffn and vocabulary "
                                "(100K padded to a multiple of 3,200) from " + _ZOO + "DeepSeek-V2.yaml"),
 }
-
 # the `MODEL_SHAPES` key of each NeMo table's model name
 NEMO_MODEL_KEYS = {"GPT3-5B": "gpt3-5b", "GPT3-20B": "gpt3-20b", "GPT3-175B": "gpt3-175b", "LLAMA2-7B": "llama2-7b",
              "LLAMA2-13B": "llama2-13b", "LLAMA2-70B": "llama2-70b", "Nemotron-8B": "nemotron-8b",
