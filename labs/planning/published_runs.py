@@ -210,7 +210,7 @@ def megascale():
 
 
 def torchtitan_runs():
-    tt, gpu = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md", "H100 96GB HBM2e, 500 W"
+    tt, gpu = "benchmarks/llama3_h100_202412_torchtitan.md", "H100 96GB HBM2e, 500 W"
     out = []
     for tab, size, gpus, fsdp, tp, pp, cp, seq, local, gbs, ac, comp, f8, atp, sched, tps, mem in t.TORCHTITAN_2024_12:
         m, s = model(f"llama3-{size.lower()}"), seq or 8192
