@@ -7,6 +7,7 @@ against published runs; then the layouts composed, trained and held to one proce
 - `timing`: the estimated step time (compute at a calibrated efficiency, exposed bytes, bubble) and the papers' FLOPs.
 - `planner`: every layout of a job, the rule or memory term that rejects it, the rest ranked by step time.
 - `cases`: Megatron-LM's Table 1, Llama 3's Table 4, DeepSeek-V3 and the notes' questions, and the one calibration.
+- `published_tables`, `published_runs`: more published runs (A100, H100, H800; dense and MoE), as printed and as rows.
 - `meta_check`: one rank of a full-size layout built by PyTorch on the meta device (fake process group) holds what the planner counts.
 - `quiz`: the notes' readiness quiz, each question with a number answered by the planner or a chapter, and its checker.
 - `layout3d`: the degrees a 3D/4D run accepts, its data, one process's run, the bytes per group predicted.
