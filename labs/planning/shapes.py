@@ -21,9 +21,10 @@ from labs.memory_budget import budget, compute
 from labs.memory_budget.model_shape import ModelShape
 
 
-def gpt(name, layers, hidden, heads, vocab=51_200, seq=2048):
-    """A GPT of Narayanan et al. 2021, Table 1: 4h GeLU MLP, biases, learned positions, tied embedding."""
-    return ModelShape(name, layers, hidden, heads, heads, 4 * hidden, vocab, seq, mlp="gelu", tied=True,
+def gpt(name, layers, hidden, heads, vocab=51_200, seq=2048, tied=True):
+    """A GPT of Narayanan et al. 2021, Table 1: 4h GeLU MLP, biases, learned positions, tied embedding
+    (Megatron-LM's 2024 H100 table: untied)."""
+    return ModelShape(name, layers, hidden, heads, heads, 4 * hidden, vocab, seq, mlp="gelu", tied=tied,
                       positions=True)
 
 
