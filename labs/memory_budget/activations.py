@@ -35,9 +35,8 @@ def gpt3_activation_bytes_per_layer(s, b, h, a, tp=1, sp=False, recompute="none"
     _check_recompute(recompute)
     if recompute == "full":
         return 2 * s * b * h / (tp if sp else 1)  # only each layer's input is kept
-    if recompute == "selective_ops":
-        raise ValueError("selective_ops is torchtitan's per-op policy for a Llama block; for the GPT-3 block "
-                         "use 'selective'.")
+    if recompute in ("selective_ops", "mlp"):
+        raise ValueError(f"{recompute} is a policy for a Llama block; for the GPT-3 block use 'selective'.")
     linear, scores = (34, 5) if dropout else (32, 2)
     replicated = 0 if sp else 10 if dropout else 8  # LayerNorm inputs, dropout masks, QKV/FC inputs
     per_token = replicated + (linear - replicated) / tp
@@ -50,7 +49,7 @@ def gpt3_activation_bytes_per_layer(s, b, h, a, tp=1, sp=False, recompute="none"
 activation_bytes_per_layer = gpt3_activation_bytes_per_layer  # the name chapters 1 and 4 call
 
 
-RECOMPUTE = ("none", "selective", "selective_ops", "full")
+RECOMPUTE = ("none", "selective", "selective_ops", "mlp", "full")
 
 
 def _check_recompute(recompute):
@@ -88,7 +87,8 @@ def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute=
     sequence parallelism: the rank's rows). "selective_ops" is torchtitan's per-op policy (9dec370,
     parallelize_llama.py ``_save_list``): the block's input, the outputs of every other matmul (wq, wv,
     w1, w2 in a Llama block's order), the attention's output and log-sum-exp, and the reduce-scatters'
-    outputs under sequence parallelism; the rest is recomputed. Under tensor parallelism (Shoeybi et al.
+    outputs under sequence parallelism; the rest is recomputed. "mlp" reruns the MLP (or MoE) block from
+    its input (Megatron-Core's ``--recompute-modules mlp`` / ``moe``): its own terms go. Under tensor parallelism (Shoeybi et al.
     2019) heads and f split over tp; the norms, their statistics and the projections' inputs are
     replicated unless sequence parallelism (sp) splits them too; KV heads are replicated when tp exceeds
     them. Heads wider than h/a (``head_dim``: Qwen3) make q, k, v and the attention output a d wide.
@@ -116,9 +116,11 @@ def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute=
              "attention_input": 2 * sbh / whole, "q": 2 * sbq / tp,
              "k_v": 2 * 2 * sb * d * kv_local, "attention_output": 2 * sbq / tp,
              "mlp_input": 2 * sbh / whole, "swiglu" if mlp == "swiglu" else "mlp": mlp_bytes}
-    if recompute == "none" and attention == "flash":
+    if recompute == "mlp":                       # the MLP (or MoE) block rerun from its input in backward
+        terms.pop("swiglu" if mlp == "swiglu" else "mlp")
+    if recompute in ("none", "mlp") and attention == "flash":
         terms["logsumexp"] = 4 * sb * a / tp
-    if recompute == "none" and attention == "materialized":
+    if recompute in ("none", "mlp") and attention == "materialized":
         terms["k_v"] = 2 * 2 * sbq / tp          # repeated to the a query heads before q k^T
         terms["scores"] = 2 * a * s * s * b / tp
     return terms

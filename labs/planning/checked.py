@@ -30,8 +30,11 @@ CALIBRATION = {("A100", "bf16"): "GPT 145.6B",
                ("H100 96GB 500W", "fp8"): "torchtitan 70B FSDP 32 TP 8, fp8 tensorwise, vanilla TP"}
 # DeepSeek-V2 prints no GPU count: 1,024 assumed (DP 64 with PP 16), which moves only its DP traffic
 DEEPSEEK_V2_GPUS = 1024
-RECOMPUTE = {None: None, "none": "none", "selective": "selective", "full": "full", "norm, act": "selective",
-             "selective (per op)": "selective_ops", "selective (layernorm, moe)": "selective"}
+# Megatron-Core's module recompute: norms and the activation function rerun: only the SwiGLU's
+# products go, about what a fused SwiGLU saves (`fused_swiglu`), so "none" under fused kernels;
+# "layernorm, moe": the MoE block rerun from its input ("mlp")
+RECOMPUTE = {None: None, "none": "none", "selective": "selective", "full": "full", "norm, act": "none",
+             "selective (per op)": "selective_ops", "selective (layernorm, moe)": "mlp"}
 
 
 def stack(run):
@@ -42,7 +45,7 @@ def stack(run):
     if f == "Megatron-LM" and run.name.startswith("Korthikanti"):
         return sw.MEGATRON_2022.with_(sp=run.recompute == "selective")
     if f == "Megatron-LM" and run.name.startswith("Nemotron"):
-        return sw.MEGATRON_CORE
+        return sw.NEMOTRON
     if f == "Megatron-LM":
         return sw.MEGATRON_2021
     if f.startswith("DeepSpeed ZeRO-3"):
@@ -96,6 +99,8 @@ def run_case(run):
     job = planner.Job(run.model, CLUSTERS[run.gpu], gpus, batch * run.seq, stack(run), precision,
                       eager=run.framework.startswith("torchtitan 9dec") and "compile" not in run.name)
     per_token = run.tflops * 1e12 / run.tokens_per_gpu_s if run.tokens_per_gpu_s else None
+    if per_token is None and "Megatron-LM's count" in run.flops_rule + run.framework or "dropless" in run.flops_rule:
+        per_token = published_runs.palm(run.model, run.seq, causal=True)   # Megatron-Core's count halves causal attention
     return cases.Case(run.name, run.source, job, d, fixed_settings(run, d), run.tflops, run.counted, per_token,
                       run.memory_gib, run.notes)
 

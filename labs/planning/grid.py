@@ -58,7 +58,7 @@ def per_unique(fn, *columns):
         _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     else:
         _, first, inverse = np.unique(np.stack(cols, axis=1), axis=0, return_index=True, return_inverse=True)
-    values = [fn(*(int(c[i]) for c in cols)) for i in first]
+    values = [fn(*row) for row in np.stack(cols, axis=1)[first].tolist()]
     inverse = inverse.reshape(-1)
     if isinstance(values[0], tuple):
         return tuple(np.asarray([v[i] for v in values], dtype=float)[inverse] for i in range(len(values[0])))

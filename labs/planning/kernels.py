@@ -13,7 +13,8 @@ bytes. Small M (short micro-batches, context parallelism) or narrow N (GQA's K a
 parallelism) fall below the roofline's ridge and run at the memory's speed. Attention: q k^T and
 scores @ v over the causal half of the keys, 4 T (s/2) a d FLOPs forward for T queries, and 2.5
 times that backward (a fused kernel recomputes the scores: chapter 1 counts five products against
-the forward's two); scores written out cost the whole s and twice the forward.
+the forward's two), at eta times its kernel's speed relative to a GEMM's (`attention_ratio`, from
+published utilizations, not fitted); scores written out cost the whole s and twice the forward, at eta.
 
 The rest of the layer (norms, activation functions, residual adds, RoPE, softmax) is memory-bound:
 its time is the bytes it moves over BW_HBM. A fused stack (Transformer Engine, torch.compile) moves
@@ -33,6 +34,24 @@ from labs.memory_budget import logits
 from labs.planning import memory
 
 E = 2                  # bytes of a 16-bit element
+# A fused attention kernel's speed relative to the best GEMM on the same GPU, each as a share of the BF16
+# peak its authors or a public benchmark report: FlashAttention-2 "reaching 50-73% of the theoretical
+# maximum FLOPs/s on A100" (Dao 2023, abstract; the low end, its backward) and "only 35% utilization on
+# the H100" (Shah et al. 2024, FlashAttention-3, abstract); FlashAttention-3 "up to 740 TFLOPs/s (75%
+# utilization)" (the same abstract), the class of cuDNN's fused attention Transformer Engine runs; the
+# largest GEMMs reach 85.9 % of the A100's peak and 80.1 % of the H100's (maximum achievable matmul
+# FLOPS, stas00/ml-engineering compute/accelerator/README.md). Attention runs at eta times this ratio:
+# the stack's efficiency, slowed by its kernel's gap to a GEMM. Not fitted. Scores written out: eta.
+MAMF = {"A100": 0.859, "RTX 3090": 0.859, "H100": 0.801, "H100 96GB 500W": 0.801}
+KERNEL = {("flash2", "A100"): 0.50, ("flash2", "RTX 3090"): 0.50, ("flash2", "H100"): 0.35,
+          ("flash2", "H100 96GB 500W"): 0.35, ("flash3", "H100"): 0.75, ("flash3", "H100 96GB 500W"): 0.75}
+
+
+def attention_ratio(attention, generation):
+    """A fused attention kernel's speed over the best GEMM's on the same GPU (see above)."""
+    return min(1.0, KERNEL[attention, generation] / MAMF[generation])
+
+
 FUSED_PASSES = 3       # write, read back, write the gradient: the least a fused stack moves
 MATMULS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
            "_scaled_dot_product_flash_attention_for_cpu_backward")
@@ -88,13 +107,14 @@ def gemm_seconds(M, N, K, flops, hbm_bw):
 
 
 @functools.lru_cache(maxsize=None)
-def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute):
+def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute, attention="flash2"):
     """Seconds one layer takes on one rank for a micro-batch of ``tokens`` (b s / cp) tokens:
     {"forward", "backward", "recompute", "gemm", "attention"} (the last two, forward and backward,
     are what the tensor- and context-parallel collectives can hide under)."""
     mm_flops = eta * (cluster.fp8_flops if fp8 else cluster.peak_flops)
     i = next(j for j in range(model.layers) if model.is_moe_layer(j) == moe_layer)
-    gemm_f, half = 0.0, 0.0
+    gemm_f, half, mlp = 0.0, 0.0, 0.0
+    attention_names = {w.name for w in model.attention_weights()}
     for n, w in enumerate(x for x in model.layer_weights(i) if len(x.shape) == 2):
         out, inn = w.shape
         N = {"col": -(-out // tp), "kv": out * max(model.kv_heads // tp, 1) // model.kv_heads}.get(w.split, out)
@@ -107,14 +127,17 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
             t = gemm_seconds(M, N, K, mm_flops, cluster.hbm_bw)
         gemm_f += t
         half += t if n % 2 else 0        # torchtitan's per-op policy recomputes every other matmul
+        mlp += 0 if w.name in attention_names else t
     causal = kernels != "materialized"
-    attn_f = 4 * tokens * model.seq / (2 if causal else 1) * model.attention_width / tp / (eta * cluster.peak_flops)
+    attn_flops = eta * cluster.peak_flops * (attention_ratio(attention, cluster.generation) if causal else 1.0)
+    attn_f = 4 * tokens * model.seq / (2 if causal else 1) * model.attention_width / tp / attn_flops
     attn_b = attn_f * (2.5 if causal else 2)
     passes = FUSED_PASSES if not eager else eager_traffic_ratio()
     saved = memory.layer_bytes(model, kernels, moe_layer, 1, tp, 1, "none", sp) * tokens / model.seq
     ew = passes * saved / cluster.hbm_bw
     forward = gemm_f + attn_f + ew / 3
-    redo = {"none": 0.0, "selective": attn_f, "selective_ops": half + ew / 3, "full": forward}[recompute]
+    redo = {"none": 0.0, "selective": attn_f, "selective_ops": half + ew / 3, "mlp": mlp + ew / 6,
+            "full": forward}[recompute]
     return {"forward": forward, "backward": 2 * gemm_f + attn_b + 2 * ew / 3, "recompute": redo,
             "gemm": 3 * gemm_f, "attention": attn_f + attn_b}
 

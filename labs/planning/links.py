@@ -39,6 +39,7 @@ TREE_STEP = {"NVLINK": nccl_model.HW_LATENCY_US["NVLINK"]["Tree"][SIMPLE] * US, 
 NET_OVERHEAD = 3 * 1.0 * US     # getNetOverhead() on x86, times 3 for Simple
 
 
+@functools.lru_cache(maxsize=None)
 def alpha(op, n, nodes, link="NVLINK"):
     """Seconds of latency in one call of ``op`` on n ranks over ``nodes`` nodes (see the docstring)."""
     if n <= 1:
@@ -54,9 +55,25 @@ def alpha(op, n, nodes, link="NVLINK"):
     return min(ring, tree)
 
 
-def collective_time(op, payload, n, nodes, bw, link="NVLINK"):
-    """alpha + formula bytes (`costs.sent`) over ``bw`` bytes/s, for one call on n ranks."""
-    return alpha(op, n, nodes, link) + costs.sent(op, payload, n) / bw if n > 1 else 0.0
+def collective_time(op, payload, n, nodes, cluster):
+    """alpha + formula bytes (`costs.factor` of the payload) over the group's link, for one call on n
+    ranks over ``nodes`` nodes: the intra-node link on one node, the network port otherwise (a ring is
+    as slow as its slowest hop), except an all-to-all, whose messages to the peers on the rank's own
+    node go over the intra-node link while the rest cross the network, at the same time."""
+    if n <= 1:
+        return 0.0
+    a, sent = alpha(op, n, nodes, cluster.link), _factor(op, n) * payload
+    if nodes == 1:
+        return a + sent / cluster.intra_bw
+    if op != "all_to_all":
+        return a + sent / cluster.inter_bw
+    near = n // nodes - 1                     # peers on the rank's own node, of the n - 1
+    return a + max(sent * (n - 1 - near) / (n - 1) / cluster.inter_bw, sent * near / (n - 1) / cluster.intra_bw)
+
+
+@functools.lru_cache(maxsize=None)
+def _factor(op, n):
+    return float(costs.factor(op, n))
 
 
 @functools.lru_cache(maxsize=None)

@@ -98,15 +98,30 @@ def stage_weights(model, pp, v, stage):
 def rank_params(model, plan, stage):
     """{"dense": elements, "expert": elements} this rank holds, before any ZeRO sharding."""
     d = plan.dims
-    return dict(zip(("dense", "expert"), _rank_params(model, d.tp, d.pp, d.ep, plan.v, stage)))
+    return dict(zip(("dense", "expert"), stage_params(model, d.tp, d.pp, d.ep, plan.v, stage)))
 
 
 @functools.lru_cache(maxsize=None)
-def _rank_params(model, tp, pp, ep, v, stage):
-    out = {"dense": 0, "expert": 0}
-    for w in stage_weights(model, pp, v, stage):
-        out["expert" if w.expert else "dense"] += local_numel(w, tp, ep, model.kv_heads)
-    return out["dense"], out["expert"]
+def stage_params(model, tp, pp, ep, v, stage):
+    """(dense, expert) elements of `stage_weights`, added up by layer kind (the same sum, faster)."""
+    n, n_moe = stage_layer_counts(model, pp, v, stage)
+    extra = (model.embedding_weights() if stage == 0 else []) + (model.head_weights() if stage == pp - 1 else [])
+    if model.tied and pp > 1 and stage == pp - 1:
+        extra += model.embedding_weights()[:1]
+    dense = sum(local_numel(w, tp, ep, model.kv_heads) for w in extra)
+    expert = 0
+    for moe, count in ((False, n - n_moe), (True, n_moe)):
+        if count:
+            d, e = _layer_params(model, moe, tp, ep)
+            dense, expert = dense + count * d, expert + count * e
+    return dense, expert
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_params(model, moe, tp, ep):
+    ws = model.layer_weights(next(i for i in range(model.layers) if model.is_moe_layer(i) == moe))
+    return (sum(local_numel(w, tp, ep, model.kv_heads) for w in ws if not w.expert),
+            sum(local_numel(w, tp, ep, model.kv_heads) for w in ws if w.expert))
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,7 +144,7 @@ def state_bytes(zero, n, recipe, offload=False):
 def state_terms(model, tp, pp, ep, v, stage, zero, group, recipe, offload=False):
     """Weights, gradients, optimizer state: the rank's parameters times chapter 1's (or, stage 3,
     chapter 3's FSDP2) bytes per parameter over the data-parallel group (dp cp; dp cp / ep for experts)."""
-    dense_n, expert_n = _rank_params(model, tp, pp, ep, v, stage)
+    dense_n, expert_n = stage_params(model, tp, pp, ep, v, stage)
     dense, expert = state_bytes(zero, group, recipe, offload), state_bytes(zero, max(group // ep, 1), recipe, offload)
     return tuple(dense_n * dense[t] + expert_n * expert[t] for t in ("weights", "gradients", "optimizer"))
 
@@ -154,6 +169,7 @@ def layer_bytes(model, kernels, moe_layer, b, tp, cp, recompute, sp):
                      head_dim=model.head_dim, **kw).values())
 
 
+@functools.lru_cache(maxsize=None)
 def stage_layer_counts(model, pp, v, stage):
     """(layers, of which MoE) on rank ``stage``."""
     layers = stage_layers(model.layers, pp, v)[stage]
@@ -182,19 +198,28 @@ def logits_bytes(model, tp, cp, b):
 
 
 @functools.lru_cache(maxsize=None)
-def buffers_bytes(model, zero, tp, pp, cp, ep, v, stage, b, sp, reshard):
-    out = 0
-    if zero == 3 and reshard:   # the gathered bf16 unit being computed and the one prefetched (chapter 3),
-        unit = max((sum(local_numel(w, tp, ep, model.kv_heads) for w in model.layer_weights(i))
-                    for i in _kinds(model, pp, v, stage)), default=0)
-        out += 2 * BF16 * unit + (BF16 + 4) * unit     # and the unit's unsharded bf16 and fp32 gradient
-    elif zero == 3:             # kept gathered through backward, gradients accumulated unsharded
-        out += 2 * BF16 * sum(_rank_params(model, tp, pp, ep, v, stage))
-    if tp > 1 and sp:           # sequence parallelism's all-gathered layer input (chapter 6)
-        out += BF16 * b * (model.seq // cp) * model.hidden
-    if cp > 1:                  # all-gather CP: K and V of the whole sequence for one layer (chapter 6)
-        out += 2 * BF16 * b * model.seq * max(model.kv_heads // tp, 1) * model.head_dim
-    return out
+def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard):
+    """FSDP2's gathered bf16 unit and the next one (prefetch) with the unit's unsharded bf16 and fp32
+    gradient (chapter 3); kept gathered after forward, the stage's weights and gradients in bf16."""
+    if zero != 3:
+        return 0
+    if not reshard:
+        return 2 * BF16 * sum(stage_params(model, tp, pp, ep, v, stage))
+    unit = max((sum(local_numel(w, tp, ep, model.kv_heads) for w in model.layer_weights(i))
+                for i in _kinds(model, pp, v, stage)), default=0)
+    return 2 * BF16 * unit + (BF16 + 4) * unit
+
+
+def buffers_bytes(model, c):
+    """What is gathered for one layer at a time, per candidate: FSDP2's units (`fsdp_buffer_bytes`),
+    sequence parallelism's all-gathered layer input (chapter 6), all-gather CP's K and V of the whole
+    sequence (chapter 6)."""
+    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k), c["zero"], c["tp"], c["pp"], c["ep"], c["v"],
+                      c["stage"], c["reshard"])
+    sp = np.where((c["tp"] > 1) & (c["sp"] == 1), BF16 * c["b"] * (model.seq // c["cp"]) * model.hidden, 0)
+    kv = np.maximum(model.kv_heads // c["tp"], 1) * model.head_dim
+    cp = np.where(c["cp"] > 1, 2 * BF16 * c["b"] * model.seq * kv, 0)
+    return fsdp + sp + cp
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,9 +237,7 @@ def terms(model, c, recipe, kernels):
     acts = activations_bytes(model, c, kernels)
     last = c["stage"] == c["pp"] - 1
     tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b), c["tp"], c["cp"], c["b"]), 0)
-    buffers = per_unique(lambda *k: buffers_bytes(model, *k[:8], bool(k[8]), bool(k[9])), c["zero"], c["tp"], c["pp"],
-                         c["cp"], c["ep"], c["v"], c["stage"], c["b"], c["sp"] * (c["tp"] > 1), c["reshard"])
-    return state + (acts, tail, buffers)
+    return state + (acts, tail, buffers_bytes(model, c))
 
 
 def rank_memory_terms(model, plan, recipe, kernels, m, stage):

@@ -88,7 +88,8 @@ def degree_tuples(job):
         for pp in [p for p in range(1, min(n // tp, m.layers) + 1) if (n // tp) % p == 0]:
             for cp in [c for c in (1, 2, 4, 8, 16, 32) if (n // (tp * pp)) % c == 0 and c <= sw.max_cp]:
                 dp = n // (tp * pp * cp)
-                for ep in ([e for e in range(1, min(dp, m.experts) + 1) if dp % e == 0] if m.moe else [1]):
+                for ep in ([e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if dp % e == 0 and e <= m.experts]
+                           if m.moe else [1]):
                     yield ParallelDims(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp)
                     if sw.hsdp and ep == 1 and 3 in sw.zero_stages:
                         for shard in (8, 16, 32, 64):

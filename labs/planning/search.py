@@ -3,17 +3,19 @@
 For each layout (`ParallelDims`) the settings are every ZeRO stage, recomputation, micro-batch size b
 (`MICRO_BATCHES`), schedule and virtual stages v (`V_CHOICES`) and offload its stack offers
 (`software`), less those a published row fixes. All candidates of all layouts become one set of
-columns (`grid.Columns`); memory (`memory.terms`) and time (`timing`) are computed on the first, a
-middle and the last stage, which hold the embedding, the most layers, and the head and logits: the
-fullest of the three decides what fits, the slowest the micro-batch time.
+columns (`grid.Columns`); memory (`memory.terms`) and time (`timing`) are computed on the first stage
+(the embedding, the most warm-up micro-batches), the first stage holding the most layers (chapter 5's
+split gives the ends fewer; `fullest_stage`) and the last (the head and the logits). The fullest of
+the three decides what fits, the slowest the micro-batch time.
 """
+import functools
 import itertools
 
 import numpy as np
 
 from labs.dims import ParallelDims
 from labs.planning import memory, offload, timing
-from labs.planning.grid import Columns
+from labs.planning.grid import Columns, per_unique
 from labs.planning.software import RECOMPUTE, SCHEDULES
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -80,10 +82,19 @@ def candidates(job, layouts, fixed):
     return Columns.of(**{k: cols[:, j] for j, k in enumerate(names)}, stage=0), np.asarray(index)
 
 
+@functools.lru_cache(maxsize=None)
+def fullest_stage(model, pp, v):
+    """The first stage holding the most layers (chapter 5's split can give the ends fewer): of those,
+    the one with the most micro-batches in flight, as the schedules warm up the earlier stages more."""
+    counts = [memory.stage_layer_counts(model, pp, v, s)[0] for s in range(pp)]
+    return counts.index(max(counts))
+
+
 def price(job, eta, c):
     """Memory (the fullest of three stages) and time of every candidate: (terms, fits, step parts)."""
     slots = [c.take(slice(None)) for _ in range(3)]
-    slots[1]["stage"], slots[2]["stage"] = c["pp"] // 2, c["pp"] - 1
+    slots[1]["stage"] = per_unique(lambda pp, v: fullest_stage(job.model, pp, v), c["pp"], c["v"]).astype(np.int64)
+    slots[2]["stage"] = c["pp"] - 1
     mem = [np.stack(memory.terms(job.model, s, job.recipe, job.kernels)) for s in slots]    # (3, 6, n)
     totals = np.stack([t.sum(axis=0) for t in mem])
     fullest = totals.argmax(axis=0)

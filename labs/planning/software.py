@@ -26,7 +26,8 @@ whether tensor parallelism comes with sequence parallelism, and the dtype gradie
 """
 from dataclasses import dataclass, replace
 
-RECOMPUTE = ("none", "selective", "selective_ops", "full")   # chapter 9; "selective_ops": torchtitan's per-op SAC
+# chapter 9; "selective_ops": torchtitan's per-op policy; "mlp": Megatron-Core's recompute of the MLP/MoE module
+RECOMPUTE = ("none", "selective", "selective_ops", "mlp", "full")
 SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
 
 
@@ -53,6 +54,8 @@ class Software:
     ep_overlap: bool = False
     cp_overlap: bool = False
     offload: tuple = (False,)       # optimizer state in host memory (ZeRO-Offload): `offload`
+    attention: str = "flash2"       # a fused attention kernel's generation: "flash2", "flash3" (and cuDNN's, TE)
+    ep_folding: bool = False        # experts folded over tp x dp, consecutive ranks (Megatron-Core, ETP = 1)
 
     def with_(self, **changes):
         return replace(self, **changes)
@@ -79,13 +82,22 @@ MEGATRON_2022 = MEGATRON_2021.with_(name="Megatron-LM 2022", source="Korthikanti
 MEGATRON_CORE = Software("Megatron-Core r0.8.0", _MEGATRON + " f2e5db40 README", zero_stages=(0, 1),
                          recompute=("none", "selective", "full"), recipe="mixed_fp32_grads", reduce_bytes=4,
                          overlap_grad_reduce=True, overlap_param_gather=True, tp_overlap=True, pp_overlap=True,
-                         cp_overlap=True)
-# NeMo (24.07, 25.11) runs Megatron-Core with the same overlaps; 25.11 also offers Megatron FSDP.
+                         cp_overlap=True, attention="flash3")
+# Nemotron-4 (Parmar et al. 2024, §2): Megatron-LM with a distributed optimizer, its overlaps of the
+# data-parallel collectives as the README of the time documents them; the tensor-parallel overlap needs
+# Transformer Engine's userbuffers, which the paper does not state, so it is off.
+NEMOTRON = MEGATRON_CORE.with_(name="Megatron-LM (Nemotron-4)", source="Parmar et al. 2024, §2", tp_overlap=False)
+# NeMo (24.07, 25.11) runs Megatron-Core with the same overlaps; 25.11 also offers Megatron FSDP. Its
+# performance scripts reduce gradients in bf16 under FP8 (NVIDIA/NeMo scripts/performance/helpers.py at
+# 02a0e6a5, set_precision_configs: "grad_reduce_in_fp32 = False"), so the gradient buffer is bf16.
 NEMO = MEGATRON_CORE.with_(name="NeMo (Megatron-Core)", source="NVIDIA/NeMo performance summaries",
-                           zero_stages=(0, 1, 3), prefetch=True)
-# Megatron-MoE-ModelZoo (yanring/Megatron-MoE-ModelZoo e8650517): Megatron-Core with expert parallelism;
-# its "+1f1b overlap" row overlaps the experts' all-to-all with another micro-batch's compute.
-MOE_ZOO = NEMO.with_(name="Megatron-Core MoE", source="Megatron-MoE-ModelZoo e8650517 best_practice/qwen3")
+                           zero_stages=(0, 1, 3), prefetch=True, recipe="mixed", reduce_bytes=2)
+# Megatron-MoE-ModelZoo (yanring/Megatron-MoE-ModelZoo e8650517): Megatron-Core with expert parallelism
+# folded over tp x dp (its ETP column is 1: MoE parallel folding, Liu et al. 2025, arXiv 2504.14960); its
+# "+1f1b overlap" row overlaps the experts' all-to-all with another micro-batch's compute.
+MOE_ZOO = MEGATRON_CORE.with_(name="Megatron-Core MoE", source="Megatron-MoE-ModelZoo e8650517 best_practice/qwen3",
+                              zero_stages=(0, 1, 3), recompute=("none", "selective", "mlp", "full"), prefetch=True,
+                              ep_folding=True)
 # DeepSpeed ZeRO-3 as Narayanan et al. 2021 ran it against PTD-P (§5.2, Table 2): no model parallelism,
 # weights gathered per layer with prefetching, recomputation (the count includes it).
 DEEPSPEED_ZERO3 = Software("DeepSpeed ZeRO-3 (2021)", "Narayanan et al. 2021, §5.2", zero_stages=(3,),
@@ -126,7 +138,8 @@ HAI_LLM = Software("HAI-LLM", "DeepSeek-AI 2024 (V2 §3.2.3, V3 §3.2)", zero_st
 # What a planner user gets by default: everything a current stack offers.
 ANY = Software("any current stack", "Megatron-Core and torchtitan together", zero_stages=(0, 1, 2, 3),
                recompute=("none", "selective", "full"), hsdp=True, recipe="mixed", overlap_grad_reduce=True,
-               overlap_param_gather=True, prefetch=True, tp_overlap=True, pp_overlap=True, cp_overlap=True)
+               overlap_param_gather=True, prefetch=True, tp_overlap=True, pp_overlap=True, cp_overlap=True,
+               attention="flash3")
 # DeepSpeed with ZeRO-Offload (Ren et al. 2021): the optimizer state and its Adam step on the CPU.
 DEEPSPEED_OFFLOAD = Software("DeepSpeed ZeRO-3 + offload", "Ren et al. 2021; DeepSpeed docs", zero_stages=(3,),
                              recompute=("none", "full"), schedules=("1f1b",), max_cp=1, sp=False, kernels="flash",

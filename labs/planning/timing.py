@@ -35,21 +35,25 @@ TUPLE = ("tp", "pp", "cp", "ep", "dp", "dpr")
 
 
 def node_counts(job, c):
-    """{group: nodes one of its groups touches} per candidate (`links.group_nodes`)."""
+    """{group: nodes one of its groups touches} per candidate (`links.group_nodes`); experts folded over
+    tp x dp (Megatron-Core's ETP = 1) sit on consecutive ranks."""
+    G = job.cluster.gpus_per_node
+
     def nodes(*degrees):
         d = ParallelDims(**dict(zip(("tp", "pp", "cp", "ep", "dp", "dp_replicate"), degrees)))
-        return tuple(links.group_nodes(d, axis, job.cluster.gpus_per_node) for axis in AXES.values())
+        out = {g: links.group_nodes(d, axis, G) for g, axis in AXES.items()}
+        if job.software.ep_folding:
+            out["ep"] = links.atom_nodes(1, d.ep, G)
+        return tuple(out.values())
     return dict(zip(AXES, per_unique(nodes, *(c[k] for k in TUPLE))))
 
 
 def seconds(job, calls, ranks, nodes):
     """{group: seconds} of ``calls`` (`traffic.layer_calls` format): alpha and bytes (`links`) on a group
     of ``ranks[group]`` ranks over ``nodes[group]`` nodes (the intra-node link on one node)."""
-    cl, out = job.cluster, {}
+    out = {}
     for group, op, payload, n in calls:
-        bw = cl.intra_bw if nodes[group] == 1 else cl.inter_bw
-        out[group] = out.get(group, 0.0) + n * links.collective_time(op, payload, ranks[group], nodes[group], bw,
-                                                                     cl.link)
+        out[group] = out.get(group, 0.0) + n * links.collective_time(op, payload, ranks[group], nodes[group], job.cluster)
     return out
 
 
@@ -65,17 +69,19 @@ def micro_batch(job, eta, c, nodes):
             continue
         lay = dict(zip(("forward", "backward", "recompute", "gemm", "attention"), per_unique(
             lambda T, tp, ep, sp, rc: tuple(kernels.layer_seconds(m, job.cluster, eta, job.fp8, job.eager, job.kernels,
-                                                                  bool(moe), T, tp, ep, bool(sp), RECOMPUTE[rc]).values()),
+                                                                  bool(moe), T, tp, ep, bool(sp), RECOMPUTE[rc],
+                                                                  sw.attention).values()),
             tokens, c["tp"], c["ep"], c["sp"], c["rc"])))
         comm = per_unique(lambda tp, tpn, cp, cpn, ep, epn, b, rc, sp: _layer_groups(job, moe, tp, tpn, cp, cpn, ep, epn,
                                                                                      b, rc, sp),
                           c["tp"], nodes["tp"], c["cp"], nodes["cp"], c["ep"], nodes["ep"], c["b"], c["rc"], c["sp"])
         hide = {"tp": lay["gemm"] * sw.tp_overlap, "cp": lay["attention"] * sw.cp_overlap,
                 "ep": (lay["forward"] + lay["backward"]) * sw.ep_overlap}
+        chunks = {"tp": c["tp"], "cp": c["cp"], "ep": np.inf}
         out["forward"] += count * lay["forward"]
         out["backward"] += count * (lay["backward"] + lay["recompute"])
         for g, secs in zip(("tp", "cp", "ep"), comm):
-            out[g] += count * np.maximum(0.0, secs - hide[g])
+            out[g] += count * exposed(secs, hide[g], chunks[g])
     last, first = c["stage"] == c["pp"] - 1, c["stage"] == 0
     head = per_unique(lambda T, tp: kernels.head_seconds(m, job.cluster, eta, job.fp8, T, tp), tokens, c["tp"])
     out["backward"] += np.where(last, head, 0.0)
@@ -86,6 +92,13 @@ def micro_batch(job, eta, c, nodes):
     out["pp"] = np.maximum(0.0, pp - out["compute"] * sw.pp_overlap)
     out["t_mb"] = out["compute"] + out["tp"] + out["cp"] + out["ep"] + out["pp"]
     return out
+
+
+def exposed(comm, compute, chunks):
+    """Seconds of ``comm`` not hidden under ``compute`` when the collective is cut into ``chunks``
+    pipelined with the compute it feeds (TE's and async TP's chunked GEMMs, ring attention's steps):
+    what the compute cannot cover, and one chunk's worth of the shorter of the two, the pipeline's fill."""
+    return np.maximum(0.0, comm - compute) + np.minimum(comm, compute) / chunks
 
 
 def _layer_groups(job, moe, tp, tpn, cp, cpn, ep, epn, b, rc, sp):
@@ -106,17 +119,16 @@ def _stage_groups(job, tp, tpn, ppn, cp, b, sp, first, last, pp, v):
 def _data_parallel(job, tp, pp, cp, ep, dp, dpr, dpn, v, zero, offloaded):
     """(reduce, gather, replica, one unit's gather, optimizer step) in seconds, first stage."""
     m, cl = job.model, job.cluster
-    plan = memory.Plan(ParallelDims(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, dp_replicate=dpr), zero=zero, v=v)
-    calls = traffic.dp_calls(m, plan, 0, 2, job.software.reduce_bytes)
     ranks = dp * cp
     shard, replicas = (ranks // dpr, dpr) if zero == 3 else (ranks, 1)
+    calls = traffic.dp_bytes(m, tp, pp, ep, v, 0, zero, ranks, ranks // ep, replicas, 2, job.software.reduce_bytes)
     bw = cl.intra_bw if dpn == 1 else cl.inter_bw
     units = max(memory.stage_layer_counts(m, pp, v, 0)[0], 1)       # a bucket, or an FSDP unit, per layer
     alpha = units * links.alpha("reduce_scatter", shard, max(1, dpn // replicas), cl.link) if shard > 1 else 0.0
     reduce = calls["reduce"] / bw + alpha if shard > 1 else 0.0
     gather = calls["gather"] / bw + alpha if shard > 1 and zero else 0.0
     replica = calls["replica"] / cl.inter_bw + links.alpha("all_reduce", replicas, replicas) if replicas > 1 else 0.0
-    params = sum(memory.rank_params(m, plan, 0).values()) / (shard if zero >= 1 else 1)
+    params = sum(memory.stage_params(m, tp, pp, ep, v, 0)) / (shard if zero >= 1 else 1)
     opt = offload.optimizer_seconds(cl, params) if offloaded else offload.ADAM_BYTES * params / cl.hbm_bw
     return reduce, gather, replica, gather / units, opt
 

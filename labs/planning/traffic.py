@@ -122,21 +122,28 @@ def predict_bytes_per_group(model, layout, micro_batch=None, num_microbatches=1,
             "dp": terms["dp"], "cp": terms["cp"], "ep": terms["ep"], "terms": terms}
 
 
-@functools.lru_cache(maxsize=None)
 def dp_calls(model, layout, stage, dtype_bytes=2, grad_bytes=None):
     """Bytes rank ``stage`` sends in one gradient reduction (an all-reduce under DDP, a reduce-scatter
     under ZeRO) and in one all-gather of the weights (ZeRO), over its data-parallel groups: dp * cp
     ranks for the dense parameters, dp * cp / ep for the experts' (HSDP: the shard group; its
     replicas all-reduce their shard once more, "replica")."""
-    params, d = memory.rank_params(model, layout, stage), layout.dims
+    d = layout.dims
+    return dp_bytes(model, d.tp, d.pp, d.ep, layout.v, stage, layout.zero, d.size(("dp", "cp")),
+                    d.size(("edp", "cp")), d.dp_replicate if layout.zero == 3 else 1, dtype_bytes, grad_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def dp_bytes(model, tp, pp, ep, v, stage, zero, n_dense, n_expert, replicas=1, dtype_bytes=2, grad_bytes=None):
+    """`dp_calls` from the group sizes: n_dense ranks hold the same dense weights, n_expert the same
+    experts; ``replicas``: HSDP's replicas of each shard group."""
+    params = dict(zip(("dense", "expert"), memory.stage_params(model, tp, pp, ep, v, stage)))
     e_g = grad_bytes or dtype_bytes
     out = {"reduce": 0, "gather": 0, "replica": 0}
-    shard = d.dp_replicate if layout.zero == 3 else 1
-    for kind, n in (("dense", d.size(("dp", "cp"))), ("expert", d.size(("edp", "cp")))):
-        n_shard = n // shard
-        out["reduce"] += _ring("all_reduce" if layout.zero == 0 else "reduce_scatter", params[kind] * e_g, n_shard)
-        out["gather"] += _ring("all_gather", params[kind] * dtype_bytes, n_shard) if layout.zero else 0
-        out["replica"] += _ring("all_reduce", params[kind] * e_g / n_shard, shard)
+    for kind, n in (("dense", n_dense), ("expert", n_expert)):
+        n_shard = n // replicas
+        out["reduce"] += _ring("all_reduce" if zero == 0 else "reduce_scatter", params[kind] * e_g, n_shard)
+        out["gather"] += _ring("all_gather", params[kind] * dtype_bytes, n_shard) if zero else 0
+        out["replica"] += _ring("all_reduce", params[kind] * e_g / n_shard, replicas)
     return out
 
 
