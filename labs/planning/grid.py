@@ -15,7 +15,7 @@ import numpy as np
 from labs.planning.software import RECOMPUTE, SCHEDULES
 
 FIELDS = ("tp", "pp", "cp", "ep", "dp", "dpr", "zero", "rc", "b", "v", "m", "sched", "offload", "reshard", "sp",
-          "stage")
+          "ckpt", "stage")
 
 
 class Columns(dict):
@@ -27,6 +27,7 @@ class Columns(dict):
     @classmethod
     def of(cls, **fields):
         n = max(np.size(v) for v in fields.values())
+        fields = {"ckpt": 1, **fields}
         return cls({k: np.broadcast_to(np.asarray(fields[k], dtype=np.int64), (n,)).copy() for k in FIELDS})
 
     @classmethod
@@ -36,7 +37,7 @@ class Columns(dict):
         return cls.of(tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, dp=d.dp, dpr=d.dp_replicate, zero=plan.zero,
                       rc=RECOMPUTE.index(plan.recompute), b=plan.micro_batch, v=plan.v, m=m,
                       sched=SCHEDULES.index(plan.schedule), offload=int(plan.offload), reshard=int(plan.reshard),
-                      sp=int(plan.sp), stage=stage)
+                      sp=int(plan.sp), ckpt=plan.checkpoint_every, stage=stage)
 
     def take(self, index):
         return Columns({k: v[index] for k, v in self.items()})

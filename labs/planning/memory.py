@@ -13,11 +13,13 @@ Bytes of rank r (stage r of the pipeline), in the order the planner names an ove
   (`budget.state_bytes_per_param`) over the data-parallel group dp * cp (the experts' over
   dp * cp / ep); stage 3 is FSDP2, whose pieces are chapter 3's (fp32 shard 4, fp32 gradient 4,
   Adam 8: `distributed_optimizer.FSDP2_PIECES`) over dp_shard * cp; with the optimizer offloaded
-  (ZeRO-Offload, Ren et al. 2021) the GPU keeps the 16-bit weights and gradients only (`offload`);
+  (ZeRO-Offload, Ren et al. 2021) the GPU keeps the 16-bit weights only, the gradients streaming to
+  the host as they are reduced (`offload`);
 - activations at the schedule's peak: chapter 5's `schedules.peak_chunks` chunk micro-batches of
   the rank's layers, each layer chapter 1's formula (`activations`) at s/cp tokens, with sequence
   parallelism (chapter 6) when the software has it; under recomputation, plus one layer's full
-  activations, rebuilt in backward;
+  activations, rebuilt in backward (full recomputation every k layers: one input per k layers kept,
+  k layers rebuilt at once);
 - logits, on the last stage: chapter 1's `logits.tail_forward_peak_bytes` at V/tp (vocabulary-
   parallel head and loss, chapter 4);
 - buffers: FSDP2's gathered bf16 unit and the next one (prefetch) with the unit's unsharded
@@ -57,6 +59,7 @@ class Plan:
     zero_bubble: bool = False   # a zero-bubble schedule (DeepSeek's; `timing`)
     offload: bool = False    # optimizer state and its step in host memory (`offload`)
     reshard: bool = True     # FSDP frees gathered weights after forward
+    checkpoint_every: int = 1   # full recomputation keeps the input of every k-th layer (Megatron's uniform)
 
     @property
     def schedule(self):
@@ -129,9 +132,8 @@ def state_bytes(zero, n, recipe, offload=False):
     """Bytes per parameter on a rank of a data-parallel group of n: chapter 1's ZeRO stages 0-2,
     chapter 3's FSDP2 pieces for stage 3, as weights / gradients / optimizer; offloaded, the GPU
     keeps the 16-bit weights (sharded at stage 3) and gradient partition (ZeRO-Offload's)."""
-    if offload:
-        return {"weights": BF16 / (n if zero == 3 else 1), "gradients": BF16 / (n if zero >= 2 else 1),
-                "optimizer": 0.0}
+    if offload:   # gradients go to the host as they are reduced (Ren et al. 2021, §4.1)
+        return {"weights": BF16 / (n if zero == 3 else 1), "gradients": 0.0, "optimizer": 0.0}
     if zero == 3:
         pieces = distributed_optimizer.FSDP2_PIECES
         return {"weights": pieces["params"] / n, "gradients": pieces["grads"] / n,
@@ -187,8 +189,10 @@ def activations_bytes(model, c, kernels):
                              np.full(len(c), kind), c["b"], c["tp"], c["cp"], c["rc"], c["sp"]) for kind in (0, 1))
     whole = per_unique(lambda kind, b, tp, cp, sp: layer_bytes(model, kernels, bool(kind), b, tp, cp, "none", bool(sp)),
                        (n_moe > 0).astype(int), c["b"], c["tp"], c["cp"], c["sp"])
-    rebuilt = np.where(np.isin(c["rc"], [RECOMPUTE.index("full"), RECOMPUTE.index("selective_ops")]), whole, 0)
-    return np.where(n > 0, chunks * ((n - n_moe) * dense + n_moe * moe) / c["v"] + rebuilt, 0)
+    full = c["rc"] == RECOMPUTE.index("full")
+    rebuilt = np.where(full | (c["rc"] == RECOMPUTE.index("selective_ops")), whole, 0) * np.where(full, c["ckpt"], 1)
+    kept = np.where(full, -(-n // c["ckpt"]) / np.maximum(n, 1), 1.0)    # one input per k layers
+    return np.where(n > 0, chunks * kept * ((n - n_moe) * dense + n_moe * moe) / c["v"] + rebuilt, 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -47,8 +47,9 @@ def schedules_for(job, d, m, fixed):
 
 
 def settings(job, d, fixed):
-    """Every (zero, recompute, b, schedule, v, offload) of layout ``d``; a fixed setting the stack does not
-    offer, or a fixed b or v outside its range, is one sentence naming it."""
+    """Every (zero, recompute, b, schedule, v, offload) of layout ``d`` as an int array, one row each
+    (recompute and schedule as indices of `software.RECOMPUTE`, `SCHEDULES`); a fixed setting the stack
+    does not offer, or a fixed b or v outside its range, is one sentence naming it."""
     sw, seqs = job.software, job.sequences // d.dp
     for key, offered in (("zero", sw.zero_stages), ("recompute", sw.recompute), ("offload", sw.offload)):
         if key in fixed and fixed[key] not in offered:
@@ -60,26 +61,36 @@ def settings(job, d, fixed):
     bs = [b_fixed] if b_fixed else [b for b in MICRO_BATCHES if seqs % b == 0]
     if fixed.get("v", 1) > 1 and not b_fixed:     # interleaving needs m = seqs / b to be a multiple of pp
         bs = [b for b in bs if (seqs // b) % d.pp == 0] or bs[:1]
-    zeros = [fixed["zero"]] if "zero" in fixed else list(sw.zero_stages)
-    rcs = [fixed["recompute"]] if "recompute" in fixed else list(sw.recompute)
-    offs = [fixed["offload"]] if "offload" in fixed else list(sw.offload)
-    for b in bs:
-        for (sched, v), zero, rc, off in itertools.product(schedules_for(job, d, seqs // b, fixed), zeros, rcs, offs):
-            yield zero, rc, b, sched, v, off
+    zeros = [fixed["zero"]] if "zero" in fixed else sw.zero_stages
+    if d.dp_replicate > 1:                         # HSDP is FSDP's: replicas only of sharded weights
+        zeros = [z for z in zeros if z == 3]
+        if not zeros:
+            raise ValueError(f"dp_replicate = {d.dp_replicate} is HSDP, which shards with ZeRO-3 (FSDP); "
+                             f"the settings allow ZeRO-{fixed.get('zero')}.")
+    rest = np.array(list(itertools.product(
+        zeros,
+        [RECOMPUTE.index(fixed["recompute"])] if "recompute" in fixed else [RECOMPUTE.index(r) for r in sw.recompute],
+        [int(fixed["offload"])] if "offload" in fixed else [int(o) for o in sw.offload])), dtype=np.int64)
+    pipe = np.array([(b, SCHEDULES.index(s), v) for b in bs for s, v in schedules_for(job, d, seqs // b, fixed)],
+                    dtype=np.int64)
+    both = np.concatenate([np.repeat(pipe, len(rest), axis=0), np.tile(rest, (len(pipe), 1))], axis=1)
+    return both[:, [3, 4, 0, 1, 2, 5]]               # zero, recompute, b, schedule, v, offload
 
 
 def candidates(job, layouts, fixed):
     """(`grid.Columns` of every candidate on stage 0, the index of its layout in ``layouts``)."""
-    rows, index = [], []
+    blocks, index = [], []
     for i, d in enumerate(layouts):
-        reshard = int(job.software.reshards(d.pp))
-        for zero, rc, b, sched, v, off in settings(job, d, fixed):
-            rows.append((d.tp, d.pp, d.cp, d.ep, d.dp, d.dp_replicate, zero, RECOMPUTE.index(rc), b, v,
-                         job.sequences // (d.dp * b), SCHEDULES.index(sched), int(off), reshard, int(job.software.sp)))
-            index.append(i)
-    cols = np.asarray(rows, dtype=np.int64).reshape(-1, 15)
-    names = ("tp", "pp", "cp", "ep", "dp", "dpr", "zero", "rc", "b", "v", "m", "sched", "offload", "reshard", "sp")
-    return Columns.of(**{k: cols[:, j] for j, k in enumerate(names)}, stage=0), np.asarray(index)
+        s = settings(job, d, fixed)
+        const = [d.tp, d.pp, d.cp, d.ep, d.dp, d.dp_replicate, int(job.software.reshards(d.pp)), int(job.software.sp),
+                 fixed.get("checkpoint_every", 1)]
+        blocks.append(np.concatenate([np.tile(np.array(const, dtype=np.int64), (len(s), 1)), s], axis=1))
+        index.append(np.full(len(s), i))
+    cols = np.concatenate(blocks)
+    names = ("tp", "pp", "cp", "ep", "dp", "dpr", "reshard", "sp", "ckpt", "zero", "rc", "b", "sched", "v", "offload")
+    c = Columns.of(**{k: cols[:, j] for j, k in enumerate(names)}, m=0, stage=0)
+    c["m"] = job.sequences // (c["dp"] * c["b"])
+    return c, np.concatenate(index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,7 +168,8 @@ def best_per_layout(job, eta, layouts, fixed=None, closest=False):
 def _row(job, d, c, k, terms, time):
     plan = memory.Plan(d, zero=int(c["zero"][k]), recompute=RECOMPUTE[c["rc"][k]], micro_batch=int(c["b"][k]),
                        v=int(c["v"][k]), sp=bool(c["sp"][k]), zero_bubble=SCHEDULES[c["sched"][k]] == "zero_bubble",
-                       offload=bool(c["offload"][k]), reshard=bool(c["reshard"][k]))
+                       offload=bool(c["offload"][k]), reshard=bool(c["reshard"][k]),
+                       checkpoint_every=int(c["ckpt"][k]))
     return {"dims": d, "plan": plan, "m": int(c["m"][k]), "memory": dict(zip(memory.TERMS, terms[:, k].tolist())),
             "memory_stage": int(time["memory_stage"][k]),
             "time": {key: float(v[k]) for key, v in time.items()}}

@@ -86,10 +86,15 @@ def micro_batch(job, eta, c, nodes):
     head = per_unique(lambda T, tp: kernels.head_seconds(m, job.cluster, eta, job.fp8, T, tp), tokens, c["tp"])
     out["backward"] += np.where(last, head, 0.0)
     out["compute"] = out["forward"] + out["backward"]
-    vocab, pp = per_unique(lambda *k: _stage_groups(job, *k), c["tp"], nodes["tp"], nodes["pp"], c["cp"], c["b"],
-                           c["sp"], first, last, c["pp"], c["v"])
+    vocab = per_unique(lambda tp, tpn, cp, b, f, l: seconds(job, traffic.vocab_calls(m, tp, cp, b, m.seq, 2, f, l),
+                                                            {"tp": tp}, {"tp": tpn}).get("tp", 0.0),
+                       c["tp"], nodes["tp"], c["cp"], c["b"], first, last)
+    send = per_unique(lambda tp, ppn, cp, b, sp: links.collective_time(
+        "send", traffic.pp_send_bytes(m, tp, cp, b, m.seq, 2, None if sp else False), 2, min(ppn, 2), job.cluster),
+        c["tp"], nodes["pp"], c["cp"], c["b"], c["sp"])
     out["tp"] += vocab
-    out["pp"] = np.maximum(0.0, pp - out["compute"] * sw.pp_overlap)
+    out["pp"] = exposed_pp = traffic.pp_sends(c["stage"], c["pp"], c["v"]) * send
+    out["pp"] = np.maximum(0.0, exposed_pp - out["compute"] * sw.pp_overlap)
     out["t_mb"] = out["compute"] + out["tp"] + out["cp"] + out["ep"] + out["pp"]
     return out
 
@@ -106,14 +111,6 @@ def _layer_groups(job, moe, tp, tpn, cp, cpn, ep, epn, b, rc, sp):
     calls = traffic.layer_calls(m, tp, cp, ep, b, m.seq, 2, RECOMPUTE[rc], bool(moe), bool(sp))
     t = seconds(job, calls, {"tp": tp, "cp": cp, "ep": ep}, {"tp": tpn, "cp": cpn, "ep": epn})
     return t.get("tp", 0.0), t.get("cp", 0.0), t.get("ep", 0.0)
-
-
-def _stage_groups(job, tp, tpn, ppn, cp, b, sp, first, last, pp, v):
-    m = job.model
-    stage = 0 if first else pp - 1 if last else min(1, pp - 1)
-    calls = traffic.stage_calls(m, tp, cp, b, m.seq, 2, stage, pp, v, sequence_parallel_pp=None if sp else False)
-    t = seconds(job, calls, {"tp": tp, "pp": 2}, {"tp": tpn, "pp": min(ppn, 2)})
-    return t.get("tp", 0.0), t.get("pp", 0.0)
 
 
 def _data_parallel(job, tp, pp, cp, ep, dp, dpr, dpn, v, zero, offloaded):

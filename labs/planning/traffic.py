@@ -13,6 +13,8 @@ ordered [tp, cp, ep, pp, dp] fastest first.
 """
 import functools
 
+import numpy as np
+
 from labs.expert_parallel import moe_routing
 from labs.measure import costs
 from labs.pipeline.stage_balance import stage_layers
@@ -51,23 +53,39 @@ def layer_calls(model, t, c, ep, b, s, e, recompute, moe_layer, sp=True):
 @functools.lru_cache(maxsize=None)
 def stage_calls(model, t, c, b, s, e, stage, p, v, vocab_parallel=True, sequence_parallel_pp=None):
     """The collectives of one micro-batch outside the layers on rank ``stage``: the vocabulary-parallel
-    embedding and loss (chapter 4's `vocab_parallel`: the first stage all-reduces the embedding's output,
-    M; the last all-reduces the head's input gradient, M, and the loss's three (b, s/c) fp32 vectors), and
-    the pipeline's sends (chapter 5): per micro-batch and model chunk one activation forward and one
-    gradient back, M / t when the activation is split over the tp ranks (sequence parallelism, or
-    Megatron's scatter/gather, Narayanan et al. 2021, §4.1; ``sequence_parallel_pp``, default t > 1);
-    the last stage sends no activation from its last chunk, the first no gradient from its first."""
-    M, out = b * (s // c) * model.hidden * e, []
-    if vocab_parallel and t > 1:
-        if stage == 0:
-            out.append(("tp", "all_reduce", M, 1))
-        if stage == p - 1:
-            out += [("tp", "all_reduce", M, 1), ("tp", "all_reduce", b * (s // c) * FP32, 3)]
-    split = t > 1 if sequence_parallel_pp is None else sequence_parallel_pp
-    sends = (v - (stage == p - 1)) + (v - (stage == 0)) if p > 1 else 0
+    embedding and loss (`vocab_calls`) and the pipeline's sends (`pp_sends` of `pp_send_bytes`)."""
+    out = list(vocab_calls(model, t, c, b, s, e, stage == 0, stage == p - 1) if vocab_parallel else ())
+    sends = int(pp_sends(stage, p, v))
     if sends:
-        out.append(("pp", "send", M // t if split else M, sends))
+        out.append(("pp", "send", pp_send_bytes(model, t, c, b, s, e, sequence_parallel_pp), sends))
     return tuple(out)
+
+
+def vocab_calls(model, t, c, b, s, e, first, last):
+    """Chapter 4's `vocab_parallel`: the first stage all-reduces the embedding's output, M = b (s/c) h e;
+    the last all-reduces the head's input gradient, M, and the loss's three (b, s/c) fp32 vectors."""
+    M, out = b * (s // c) * model.hidden * e, []
+    if t > 1 and first:
+        out.append(("tp", "all_reduce", M, 1))
+    if t > 1 and last:
+        out += [("tp", "all_reduce", M, 1), ("tp", "all_reduce", b * (s // c) * FP32, 3)]
+    return tuple(out)
+
+
+def pp_sends(stage, p, v):
+    """Pipeline sends per micro-batch on rank ``stage`` (chapter 5): per model chunk one activation
+    forward and one gradient back; the last stage sends no activation from its last chunk, the first
+    no gradient from its first. Scalars or numpy arrays."""
+    return np.where(np.asarray(p) > 1, (v - (stage == p - 1)) + (v - (stage == 0)), 0)
+
+
+def pp_send_bytes(model, t, c, b, s, e, sequence_parallel_pp=None):
+    """One pipeline message: M / t when the activation is split over the tp ranks (sequence
+    parallelism, or Megatron's scatter/gather, Narayanan et al. 2021, §4.1; ``sequence_parallel_pp``,
+    default t > 1), M = b (s/c) h e otherwise."""
+    M = b * (s // c) * model.hidden * e
+    split = t > 1 if sequence_parallel_pp is None else sequence_parallel_pp
+    return M // t if split else M
 
 
 def group_sizes(dims):
