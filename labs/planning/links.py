@@ -96,10 +96,22 @@ def atom_nodes(stride, n, gpus_per_node):
 
 def group_nodes(dims, axis, gpus_per_node):
     """Nodes a group of ``axis`` (a name or a tuple of names, as `ParallelDims.size` takes them)
-    touches: the product over the grid atoms it spans of `atom_nodes`."""
-    chosen, stride, nodes = dims._atoms_of(axis), 1, 1
+    touches: its grid atoms, merged where they are adjacent (only atoms of size 1 between them), each
+    block priced by `atom_nodes`, multiplied."""
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    chosen = set().union(*(dims.GROUPS[a] for a in names))
+    blocks, stride, last = [], 1, None          # [stride, size] of each run of chosen atoms
     for a, size in dims.atoms():
         if a in chosen and size > 1:
-            nodes *= atom_nodes(stride, size, gpus_per_node)
+            if last is not None and last == stride:       # continues the previous block
+                blocks[-1][1] *= size
+            else:
+                blocks.append([stride, size])
+            last = stride * size
+        elif size > 1:
+            last = None
         stride *= size
+    nodes = 1
+    for s, n in blocks:
+        nodes *= atom_nodes(s, n, gpus_per_node)
     return nodes

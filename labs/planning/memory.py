@@ -202,24 +202,26 @@ def logits_bytes(model, tp, cp, b):
 
 
 @functools.lru_cache(maxsize=None)
-def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard):
+def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer"):
     """FSDP2's gathered bf16 unit and the next one (prefetch) with the unit's unsharded bf16 and fp32
-    gradient (chapter 3); kept gathered after forward, the stage's weights and gradients in bf16."""
+    gradient (chapter 3); kept gathered after forward, the stage's weights and gradients in bf16. A unit
+    is a layer (FSDP wraps each block) or, for DeepSpeed's per-module hooks, the largest weight."""
     if zero != 3:
         return 0
     if not reshard:
         return 2 * BF16 * sum(stage_params(model, tp, pp, ep, v, stage))
-    unit = max((sum(local_numel(w, tp, ep, model.kv_heads) for w in model.layer_weights(i))
+    pick = sum if unit == "layer" else max
+    size = max((pick(local_numel(w, tp, ep, model.kv_heads) for w in model.layer_weights(i))
                 for i in _kinds(model, pp, v, stage)), default=0)
-    return 2 * BF16 * unit + (BF16 + 4) * unit
+    return 2 * BF16 * size + (BF16 + 4) * size
 
 
-def buffers_bytes(model, c):
+def buffers_bytes(model, c, unit="layer"):
     """What is gathered for one layer at a time, per candidate: FSDP2's units (`fsdp_buffer_bytes`),
     sequence parallelism's all-gathered layer input (chapter 6), all-gather CP's K and V of the whole
     sequence (chapter 6)."""
-    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k), c["zero"], c["tp"], c["pp"], c["ep"], c["v"],
-                      c["stage"], c["reshard"])
+    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k, unit=unit), c["zero"], c["tp"], c["pp"], c["ep"],
+                      c["v"], c["stage"], c["reshard"])
     sp = np.where((c["tp"] > 1) & (c["sp"] == 1), BF16 * c["b"] * (model.seq // c["cp"]) * model.hidden, 0)
     kv = np.maximum(model.kv_heads // c["tp"], 1) * model.head_dim
     cp = np.where(c["cp"] > 1, 2 * BF16 * c["b"] * model.seq * kv, 0)
@@ -232,8 +234,9 @@ def _kinds(model, pp, v, stage):
     return tuple({model.is_moe_layer(i): i for i in stage_layers(model.layers, pp, v)[stage]}.values())
 
 
-def terms(model, c, recipe, kernels):
-    """The six TERMS of every candidate in ``c`` (`grid.Columns`), each an array of bytes."""
+def terms(model, c, recipe, kernels, unit="layer"):
+    """The six TERMS of every candidate in ``c`` (`grid.Columns`), each an array of bytes; ``unit``: what
+    ZeRO-3 gathers at a time (`fsdp_buffer_bytes`)."""
     shard = np.where(c["zero"] == 3, c["dp"] // c["dpr"], c["dp"]) * c["cp"]
     state = per_unique(lambda tp, pp, ep, v, st, z, g, off: state_terms(model, tp, pp, ep, v, st, z, g, recipe,
                                                                          bool(off)),
@@ -241,7 +244,7 @@ def terms(model, c, recipe, kernels):
     acts = activations_bytes(model, c, kernels)
     last = c["stage"] == c["pp"] - 1
     tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b), c["tp"], c["cp"], c["b"]), 0)
-    return state + (acts, tail, buffers_bytes(model, c))
+    return state + (acts, tail, buffers_bytes(model, c, unit))
 
 
 def rank_memory_terms(model, plan, recipe, kernels, m, stage):

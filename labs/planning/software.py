@@ -56,6 +56,7 @@ class Software:
     offload: tuple = (False,)       # optimizer state in host memory (ZeRO-Offload): `offload`
     attention: str = "flash2"       # a fused attention kernel's generation: "flash2", "flash3" (and cuDNN's, TE)
     ep_folding: bool = False        # experts folded over tp x dp, consecutive ranks (Megatron-Core, ETP = 1)
+    shard_unit: str = "layer"       # what ZeRO-3 gathers at a time: a "layer" (FSDP's wrap) or a "weight"
 
     def with_(self, **changes):
         return replace(self, **changes)
@@ -99,10 +100,11 @@ MOE_ZOO = MEGATRON_CORE.with_(name="Megatron-Core MoE", source="Megatron-MoE-Mod
                               zero_stages=(0, 1, 3), recompute=("none", "selective", "mlp", "full"), prefetch=True,
                               ep_folding=True)
 # DeepSpeed ZeRO-3 as Narayanan et al. 2021 ran it against PTD-P (§5.2, Table 2): no model parallelism,
-# weights gathered per layer with prefetching, recomputation (the count includes it).
+# each weight gathered by the hooks of its own module, with prefetching (Rajbhandari et al. 2021,
+# ZeRO-Infinity §5.1.2), recomputation (the count includes it).
 DEEPSPEED_ZERO3 = Software("DeepSpeed ZeRO-3 (2021)", "Narayanan et al. 2021, §5.2", zero_stages=(3,),
                            recompute=("full",), max_tp=1, max_cp=1, sp=False, kernels="materialized",
-                           schedules=("1f1b",), overlap_grad_reduce=True, prefetch=True)
+                           schedules=("1f1b",), overlap_grad_reduce=True, prefetch=True, shard_unit="weight")
 # BLOOM (bigscience tr11-176B-ml README): Megatron-DeepSpeed, TP 4, PP 12 with DeepSpeed's 1F1B pipeline
 # engine, the BF16_Optimizer's own ZeRO-1, full recomputation, fused softmax kernels (no FlashAttention).
 MEGATRON_DEEPSPEED = Software("Megatron-DeepSpeed (BLOOM)", "bigscience tr11-176B-ml README", zero_stages=(1,),
@@ -143,4 +145,5 @@ ANY = Software("any current stack", "Megatron-Core and torchtitan together", zer
 # DeepSpeed with ZeRO-Offload (Ren et al. 2021): the optimizer state and its Adam step on the CPU.
 DEEPSPEED_OFFLOAD = Software("DeepSpeed ZeRO-3 + offload", "Ren et al. 2021; DeepSpeed docs", zero_stages=(3,),
                              recompute=("none", "full"), schedules=("1f1b",), max_cp=1, sp=False, kernels="flash",
-                             recipe="mixed", overlap_grad_reduce=True, prefetch=True, offload=(False, True))
+                             recipe="mixed", overlap_grad_reduce=True, prefetch=True, offload=(False, True),
+                             shard_unit="weight")

@@ -121,6 +121,8 @@ def _data_parallel(job, tp, pp, cp, ep, dp, dpr, dpn, v, zero, offloaded):
     calls = traffic.dp_bytes(m, tp, pp, ep, v, 0, zero, ranks, ranks // ep, replicas, 2, job.software.reduce_bytes)
     bw = cl.intra_bw if dpn == 1 else cl.inter_bw
     units = max(memory.stage_layer_counts(m, pp, v, 0)[0], 1)       # a bucket, or an FSDP unit, per layer
+    if job.software.shard_unit == "weight":                          # DeepSpeed's hooks: one call per weight
+        units *= sum(len(w.shape) == 2 for w in m.layer_weights(0))
     alpha = units * links.alpha("reduce_scatter", shard, max(1, dpn // replicas), cl.link) if shard > 1 else 0.0
     reduce = calls["reduce"] / bw + alpha if shard > 1 else 0.0
     gather = calls["gather"] / bw + alpha if shard > 1 and zero else 0.0
