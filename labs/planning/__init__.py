@@ -15,6 +15,7 @@ against published runs; then the layouts composed, trained and held to one proce
 - `cases`: Megatron-LM's Table 1, Llama 3's Table 4, DeepSeek-V3 and the notes' questions, as planner cases.
 - `published_tables`, `published_runs`: more published runs (A100, H100, H800; dense and MoE), as printed and as rows.
 - `checked`: the 112 published rows as planner jobs, the calibration (one eta per generation and precision), the verdicts.
+- `scorecard`: the checked set's figures, its rows by source, and each miss with the term that explains it.
 - `notes`: the notes' three recipes, their interview questions and the stacks' layouts, through the planner.
 - `meta_check`: one rank of a full-size layout built by PyTorch on the meta device (fake process group) holds what the planner counts.
 - `quiz`: the notes' readiness quiz, each question with a number answered by the planner or a chapter, and its checker.

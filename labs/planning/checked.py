@@ -140,18 +140,6 @@ def evaluate_all(checked=None, table=None):
     return out
 
 
-def summary(results):
-    """The table's figures: rows, within 15 %, in the top three, memory within 15 %, mean |error|."""
-    calibrated = {name for _, name in calibration().values()}
-    pred = [r for r in results if r["case"].name not in calibrated]
-    mem = [r for r in results if r["case"].memory_gib]
-    mem_err = [sum(r["row"]["memory"].values()) / 2 ** 30 / r["case"].memory_gib - 1 for r in mem]
-    return {"rows": len(results), "predictions": len(pred), "fits": sum(r["fits"] for r in results),
-            "within15": sum(abs(r["error"]) <= 0.15 for r in pred), "top3": sum((r["rank"] or 99) <= 3 for r in pred),
-            "mae": sum(abs(r["error"]) for r in pred) / len(pred), "memory_rows": len(mem),
-            "memory_within15": sum(abs(e) <= 0.15 for e in mem_err), "memory_errors": mem_err}
-
-
 def with_software(case, **changes):
     """The case on a stack with ``changes`` (a switch turned off to see what it is worth)."""
     return dataclasses.replace(case, job=dataclasses.replace(case.job, software=case.job.software.with_(**changes)))
