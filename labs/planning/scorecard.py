@@ -9,6 +9,7 @@ Ranks: ``rank`` counts every degree tuple the planner estimates faster than the 
 ``resolved_rank`` only those faster by more than the model's median error on the predictions, the
 book's rule for calling a winner (a difference inside the model's own error is not resolved).
 """
+import re
 import statistics
 
 from labs.planning import checked
@@ -23,8 +24,8 @@ FAMILIES = (   # (label, predicate on a case)
     ("PTD-P, Narayanan Table 2", lambda c: c.name.startswith("Narayanan PTD-P")),
     ("BLOOM and OPT", lambda c: c.name in ("BLOOM-176B", "OPT-175B")),
     ("MegaScale, Table 2", lambda c: c.name.startswith("MegaScale")),
-    ("torchtitan, Dec. 2024", lambda c: c.name.startswith("torchtitan") and " T" in c.name),
-    ("torchtitan async TP, June 2025", lambda c: c.name.startswith("torchtitan") and " T" not in c.name),
+    ("torchtitan, Dec. 2024", lambda c: re.match(r"torchtitan \d+B T\d,", c.name)),
+    ("torchtitan async TP, June 2025", lambda c: c.name.startswith("torchtitan")),
     ("NeMo 24.07, FP8", lambda c: c.name.startswith("NeMo 24.07")),
     ("NeMo 25.11, FP8", lambda c: c.name.startswith("NeMo 25.11")),
     ("Megatron-MoE ModelZoo, Qwen3", lambda c: c.name.startswith("ModelZoo")),
