@@ -189,6 +189,7 @@ def _timed_step(net, ddp, x, y):
             "exposed_comm": exposed_comm(shifted, backward_end)}
 
 
+@launch.on_cpu("the hand DDP's bucket timeline is read on the host clock inside autograd hooks, which on a GPU would time launches")
 def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_size=8):
     """Overlap on vs off in one run (alternating steps): exposed communication and step time.
 

@@ -55,6 +55,7 @@ def gpu_copies(nbytes=1 << 28, repeats=5):
             "d2d_bytes_per_s": timed(b, a), "h2d_bytes_per_s": timed(a, host)}
 
 
+@launch.on_cpu("gloo's loopback between two processes of this machine")
 def ping_pong(rank, world_size, sizes=(8, 1 << 24), repeats=7):
     """Rank 0 and 1 bounce a message back to back; one-way time = round trip / 2 (gloo loopback via
     TCP), the median and the fastest of ``repeats`` trips (`labs.hardware.latency` says why they differ)."""
