@@ -17,13 +17,12 @@ wire cannot be read (NCCL) the measured factor is None with the reason, and busb
     python -m labs.data_parallel.bus_bandwidth --world-size 4
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from labs.launcher import launch, preflight
-from labs.measure import wire
+from labs.measure import timing, wire
 
 FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
            "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
@@ -71,11 +70,9 @@ def rank_sweep(rank, world_size, sizes=SIZES, repeats=5):
         times = []
         for _ in range(repeats):
             dist.barrier()
-            start = time.perf_counter()
+            start = timing.now()
             dist.all_reduce(buf)
-            if buf.is_cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            times.append(timing.now() - start)
         out.append({"nbytes": nbytes, "wire_bytes": w.bytes, "wire_reason": w.reason,
                     "seconds": statistics.median(times)})
     return out

@@ -11,13 +11,12 @@ overlapping buckets with backward hides, and the step time it saves.
 """
 import contextlib
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from labs.measure import comm, wire
+from labs.measure import comm, timing, wire
 from labs.data_parallel import hand_ring
 from labs.data_parallel.hand_ddp import HandDDP, exposed_comm
 from labs.launcher import launch
@@ -179,9 +178,9 @@ def _timed_step(net, ddp, x, y):
     """One forward + backward with gradient sync; times relative to the start of backward."""
     loss = net(x, y)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0 = timing.now()
     loss.backward()  # the hand DDP settles at the end of autograd, so .grad holds the averages here
-    events, end = ddp.finish(), time.perf_counter()
+    events, end = ddp.finish(), timing.now()
     net.zero_grad()
     shifted = [{k: (v - t0 if k != "bytes" else v) for k, v in e.items()} for e in events]
     backward_end = ddp.backward_end - t0

@@ -19,7 +19,6 @@ Li et al. 2020 ("PyTorch Distributed", arXiv 2006.15704, §3.2-3.3; torch's Redu
     python -m labs.data_parallel.ddp_internals --world-size 2
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labs.launcher import launch
-from labs.measure import wire
+from labs.measure import timing, wire
 
 WIDTH = 256            # 256 x 256 fp32 = 256 KiB per layer:
 CAP_MB = WIDTH * WIDTH * 4 / 2**20   # a bucket cap of one layer, so every layer fills a bucket of its own
@@ -166,10 +165,10 @@ def walk_cost(rank, world_size, depth=48, width=16, steps=12):
     for step in range(2 + 2 * steps):
         flag = step % 2 == 0
         dist.barrier()
-        start = time.perf_counter()
+        start = timing.now()
         models[flag](_data(rank, step, width)).pow(2).mean().backward()
         if step >= 2:
-            times[flag].append(time.perf_counter() - start)
+            times[flag].append(timing.now() - start)
     on, off = statistics.median(times[True]), statistics.median(times[False])
     return {"find_unused_s": on, "plain_s": off, "ratio": on / off, "depth": depth}
 

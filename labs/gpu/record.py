@@ -17,13 +17,13 @@ import platform
 import re
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from labs.gpu import dcp, memory, speed
 from labs.launcher import cli
+from labs.measure import timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/<package>/<file>.py
 RESULTS = os.path.join(ROOT, "results", "gpu")
@@ -101,7 +101,7 @@ def record(device, sizes, argv, only=None, log=sys.stderr):
     for name, run in sections().items():
         if only and name not in only:
             continue
-        start = time.perf_counter()
+        start = timing.now()
         try:
             out["sections"][name] = run(device, sizes)
         except Exception as exc:  # noqa: BLE001  on a GPU one broken section must not cost the others
@@ -109,7 +109,7 @@ def record(device, sizes, argv, only=None, log=sys.stderr):
                 raise                 # the dry run is the test: a bug there fails loudly
             out["sections"][name] = f"error: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
             torch.cuda.empty_cache()
-        out["seconds"][name] = round(time.perf_counter() - start, 3)
+        out["seconds"][name] = round(timing.now() - start, 3)
         print(f"[labs.gpu] {name}: {out['seconds'][name]:.1f} s", file=log, flush=True)
     return out
 

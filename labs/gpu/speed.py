@@ -6,12 +6,12 @@ Every time is wall-clock around ``repeats`` calls after a warm-up, synchronized 
 run). FLOPs are counted by FlopCounterMode (`labs.measure.flops.counting`), never assumed.
 """
 import math
-import time
 
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from labs.memory_budget import compute
+from labs.measure import timing
 from labs.measure.flops import counting as count_flops
 from labs.precision import fp8, kernels
 from labs.recompute import policies
@@ -26,21 +26,15 @@ from labs.gpu.memory import gpt_200m
 PEAKS = {"NVIDIA H100 80GB HBM3": compute.H100_BF16_DENSE, "NVIDIA H200": compute.H100_BF16_DENSE}
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def seconds_per_call(fn, device, repeats, warmup=2):
-    """Mean wall-clock seconds of fn() over ``repeats`` calls, after ``warmup`` calls."""
+    """Mean wall-clock seconds of fn() over ``repeats`` calls, after ``warmup`` calls (the clock
+    read once the device's queued work is done: `labs.measure.timing.now`)."""
     for _ in range(warmup):
         fn()
-    _sync(device)
-    start = time.perf_counter()
+    start = timing.now()
     for _ in range(repeats):
         fn()
-    _sync(device)
-    return (time.perf_counter() - start) / repeats
+    return (timing.now() - start) / repeats
 
 
 def _tflops(m, k, n, device, repeats, dtype=torch.bfloat16):
