@@ -94,10 +94,13 @@ def sections():
             "checkpoint": dcp.checkpoint_pause}
 
 
-def record(device, sizes, argv, only=None, log=sys.stderr):
+def record(device, sizes, argv, only=None, log=sys.stderr, after_each=None):
     """Run every section (or those in ``only``); print each section's seconds to ``log``. On a GPU
-    a section that raises is recorded as "error: ..." and the others still run; in the dry run it raises."""
-    out = {"provenance": provenance(argv, device), "sizes": asdict(sizes), "seconds": {}, "sections": {}}
+    a section that raises is recorded as "error: ..." and the others still run; in the dry run it raises.
+    ``after_each(out)`` is called after every section with what is recorded so far (``complete``
+    False until the last): a run stopped at a time limit keeps the sections it finished."""
+    out = {"provenance": provenance(argv, device), "sizes": asdict(sizes), "seconds": {}, "sections": {},
+           "complete": False}
     for name, run in sections().items():
         if only and name not in only:
             continue
@@ -111,6 +114,9 @@ def record(device, sizes, argv, only=None, log=sys.stderr):
             torch.cuda.empty_cache()
         out["seconds"][name] = round(timing.now() - start, 3)
         print(f"[labs.gpu] {name}: {out['seconds'][name]:.1f} s", file=log, flush=True)
+        if after_each is not None:
+            after_each(out)
+    out["complete"] = True
     return out
 
 
@@ -136,7 +142,8 @@ def main(argv=None):
     if not args.dry_run and not torch.cuda.is_available():
         raise ValueError(REFUSAL)
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
-    result = record(device, DRY if args.dry_run else Sizes(), argv, args.only)
+    keep = None if args.dry_run else (lambda so_far: write_results(so_far, device))
+    result = record(device, DRY if args.dry_run else Sizes(), argv, args.only, after_each=keep)
     if args.dry_run:
         print(json.dumps(cli._plain(result), indent=1, sort_keys=True))
     else:
