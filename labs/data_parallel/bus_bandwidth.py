@@ -78,8 +78,9 @@ def rank_sweep(rank, world_size, sizes=SIZES, repeats=5):
     return out
 
 
-def sweep(world_size, sizes=SIZES, repeats=5, timeout=300.0):
-    """algbw, busbw and the measured wire factor per size, on ``world_size`` ranks.
+def sweep(world_size, sizes=SIZES, repeats=5, timeout=300.0, backend=None):
+    """algbw, busbw and the measured wire factor per size, on ``world_size`` ranks (``backend``: the
+    launcher's choice unless given; chapter 2 pins gloo, whose wire it reads).
 
     Per size: nbytes (S), seconds (the slowest rank's median: a collective ends when its last rank
     does, as nccl-tests reports), algbw and busbw (bytes/s), factor (2(N-1)/N), wire_bytes (per
@@ -87,7 +88,7 @@ def sweep(world_size, sizes=SIZES, repeats=5, timeout=300.0):
     preamble_factor (gloo's preambles per rank / S, from its source: the expected excess of
     wire_factor over factor) and wire_all_ranks_model (what all ranks together should write).
     """
-    return summarize(launch.spawn(rank_sweep, world_size, list(sizes), repeats, timeout=timeout))
+    return summarize(launch.spawn(rank_sweep, world_size, list(sizes), repeats, timeout=timeout, backend=backend))
 
 
 def summarize(ranks):
