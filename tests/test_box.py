@@ -186,3 +186,39 @@ def test_the_probe_tries_the_gpu_where_there_is_one(monkeypatch):
     assert r["device"] == "cuda"
     for name, v in r["kernels"].items():   # no CUDA in this build: every kernel refused, with its bound
         assert not v["ran"] and v["gap_bound"] > kernels.GAP_BOUND, name
+
+
+# ---- every clock read in labs/ is timing.now, or here with the reason it times no GPU work --------
+
+HOST_CLOCK_OK = {
+    **dict.fromkeys(["labs/launcher/_rank.py", "labs/launcher/heartbeat.py", "labs/launcher/hello.py",
+                     "labs/launcher/launch.py", "labs/launcher/supervise.py", "labs/launcher/torchrun.py",
+                     "labs/launcher/zygote.py", "labs/checkpointing/checkpoint_faults.py",
+                     "labs/failures/elastic.py", "labs/failures/elastic_worker.py", "labs/failures/scenarios.py"],
+                    "deadlines and process events, not GPU work"),
+    "labs/measure/timing.py": "the helper itself",
+    "labs/data_parallel/hand_ddp.py": "the bucket timeline, read by ddp.overlap_on_off, which is on_cpu",
+    "labs/hardware/machine.py": "a host memcpy, the on_cpu ping-pong; its GPU copies synchronize",
+    "labs/pipeline/executor.py": "on_cpu: a CPU emulation of pipeline timing",
+    "labs/pipeline/pipeline_dp.py": "on_cpu: chapter 5's executor",
+    "labs/pipeline/stage_balance.py": "one process on CPU tensors",
+    "labs/recompute/policies.py": "one process on CPU tensors",
+    **dict.fromkeys(["labs/collectives/alpha_beta.py", "labs/collectives/crossover.py", "labs/hardware/latency.py",
+                     "labs/failures/silent_faults.py", "labs/failures/slow_link.py", "labs/failures/stragglers.py",
+                     "labs/checkpointing/async_checkpoint.py"],
+                    "not yet: CPU tensors or gloo today (tests/test_devices.py NOT_AUDITED); timing.now "
+                    "when they move to launch.device()"),
+}
+
+
+def test_timed_regions_read_the_clock_through_timing_now():
+    import glob
+    import re
+    clock = re.compile(r"\btime\.(perf_counter|time|monotonic)\(\)")
+    found = set()
+    for path in glob.glob(os.path.join(REPO, "labs", "**", "*.py"), recursive=True):
+        with open(path) as f:
+            if clock.search(f.read()):
+                found.add(os.path.relpath(path, REPO))
+    assert found - set(HOST_CLOCK_OK) == set(), "read labs.measure.timing.now() instead, or say why not here"
+    assert set(HOST_CLOCK_OK) - found == set(), "no longer reads the host clock: drop it from HOST_CLOCK_OK"

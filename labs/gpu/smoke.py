@@ -8,11 +8,11 @@ Chapter 1's lab reports its CUDA peak per recipe (reset before each recipe's ste
     python -m labs.gpu.smoke --json
 """
 import importlib
-import time
 
 import torch.distributed as dist
 
 from labs.launcher import launch
+from labs.measure import timing
 
 # (rank function, args, kwargs): small sizes, every one of them meaningful on a single rank
 LABS = [
@@ -35,13 +35,13 @@ def run_each(rank, world_size, labs=LABS):
     out, peaks = {}, None
     for name, args, kwargs in labs:
         module, _, fn = name.rpartition(".")
-        start = time.perf_counter()
+        start = timing.now()
         try:
             result = getattr(importlib.import_module(module), fn)(rank, world_size, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001  the finding is which lab breaks, and how
             out[name] = {"ok": False, "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"}
             continue
-        out[name] = {"ok": True, "seconds": round(time.perf_counter() - start, 3)}
+        out[name] = {"ok": True, "seconds": round(timing.now() - start, 3)}
         if name.endswith("budget.measure"):
             peaks = {r: v["cuda_peak_bytes"] for r, v in result["recipes"].items()}
     return {"backend": dist.get_backend(), "labs": out, "cuda_peak_bytes_by_recipe": peaks}
