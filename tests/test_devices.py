@@ -30,6 +30,8 @@ AUDITED = {2: [
     ("labs.data_parallel.ring_allreduce.bench", ([4096],), {"repeats": 1}),
     ("labs.data_parallel.ring_allreduce.library_wire_table", (), {"nbytes": 4096}),
     ("labs.data_parallel.bus_bandwidth.rank_sweep", ([4096],), {"repeats": 1}),
+    ("labs.collectives.alpha_beta.rank_exchange_times", ([8, 4096], 1), {}),
+    ("labs.collectives.alpha_beta.rank_bench", (["all_reduce"], [4096], 1), {}),
     ("labs.zero.stages.run", (3,), {"steps": 1}),
     ("labs.zero.stages.all_stages", (1,), {"batch_size": 1}),
     ("labs.zero.stages.fsdp2", (1,), {"batch_size": 1}),
@@ -89,11 +91,9 @@ NOT_AUDITED = {
         "labs.failures.stragglers.timed_both"],
         "chapter 13: fault injection (hangs, kills, delays) on CPU tensors; not yet moved to launch.device() "
         "nor marked on_cpu"),
-    **dict.fromkeys([
-        "labs.collectives.alpha_beta.rank_bench", "labs.collectives.alpha_beta.rank_exchange_times",
-        "labs.collectives.crossover.rank_sweep"],
-        "chapter 10's alpha-beta fit and crossover, being rewritten: _slowest and the final check "
-        "all-reduce CPU tensors; their timed regions need labs.measure.timing.now"),
+    "labs.collectives.crossover.rank_sweep": "chapter 10's crossover, being rewritten: _slowest and the "
+                                             "final check all-reduce CPU tensors; its timed regions need "
+                                             "labs.measure.timing.now",
     **dict.fromkeys([
         "labs.collectives.gloo_collectives.rank_beside", "labs.collectives.hierarchical.rank_compare",
         "labs.collectives.toolkit.rank_every", "labs.collectives.toolkit.rank_rs_then_ag",
@@ -110,6 +110,7 @@ NOT_AUDITED = {
     "labs.tensor_parallel.blocks.check_block": "one block of check_blocks, which is audited",
     "labs.tensor_parallel.gqa_parallel.check": "one case of check_many, which is audited",
     "labs.expert_parallel.a2a_tail.sent_bytes": "the all-to-all of suite.run, which is audited",
+    "labs.gpu.smoke.run_each": "runs audited rank functions one after another, on the GPU box itself",
 }
 
 
