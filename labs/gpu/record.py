@@ -76,7 +76,8 @@ def provenance(argv, device):
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
             "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": _run(["git", "rev-parse", "HEAD"]),
+            # a copy of the tree without .git (a lent box's) names its commit in LABS_GIT_COMMIT
+            "git_commit": _run(["git", "rev-parse", "HEAD"]) or os.environ.get("LABS_GIT_COMMIT"),
             "git_dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
             "command": " ".join(["python", "-m", "labs.gpu", *argv])}
 
