@@ -158,6 +158,7 @@ PEAK_FLOPS = {"H100 SXM, bf16 dense": 989e12}
 def data_parallel_step(cfg, recipe, rank, batch_size):
     """One step of plain data parallelism with a recipe; returns the state this rank holds."""
     dev = launch.device()
+    memory.reset_cuda_peak()  # on a GPU: this recipe's peak alone, not the process's so far
     net = tiny.build(cfg, seed=0, device=dev)  # same seed on every rank: replicas start equal
     opt = mixed_precision.prepare(net, recipe)
     x, y = tiny.synthetic_batch(cfg, batch_size, seed=rank, device=dev)  # each rank its own data
@@ -175,7 +176,7 @@ def data_parallel_step(cfg, recipe, rank, batch_size):
             "formula": mixed_precision.recipe(recipe).bytes_per_param(), "allreduce_payload_bytes": tally.payload_bytes,
             "allreduce_formula_bytes": tally.formula_bytes_sent, "allreduce_calls": tally.calls("all_reduce"),
             "allreduce_wire_bytes": tally.wire_bytes_sent if not tally.wire_missing else None,
-            "param_checksum": checksum}
+            "param_checksum": checksum, "cuda_peak_bytes": memory.cuda_peak_bytes()}
 
 
 def measure(rank, world_size, recipes=tuple(mixed_precision.RECIPES), shapes=((1, 8), (2, 8), (2, 16)),
@@ -185,8 +186,7 @@ def measure(rank, world_size, recipes=tuple(mixed_precision.RECIPES), shapes=((1
     result = {name: data_parallel_step(cfg, name, rank, batch_size) for name in recipes}
     act_cfg = tiny.GPTConfig(dropout=0.1)  # the GPT-3 formula assumes dropout everywhere
     return {"recipes": result, "activations": measure_activations(act_cfg, shapes, device=launch.device()),
-            "llama_activations": measure_llama(shapes, device=launch.device()),
-            "cuda_peak_bytes": memory.cuda_peak_bytes()}
+            "llama_activations": measure_llama(shapes, device=launch.device())}
 
 
 def state_gb(model, world_size, zero_stage, recipe="mixed"):
