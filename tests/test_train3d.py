@@ -54,7 +54,8 @@ def test_a_broken_3d_layout_leaves_the_bound_and_weight_decay_shows_a_summed_gra
     assert rows["dp_not_averaged"]["first_step_beyond"] is None
     assert max(rows["dp_not_averaged"]["diff"]) > max(rows["3d"]["diff"])
     # ... but with coupled weight decay Adam sees dp g + lambda w, not g + lambda w: beyond at step 2
-    assert rows["dp_not_averaged_decay"]["first_step_beyond"] == 2 and rows["dp_not_averaged_decay"]["max_ratio"] > 2
+    decay = rows["dp_not_averaged_decay"]
+    assert decay["first_step_beyond"] == 2 and decay["max_ratio"] > 2
 
 
 @pytest.mark.numerics
@@ -90,8 +91,8 @@ def test_adam_drift_bounds_adams_answer_to_perturbed_gradients(decay):
     """weight_drift against torch.optim.Adam (coupled weight decay ``decay``) fed gradients
     perturbed by up to delta (float64)."""
     g = torch.Generator().manual_seed(0)
-    grads = [torch.randn(4000, generator=g, dtype=torch.float64) * 10 ** torch.empty(4000).uniform_(-9, -2, generator=g)
-             for _ in range(3)]
+    grads = [torch.randn(4000, generator=g, dtype=torch.float64)
+             * 10 ** torch.empty(4000).uniform_(-9, -2, generator=g) for _ in range(3)]
     delta = 1e-7 * torch.ones(4000, dtype=torch.float64)
     runs, seen = [], []
     for sign in (0, 1, -1):

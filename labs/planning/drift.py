@@ -146,7 +146,8 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
             "adam": adam, "flippable": [0] + [sum(d[1].values()) for d in drift[:steps - 1]], "kinds": sorted(kinds),
             "free_by_param": {n: c for n, c in drift[steps - 2][1].items() if c} if steps > 1 else {},
             "margin": ratios.min().item() if ratios.numel() else float("inf"), "u": u,
-            "grad_norm": [sum(g.double().pow(2).sum().item() for g in step.values()) ** 0.5 for step in ref["grads"]]}
+            "grad_norm": [sum(g.double().pow(2).sum().item() for g in step.values()) ** 0.5
+                          for step in ref["grads"]]}
 
 
 def table(names=tuple(VARIANTS), steps=layout3d.STEPS, lr=layout3d.LR, timeout=600):
@@ -161,13 +162,15 @@ def table(names=tuple(VARIANTS), steps=layout3d.STEPS, lr=layout3d.LR, timeout=6
     runs = {}
     for layout in dict.fromkeys(VARIANTS[n][0] for n in names):
         mine = [n for n in names if VARIANTS[n][0] == layout]
-        runs.update(zip(mine, train3d.run(layout, [VARIANTS[n][1] for n in mine], steps, lr, timeout=timeout)))
+        runs.update(zip(mine, train3d.run(layout, [VARIANTS[n][1] for n in mine], steps, lr,
+                                          timeout=timeout)))
     rows = {}
     for n in names:
         b = bounds[bound_key(n)]
         diff = [abs(x - y) for x, y in zip(runs[n]["losses"], b["losses"])]
         ratio = [d / lim if lim else (0.0 if d == 0 else float("inf")) for d, lim in zip(diff, b["bound"])]
         beyond = [t + 1 for t, r in enumerate(ratio) if r > 1]
-        rows[n] = {"what": VARIANTS[n][2], "bug": is_bug(n), "diff": diff, "bound": b["bound"], "ratio": ratio,
+        rows[n] = {"what": VARIANTS[n][2], "bug": is_bug(n), "diff": diff, "bound": b["bound"],
+                   "ratio": ratio,
                    "first_step_beyond": beyond[0] if beyond else None, "max_ratio": max(ratio)}
     return {"rows": rows, "bounds": bounds, "runs": runs}

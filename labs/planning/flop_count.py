@@ -26,8 +26,8 @@ So the 434 TFLOP/s the chapter quotes is a derived figure with a stated count, n
 """
 from labs.planning import cases, shapes, timing
 
-GROUPS = {"attention projections": ("wq", "wkv", "wo"), "dense MLP": ("w1", "w2", "w3"), "router": ("router",),
-          "shared expert": ("shared_",), "routed experts": ("experts_",)}
+GROUPS = {"attention projections": ("wq", "wkv", "wo"), "dense MLP": ("w1", "w2", "w3"),
+          "router": ("router",), "shared expert": ("shared_",), "routed experts": ("experts_",)}
 
 
 def _group(name):
@@ -63,7 +63,8 @@ def derived_tflops(model=shapes.DEEPSEEK_V3, gpu_hours_per_t_tokens=cases.DEEPSE
     tokens_per_gpu_s = 1e12 / (gpu_hours_per_t_tokens * 3600)
     terms = breakdown(model)
     total = sum(terms.values())
-    return {"terms": terms, "flops_per_token": total, "planner_flops_per_token": timing.model_flops_per_token(model),
+    return {"terms": terms, "flops_per_token": total,
+            "planner_flops_per_token": timing.model_flops_per_token(model),
             "tokens_per_gpu_s": tokens_per_gpu_s,
             "tflops": tokens_per_gpu_s * total / 1e12,
             "mtp_flops_per_token": mtp_flops_per_token(model),

@@ -52,7 +52,8 @@ def q2_microbatches_for_5pct(v=1):
     one with v chunks under 5 % of the step (chapter 5's formulas): what "enough" means in the note."""
     if v == 1:
         return schedules.microbatches_for(16, 0.05)
-    return next(m for m in range(1, 10_000) if schedules.formula("interleaved", 16, m, v)["over_total"] < 0.05)
+    return next(m for m in range(1, 10_000)
+                if schedules.formula("interleaved", 16, m, v)["over_total"] < 0.05)
 
 
 def q3_fsdp_over_ddp():
