@@ -1,11 +1,11 @@
 """Chapter 10: the alpha-beta model fitted on this machine, and an nccl-tests-style table.
 
 Hockney's model, as Thakur, Rabenseifner & Gropp (2005) use it: a message of n bytes
-takes alpha + n * beta. `fit` estimates alpha and beta by least squares from measured times of
-one exchange (both ranks send and receive n bytes at once, as in every round of chapter 10's
-algorithms) on 2 ranks, with `fit_line`: least squares on the relative errors, since the times span
-three orders of magnitude and an unweighted fit spends itself on the largest sizes, whose noise
-alone exceeds alpha. `costs` gives each all-reduce's rounds and bytes along its critical path
+takes alpha + n * beta. `fit_line` estimates alpha and beta from measured times of one exchange per
+size (`labs.collectives.crossover` times them on the ranks it sweeps; chapter 11's
+`labs.hardware.latency` on 2) by least squares on the relative errors, since the times span three
+orders of magnitude and an unweighted fit spends itself on the largest sizes, whose noise alone
+exceeds alpha. `costs` gives each all-reduce's rounds and bytes along its critical path
 (the tests set them beside the counted ones), and `crossover` the size below which recursive
 doubling, L (alpha + n beta), beats the ring, 2(p-1) * alpha + 2(p-1)/p * n * beta:
 
@@ -52,20 +52,6 @@ def _median_seconds(call, repeats, t, stat=statistics.median):
     return stat(times)
 
 
-def rank_exchange_times(rank, world_size, sizes, repeats):
-    """One rank of 2: the seconds of each repeat of one exchange of each size with the other rank."""
-    out = []
-    for size in sizes:
-        mine = torch.ones(size // 4, device=launch.device())
-        theirs, peer = torch.empty_like(mine), 1 - rank
-
-        def swap():
-            for req in (comm.isend(mine, peer), comm.irecv(theirs, peer)):
-                req.wait()
-        out.append(_median_seconds(swap, repeats, mine, stat=list))
-    return out
-
-
 def fit_line(sizes, seconds):
     """alpha (s) and beta (s/byte) of t = alpha + n beta, minimising the squared relative errors
     sum(((t_i - alpha - n_i beta) / t_i)^2): weighted least squares with weights 1/t_i.
@@ -84,20 +70,6 @@ def fit_line(sizes, seconds):
     predicted = [alpha + n * beta for n in sizes]
     return {"alpha": alpha, "beta": beta, "predicted": predicted,
             "residuals": [(s - p) / s for s, p in zip(seconds, predicted)]}
-
-
-def fit(sizes=FIT_SIZES, repeats=20, timeout=120.0):
-    """alpha and beta fitted (`fit_line`) to the fastest exchange per size on 2 ranks.
-
-    Each repeat's time is the slower rank's; per size, ``seconds`` is the fastest repeat (on a
-    shared box the slow ones are other processes, not alpha or beta) and ``median_seconds`` the
-    median, the direct measurement alpha is checked against. Returns sizes, seconds,
-    median_seconds and `fit_line`'s alpha, beta, predicted and residuals."""
-    ranks = launch.spawn(rank_exchange_times, 2, list(sizes), repeats, timeout=timeout)
-    per_repeat = [[max(pair) for pair in zip(*per_rank)] for per_rank in zip(*ranks)]  # (sizes, repeats)
-    seconds = [min(t) for t in per_repeat]
-    return {"sizes": list(sizes), "seconds": seconds,
-            "median_seconds": [statistics.median(t) for t in per_repeat], **fit_line(sizes, seconds)}
 
 
 def doubling_rounds(p):

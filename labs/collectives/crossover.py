@@ -80,7 +80,9 @@ def rank_sweep(rank, world_size, fit_sizes, factors, repeats):
     fastest = [min(t) for t in fit_times]
     line = alpha_beta.fit_line(fit_sizes, fastest)
     m_star = alpha_beta.crossover(line["alpha"], line["beta"], world_size)
-    sizes = sweep_sizes(m_star, world_size, factors) if m_star else list(fit_sizes)
+    step = 4 * world_size                                 # fp32 elements in N equal blocks
+    sizes = (sweep_sizes(m_star, world_size, factors) if m_star      # no M* (N = 2): the fit's sizes
+             else sorted({-(-n // step) * step for n in fit_sizes}))
     times, exact = {a: [] for a in ALGORITHMS}, True
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, device=launch.device())

@@ -1,7 +1,7 @@
 """Chapter 11: one machine, two latencies. Why the loopback ping-pong and chapter 10's alpha differ.
 
 `machine.ping_pong` reports gloo's loopback latency as half the round trip of a blocking send and
-recv, the median of back-to-back trips. `labs.collectives.alpha_beta.fit` reports alpha as the
+recv, the median of back-to-back trips. Chapter 10 (`labs.collectives.crossover`) reports alpha as the
 intercept of a line fitted by relative error through exchanges (both ranks send and receive at
 once), each timed right after a barrier, keeping the fastest of many tries per size. On a shared
 2-core machine the two can differ several times over. `measure` times, in one job of 2 ranks, each ingredient
