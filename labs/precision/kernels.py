@@ -56,7 +56,7 @@ def _call(a, b, sa, sb, kinds):
 
 def try_kernels(M=256, K=512, N=256, seed=0, device="cpu"):
     """Call every recipe's kernel once on ``device``. Returns {recipe: {"ran": bool, "error": the
-    exception's type and first line or None, "gap": the kernel's relative gap to the emulation on
+    exception's type and whole message or None, "gap": the kernel's relative gap to the emulation on
     the same FP8 operands, or None where it did not run}} and the torch version."""
     x = fp8.activations(M, K, seed=seed)                                                    # (M, K)
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed + 1)) / math.sqrt(K)  # (N, K)
@@ -66,8 +66,8 @@ def try_kernels(M=256, K=512, N=256, seed=0, device="cpu"):
         try:
             y = _call(a.to(device), b.to(device), sa.to(device), sb.to(device), kinds).cpu()
         except Exception as exc:  # noqa: BLE001 -- any refusal is the finding, recorded word for word
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            out[recipe] = {"ran": False, "error": f"{type(exc).__name__}: {first}", "gap": None}
+            # whole: past its first line the message lists the configurations the kernel does take
+            out[recipe] = {"ran": False, "error": f"{type(exc).__name__}: {str(exc).strip()}", "gap": None}
             continue
         gap = ((y.double() - ref).norm() / ref.norm()).item()
         out[recipe] = {"ran": True, "error": None, "gap": gap}
