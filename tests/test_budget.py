@@ -174,3 +174,11 @@ def test_calculator_command_line_refuses_a_bad_split():
     proc = subprocess.run([sys.executable, "-m", "labs.memory_budget.budget", "--world-size", "12", "--tp", "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error: world_size 12 is not divisible")
+
+
+def test_lowest_zero_stage_is_the_first_that_leaves_the_headroom():
+    """Chapter 3's quiz: at batch 8 ZeRO-1 fits 80 GiB with no margin, so 10 % headroom needs ZeRO-2;
+    a model no stage can hold on 8 GPUs gives None."""
+    kw = dict(seq=4096, micro_batch=8, recompute="full")
+    assert budget.lowest_zero_stage("13B", 8, 0.0, **kw) == 1 and budget.lowest_zero_stage("13B", 8, 0.1, **kw) == 2
+    assert budget.lowest_zero_stage("405B", 8, 0.0, **kw) is None

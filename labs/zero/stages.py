@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from labs.memory_budget import budget
-from labs.measure import comm, memory
+from labs.measure import comm, exercises, memory
 from labs.data_parallel import hand_ring
 from labs.zero import adam_drift, fsdp
 from labs.launcher import launch
@@ -276,11 +276,11 @@ def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None
 EXERCISES = {
     "1": lambda: budget.state_gb("70B", 64, zero_stage=2),
     "2": lambda: formula_comm(3, budget.MODELS["13B"].params(), 8) / budget.GB,
+    "3": lambda: budget.lowest_zero_stage("13B", 8, 0.1, seq=4096, micro_batch=8, recompute="full"),
 }
 
 
 def check(question, answer, rel=0.01):
-    from labs.measure import exercises
     return exercises.check(EXERCISES, question, answer, rel)
 
 
