@@ -121,3 +121,33 @@ def test_bad_input_of_the_distributed_labs_is_one_sentence_before_any_process_st
         pm.run_policy(world_size=3, m=2)
     with pytest.raises(ValueError, match="offloading runs in one process"):
         offload.main(["--world-size", "2"])
+
+
+@pytest.fixture(scope="module")
+def clipped():
+    from labs.recompute import clip_norm
+    return clip_norm.run(timeout=240)
+
+
+@pytest.mark.numerics
+def test_the_global_norm_counts_each_shard_once_and_equals_one_process(clipped):
+    """Under FSDP + TP and PP + TP, Megatron's rule by hand and the library on DTensors (torchtitan's
+    pipeline reduction added) both give one process's norm, and the clipped gradients equal one
+    process's; counting the TP-replicated LayerNorms and biases on every tp rank, or stopping at a
+    stage's own norm, misses by far more than the rounding bound."""
+    from labs.recompute import clip_norm
+    ref = clipped["reference"]
+    assert ref > clip_norm.MAX_NORM                                   # clipping acted
+    for name in ("fsdp_tp", "pp_tp"):
+        r = clipped[name]
+        for way in ("hand", "library"):
+            assert abs(r[way] / ref - 1) < clip_norm.BOUND, (name, way, r[way], ref)
+        assert r["max_grad_err"] < clip_norm.BOUND, name
+        assert r["duplicates_counted"] / ref - 1 > 100 * clip_norm.BOUND, name
+    assert 1 - clipped["pp_tp"]["stage_only"] / ref > 100 * clip_norm.BOUND
+
+
+def test_the_clipping_lab_refuses_another_world_size():
+    from labs.recompute import clip_norm
+    with pytest.raises(ValueError, match="dp \\(or pp\\) = 2 by tp = 2"):
+        clip_norm.main(["--world-size", "2"])
