@@ -193,6 +193,22 @@ def timing(cfg=None, batch=4, k=2, repeats=15, dtype=torch.float32, threads=1):
             "ratio_vs_none": {p: iv["median"] for p, iv in ratios.items()}, "repeats": repeats}
 
 
+def notes_claims(h=12288, a=96, s=2048, layers=96, batch=32):
+    """The source notes' activation figures for GPT-3 175B (L = 96, s = 2048) against the formula
+    the chapter proves on the tiny stack (Korthikanti et al. 2022, Table 2, no tensor parallelism):
+    bytes per sample with no recomputation, with full recomputation (each layer's input, 2sbh) and
+    with selective, the notes' own rule 2 b s h L x 2 bytes, and the reductions; then a DeepSpeed
+    config's batch arithmetic, which DeepSpeed asserts: train_batch_size = micro-batch x accumulation
+    x data-parallel world size (``DeepSpeedConfig._batch_assertion``)."""
+    per = {r: layers * activations.gpt3_activation_bytes_per_layer(s, 1, h, a, recompute=r)
+           for r in ("none", "selective", "full")}
+    notes_rule = 2 * 1 * s * h * layers * 2
+    return {"per_sample_bytes": per, "batch": batch, "notes_rule_bytes": notes_rule,
+            "full_reduction": per["none"] / per["full"], "selective_reduction": per["none"] / per["selective"],
+            "notes_rule_over_full": notes_rule / per["full"],
+            "deepspeed_batch": {gpus: loss_reduction.global_batch_size(4, 4, gpus)["sequences"] for gpus in (2, 4)}}
+
+
 # --- at scale: the GPT-3 setting of Korthikanti et al. 2022 -------------------------------------
 
 def selective_at_scale(h=12288, a=96, s=2048, layers=96, vocab=51200, dropout=True):
