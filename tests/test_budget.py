@@ -182,3 +182,14 @@ def test_lowest_zero_stage_is_the_first_that_leaves_the_headroom():
     kw = dict(seq=4096, micro_batch=8, recompute="full")
     assert budget.lowest_zero_stage("13B", 8, 0.0, **kw) == 1 and budget.lowest_zero_stage("13B", 8, 0.1, **kw) == 2
     assert budget.lowest_zero_stage("405B", 8, 0.0, **kw) is None
+
+
+def test_fewest_gpus_for_the_notes_estimates():
+    """The notes' "7B: 1-2 x A100 ... 405B: 64+" against the calculator: 7B under ZeRO-2 needs 2,
+    405B's state alone under ZeRO-3 needs more than 64 GPUs; one fewer GPU never fits."""
+    for model, stage in (("7B", 2), ("405B", 3)):
+        n = budget.fewest_gpus(model, stage, activations=False)
+        state = lambda k: budget.budget(model, k, zero_stage=stage)["bytes_per_device"]
+        fits = lambda k: state(k)["total"] - state(k)["activations"] <= budget.GPU_GIB * budget.GIB
+        assert fits(n) and not fits(n - 1), (model, n)
+    assert budget.fewest_gpus("7B", 2, activations=False) == 2 and budget.fewest_gpus("405B", 3, activations=False) > 64

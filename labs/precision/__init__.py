@@ -3,8 +3,7 @@
 - `loss_scaling`: the formats read from torch.finfo, FP16 underflow, dynamic loss scaling beside GradScaler.
 - `fp8`: FP8 scaling granularity (tensor, row, 1x128 / 128x128 blocks), limited-precision accumulation.
 - `kernels`: which ``torch._scaled_mm`` recipes this build really runs, each tried, against the emulation.
-- `fp8_wire`: FP8 through gloo as uint8, the library's wire bytes beside BF16's; ZeRO++'s quantized
-  collectives in formula bytes.
+- `fp8_wire`: FP8 through gloo as uint8, the library's wire bytes beside BF16's.
 - `scaling`: MXFP8 (1x32, E8M0) beside 1x128 tiles; delayed (amax history) beside current scaling.
 - `master_weights`: BF16 weights without an FP32 master (lost updates, stochastic rounding, Kahan);
   FP32 accumulation of 16-bit products.

@@ -71,24 +71,6 @@ def allgather_bytes(world_size=2, numel=4096, timeout=60.0):
             "wire_missing": r0["wire_missing"]}
 
 
-def zeropp_bytes(psi, n, bits=None):
-    """Formula bytes each rank sends per step under ZeRO-3 over ``n`` ranks, by pass, for ``psi``
-    parameters, and with ZeRO++'s three changes (Wang et al. 2023, arXiv 2306.10209; DeepSpeed's
-    ZeRO++ tutorial): qwZ gathers the weights as INT8 (``bits["weights"]``), hpZ gathers them for
-    backward from a copy inside the node (no bytes across), qgZ reduces the gradients in 4 bits
-    (``bits["grads"]``). Each pass moves (n-1)/n of the whole tensor at its bits; block scales
-    are left out (a few bytes per block of elements)."""
-    bits = {"weights": 8, "grads": 4, **(bits or {})}
-    one = lambda b: (n - 1) / n * psi * b / 8
-    zero3 = {"forward all-gather": one(16), "backward all-gather": one(16), "reduce-scatter": one(16)}
-    int8 = {"forward all-gather": one(bits["weights"]), "backward all-gather": one(bits["weights"]),
-            "reduce-scatter": one(16)}
-    zeropp = {"forward all-gather": one(bits["weights"]), "backward all-gather": 0.0,
-              "reduce-scatter": one(bits["grads"])}
-    return {name: {**v, "total": sum(v.values())}
-            for name, v in (("ZeRO-3", zero3), ("INT8 weights only", int8), ("ZeRO++", zeropp))}
-
-
 def _allgather(args):
     r = allgather_bytes(args.world_size, timeout=args.timeout)
     w = r["wire"][0]
