@@ -180,7 +180,8 @@ def test_lowest_zero_stage_is_the_first_that_leaves_the_headroom():
     """Chapter 3's quiz: at batch 8 ZeRO-1 fits 80 GiB with no margin, so 10 % headroom needs ZeRO-2;
     a model no stage can hold on 8 GPUs gives None."""
     kw = dict(seq=4096, micro_batch=8, recompute="full")
-    assert budget.lowest_zero_stage("13B", 8, 0.0, **kw) == 1 and budget.lowest_zero_stage("13B", 8, 0.1, **kw) == 2
+    assert budget.lowest_zero_stage("13B", 8, 0.0, **kw) == 1
+    assert budget.lowest_zero_stage("13B", 8, 0.1, **kw) == 2
     assert budget.lowest_zero_stage("405B", 8, 0.0, **kw) is None
 
 
@@ -192,4 +193,5 @@ def test_fewest_gpus_for_the_notes_estimates():
         state = lambda k: budget.budget(model, k, zero_stage=stage)["bytes_per_device"]
         fits = lambda k: state(k)["total"] - state(k)["activations"] <= budget.GPU_GIB * budget.GIB
         assert fits(n) and not fits(n - 1), (model, n)
-    assert budget.fewest_gpus("7B", 2, activations=False) == 2 and budget.fewest_gpus("405B", 3, activations=False) > 64
+    assert budget.fewest_gpus("7B", 2, activations=False) == 2
+    assert budget.fewest_gpus("405B", 3, activations=False) > 64

@@ -118,7 +118,8 @@ def test_fit_line_recovers_a_known_alpha_and_beta():
     assert fit["alpha"] == pytest.approx(ALPHA, rel=0.05) and fit["beta"] == pytest.approx(BETA, rel=0.05)
     assert fit["residuals"] == pytest.approx([(t - p) / t for t, p in zip(noisy, fit["predicted"])])
     a = torch.tensor([[1.0, float(n)] for n in sizes], dtype=torch.float64)
-    unweighted = torch.linalg.lstsq(a, torch.tensor(noisy, dtype=torch.float64)[:, None]).solution[0, 0].item()
+    b = torch.tensor(noisy, dtype=torch.float64)[:, None]
+    unweighted = torch.linalg.lstsq(a, b).solution[0, 0].item()
     assert abs(unweighted - ALPHA) > 0.2 * ALPHA             # what the weights are for
     with pytest.raises(ValueError, match="two or more distinct sizes"):
         alpha_beta.fit_line([4, 4], [1e-4, 1e-4])
@@ -184,8 +185,8 @@ def test_crossover_sweep_contract():
     r = X.sweep(2, fit_sizes=[4, 1024, 65536], repeats=6, timeout=120)
     assert r["exact"] and r["predicted"] is None and r["sizes"] == [8, 1024, 65536]   # multiples of 4N
     assert all(len(t) == 6 for a in X.ALGORITHMS for t in r["seconds"][a])
-    assert len(r["ratios"]) == 3 and all(iv["lowest"] <= iv["low"] <= iv["median"] <= iv["high"] <= iv["highest"]
-                                         for iv in r["ratios"])
+    assert len(r["ratios"]) == 3
+    assert all(iv["lowest"] <= iv["low"] <= iv["median"] <= iv["high"] <= iv["highest"] for iv in r["ratios"])
     assert r["fit_residuals"] == pytest.approx([(t - r["alpha"] - n * r["beta"]) / t
                                                 for n, t in zip(r["fit_sizes"], r["fit_seconds"])])
     assert r["model_round_smallest"]["ring"] == pytest.approx(r["alpha"] + 8 / 2 * r["beta"])   # M/N bytes

@@ -111,7 +111,7 @@ def test_offloading_keeps_only_the_input_and_moves_every_saved_tensor():
     # the hook's copies against the saved tensors read from the autograd graph's nodes: a pack
     # that skipped a tensor, copied one twice or moved a weight would not match
     assert o["hand offload"]["to_host_bytes"] == o["hand offload"]["to_device_bytes"] == r["saved_tensor_bytes"]
-    assert r["saved_tensor_bytes"] > o["none"]["kept_bytes"]              # a tensor saved by two ops moves twice
+    assert r["saved_tensor_bytes"] > o["none"]["kept_bytes"]    # a tensor saved by two ops moves twice
     assert o["hand offload"]["peak_bytes"] < o["none"]["peak_bytes"]
     assert o["torch save_on_cpu"]["kept_bytes"] == o["none"]["kept_bytes"]    # on a CPU, .cpu() moves nothing
 

@@ -66,7 +66,8 @@ def fit_line(sizes, seconds):
         raise ValueError(f"times must be positive, got {list(seconds)}.")
     t = torch.tensor(seconds, dtype=torch.float64)                                   # (sizes,)
     a = torch.tensor([[1.0, float(n)] for n in sizes], dtype=torch.float64) / t[:, None]  # (sizes, 2)
-    alpha, beta = torch.linalg.lstsq(a, torch.ones(len(sizes), 1, dtype=torch.float64)).solution[:, 0].tolist()
+    ones = torch.ones(len(sizes), 1, dtype=torch.float64)                              # (sizes, 1)
+    alpha, beta = torch.linalg.lstsq(a, ones).solution[:, 0].tolist()
     predicted = [alpha + n * beta for n in sizes]
     return {"alpha": alpha, "beta": beta, "predicted": predicted,
             "residuals": [(s - p) / s for s, p in zip(seconds, predicted)]}

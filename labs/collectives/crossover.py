@@ -169,7 +169,8 @@ def table(result):
         faster = {"recursive_doubling": "doubling"}.get(iv["verdict"], iv["verdict"])
         faster = "not resolved" if faster == intervals.UNRESOLVED else faster
         lines.append(f"{n / 1024:>9.1f} {med(ring):>8.2f} {med(dbl):>8.2f} {iv['median']:>8.2f} "
-                     f"[{iv['low']:5.2f}, {iv['high']:5.2f}] [{iv['lowest']:5.2f}, {iv['highest']:5.2f}]  {faster}")
+                     f"[{iv['low']:5.2f}, {iv['high']:5.2f}] "
+                     f"[{iv['lowest']:5.2f}, {iv['highest']:5.2f}]  {faster}")
     return "\n".join(lines)
 
 

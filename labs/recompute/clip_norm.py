@@ -205,7 +205,8 @@ def main(argv=None):
                    "hand and with the library, against one process.", world_size_default=4)
     args = cli.parse(p, argv)
     if args.world_size not in (None, 4):
-        raise ValueError(f"the clipping lab runs dp (or pp) = 2 by tp = 2: drop --world-size {args.world_size}.")
+        raise ValueError(f"the clipping lab runs dp (or pp) = 2 by tp = 2: "
+                         f"drop --world-size {args.world_size}.")
     r = run(timeout=args.timeout)
     lines = [f"one process: {r['reference']:.6f}"]
     for name in ("fsdp_tp", "pp_tp"):

@@ -204,9 +204,10 @@ def notes_claims(h=12288, a=96, s=2048, layers=96, batch=32):
            for r in ("none", "selective", "full")}
     notes_rule = 2 * 1 * s * h * layers * 2
     return {"per_sample_bytes": per, "batch": batch, "notes_rule_bytes": notes_rule,
-            "full_reduction": per["none"] / per["full"], "selective_reduction": per["none"] / per["selective"],
+            "full_reduction": per["none"] / per["full"],
+            "selective_reduction": per["none"] / per["selective"],
             "notes_rule_over_full": notes_rule / per["full"],
-            "deepspeed_batch": {gpus: loss_reduction.global_batch_size(4, 4, gpus)["sequences"] for gpus in (2, 4)}}
+            "deepspeed_batch": {g: loss_reduction.global_batch_size(4, 4, g)["sequences"] for g in (2, 4)}}
 
 
 # --- at scale: the GPT-3 setting of Korthikanti et al. 2022 -------------------------------------
