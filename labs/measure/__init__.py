@@ -8,5 +8,7 @@
 - `timing`: the host clock read after the GPU's queued work is done, for every timed region.
 - `flops`: FLOPs counted by ``FlopCounterMode``, the CPU's SDPA kernel included.
 - `report`: how a notebook states a float to the precision its assertion guarantees; glue.
+- `intervals`: a timing claim as a paired ratio with its interval and range; a winner only where
+  the interval excludes 1 and no more ranks ran than cores.
 - `exercises`: the automatic checker behind every chapter's exercises.
 """

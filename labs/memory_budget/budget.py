@@ -147,6 +147,27 @@ def fit_grid(model="7B", world_size=8, zero_stage=1, seq=4096, micro_batch=1, tp
     return rows
 
 
+def lowest_zero_stage(model, world_size, headroom=0.1, gpu_gib=GPU_GIB, **settings):
+    """The lowest ZeRO stage at which ``budget(model, world_size, ...)`` leaves at least ``headroom``
+    of the GPU free (for the temporary buffers, logits and fragmentation the budget does not count),
+    or None when no stage does."""
+    for stage in (0, 1, 2, 3):
+        r = budget(model, world_size, zero_stage=stage, gpu_gib=gpu_gib, **settings)
+        if r["bytes_per_device"]["total"] <= (1 - headroom) * r["capacity_bytes"]:
+            return stage
+    return None
+
+
+def fewest_gpus(model, zero_stage, activations=True, limit=1024, gpu_gib=GPU_GIB, **settings):
+    """The fewest data-parallel GPUs on which ``model``'s state under ``zero_stage`` (with
+    ``activations``, also one micro-batch's, from ``settings``) fits ``gpu_gib``; None up to ``limit``."""
+    for n in range(1, limit + 1):
+        r = budget(model, n, zero_stage=zero_stage, gpu_gib=gpu_gib, **settings)["bytes_per_device"]
+        if r["total"] - (0 if activations else r["activations"]) <= gpu_gib * GIB:
+            return n
+    return None
+
+
 # Link speeds, one direction, from the vendors' specifications (bytes per second).
 LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVMe drive (PCIe 4.0 x4)": 7e9,  # NVMe: a fast drive's read rate
          "NVLink 4 (H100)": 450e9, "InfiniBand NDR (400 Gb/s)": 50e9}

@@ -88,7 +88,7 @@ def _call(a, b, sa, sb, kinds):
 
 def try_kernels(M=256, K=512, N=256, seed=0, device=None):
     """Call every recipe's kernel once on ``device`` (the GPU where there is one, else the CPU).
-    Returns {recipe: {"ran": bool, "error": the exception's type and first line or None, "gap":
+    Returns {recipe: {"ran": bool, "error": the exception's type and whole message or None, "gap":
     the kernel's relative gap to the emulation on the same FP8 operands, or None where it did not
     run, "gap_bound": the bound for that gap on this device}}, the device and the torch version."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -101,8 +101,8 @@ def try_kernels(M=256, K=512, N=256, seed=0, device=None):
         try:
             y = _call(a.to(device), b.to(device), sa.to(device), sb.to(device), kinds).cpu()
         except Exception as exc:  # noqa: BLE001 -- any refusal is the finding, recorded word for word
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            out[recipe] = {"ran": False, "error": f"{type(exc).__name__}: {first}", "gap": None, "gap_bound": bound}
+            # whole: past its first line the message lists the configurations the kernel does take
+            out[recipe] = {"ran": False, "error": f"{type(exc).__name__}: {str(exc).strip()}", "gap": None, "gap_bound": bound}
             continue
         gap = ((y.double() - ref).norm() / ref.norm()).item()
         out[recipe] = {"ran": True, "error": None, "gap": gap, "gap_bound": bound}
