@@ -208,8 +208,7 @@ HOST_CLOCK_OK = {
     "labs/pipeline/pipeline_dp.py": "on_cpu: chapter 5's executor",
     "labs/pipeline/stage_balance.py": "one process on CPU tensors",
     "labs/recompute/policies.py": "one process on CPU tensors",
-    "labs/collectives/alpha_beta.py": "synchronizes the GPU itself before it reads the clock",
-    **dict.fromkeys(["labs/collectives/crossover.py", "labs/hardware/latency.py",
+    **dict.fromkeys(["labs/hardware/latency.py",
                      "labs/failures/silent_faults.py", "labs/failures/slow_link.py", "labs/failures/stragglers.py",
                      "labs/checkpointing/async_checkpoint.py"],
                     "not yet: CPU tensors or gloo today (tests/test_devices.py NOT_AUDITED); timing.now "

@@ -30,7 +30,7 @@ AUDITED = {2: [
     ("labs.data_parallel.ring_allreduce.bench", ([4096],), {"repeats": 1}),
     ("labs.data_parallel.ring_allreduce.library_wire_table", (), {"nbytes": 4096}),
     ("labs.data_parallel.bus_bandwidth.rank_sweep", ([4096],), {"repeats": 1}),
-    ("labs.collectives.alpha_beta.rank_exchange_times", ([8, 4096], 1), {}),
+    ("labs.collectives.crossover.rank_sweep", ([8, 4096], (1,), 1), {}),
     ("labs.collectives.alpha_beta.rank_bench", (["all_reduce"], [4096], 1), {}),
     ("labs.zero.stages.run", (3,), {"steps": 1}),
     ("labs.zero.stages.all_stages", (1,), {"batch_size": 1}),
@@ -55,6 +55,7 @@ AUDITED = {2: [
     ("labs.recompute.accumulation._fsdp_no_sync", (2, 2, 0.1), {}),
 ], 4: [
     ("labs.zero.hsdp.hsdp_vs_full", (2,), {"steps": 1}),
+    ("labs.recompute.clip_norm.rank_clip", (), {}),
     ("labs.context_parallel.hybrid.check", (), {}),
     ("labs.expert_parallel.ep_dp.check", (), {}),
     ("labs.expert_parallel.moe_check.check_layer", (), {}),
@@ -64,7 +65,7 @@ AUDITED = {2: [
 # Audited only by `make test-devices` (LABS_AUDIT_ALL=1): each takes 3 s or more under the audit on a
 # busy 2-core machine, or needs 4 ranks; about 3 minutes together. The rest, one start of 2 ranks of
 # about 20 s, run with every `make test`.
-SLOW = {"labs.data_parallel.ddp.run", "labs.zero.stages.run", "labs.expert_parallel.suite.run",
+SLOW = {"labs.data_parallel.ddp.run", "labs.collectives.crossover.rank_sweep", "labs.recompute.clip_norm.rank_clip", "labs.zero.stages.run", "labs.expert_parallel.suite.run",
         "labs.tensor_parallel.blocks.train", "labs.zero.unseen_model.train_toy_all",
         "labs.recompute.accumulation._fsdp_no_sync", "labs.recompute.accumulation._no_sync_counts",
         "labs.zero.stages.fsdp2", "labs.data_parallel.ddp_internals.tour",
@@ -91,15 +92,11 @@ NOT_AUDITED = {
         "labs.failures.stragglers.timed_both"],
         "chapter 13: fault injection (hangs, kills, delays) on CPU tensors; not yet moved to launch.device() "
         "nor marked on_cpu"),
-    "labs.collectives.crossover.rank_sweep": "chapter 10's crossover, being rewritten: _slowest and the "
-                                             "final check all-reduce CPU tensors; its timed regions need "
-                                             "labs.measure.timing.now",
     **dict.fromkeys([
-        "labs.collectives.gloo_collectives.rank_beside", "labs.collectives.hierarchical.rank_compare",
+        "labs.collectives.hierarchical.rank_compare",
         "labs.collectives.toolkit.rank_every", "labs.collectives.toolkit.rank_rs_then_ag",
         "labs.collectives.toolkit.rank_run"],
         "chapter 10: audited clean once by hand (2 ranks); left out of the test run for time"),
-    "labs.hardware.latency.rank_times": "gloo loopback by nature, on CPU tensors: wants @launch.on_cpu",
     **dict.fromkeys(["labs.hardware.boundary.simulate", "labs.planning.torch3d.train",
                      "labs.planning.train3d.train"],
                     "chapters 11 and 14: 8-rank layouts, too slow under the audit on this machine"),

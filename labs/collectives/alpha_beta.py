@@ -18,13 +18,12 @@ fold in first and unfold last). `labs.collectives.crossover` times both algorith
 (`labs.data_parallel.bus_bandwidth`), on whatever backend `labs.launcher.launch` chose: gloo here, NCCL on a GPU box.
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from labs.data_parallel import bus_bandwidth
-from labs.measure import comm
+from labs.measure import comm, timing
 from labs.launcher import launch, preflight
 
 FIT_SIZES = [4, 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024]   # bytes
@@ -32,23 +31,15 @@ BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BENCH_SIZES = [4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024]      # bytes, the full buffer S
 
 
-def _sync(t):
-    """Wait for the GPU's queued work, so the clock is read around the work, not its launch."""
-    if t.is_cuda:
-        torch.cuda.synchronize()
-
-
-def _median_seconds(call, repeats, t, stat=statistics.median):
+def _median_seconds(call, repeats, stat=statistics.median):
     """Median (or ``stat``) of ``repeats`` timed calls, each after a barrier, after one warm-up."""
     call()
     times = []
     for _ in range(repeats):
         dist.barrier()
-        _sync(t)
-        start = time.perf_counter()
+        start = timing.now()                  # after the GPU's queued work, not at its launch
         call()
-        _sync(t)
-        times.append(time.perf_counter() - start)
+        times.append(timing.now() - start)
     return stat(times)
 
 
@@ -126,7 +117,7 @@ def rank_bench(rank, world_size, ops, sizes, repeats):
         row = []
         for s in sizes:
             call, t = _library_call(op, s, world_size)
-            row.append(_median_seconds(call, repeats, t))
+            row.append(_median_seconds(call, repeats))
         rows.append(row)
     return rows
 

@@ -18,7 +18,6 @@ than the machine has cores. On a GPU the clock is read after `torch.cuda.synchro
     python -m labs.collectives.crossover --world-size 4 --json
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,34 +25,26 @@ import torch.distributed as dist
 from labs.collectives import algorithms, alpha_beta
 from labs.collectives.recursive import Rounds
 from labs.launcher import launch
-from labs.measure import intervals
+from labs.measure import intervals, timing
 
 FACTORS = (1 / 4, 1 / 2, 1, 2, 4)   # sizes swept, as multiples of the predicted M*
 ALGORITHMS = ("ring", "recursive_doubling")
 REPEATS = 15                        # paired repeats per size: a 96.5 % interval from order statistics
 
 
-def _sync(device):
-    """On a GPU the work is queued: wait for it before reading the clock."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _slowest(seconds):
     """Per repeat, the slowest rank's seconds (a tensor all-reduced with MAX)."""
-    t = torch.tensor(seconds, dtype=torch.float64)
+    t = torch.tensor(seconds, dtype=torch.float64, device=launch.device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
-def _seconds(call, device):
-    """This rank's seconds for one call, started after a barrier with the GPU idle."""
+def _seconds(call):
+    """This rank's seconds for one call, started after a barrier with the GPU idle (`timing.now`)."""
     dist.barrier()
-    _sync(device)
-    start = time.perf_counter()
+    start = timing.now()
     call()
-    _sync(device)
-    return time.perf_counter() - start
+    return timing.now() - start
 
 
 def _exchange_times(rank, sizes, repeats):
@@ -64,7 +55,7 @@ def _exchange_times(rank, sizes, repeats):
         theirs = torch.empty_like(mine)
         exchange = lambda: Rounds().exchange(sends=[(mine, rank ^ 1)], recvs=[(theirs, rank ^ 1)])
         exchange()                                            # warm-up: connections, buffers
-        out.append(_slowest([_seconds(exchange, mine.device) for _ in range(repeats)]))
+        out.append(_slowest([_seconds(exchange) for _ in range(repeats)]))
     return out
 
 
@@ -90,13 +81,13 @@ def rank_sweep(rank, world_size, fit_sizes, factors, repeats):
         for repeat in range(repeats + 1):                    # repeat 0: warm-up, not kept
             for name in (ALGORITHMS if repeat % 2 else ALGORITHMS[::-1]):   # who goes first alternates
                 x.fill_(1.0)
-                seconds = _seconds(lambda: algorithms.HAND["all_reduce", name](x, Rounds()), x.device)
+                seconds = _seconds(lambda: algorithms.HAND["all_reduce", name](x, Rounds()))
                 exact = exact and bool((x == world_size).all())   # N ones summed: exactly N in fp32
                 if repeat:
                     per_repeat[name].append(seconds)
         for name in ALGORITHMS:
             times[name].append(_slowest(per_repeat[name]))
-    ok = torch.tensor([int(exact)])
+    ok = torch.tensor([int(exact)], device=launch.device())
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)                # every rank's results
     return {"alpha": line["alpha"], "beta": line["beta"], "fit_sizes": list(fit_sizes),
             "fit_seconds": fastest, "fit_residuals": line["residuals"],

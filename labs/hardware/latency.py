@@ -53,6 +53,7 @@ def _pattern(kind, rank, mine, theirs):
     return lambda: (first(mine, peer), second(mine, peer))
 
 
+@launch.on_cpu("the loopback's two latencies: gloo on CPU tensors, timed with the host clock")
 def rank_times(rank, world_size, sizes, repeats):
     """One rank: {(pattern, start, size): seconds per repeat}, one-way for the ping-pong."""
     out = {}

@@ -279,6 +279,7 @@ MISTAKES = {
     "2": [(lambda: next(m for m in range(1, 1000) if 15 / m <= 0.05),
            "(p-1)/m <= 5 %: the bubble over the ideal time, not the total")],
     "3": [(lambda: formula("1f1b", 8, 32)["over_ideal"], "the interleaving's v = 4 left out")],
+    "4": [(lambda: 2 * 12, "doubling m: the p - 1 idle slots stay, so the share falls to 1/9, not 1/10")],
 }
 
 

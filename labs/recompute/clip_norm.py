@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labs.dims import ParallelDims
 from labs.launcher import launch
 
 H, B, T, MAX_NORM = 16, 4, 8, 0.1   # hidden, batch, sequence; max_norm below the norm: clipping acts
@@ -180,13 +181,12 @@ def pp_tp(rank, mesh):
 
 
 def rank_clip(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
     if world_size != 4:
         raise ValueError(f"the clipping lab runs dp (or pp) = 2 by tp = 2: world size 4, not {world_size}.")
     norm, grads = reference()
     out = {"reference": norm}
-    for name, run, dims in (("fsdp_tp", fsdp_tp, ("dp", "tp")), ("pp_tp", pp_tp, ("pp", "tp"))):
-        r = run(rank, init_device_mesh(launch.device().type, (2, 2), mesh_dim_names=dims))
+    for name, run, dims in (("fsdp_tp", fsdp_tp, ParallelDims(dp=2, tp=2)), ("pp_tp", pp_tp, ParallelDims(pp=2, tp=2))):
+        r = run(rank, dims.mesh())
         r["max_grad_err"] = _max_err(r.pop("grads"), grads)
         out[name] = r
     return out

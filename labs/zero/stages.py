@@ -34,8 +34,6 @@ from labs import model as tiny
 from labs.dims import ParallelDims
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
 
-
-# -- the lab: the tiny GPT under every stage ---------------------------------------------------
 STAGES = (0, 1, 2, 3)
 BF16 = 2
 
@@ -280,7 +278,9 @@ MISTAKES = {"1": [(lambda: budget.state_gb("70B", 64, 2, "bf16_no_master"),
                   (lambda: budget.state_gb("70B", 64, zero_stage=1), "ZeRO-1's 4 + 12/N: the gradients left whole"),
                   budget.nominal("70B", EXERCISES["1"])],
             "2": [(lambda: formula_comm(0, budget.MODELS["13B"].params(), 8) / budget.GB,
-                   "DDP's bytes: ZeRO-3's extra all-gather left out")]}
+                   "DDP's bytes: ZeRO-3's extra all-gather left out")],
+            "3": [(lambda: budget.lowest_zero_stage("13B", 8, 0.0, seq=4096, micro_batch=8, recompute="full"),
+                   "stage 1: it fits in 80 GiB, but with no room for buffers, logits and fragmentation")]}
 check = exercises.checker(EXERCISES, MISTAKES)
 
 
