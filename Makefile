@@ -14,7 +14,8 @@ STAMP := $(VENV)/.installed
 # TORCH_INDEX= keeps the default index alone.
 TORCH_INDEX ?= $(if $(and $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi),,cpu)),--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: book test test-numerics lab test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels
+.PHONY: book test test-numerics lab test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels \
+	box-lab gpu-check test-devices
 
 env: $(STAMP)
 
@@ -105,9 +106,30 @@ check-site: $(STAMP) chromium
 BOX_PYTHON ?= python3
 BOX_NBVAL := $(BOX_PYTHON) -m pytest --nbval notebooks --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider -q
 box-test:
-	$(BOX_PYTHON) tools/box_setup.py $(if $(WHEELS),--wheels $(WHEELS))
-	. .box/env && $(BOX_PYTHON) -m pytest tests -q
+	$(BOX_PYTHON) tools/box_setup.py --for test $(if $(WHEELS),--wheels $(WHEELS))
+	. .box/env && LABS_BACKEND=gloo $(BOX_PYTHON) -m pytest tests -q
 	. .box/env && $(BOX_NBVAL)
+
+# The notebooks in JupyterLab on a GPU box, which usually has no JupyterLab: `make box-lab
+# WHEELS=dir` installs what requirements-box.txt's `# lab` lines add and the box lacks (under
+# .box/, from the same wheels folder), then serves on 127.0.0.1:8888; from your machine,
+# `ssh -L 8888:127.0.0.1:8888 BOX` and open the URL it prints.
+box-lab:
+	$(BOX_PYTHON) tools/box_setup.py --for lab $(if $(WHEELS),--wheels $(WHEELS))
+	. .box/env && $(BOX_PYTHON) -m jupyter lab --no-browser --ip=127.0.0.1 --port=8888 \
+	  --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks \
+	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+
+# A lent GPU's few minutes in one command, at most 8 (tools/gpu_check.py): provenance, the FP8
+# probe, the labs at world size 1 on NCCL, python -m labs.gpu, the tests whose outcome depends on
+# the box, chapter 15's exercise where it exists; each part under its own time limit, results in
+# results/gpu/. Nothing to install: the box's own Python, torch and pytest.
+gpu-check:
+	$(BOX_PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Every rank function under the device audit (tests/test_devices.py), the slow ones included.
+test-devices: $(STAMP)
+	LABS_AUDIT_ALL=1 $(BIN)/python -m pytest tests/test_devices.py -q
 
 # On a machine with network: the wheels a box with Python $(BOX_PY_VERSION) on x86-64 Linux needs
 # for box-test, into wheels/ (copy the folder to the box and pass WHEELS=wheels).

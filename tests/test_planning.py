@@ -9,7 +9,7 @@ from labs.dims import ParallelDims
 from labs.memory_budget import fused_swiglu
 from labs.memory_budget.model_shape import ModelShape
 from labs.pipeline import schedules
-from labs.planning import memory, meta_check, planner, quiz, shapes
+from labs.planning import cases, flop_count, memory, meta_check, planner, quiz, shapes
 
 TINY = ModelShape("tiny Llama", layers=4, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=100, seq=16)
 
@@ -80,6 +80,38 @@ def test_quiz_checker_refuses_the_notes_wrong_answers():
     assert not quiz.check("1", 52.5) and not quiz.check("7", 810.0)
     with pytest.raises(ValueError, match="no exercise"):
         quiz.check("99", 1.0)
+
+
+def test_quiz_names_what_each_of_the_notes_figures_is(capsys):
+    quiz.check("7", 810.0)
+    assert "whole model's bf16 gradient" in capsys.readouterr().out      # a total, not a rank's bytes
+    quiz.check("2", 0.05)
+    assert "16M-token batch" in capsys.readouterr().out
+    # "enough micro-batches" for a 5 % bubble at p = 16: 15 / (15 + m) < 0.05 needs m > 285 under
+    # 1F1B; 15 / (8 m + 15) < 0.05 needs 8 m > 285, m >= 36, interleaved with v = 8; Llama 3 has 16
+    enough = (quiz.q2_microbatches_for_5pct(), quiz.q2_microbatches_for_5pct(8), quiz.q2_microbatches())
+    assert enough == (286, 36, 16)
+
+
+def test_deepseek_v3_flops_per_token_term_by_term():
+    """The derived TFLOP/s's count, checked against the report's shapes written out by hand
+    (DeepSeek-AI 2024, §4.2: h 7168, 128 heads of 128 + 64 rope dims, d_c 512, d_c' 1536, 61 layers,
+    3 dense of width 18432, then 1 shared + 8 of 256 routed experts of width 2048; V 129,280, s 4096)."""
+    h, layers, moe, s = 7168, 61, 58, 4096
+    attention = 1536 * h + 128 * 192 * 1536 + 576 * h + 128 * 256 * 512 + h * 128 * 128
+    routed = 8 * 3 * 2048 * h
+    terms = flop_count.breakdown()
+    assert terms["attention projections"] == 6 * layers * attention
+    assert terms["dense MLP"] == 6 * 3 * 3 * 18432 * h
+    assert terms["routed experts"] == 6 * moe * routed and terms["shared expert"] == 6 * moe * 3 * 2048 * h
+    assert terms["router"] == 6 * moe * 256 * h and terms["output head"] == 6 * h * 129_280
+    width = 128 * (2 * 128 + 64) // 2          # MLA: the mean of the q.k (192) and v (128) widths
+    assert terms["attention"] == 12 * layers * width * s
+    r = flop_count.derived_tflops()
+    assert r["flops_per_token"] == r["planner_flops_per_token"]       # the planner's count, exactly
+    assert r["tflops"] == cases.deepseek_case().tflops                 # the figure the chapter quotes
+    mtp = 6 * (attention + 256 * h + 3 * 2048 * h + routed + 2 * h * h + h * 129_280) + 12 * width * s
+    assert r["mtp_flops_per_token"] == mtp
 
 
 def test_bad_input_is_one_sentence_before_anything_is_built():

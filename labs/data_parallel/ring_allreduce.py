@@ -14,13 +14,12 @@ writes to its sockets (`labs.measure.wire`) beside what the ring needs.
     python -m labs.data_parallel.ring_allreduce --world-size 4 --numel 1000003 --algorithm ring --json
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from labs.data_parallel.hand_ring import naive_allreduce, ring_allreduce
-from labs.measure import comm, costs, wire
+from labs.measure import comm, costs, timing, wire
 from labs.launcher import launch, preflight
 
 ALGORITHMS = ("ring", "naive", "library")
@@ -63,11 +62,9 @@ def run(rank, world_size, numel, algorithm="ring", repeats=3):
     for _ in range(repeats):
         buf = x.clone()
         dist.barrier()  # start together, so the time is the collective's, not a late rank's
-        start = time.perf_counter()
+        start = timing.now()
         allreduce(buf, algorithm)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(timing.now() - start)
     return {"max_abs_error": (out.double().cpu() - exact).abs().max().item(),
             "bytes_sent": tally.bytes_sent, "bytes_received": tally.bytes_received,
             "formula_bytes_sent": tally.formula_bytes_sent,
@@ -150,9 +147,9 @@ def bench(rank, world_size, sizes_bytes, repeats=5, algorithms=("ring", "library
             times = []
             for _ in range(repeats):
                 dist.barrier()
-                start = time.perf_counter()
+                start = timing.now()
                 allreduce(buf, algorithm)
-                times.append(time.perf_counter() - start)
+                times.append(timing.now() - start)
             out[f"{algorithm}:{nbytes}"] = statistics.median(times)
     return out
 

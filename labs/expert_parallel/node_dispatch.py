@@ -59,7 +59,7 @@ def hierarchical_forward(layer, x, ranks_per_node, node_group):
     (rows1, idr1, gr1), recv1, send1, o1 = _send([x[t1], ids1, r.gates[t1].detach()], m1 * G + l, world, None, "node dispatch")
     # hop 2, inside the node: one row per (row, local rank hosting one of its experts)
     rank_of = torch.where(idr1 >= 0, idr1 // per - me * G, -1)    # (R1, k) in-node index of each expert
-    i2, j2 = (rank_of[:, None, :] == torch.arange(G)[None, :, None]).any(2).nonzero(as_tuple=True)
+    i2, j2 = (rank_of[:, None, :] == torch.arange(G, device=x.device)[None, :, None]).any(2).nonzero(as_tuple=True)
     ids2 = torch.where(rank_of[i2] == j2[:, None], idr1[i2], -1)
     (rows2, idr2, gr2), recv2, send2, o2 = _send([rows1[i2], ids2, gr1[i2]], j2, G, node_group, "intra dispatch")
     # the experts: each row, the gate-weighted sum of this rank's experts it was sent to

@@ -147,6 +147,27 @@ def fit_grid(model="7B", world_size=8, zero_stage=1, seq=4096, micro_batch=1, tp
     return rows
 
 
+def lowest_zero_stage(model, world_size, headroom=0.1, gpu_gib=GPU_GIB, **settings):
+    """The lowest ZeRO stage at which ``budget(model, world_size, ...)`` leaves at least ``headroom``
+    of the GPU free (for the temporary buffers, logits and fragmentation the budget does not count),
+    or None when no stage does."""
+    for stage in (0, 1, 2, 3):
+        r = budget(model, world_size, zero_stage=stage, gpu_gib=gpu_gib, **settings)
+        if r["bytes_per_device"]["total"] <= (1 - headroom) * r["capacity_bytes"]:
+            return stage
+    return None
+
+
+def fewest_gpus(model, zero_stage, activations=True, limit=1024, gpu_gib=GPU_GIB, **settings):
+    """The fewest data-parallel GPUs on which ``model``'s state under ``zero_stage`` (with
+    ``activations``, also one micro-batch's, from ``settings``) fits ``gpu_gib``; None up to ``limit``."""
+    for n in range(1, limit + 1):
+        r = budget(model, n, zero_stage=zero_stage, gpu_gib=gpu_gib, **settings)["bytes_per_device"]
+        if r["total"] - (0 if activations else r["activations"]) <= gpu_gib * GIB:
+            return n
+    return None
+
+
 # Link speeds, one direction, from the vendors' specifications (bytes per second).
 LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVMe drive (PCIe 4.0 x4)": 7e9,  # NVMe: a fast drive's read rate
          "NVLink 4 (H100)": 450e9, "InfiniBand NDR (400 Gb/s)": 50e9}
@@ -158,6 +179,7 @@ PEAK_FLOPS = {"H100 SXM, bf16 dense": 989e12}
 def data_parallel_step(cfg, recipe, rank, batch_size):
     """One step of plain data parallelism with a recipe; returns the state this rank holds."""
     dev = launch.device()
+    memory.reset_cuda_peak()  # on a GPU: this recipe's peak alone, not the process's so far
     net = tiny.build(cfg, seed=0, device=dev)  # same seed on every rank: replicas start equal
     opt = mixed_precision.prepare(net, recipe)
     x, y = tiny.synthetic_batch(cfg, batch_size, seed=rank, device=dev)  # each rank its own data
@@ -175,7 +197,7 @@ def data_parallel_step(cfg, recipe, rank, batch_size):
             "formula": mixed_precision.recipe(recipe).bytes_per_param(), "allreduce_payload_bytes": tally.payload_bytes,
             "allreduce_formula_bytes": tally.formula_bytes_sent, "allreduce_calls": tally.calls("all_reduce"),
             "allreduce_wire_bytes": tally.wire_bytes_sent if not tally.wire_missing else None,
-            "param_checksum": checksum}
+            "param_checksum": checksum, "cuda_peak_bytes": memory.cuda_peak_bytes()}
 
 
 def measure(rank, world_size, recipes=tuple(mixed_precision.RECIPES), shapes=((1, 8), (2, 8), (2, 16)),
@@ -185,8 +207,7 @@ def measure(rank, world_size, recipes=tuple(mixed_precision.RECIPES), shapes=((1
     result = {name: data_parallel_step(cfg, name, rank, batch_size) for name in recipes}
     act_cfg = tiny.GPTConfig(dropout=0.1)  # the GPT-3 formula assumes dropout everywhere
     return {"recipes": result, "activations": measure_activations(act_cfg, shapes, device=launch.device()),
-            "llama_activations": measure_llama(shapes, device=launch.device()),
-            "cuda_peak_bytes": memory.cuda_peak_bytes()}
+            "llama_activations": measure_llama(shapes, device=launch.device())}
 
 
 def state_gb(model, world_size, zero_stage, recipe="mixed"):

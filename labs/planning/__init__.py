@@ -18,9 +18,10 @@ against published runs; then the layouts composed, trained and held to one proce
 - `scorecard`: the checked set's figures, its rows by source, and each miss with the term that explains it.
 - `notes`: the notes' three recipes, their interview questions and the stacks' layouts, through the planner.
 - `meta_check`: one rank of a full-size layout built by PyTorch on the meta device (fake process group) holds what the planner counts.
+- `flop_count`: DeepSeek-V3's TFLOP/s per GPU derived from its GPU hours, its FLOPs per token term by term.
 - `quiz`: the notes' readiness quiz, each question with a number answered by the planner or a chapter, and its checker.
-- `layout3d`: the degrees a 3D/4D run accepts, its data, one process's run, the bytes per group predicted.
-- `train3d`: the tiny GPT on dp x tp x pp (x cp) ranks from chapters 3-6's hand pieces, bytes counted per group.
+- `layout3d`: the degrees a 3D run (dp, tp, pp, cp) accepts, its data, one process's run, the bytes per group predicted.
+- `train3d`: the tiny GPT on dp x tp x pp and dp x cp x tp ranks from chapters 3-6's hand pieces, bytes counted per group.
 - `torch3d`: the same 3D layout with DeviceMesh, parallelize_module, fully_shard and pipelining, its bytes audited.
 - `rounding`: the first-order rounding bound of reordered sums, op by op, on one process's step.
 - `drift`: the loss bound a correct layout stays within, and broken layouts that leave it.

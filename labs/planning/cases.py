@@ -7,13 +7,13 @@
 - Llama Team 2024 (arXiv 2407.21783), §3.3.2, Table 4: Llama 3 405B on 8,192 and 16,384 H100s,
   trained at 8K "without activation checkpointing", FSDP keeping the gathered weights through
   backward and reducing gradients in fp32; TFLOP/s as BF16 MFU x peak (PaLM's count, Chowdhery
-  et al. 2022). The 131,072-token row prints DP = 4, which with TP 8, CP 16 and PP 16 fills 8,192
-  GPUs, not the 16,384 printed beside it, and gives 8M tokens, not 16M; DP = 8 fits both (chapters
-  1 and 2 flag the same row), and the planner uses it.
+  et al. 2022). The 131,072-token row prints DP = 4 before arXiv v3 (v3 prints 8), which with TP 8,
+  CP 16 and PP 16 fills 8,192 GPUs, not the 16,384 printed beside it, and gives 8M tokens, not 16M;
+  DP = 8 fits both (chapters 1 and 2 flag the same row), and the planner uses it.
 - DeepSeek-AI 2024 (arXiv 2412.19437), §3.2 and §4.2: DeepSeek-V3 on 2,048 H800s, PP 16, EP 64
   over 8 nodes, ZeRO-1 DP, no TP, batch 15,360 sequences of 4,096; it prints no TFLOP/s, only
-  180K H800 GPU hours per trillion tokens (§1), from which the figure here is derived with PaLM's
-  count of its active parameters.
+  180K H800 GPU hours per trillion tokens (§1), from which the figure here is derived (not published)
+  with PaLM's count of its active parameters, MTP module left out (`flop_count` shows the terms).
 - The source notes' own questions: 70B on one node of 8 H100s, 405B on 16,384 H100s.
 
 The calibration (one efficiency constant per GPU generation and precision) and the other published

@@ -38,6 +38,9 @@ FP32 = 4
 # The chapter's run: 3 Adam steps of m = 2 micro-batches of b = 1 sequence per replica. Few tokens
 # keep the drift bound tight (it grows with the tokens a gradient adds up, `labs.planning.drift`).
 STEPS, LR, MICRO_BATCH, MICROBATCHES = 3, 1e-2, 1, 2
+# The variant trained with Adam's coupled weight decay (L2: lambda w added to the gradient before
+# the moments, torch.optim.Adam's weight_decay), the setting in which a gradient's scale shows.
+WEIGHT_DECAY = 0.1
 
 
 def config():
@@ -73,18 +76,20 @@ def step_batches(cfg, step, dp, m, micro_batch):
     return [tiny.synthetic_batch(cfg, micro_batch, seed=10_000 * step + i) for i in range(dp * m)]
 
 
-def reference(cfg, dp, m, micro_batch, steps, lr, watch=None):
+def reference(cfg, dp, m, micro_batch, steps, lr, watch=None, weight_decay=0.0):
     """One process, fp32, one intra-op thread (as each rank): every micro-batch of a step, each
-    loss divided by dp*m before its backward, gradients accumulated, one Adam step.
+    loss divided by dp*m before its backward, gradients accumulated, one Adam step (with coupled
+    weight decay ``weight_decay``, as torch.optim.Adam's).
 
     Returns the mean loss of every step. ``watch(net)``, if given, makes a context manager (a
-    `labs.planning.rounding.Rounding`) that is kept, with the step's gradients, per step."""
+    `labs.planning.rounding.Rounding`) that is kept per step, with the loss's gradient ("grads") and
+    the gradient Adam sees ("adam_grads": plus weight_decay * w)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         net = tiny.build(cfg, seed=0)
-        opt = torch.optim.Adam(net.parameters(), lr=lr)
-        out = {"losses": [], "grads": [], "watched": []}
+        opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
+        out = {"losses": [], "grads": [], "adam_grads": [], "watched": []}
         for step in range(steps):
             mode = watch(net) if watch else contextlib.nullcontext()
             total = 0.0
@@ -97,6 +102,8 @@ def reference(cfg, dp, m, micro_batch, steps, lr, watch=None):
             if watch:
                 out["watched"].append(mode)
                 out["grads"].append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+                out["adam_grads"].append({n: p.grad.detach() + weight_decay * p.detach()
+                                          for n, p in net.named_parameters()})
             opt.step()
             opt.zero_grad()
         return out

@@ -14,7 +14,7 @@ Every collective runs as chapter 2's hand ring (`hand_ring.hand_collectives`), s
 counted message, and each message's destination says which group carried it (`bytes_by_group`).
 
     python -m labs.planning.train3d --dp 2 --tp 2 --pp 2 --json
-    python -m labs.planning.train3d --cp 2 --tp 2 --pp 2 --json
+    python -m labs.planning.train3d --dp 2 --cp 2 --tp 2 --json
 """
 import os
 
@@ -131,9 +131,9 @@ def bytes_by_group(tally, dims, rank, peers=None):
 
 def train(rank, world_size, dims, variants=((),), steps=layout3d.STEPS, lr=layout3d.LR,
           micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
-    """Train ``steps`` steps once per variant (a tuple of deliberate bugs, () for the correct layout),
-    in one job. Per variant and step: the losses of this rank's micro-batches (last stage only), the
-    counted bytes it sent per group in forward and backward ("passes") and in the optimizer step
+    """Train ``steps`` steps once per variant (a tuple of deliberate bugs, () for the correct layout,
+    and "weight_decay" for Adam with coupled weight decay `layout3d.WEIGHT_DECAY`), in one job. Per
+    variant and step: the losses of this rank's micro-batches (last stage only), the counted bytes it sent per group in forward and backward ("passes") and in the optimizer step
     ("update": ZeRO-1's reduce-scatter and all-gather), and the bytes it sent to another node."""
     g, nodes = groups.Groups(dims), _nodes()
     return [_train(g, layout3d.config(), steps, lr, micro_batch, num_microbatches, bugs, nodes)
@@ -169,8 +169,10 @@ def _train(g, cfg, steps, lr, b, m, bugs, nodes):
 
 
 def _optimizer(piece, g, lr, bugs):
-    group = g.dp_cp if g.dims.cp > 1 else g.dp
-    opt = ShardedOptimizer(piece.parameters(), torch.optim.Adam, stage=1, group=group, lr=lr)
+    group = g.dp_cp if g.dims.cp > 1 else g.dp        # the ranks that hold the same weights
+    decay = layout3d.WEIGHT_DECAY if "weight_decay" in bugs else 0.0   # a setting, not a bug
+    opt = ShardedOptimizer(piece.parameters(), torch.optim.Adam, stage=1, group=group, lr=lr,
+                           weight_decay=decay)
     if "dp_not_averaged" in bugs:    # the sum over replicas, not the mean
         opt.n = 1
     if "dp_not_reduced" in bugs:     # each rank steps its shard on its own replica's gradient alone

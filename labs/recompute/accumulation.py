@@ -28,7 +28,7 @@ from labs.zero import fsdp
 def accumulation_vs_full_batch(accumulation=4, micro_batch=2, seed=0):
     """k micro-batches of unequal token counts in one process against the full batch at once:
     chapter 2's `loss_reduction.compare` at world size 1. right_err (sum of token losses over the
-    global count N) is rounding; naive_err (each micro-batch's own mean / k) is not."""
+    global count n_tok) is rounding; naive_err (each micro-batch's own mean / k) is not."""
     return loss_reduction.compare(1, accumulation, micro_batch, seed)
 
 

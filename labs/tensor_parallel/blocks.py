@@ -99,9 +99,9 @@ def message_bytes(rank, world_size, shapes):
     out = []
     for b, s, h in shapes:
         cfg = config(hidden=h, n_head=h // 4)
-        block = megatron.parallelize_mlp(_full_block("mlp", cfg), None)
+        block = megatron.parallelize_mlp(_full_block("mlp", cfg).to(launch.device()), None)
         with megatron.payloads() as log:
-            block(torch.randn(b, s, h))
+            block(torch.randn(b, s, h).to(launch.device()))
         out.append({"b": b, "s": s, "h": h, "calls": len(log), "message_bytes": log[0]["bytes"],
                     "shape": log[0]["shape"]})
     return out

@@ -194,8 +194,9 @@ def hsdp_vs_full(rank, world_size, shard=2, steps=2, lr=1e-3):
     out = {"ranks": {d: dist.get_process_group_ranks(hsdp.get_group(f"dp_{d}")) for d in ("replicate", "shard")}}
     for name, mesh in meshes.items():
         mode = GroupBytes(labels)
-        _, state = _train(shard_model(tiny.build(), mesh, torch.bfloat16), rank, world_size, 1, lr, mode)
-        net = shard_model(tiny.build(), mesh)
+        _, state = _train(shard_model(tiny.build(device=launch.device()), mesh, torch.bfloat16), rank, world_size,
+                          1, lr, mode)
+        net = shard_model(tiny.build(device=launch.device()), mesh)
         losses, _ = _train(net, rank, world_size, steps, lr)
         params = {k: v.full_tensor().detach().cpu() for k, v in net.named_parameters()}
         out[name] = {"records": mode.records, "by_group": mode.by_group(), "state": state,

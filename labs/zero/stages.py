@@ -15,9 +15,8 @@ The hand pieces are drop-ins for the library's: stages 0-2 are `labs.zero.sharde
 `ShardedOptimizer` around ``torch.optim.Adam``, stage 3 is `labs.zero.fsdp`'s `HandFSDP`. This file is the
 lab that trains the tiny GPT under each of them and under FSDP2 (`run`, `all_stages`,
 `accumulation`, `fsdp2`), held to the bound on how far two Adam runs can drift apart
-(`labs.zero.adam_drift.param_bound`).
-By default the hand stages run every collective as chapter 2's ring of point-to-point messages
-(`hand_ring.hand_collectives`), so their bytes sent are counted messages, not a formula.
+(`labs.zero.adam_drift.param_bound`). By default the hand stages run every collective as chapter 2's
+ring of point-to-point messages (`hand_ring.hand_collectives`): their bytes sent are counted messages.
 
     python -m labs.zero.stages --world-size 3 --stage 3 --steps 3 --json
 """
@@ -35,8 +34,6 @@ from labs import model as tiny
 from labs.dims import ParallelDims
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
 
-
-# -- the lab: the tiny GPT under every stage ---------------------------------------------------
 STAGES = (0, 1, 2, 3)
 BF16 = 2
 
@@ -274,13 +271,16 @@ def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None
 
 # Chapter 3's exercises, and the answers the usual mistakes give (the checker names them), computed here.
 EXERCISES = {"1": lambda: budget.state_gb("70B", 64, zero_stage=2),
-             "2": lambda: formula_comm(3, budget.MODELS["13B"].params(), 8) / budget.GB}
+             "2": lambda: formula_comm(3, budget.MODELS["13B"].params(), 8) / budget.GB,
+             "3": lambda: budget.lowest_zero_stage("13B", 8, 0.1, seq=4096, micro_batch=8, recompute="full")}
 MISTAKES = {"1": [(lambda: budget.state_gb("70B", 64, 2, "bf16_no_master"),
                    "2 + 10/N bytes per parameter: the 12-byte recipe, without the fp32 master copy"),
                   (lambda: budget.state_gb("70B", 64, zero_stage=1), "ZeRO-1's 4 + 12/N: the gradients left whole"),
                   budget.nominal("70B", EXERCISES["1"])],
             "2": [(lambda: formula_comm(0, budget.MODELS["13B"].params(), 8) / budget.GB,
-                   "DDP's bytes: ZeRO-3's extra all-gather left out")]}
+                   "DDP's bytes: ZeRO-3's extra all-gather left out")],
+            "3": [(lambda: budget.lowest_zero_stage("13B", 8, 0.0, seq=4096, micro_batch=8, recompute="full"),
+                   "stage 1: it fits in 80 GiB, but with no room for buffers, logits and fragmentation")]}
 check = exercises.checker(EXERCISES, MISTAKES)
 
 
