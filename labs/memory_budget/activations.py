@@ -34,7 +34,7 @@ def gpt3_activation_bytes_per_layer(s, b, h, a, tp=1, sp=False, recompute="none"
     """
     _check_recompute(recompute)
     if recompute == "full":
-        return 2 * s * b * h / (tp if sp else 1)  # only each layer's input is kept
+        return 2 * s * b * h / tp if sp and tp > 1 else 2 * s * b * h  # each layer's input (s/tp rows)
     if recompute in ("selective_ops", "mlp"):
         raise ValueError(f"{recompute} is a policy for a Llama block; for the GPT-3 block use 'selective'.")
     linear, scores = (34, 5) if dropout else (32, 2)
@@ -103,7 +103,7 @@ def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute=
         raise ValueError(f"attention must be 'materialized' or 'flash', got {attention!r}.")
     whole = tp if sp else 1                      # without sp, every tp rank holds these in full
     if recompute == "full":
-        return {"layer_input": 2 * s * b * h / whole}
+        return {"layer_input": 2 * s * b * h / whole if whole > 1 else 2 * s * b * h}
     sbh, sb, d = s * b * h, s * b, head_dim or h // a
     sbq = s * b * a * d                          # q and the attention output: a heads of d
     kv_local = kv_heads / tp if kv_heads >= tp else 1
