@@ -56,11 +56,14 @@ def test_the_overflowing_term_is_the_one_that_passes_the_gpu():
     # 70B with mixed-precision Adam on one node: even ZeRO-3 over 8 leaves 16 x 69B / 8 bytes of state per
     # GPU; weights and gradients (4 + 4 bytes / 8) fit in 80 GiB, the optimizer's 8 / 8 does not
     job = planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 8, 1024 * 4096)
-    row = planner.best_for(job, ParallelDims(dp=8), 0.5, {"zero": 3})
-    assert row["term"] == "optimizer"
+    row = planner.published(job, ParallelDims(dp=8), 0.5, {"zero": 3})
+    assert not row["fits"] and row["term"] == "optimizer"
     p = shapes.LLAMA2_70B.params()
     assert row["memory"]["optimizer"] == 8 * p / 8 and row["memory"]["weights"] == 4 * p / 8
-    assert planner.plan(job, 0.5)["ranked"] == []
+    result = planner.plan(job, 0.5)
+    assert result["ranked"] == []
+    with pytest.raises(ValueError, match="no layout of Llama 2 70B on 8 GPUs fits, so .* has no rank"):
+        planner.rank_of(result, row)
 
 
 def test_fused_swiglu_keeps_six_not_eight_bytes_per_element():

@@ -1,10 +1,10 @@
 """Chapter 14: published training runs, each table as its source prints it (`published_runs` reads them).
 
 Numbers are typed as printed (a table's rounding kept), and the models' shapes as their configurations
-print them; nothing here is computed. Each table names its source: repository, path and commit, or paper,
+print them (chapter 1's `ModelShape`); nothing here is computed. Each table names its source: repository, path and commit, or paper,
 table and the text it was read from.
 """
-from dataclasses import dataclass
+from labs.memory_budget.model_shape import ModelShape
 
 
 # Megatron-LM README, "Training Speed and Scalability": images/model_table.png, added in NVIDIA/Megatron-LM
@@ -204,30 +204,8 @@ DEEPSEEK_V2_BATCH = 9216
 
 
 # --- the models' shapes, as their configurations print them ------------------------------------------
-
-@dataclass(frozen=True)
-class Model:
-    """A model's shapes, named as `shapes.ModelShape` names them; ``mlp``: "gelu", "relu" or "squared_relu"
-    (two matrices) or "swiglu" (three); ``head_dim``: None when it is hidden / heads."""
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    mlp: str
-    tied: bool
-    positions: bool
-    source: str
-    head_dim: int = None
-    experts: int = 0
-    top_k: int = 0
-    expert_ffn: int = 0
-    shared_experts: int = 0
-    dense_layers: int = 0
-    mla: tuple = ()
-
+# Each is chapter 1's `ModelShape` at the sequence the model's configuration names (a run at another
+# length replaces ``seq``); `MODEL_SOURCES` names where each shape was read.
 
 _TT = "torchtitan 9dec370 torchtitan/models/llama/__init__.py (dims, ffn multipliers); "
 _N = "NVIDIA/NeMo 8e3d65dc nemo/collections/llm/gpt/model/"
@@ -237,60 +215,58 @@ _L3 = ("ffn as printed in " + _N + "llama.py {}; vocabulary 128,256: tiktoken's 
 _ZOO = "Megatron-MoE-ModelZoo e8650517 model_configs/benchmarking/"
 _GPT = dict(mlp="gelu", tied=True, positions=True)            # Megatron's GPT: 4h MLP, learned positions
 _LLAMA = dict(mlp="swiglu", tied=False, positions=False)
+_NEMOTRON = dict(mlp="squared_relu", tied=False, positions=False, bias=False)
 MODEL_SHAPES = {
-    "llama3-8b": Model(name="Llama 3.1 8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128_256,
-                      source=_TT + _L3.format("Llama3Config8B"), **_LLAMA),
-    "llama3-70b": Model(name="Llama 3.1 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128_256,
-                       source=_TT + _L3.format("Llama3Config70B"), **_LLAMA),
-    "llama3-405b": Model(name="Llama 3.1 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248,
-                        vocab=128_256, source=_TT + _L3.format("Llama31Config405B"), **_LLAMA),
-    "llama2-7b": Model(name="Llama 2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32_000,
-                      source=_N + "llama.py Llama2Config7B" + _NV, **_LLAMA),
-    "llama2-13b": Model(name="Llama 2 13B", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32_000,
-                       source=_N + "llama.py Llama2Config13B" + _NV, **_LLAMA),
-    "llama2-70b": Model(name="Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32_000,
-                       source=_N + "llama.py Llama2Config70B" + _NV, **_LLAMA),
-    "gpt3-5b": Model(name="GPT3-5B", layers=24, hidden=4096, heads=32, kv_heads=32, ffn=16384, vocab=51_200,
-                    source=_N + "base.py GPTConfig5B" + _NV, **_GPT),
-    "gpt3-20b": Model(name="GPT3-20B", layers=44, hidden=6144, heads=48, kv_heads=48, ffn=24576, vocab=51_200,
-                     source=_N + "base.py GPTConfig20B" + _NV, **_GPT),
-    "gpt3-175b": Model(name="GPT3-175B", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=49152, vocab=51_200,
-                      source=_N + "base.py GPTConfig175B" + _NV, **_GPT),
-    "nemotron-8b": Model(name="Nemotron-8B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=16384, vocab=256_000,
-                        mlp="squared_relu", tied=False, positions=False,
-                        source=_N + "nemotron.py Nemotron3Config8B" + _NV),
-    "nemotron-22b": Model(name="Nemotron-22B", layers=40, hidden=6144, heads=48, kv_heads=48, ffn=24576,
-                         vocab=256_000, mlp="squared_relu", tied=False, positions=False,
-                         source=_N + "nemotron.py Nemotron4Config22B" + _NV),
-    "nemotron-340b": Model(name="Nemotron-4 340B", layers=96, hidden=18432, heads=96, kv_heads=8, ffn=73728,
-                          vocab=256_000, mlp="squared_relu", tied=False, positions=False,
-                          source=_N + "nemotron.py Nemotron4Config340B" + _NV),
-    "nemotron4-15b": Model(name="Nemotron-4 15B", layers=32, hidden=6144, heads=48, kv_heads=8, ffn=24576,
-                          vocab=256_000, mlp="squared_relu", tied=False, positions=False,
-                          source="Parmar et al. 2024, Table 1 and §2 (squared ReLU, untied, RoPE, GQA); ffn from "
-                                 + _N + "nemotron.py Nemotron4Config15B"),
-    "bloom": Model(name="BLOOM-176B", layers=70, hidden=14336, heads=112, kv_heads=112, ffn=4 * 14336, vocab=250_880,
-                  mlp="gelu", tied=True, positions=False,
-                  source="bigscience 9e64edec train/tr11-176B-ml/README.md: NHIDDEN, NLAYERS, NHEADS, the 250,880-row "
-                         "embedding, 12h^2 + 13h per layer (so a 4h GeLU MLP), v*h counted once (tied); ALiBi"),
-    "opt-175b": Model(name="OPT-175B", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=4 * 12288, vocab=50_265,
-                     mlp="relu", tied=True, positions=True,
-                     source="Zhang et al. 2022, Table 1, §2.1-2.2 (ReLU, s 2048, 'largely follow Brown et al.': "
-                            "inferred 4h MLP, learned positions, tied); vocabulary: the 50,265 entries of metaseq "
-                            "f7ffa5fd projects/OPT/assets/gpt2-vocab.json (the embedding may be padded)"),
-    "qwen3-235b": Model(name="Qwen3-235B-A22B", layers=94, hidden=4096, heads=64, kv_heads=4, ffn=12288,
-                       vocab=151_936, head_dim=128, experts=128, top_k=8, expert_ffn=1536, **_LLAMA,
-                       source=_ZOO + "Qwen3-235B-A22B.yaml (every layer MoE, no shared expert); vocabulary inferred: "
-                              "the tokenizer's padded to a multiple of 1,187 (--make-vocab-size-divisible-by)"),
-    "qwen3-30b": Model(name="Qwen3-30B-A3B", layers=48, hidden=2048, heads=32, kv_heads=4, ffn=6144, vocab=151_936,
-                      head_dim=128, experts=128, top_k=8, expert_ffn=768, **_LLAMA,
-                      source=_ZOO + "Qwen3-30B-A3B.yaml; vocabulary inferred as for Qwen3-235B-A22B"),
-    "deepseek-v2": Model(name="DeepSeek-V2", layers=60, hidden=5120, heads=128, kv_heads=128, ffn=12288,
-                        vocab=102_400, experts=160, top_k=6, expert_ffn=1536, shared_experts=2, dense_layers=1,
-                        mla=(512, 1536, 128, 64), **_LLAMA,
-                        source="DeepSeek-V2 §3.1.2 (60 layers, h 5120, 128 heads, MLA 512/1536/128/64, 2 shared + "
-                               "160 routed experts of 1536, 6 routed, first layer dense); dense ffn and vocabulary "
-                               "(100K padded to a multiple of 3,200) from " + _ZOO + "DeepSeek-V2.yaml"),
+    "llama3-8b": ModelShape("Llama 3.1 8B", 32, 4096, 32, 8, 14336, 128_256, 8192, **_LLAMA),
+    "llama3-70b": ModelShape("Llama 3.1 70B", 80, 8192, 64, 8, 28672, 128_256, 8192, **_LLAMA),
+    "llama3-405b": ModelShape("Llama 3.1 405B", 126, 16384, 128, 8, 53248, 128_256, 8192, **_LLAMA),
+    "llama2-7b": ModelShape("Llama 2 7B", 32, 4096, 32, 32, 11008, 32_000, 4096, **_LLAMA),
+    "llama2-13b": ModelShape("Llama 2 13B", 40, 5120, 40, 40, 13824, 32_000, 4096, **_LLAMA),
+    "llama2-70b": ModelShape("Llama 2 70B", 80, 8192, 64, 8, 28672, 32_000, 4096, **_LLAMA),
+    "gpt3-5b": ModelShape("GPT3-5B", 24, 4096, 32, 32, 16384, 51_200, 2048, **_GPT),
+    "gpt3-20b": ModelShape("GPT3-20B", 44, 6144, 48, 48, 24576, 51_200, 2048, **_GPT),
+    "gpt3-175b": ModelShape("GPT3-175B", 96, 12288, 96, 96, 49152, 51_200, 2048, **_GPT),
+    "nemotron-8b": ModelShape("Nemotron-8B", 32, 4096, 32, 32, 16384, 256_000, 4096, **_NEMOTRON),
+    "nemotron-22b": ModelShape("Nemotron-22B", 40, 6144, 48, 48, 24576, 256_000, 4096, **_NEMOTRON),
+    "nemotron-340b": ModelShape("Nemotron-4 340B", 96, 18432, 96, 8, 73728, 256_000, 4096, **_NEMOTRON),
+    "nemotron4-15b": ModelShape("Nemotron-4 15B", 32, 6144, 48, 8, 24576, 256_000, 4096, **_NEMOTRON),
+    "bloom": ModelShape("BLOOM-176B", 70, 14336, 112, 112, 4 * 14336, 250_880, 2048, mlp="gelu", tied=True,
+                        positions=False),
+    "opt-175b": ModelShape("OPT-175B", 96, 12288, 96, 96, 4 * 12288, 50_265, 2048, mlp="relu", tied=True,
+                           positions=True, bias=True),
+    "qwen3-235b": ModelShape("Qwen3-235B-A22B", 94, 4096, 64, 4, 12288, 151_936, 4096, head_width=128,
+                             experts=128, top_k=8, expert_ffn=1536, dense_layers=0, **_LLAMA),
+    "qwen3-30b": ModelShape("Qwen3-30B-A3B", 48, 2048, 32, 4, 6144, 151_936, 4096, head_width=128, experts=128,
+                            top_k=8, expert_ffn=768, **_LLAMA),
+    "deepseek-v2": ModelShape("DeepSeek-V2", 60, 5120, 128, 128, 12288, 102_400, 4096, experts=160, top_k=6,
+                              expert_ffn=1536, shared_experts=2, dense_layers=1, mla=(512, 1536, 128, 64), **_LLAMA),
+}
+MODEL_SOURCES = {
+    "llama3-8b": _TT + _L3.format("Llama3Config8B"),
+    "llama3-70b": _TT + _L3.format("Llama3Config70B"),
+    "llama3-405b": _TT + _L3.format("Llama31Config405B"),
+    "llama2-7b": _N + "llama.py Llama2Config7B" + _NV,
+    "llama2-13b": _N + "llama.py Llama2Config13B" + _NV,
+    "llama2-70b": _N + "llama.py Llama2Config70B" + _NV,
+    "gpt3-5b": _N + "base.py GPTConfig5B" + _NV,
+    "gpt3-20b": _N + "base.py GPTConfig20B" + _NV,
+    "gpt3-175b": _N + "base.py GPTConfig175B" + _NV,
+    "nemotron-8b": _N + "nemotron.py Nemotron3Config8B" + _NV,
+    "nemotron-22b": _N + "nemotron.py Nemotron4Config22B" + _NV,
+    "nemotron-340b": _N + "nemotron.py Nemotron4Config340B" + _NV,
+    "nemotron4-15b": "Parmar et al. 2024, Table 1 and §2 (squared ReLU, untied, RoPE, GQA, no biases); ffn from "
+                     + _N + "nemotron.py Nemotron4Config15B",
+    "bloom": "bigscience 9e64edec train/tr11-176B-ml/README.md: NHIDDEN, NLAYERS, NHEADS, the 250,880-row embedding, "
+             "12h^2 + 13h per layer (so a 4h GeLU MLP with biases), v*h counted once (tied); ALiBi",
+    "opt-175b": "Zhang et al. 2022, Table 1, §2.1-2.2 (ReLU, s 2048, 'largely follow Brown et al.': inferred 4h MLP "
+                "with biases, learned positions, tied); vocabulary: the 50,265 entries of metaseq f7ffa5fd "
+                "projects/OPT/assets/gpt2-vocab.json (the embedding may be padded)",
+    "qwen3-235b": _ZOO + "Qwen3-235B-A22B.yaml (every layer MoE, no shared expert, heads of 128); vocabulary "
+                  "inferred: the tokenizer's padded to a multiple of 1,187 (--make-vocab-size-divisible-by)",
+    "qwen3-30b": _ZOO + "Qwen3-30B-A3B.yaml; vocabulary inferred as for Qwen3-235B-A22B",
+    "deepseek-v2": "DeepSeek-V2 §3.1.2 (60 layers, h 5120, 128 heads, MLA 512/1536/128/64, 2 shared + 160 routed "
+                   "experts of 1536, 6 routed, first layer dense); dense ffn and vocabulary (100K padded to a "
+                   "multiple of 3,200) from " + _ZOO + "DeepSeek-V2.yaml",
 }
 # the `MODEL_SHAPES` key of each NeMo table's model name
 NEMO_MODEL_KEYS = {"GPT3-5B": "gpt3-5b", "GPT3-20B": "gpt3-20b", "GPT3-175B": "gpt3-175b", "LLAMA2-7B": "llama2-7b",

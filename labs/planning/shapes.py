@@ -17,13 +17,15 @@ Sources of the shapes:
 """
 from dataclasses import dataclass
 
+from labs.hardware import placement
 from labs.memory_budget import budget, compute
 from labs.memory_budget.model_shape import ModelShape
 
 
-def gpt(name, layers, hidden, heads, vocab=51_200, seq=2048):
-    """A GPT of Narayanan et al. 2021, Table 1: 4h GeLU MLP, biases, learned positions, tied embedding."""
-    return ModelShape(name, layers, hidden, heads, heads, 4 * hidden, vocab, seq, mlp="gelu", tied=True,
+def gpt(name, layers, hidden, heads, vocab=51_200, seq=2048, tied=True):
+    """A GPT of Narayanan et al. 2021, Table 1: 4h GeLU MLP, biases, learned positions, tied embedding
+    (Megatron-LM's 2024 H100 table: untied)."""
+    return ModelShape(name, layers, hidden, heads, heads, 4 * hidden, vocab, seq, mlp="gelu", tied=tied,
                       positions=True)
 
 
@@ -50,23 +52,60 @@ def llama_params_agree(shape):
 class Cluster:
     """A GPU generation and its links; bandwidths in bytes per second, one direction, per GPU."""
     name: str
-    generation: str      # the key of the efficiency calibration (one constant per generation)
+    generation: str      # the key of the efficiency calibration (one constant per generation and precision)
     gpus_per_node: int
     hbm_bytes: float     # what one GPU holds
-    intra_bw: float      # NVLink inside the node
+    intra_bw: float      # NVLink (or PCIe) inside the node
     inter_bw: float      # the network port of each GPU
     peak_flops: float    # dense BF16 tensor-core peak
+    hbm_bw: float        # the GPU memory's bandwidth (the roofline's slope, `kernels`)
+    fp8_flops: float = 0.0        # dense FP8 tensor-core peak (0: the GPU has none)
+    link: str = "NVLINK"          # NCCL's link type inside the node: "NVLINK" or "PCI" (`links`)
+    host_bw: float = 32e9         # PCIe between one GPU and the host (offload, `offload`)
+    host_bytes: float = 0.0       # host memory of one node (0: not stated)
+    host_mem_bw: float = 0.0      # host memory bandwidth of one node (the CPU's Adam, `offload`)
 
 
 GIB = 2 ** 30
+# Links are priced at what NCCL reaches on them, not their line rate (chapter 11, `placement`): ~370 GB/s
+# of NVLink on 8 x H100 (NVIDIA/nccl-tests issue 212) and 46 to 48 GB/s per NDR 400 Gb/s port (issue 290),
+# 92 % of the line, which the 200 Gb/s HDR ports of the A100 clusters are taken to reach as well; NCCL's
+# own model caps Ampere's NVLink bus bandwidth at 235 GB/s (src/graph/tuning.cc at 01afd20:
+# "if (compCap80) busBw = std::min(busBw, 235.0f)").
+NET_EFFICIENCY = placement.NCCL_NDR_BPS[0] / placement.NDR_IB_BPS
+A100_NVLINK = 235e9
 # Selene (Narayanan et al. 2021, §5): DGX A100 nodes of 8 x A100 80GB on NVLink 3 / NVSwitch (12
 # links x 25 GB/s = 300 GB/s per direction: NVIDIA A100 whitepaper's 600 GB/s both ways), eight
-# 200 Gb/s HDR InfiniBand adapters per node (one per GPU: 25 GB/s), peak 312 TFLOP/s in 16 bits.
-SELENE = Cluster("Selene, DGX A100 80GB", "A100", 8, 80 * GIB, 300e9, 200e9 / 8, 312e12)
-# Llama 3 (Llama Team 2024, §3.3.1): 8 x H100 80GB HBM3 per server on NVLink (chapter 11's 450 GB/s
-# per direction), RoCE at 400 Gb/s per GPU; peak 989 TFLOP/s (chapter 1's H100 SXM dense BF16).
-LLAMA3_CLUSTER = Cluster("Llama 3, H100 80GB", "H100", 8, 80 * GIB, 450e9, 400e9 / 8, compute.H100_BF16_DENSE)
-DGX_H100 = Cluster("DGX H100", "H100", 8, 80 * GIB, 450e9, 400e9 / 8, compute.H100_BF16_DENSE)
+# 200 Gb/s HDR InfiniBand adapters per node (one per GPU: 25 GB/s), peak 312 TFLOP/s in 16 bits,
+# HBM2e at 2,039 GB/s (A100 80GB SXM datasheet), PCIe 4.0 x16 to the host.
+SELENE = Cluster("Selene, DGX A100 80GB", "A100", 8, 80 * GIB, A100_NVLINK, 200e9 / 8 * NET_EFFICIENCY, 312e12,
+                 2.039e12, host_bw=32e9, host_bytes=2e12)
+# H100 SXM 80GB (NVIDIA H100 datasheet): 989 TFLOP/s dense BF16 (chapter 1), 1,979 dense FP8, HBM3 at
+# 3.35 TB/s, PCIe 5.0 x16. Llama 3 (Llama Team 2024, §3.3.1): 8 per server on NVLink (chapter 11's
+# 450 GB/s per direction), RoCE at 400 Gb/s per GPU. A DGX H100 has 2 TB of host memory.
+H100_SXM = dict(hbm_bw=3.35e12, fp8_flops=1979e12, host_bw=64e9, host_bytes=2e12)
+NVLINK, NDR = placement.NCCL_NVLINK_BPS, placement.NCCL_NDR_BPS[0]
+LLAMA3_CLUSTER = Cluster("Llama 3, H100 80GB", "H100", 8, 80 * GIB, NVLINK, NDR, compute.H100_BF16_DENSE, **H100_SXM)
+DGX_H100 = Cluster("DGX H100", "H100", 8, 80 * GIB, NVLINK, NDR, compute.H100_BF16_DENSE, **H100_SXM)
 # DeepSeek-V3 (§3.1, §3.2.2): 8 x H800 per node, NVLink 160 GB/s and InfiniBand 50 GB/s as the report
-# gives them; the H800 is the H100's chip with fewer NVLinks, so its peak is taken to be the H100's.
-H800_CLUSTER = Cluster("DeepSeek-V3, H800", "H100", 8, 80 * GIB, 160e9, 50e9, compute.H100_BF16_DENSE)
+# gives them; the H800 is the H100's chip with fewer NVLinks, so its peaks are taken to be the H100's.
+H800_CLUSTER = Cluster("DeepSeek-V3, H800", "H100", 8, 80 * GIB, 160e9, 50e9 * NET_EFFICIENCY, compute.H100_BF16_DENSE,
+                       **H100_SXM)
+# torchtitan's benchmarks (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md): Grand Teton
+# hosts of 8 H100 "96GB HBM2e with 2.4 TB/sec", NVLink, 400 Gb/s RDMA per GPU, a 500 W power limit; "the
+# actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value": the page divides
+# by the SXM's, and so does this cluster, with its own efficiency constant (another generation).
+GRAND_TETON = Cluster("Grand Teton, H100 96GB HBM2e 500 W", "H100 96GB 500W", 8, 96 * GIB, NVLINK, NDR,
+                      compute.H100_BF16_DENSE, 2.4e12, fp8_flops=1979e12, host_bw=64e9)
+# The notes' recipes: four A100 80GB in one DGX A100; two GeForce RTX 3090 (GA102, NVIDIA Ampere GA102
+# whitepaper, Appendix A: 24 GB GDDR6X at 936 GB/s, 71 TFLOP/s of FP16 or BF16 tensor math with FP32
+# accumulation) on PCIe 4.0 x16 without NVLink, in a workstation whose host memory is an input.
+DGX_A100_4 = Cluster("DGX A100, 4 GPUs", "A100", 4, 80 * GIB, A100_NVLINK, 200e9 / 8 * NET_EFFICIENCY, 312e12,
+                     2.039e12, host_bw=32e9, host_bytes=2e12)
+
+
+def workstation_3090(host_gib=256, host_mem_bw=51.2e9):
+    """Two RTX 3090s on PCIe 4.0 (32 GB/s per direction, the only link between them) in a host with
+    ``host_gib`` GiB of memory at ``host_mem_bw`` (dual-channel DDR4-3200: 51.2 GB/s)."""
+    return Cluster("2 x RTX 3090, PCIe", "RTX 3090", 2, 24 * GIB, 32e9, 32e9, 71e12, 936e9, link="PCI", host_bw=32e9,
+                   host_bytes=host_gib * GIB, host_mem_bw=host_mem_bw)
