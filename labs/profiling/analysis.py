@@ -217,3 +217,26 @@ def memory_timeline(trace, device_type=0):
         return []
     t0 = recs[0][0]
     return [((t - t0) / 1e6, b) for t, b in recs]
+
+
+def coverage(row, wall_s, thread):
+    """Does the trace account for a measured step? For one step of one rank: its trace terms
+    (a `breakdown` row), its wall-clock seconds, and its thread's kernel times (`trace.thread_times`).
+
+    The thread's wall time is on a CPU, runnable but waiting for one (delay D), or blocked. Idle
+    time is outside every operator with nothing in flight. If the thread is never blocked there,
+    idle is interpreter time (on a CPU, at most the CPU time not spent in operators) plus delay;
+    operators, which do not block on the CPU, hold at most their own CPU time plus D. So
+
+        idle <= (cpu - compute) + 2 D.
+
+    A wait the trace missed (blocked, with nothing in flight) breaks the bound by its length, less
+    the slack (CPU time spent while communication was in flight). ``window_s``: the trace's step
+    window minus the wall clock's, the cost of entering and leaving the annotation.
+    """
+    out = {"step_s": wall_s, "window_s": row["step_s"] - wall_s,
+           "covered_s": row["compute_s"] + row["exposed_comm_s"] + row["peer_wait_s"], "idle_s": row["idle_s"]}
+    if thread is None:
+        return dict(out, bound_s=None, holds=None, why="the kernel gives no per-thread schedstat here")
+    bound = thread["cpu_s"] - row["compute_s"] + 2 * thread["delay_s"]
+    return dict(out, bound_s=bound, cpu_s=thread["cpu_s"], delay_s=thread["delay_s"], holds=row["idle_s"] <= bound)

@@ -33,7 +33,8 @@ def record(rank, world_size, lab, folder, steps=3, warmup=2, options=None):
             with rec.step(i):
                 step()
     dist.barrier()
-    return {"rank": rank, "path": rec.path, "wall_s": rec.steps, "trace": trace.load(rec.path)}
+    return {"rank": rank, "path": rec.path, "wall_s": rec.steps, "threads": rec.threads,
+            "trace": trace.load(rec.path)}
 
 
 def summarize(results, skip=0):
@@ -50,7 +51,8 @@ def summarize(results, skip=0):
                       "comm_by_op": analysis.comm_by_op(t),
                       "memory_peak_bytes": max((b for _, b in mem), default=None),
                       "wall_s": r["wall_s"], "wall_total_s": sum(r["wall_s"][skip:]),
-                      "trace_total_s": window})
+                      "trace_total_s": window,
+                      "coverage": [analysis.coverage(row, w, th) for row, w, th in zip(rows, r["wall_s"], r["threads"])]})
     return {"ranks": ranks, "world_size": len(results)}
 
 

@@ -5,12 +5,15 @@
             with rec.step(i):
                 train_step()
     rec.path, rec.steps          # folder/rank0.json.gz; each step's wall-clock seconds
+    rec.threads                  # each step's CPU and run-queue seconds of this thread (kernel)
 
 `Recorder` runs the profiler on this rank (CPU ops, and CUDA kernels on a GPU), with shapes and
 memory recorded, and marks each step with a ``record_function`` named `STEP`; the step's
 wall-clock time is measured around the same block (``perf_counter``, after a CUDA synchronize on a
-GPU), so a trace can be checked against the clock. The trace is Chrome's JSON format, gzipped:
-Perfetto (ui.perfetto.dev) and chrome://tracing open it as it is.
+GPU), and so is the thread's time on a CPU and waiting for one (the kernel's schedstat), so a
+trace can be checked against the clock and the scheduler (`labs.profiling.analysis.coverage`).
+The trace is Chrome's JSON format, gzipped: Perfetto (ui.perfetto.dev) and chrome://tracing open
+it as it is.
 
 `load` reads a trace back into plain dicts. What torch.profiler 2.13 records for gloo on the CPU,
 read from real traces (the analysis is built on exactly this, `labs.profiling.analysis`):
@@ -47,6 +50,17 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def thread_times():
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far, from
+    the kernel's /proc/thread-self/schedstat; None where the kernel does not provide it."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, waiting = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
 class Recorder:
     """torch.profiler around a block on this rank; the trace goes to ``folder/rank{rank}.json.gz``."""
 
@@ -56,6 +70,7 @@ class Recorder:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _on_gpu() else [])
         self.profiler = profile(activities=activities, record_shapes=True, profile_memory=memory)
         self.steps = []   # wall-clock seconds of each step, measured around its block
+        self.threads = [] # per step, the rank thread's {"cpu_s", "delay_s"} (kernel), or None
 
     def __enter__(self):
         _sync()
@@ -74,11 +89,13 @@ class Recorder:
         """One step: a `STEP` annotation in the trace, and its wall-clock time in ``self.steps``.
         On a GPU the step ends when its kernels have, not when the CPU has queued them."""
         _sync()
-        t0 = time.perf_counter()
+        k0, t0 = thread_times(), time.perf_counter()
         with record_function(f"{STEP}#{i}"):
             yield
             _sync()
         self.steps.append(time.perf_counter() - t0)
+        k1 = thread_times()
+        self.threads.append({"cpu_s": k1[0] - k0[0], "delay_s": k1[1] - k0[1]} if k0 and k1 else None)
 
 
 def load(path):
