@@ -165,13 +165,14 @@ def test_gloo_events_are_where_the_analysis_looks(real):
 
 def test_span_bytes_are_the_buckets(real):
     # every step all-reduces each bucket once: the bytes the gloo spans record are the trainable
-    # parameters' fp32 bytes per step (1 warm-up step is outside the trace)
+    # parameters' fp32 bytes per step (the barriers between steps are outside the step windows)
     from labs import model as tiny
     from labs.profiling import targets
     r, _ = real
     params = tiny.num_params(tiny.build(targets.config())) * 4
+    assert set(r["ranks"][0]["comm_by_op"]) == {"gloo:all_reduce"}
     row = r["ranks"][0]["comm_by_op"]["gloo:all_reduce"]
-    assert row["bytes"] == 2 * params and row["calls"] % 2 == 0
+    assert row["bytes"] == params and row["calls"] == int(row["calls"]) > 1
 
 
 @pytest.mark.parametrize("args, message", [

@@ -15,10 +15,12 @@ Per rank and per step (the `trace.STEP` annotation's window), on the CPU with gl
 - peer wait: the part of a receive before its peer had even posted the matching send (the send
   is found in the peer's trace by source, destination and tag, in order): the rank waits for the
   peer's compute, not for the wire. In a pipeline this is the bubble.
+- input: the time spent in the data loader's ``__next__`` (its ``enumerate(DataLoader)#...``
+  annotation) while computing nothing and with nothing in flight: the step stalled on its input.
 - idle: the rest of the step: no operator, nothing in flight (Python between operators).
 - overlap fraction: the share of the communication in flight that ran under compute.
 
-compute + exposed + peer wait + idle = the step, exactly, by construction. On a GPU trace the
+compute + exposed + peer wait + input + idle = the step, exactly, by construction. On a GPU trace the
 same quantities come from kernels: compute kernels, NCCL kernels (``nccl`` in the name), and the
 step's window on the GPU timeline (its ``gpu_user_annotation``), as HTA computes them.
 """
@@ -30,6 +32,7 @@ from labs.profiling.trace import STEP
 ISSUE = "c10d::"                      # a collective or point-to-point call, issued on the rank thread
 SPANS = ("gloo:", "nccl:")            # the communication itself (gloo's threads; p2p from post to done)
 KERNELS = ("kernel", "gpu_memcpy", "gpu_memset")
+LOADER = "enumerate(DataLoader)#"     # torch.utils.data's annotation around each batch it hands over
 ELEMENT_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
                  "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1,
                  "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
@@ -135,21 +138,23 @@ def breakdown(trace, p2p=None):
     compute_all = iv.subtract(compute_all, issue)
     comm_all = iv.union(_spans(events, tid) + p2p["transfer"])
     waits = iv.subtract(iv.subtract(p2p["wait"], compute_all), comm_all)
-    return [_terms(i, (a, b), iv.clip(compute_all, (a, b)), iv.clip(comm_all, (a, b)), iv.clip(waits, (a, b)))
-            for i, a, b in windows]
+    loader = iv.union((e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == tid and e["name"].startswith(LOADER))
+    loader = iv.subtract(iv.subtract(loader, iv.union(compute_all + comm_all)), waits)
+    return [_terms(i, (a, b), iv.clip(compute_all, (a, b)), iv.clip(comm_all, (a, b)), iv.clip(waits, (a, b)),
+                   iv.clip(loader, (a, b))) for i, a, b in windows]
 
 
-def _terms(i, window, compute, comm, waits):
+def _terms(i, window, compute, comm, waits, loader=()):
     exposed = iv.subtract(comm, compute)
     step = window[1] - window[0]
-    busy = iv.length(iv.union(compute + comm + waits))
+    busy = iv.length(iv.union(compute + comm + waits + list(loader)))
     comm_s = iv.length(comm)
     return {"step": i, "step_s": step / 1e6, "compute_s": iv.length(compute) / 1e6, "comm_s": comm_s / 1e6,
             "exposed_comm_s": iv.length(exposed) / 1e6, "peer_wait_s": iv.length(waits) / 1e6,
-            "idle_s": (step - busy) / 1e6,
+            "input_s": iv.length(loader) / 1e6, "idle_s": (step - busy) / 1e6,
             "overlap_fraction": iv.length(iv.intersect(comm, compute)) / comm_s if comm_s else None,
             "start_us": window[0], "intervals": {"compute": compute, "comm": comm, "exposed": exposed,
-                                                 "peer_wait": waits}}
+                                                 "peer_wait": waits, "input": list(loader)}}
 
 
 def _gpu_breakdown(events, windows):
@@ -178,7 +183,7 @@ def analyze(traces):
 def totals(per_step, skip=0):
     """Sum of each term over the steps after the first ``skip``; overlap over the summed times."""
     rows = per_step[skip:]
-    keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "idle_s")
+    keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "input_s", "idle_s")
     out = {k: sum(r[k] for r in rows) for k in keys}
     hidden = sum(r["comm_s"] * (r["overlap_fraction"] or 0.0) for r in rows)
     out["overlap_fraction"] = hidden / out["comm_s"] if out["comm_s"] else None
@@ -186,12 +191,14 @@ def totals(per_step, skip=0):
     return out
 
 
-def comm_by_op(trace):
-    """Per communication span name (``gloo:all_reduce``...): calls, seconds in flight (union), and
-    the bytes of the tensors the spans record (shape x element size, read from the trace)."""
+def comm_by_op(trace, per_step=True):
+    """Per communication span name (``gloo:all_reduce``...), over the spans that start inside a
+    step window: calls, seconds in flight (union) and the bytes of the tensors the spans record
+    (shape x element size, read from the trace); divided by the number of steps with ``per_step``."""
+    windows, _ = steps(trace["events"])
     out = {}
     for e in trace["events"]:
-        if e["ph"] != "X" or not e["name"].startswith(SPANS):
+        if e["ph"] != "X" or not e["name"].startswith(SPANS) or not any(a <= e["ts"] < b for _, a, b in windows):
             continue
         row = out.setdefault(e["name"], {"calls": 0, "bytes": 0, "intervals": []})
         row["calls"] += 1
@@ -203,8 +210,11 @@ def comm_by_op(trace):
                 for n in shape:
                     numel *= n
                 row["bytes"] += numel * ELEMENT_BYTES[dtype]
+    n = len(windows) if per_step else 1
     for row in out.values():
-        row["seconds"] = iv.length(iv.union(row.pop("intervals"))) / 1e6
+        row["seconds"] = iv.length(iv.union(row.pop("intervals"))) / 1e6 / n
+        row["calls"] /= n
+        row["bytes"] /= n
     return out
 
 
@@ -234,8 +244,8 @@ def coverage(row, wall_s, thread):
     the slack (CPU time spent while communication was in flight). ``window_s``: the trace's step
     window minus the wall clock's, the cost of entering and leaving the annotation.
     """
-    out = {"step_s": wall_s, "window_s": row["step_s"] - wall_s,
-           "covered_s": row["compute_s"] + row["exposed_comm_s"] + row["peer_wait_s"], "idle_s": row["idle_s"]}
+    out = {"step_s": wall_s, "window_s": row["step_s"] - wall_s, "idle_s": row["idle_s"],
+           "covered_s": row["compute_s"] + row["exposed_comm_s"] + row["peer_wait_s"] + row["input_s"]}
     if thread is None:
         return dict(out, bound_s=None, holds=None, why="the kernel gives no per-thread schedstat here")
     bound = thread["cpu_s"] - row["compute_s"] + 2 * thread["delay_s"]

@@ -68,7 +68,7 @@ def _sgd_step(net, forward, opt, data):
     return step
 
 
-def _data(cfg, rank, batch_size, same=False):
+def stream(cfg, rank, batch_size, same=False):
     """An endless stream of this rank's batches (the same on every rank for tensor parallelism)."""
     dev, i = launch.device(), 0
     while True:
@@ -81,14 +81,14 @@ def _ddp(rank, world_size, batch_size, **_):
     cfg = config()
     net = tiny.build(cfg, seed=0, device=launch.device())
     ddp = DistributedDataParallel(net, bucket_cap_mb=BUCKET_BYTES / 2**20)
-    return _sgd_step(net, ddp, torch.optim.SGD(net.parameters(), lr=0.01), _data(cfg, rank, batch_size))
+    return _sgd_step(net, ddp, torch.optim.SGD(net.parameters(), lr=0.01), stream(cfg, rank, batch_size))
 
 
 def _hand_ddp(rank, world_size, batch_size, overlap=True, **_):
     cfg = config()
     net = tiny.build(cfg, seed=0, device=launch.device())
     ddp = HandDDP(net, BUCKET_BYTES, overlap=overlap)
-    opt, data = torch.optim.SGD(net.parameters(), lr=0.01), _data(cfg, rank, batch_size)
+    opt, data = torch.optim.SGD(net.parameters(), lr=0.01), stream(cfg, rank, batch_size)
 
     def step():
         x, y = next(data)
@@ -103,7 +103,7 @@ def _fsdp(rank, world_size, batch_size, **_):
     cfg = config()
     net = tiny.build(cfg, seed=0, device=launch.device())
     HandFSDP(net, units=list(net.blocks))
-    return _sgd_step(net, net, torch.optim.SGD(net.parameters(), lr=0.01), _data(cfg, rank, batch_size))
+    return _sgd_step(net, net, torch.optim.SGD(net.parameters(), lr=0.01), stream(cfg, rank, batch_size))
 
 
 def _fsdp2(rank, world_size, batch_size, prefetch=False, **_):
@@ -113,7 +113,7 @@ def _fsdp2(rank, world_size, batch_size, prefetch=False, **_):
     fully_shard_units(net, net.blocks, init_device_mesh(dev.type, (world_size,)))
     if prefetch:
         prefetch_one_ahead(net, list(net.blocks))
-    return _sgd_step(net, net, torch.optim.SGD(net.parameters(), lr=0.01), _data(cfg, rank, batch_size))
+    return _sgd_step(net, net, torch.optim.SGD(net.parameters(), lr=0.01), stream(cfg, rank, batch_size))
 
 
 def prefetch_one_ahead(root, units):
@@ -132,7 +132,7 @@ def _tp(rank, world_size, batch_size, **_):
     net = tiny.build(cfg, seed=0, device=launch.device())
     megatron.apply_tensor_parallel(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    return _sgd_step(net, net, opt, _data(cfg, rank, batch_size, same=True))
+    return _sgd_step(net, net, opt, stream(cfg, rank, batch_size, same=True))
 
 
 def _pipeline(schedule):
