@@ -189,3 +189,63 @@ def test_bad_input_gets_one_sentence_before_any_rank_starts(args, message, capsy
         cli.main(lambda: lab.main(list(args)))
     err = capsys.readouterr().err
     assert end.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+# ---- HTA reads the same events -------------------------------------------------------------------
+
+def test_hta_reads_the_same_communication_events(real):
+    from labs.profiling import hta_check
+    _, folder = real
+    seen = hta_check.parsed(str(folder))
+    assert sorted(seen) == [0, 1] and all(hta_check.agree(rows) for rows in seen.values())
+    assert hta_check.gpu_crosscheck(str(folder)) is None               # no kernels on the CPU
+    # a count that differs, or an HTA total above the lab's, is a disagreement
+    rows = {"gloo:all_reduce": {"hta": (3, 100.0), "labs": (4, 101.0)}}
+    assert not hta_check.agree(rows)
+    assert not hta_check.agree({"gloo:all_reduce": {"hta": (4, 102.0), "labs": (4, 101.0)}})
+
+
+# ---- the timing interval -------------------------------------------------------------------------
+
+def test_median_interval_order_statistics():
+    from labs.profiling import timing
+    med, lo, hi, conf = timing.median_interval(range(1, 10))       # n = 9: k = 2, 1 - 2 * 10/512
+    assert (med, lo, hi) == (5, 2, 8) and conf == pytest.approx(1 - 20 / 512)
+    assert timing.median_interval([1, 2, 3, 4, 5])[1] is None          # n = 5 reaches only 94%
+    assert timing.ratio([1] * 9, [2] * 9)["verdict"] == "a < b"
+    assert timing.ratio([3] * 9, [2] * 9)["verdict"] == "a > b"
+    mixed = timing.ratio([1, 3] * 4 + [1], [2] * 9)                    # ratios on both sides of 1
+    assert mixed["verdict"] == "not resolved on this machine"
+    assert [p for p in timing.order(4)] == [("a", "b"), ("b", "a"), ("a", "b"), ("b", "a")]
+
+
+# ---- equal results ---------------------------------------------------------------------------------
+
+@pytest.mark.numerics
+def test_the_collective_matmul_equals_the_plain_layer():
+    # 3 ranks, an odd ring; the bound is derived (Higham 3.1), a chunk written one slot off exceeds it
+    from labs.launcher import launch
+    from labs.profiling import collective_matmul
+    for r in launch.spawn(collective_matmul.check, 3, 2, 36, 64, 96, timeout=180):
+        assert r["shape"] == (2, 36, 32)
+        assert r["within_bound"] and not r["misplaced_within_bound"]
+        assert r["max_abs_error"] <= r["max_bound"]
+
+
+@pytest.mark.numerics
+def test_the_moe_schedules_equal_each_other_and_chapter_7():
+    # the same operations per micro-batch in another order: equal bit for bit
+    from labs.launcher import launch
+    from labs.profiling import moe_overlap
+    for r in launch.spawn(moe_overlap.check, 2, timeout=180):
+        assert r["overlapped_equals_sequential"] and r["equals_chapter_7"]
+
+
+def test_the_exercise_checker_accepts_the_answers_and_refuses_a_wrong_one():
+    from labs.measure import exercises
+    from labs.profiling import quiz
+    assert quiz.EXERCISES["1"]() == pytest.approx(40 / 60)              # 60 in flight, 20 exposed
+    assert quiz.EXERCISES["5"]() == 7.0
+    assert quiz.opt_params() == 1_315_753_984   # OPT-1.3B's 1,315,758,080 less 2 x 2048 positions
+    demo = exercises.demonstrate(quiz.check, quiz.EXERCISES, "1", 20 / 60, "exposed over in flight")
+    assert demo["accepted"] == list(quiz.EXERCISES) and demo["refused"]

@@ -13,5 +13,7 @@
 - `collective_matmul`: the all-gather matmul as ring steps under the matmuls, equal to the plain layer.
 - `moe_overlap`: two micro-batches' all-to-alls hidden under each other's compute, equal outputs.
 - `input_pipeline`: a slow data loader, in the loop and in prefetching workers: the input stall.
+- `hta_check`: Holistic Trace Analysis on the same traces: what it reads on the CPU, its GPU breakdowns.
+- `quiz`: the chapter's exercises, each answer computed by the chapter's code, and their checker.
 - `opt_exercise`: OPT-1.3B's shapes under DDP, FSDP2 and FSDP2 + checkpointing: memory, communication.
 """

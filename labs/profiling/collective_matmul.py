@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs.context_parallel import sp_layers
+from labs.launcher import launch
 from labs.measure import comm
 from labs.tensor_parallel import megatron
 
@@ -55,7 +56,7 @@ def layers(hidden, out_features, group=None, seed=0):
     t, i = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(seed)
     full = nn.Linear(hidden, out_features)
-    plain = sp_layers.ColumnParallelLinear(full, group, megatron.shard_rows(out_features, t, i))
+    plain = sp_layers.ColumnParallelLinear(full, group, megatron.shard_rows(out_features, t, i)).to(launch.device())
     plain.regather = False        # forward only: keep the plain all-gather then matmul
     return plain
 
@@ -75,7 +76,7 @@ def check(rank, world_size, batch=2, seq=64, hidden=128, out_features=64, seed=0
     does not. Returns the largest error, the largest bound and how many elements match bit for bit."""
     plain = layers(hidden, out_features, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    x_full = torch.randn(batch, seq, hidden, generator=g)
+    x_full = torch.randn(batch, seq, hidden, generator=g).to(launch.device())
     rows = seq // world_size
     x = x_full[:, rank * rows:(rank + 1) * rows]
     with torch.no_grad():
@@ -94,7 +95,7 @@ def steps(rank, world_size, calls=4, batch=4, seq=256, hidden=1024, out_features
     """The two forward passes as profiled steps ("a": the ring, "b": the plain layer), ``calls``
     layer calls each: a transfer of (s/t) x B x H floats against a matmul of the same rows."""
     plain = layers(hidden, out_features, seed=seed)
-    x = torch.randn(batch, seq // world_size, hidden, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(batch, seq // world_size, hidden, generator=torch.Generator().manual_seed(rank)).to(launch.device())
 
     def ring():
         with torch.no_grad():

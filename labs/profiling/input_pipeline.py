@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from labs import model as tiny
+from labs.launcher import launch
 from labs.profiling import targets
 
 
@@ -47,14 +48,14 @@ def loaders(cfg, batch_size, sample_ms, workers, batches):
 
 def steps(rank, world_size, batch_size=8, sample_ms=4.0, workers=2, batches=64):
     """Profiled steps: "a" with prefetching workers, "b" loading in the loop; the same model."""
-    cfg = targets.config()
-    net = tiny.build(cfg, seed=0)
+    cfg, dev = targets.config(), launch.device()
+    net = tiny.build(cfg, seed=0, device=dev)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     iters = {k: iter(v) for k, v in loaders(cfg, batch_size, sample_ms, workers, batches).items()}
 
     def step_with(it):
         def step():
-            x, y = next(it)
+            x, y = (t.to(dev) for t in next(it))
             net(x, y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

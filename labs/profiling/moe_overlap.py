@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from labs.expert_parallel.moe import ExpertParallelMoE, MoE
+from labs.launcher import launch
 from labs.measure import comm
 
 
@@ -55,7 +56,7 @@ class Layer(nn.Module):
         """Wait for the dispatch, run the local experts, issue the combine."""
         moe = self.moe
         s["work"].wait()
-        local = torch.repeat_interleave(torch.arange(moe.per).repeat(moe.ep), s["recv"])
+        local = torch.repeat_interleave(torch.arange(moe.per, device=s["recv"].device).repeat(moe.ep), s["recv"])
         y = moe.run_experts(s["rows"], local)
         s["back"] = y.new_empty((sum(s["send"]), y.size(1)))
         s["work"] = comm.all_to_all(s["back"], y, group=moe.group, async_op=True,
@@ -91,14 +92,14 @@ def shapes(small=False):
 
 
 def _micro_batches(rank, tokens, hidden):
-    g = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(tokens, hidden, generator=g), torch.randn(tokens, hidden, generator=g)
+    g, dev = torch.Generator().manual_seed(100 + rank), launch.device()
+    return torch.randn(tokens, hidden, generator=g).to(dev), torch.randn(tokens, hidden, generator=g).to(dev)
 
 
 def check(rank, world_size, small=True):
     """Both schedules, and chapter 7's layer on the dense output, give the same outputs bit for bit."""
     s = shapes(small)
-    layer = Layer(s["hidden"], s["inner"], s["experts"], s["top_k"], s["ffn"])
+    layer = Layer(s["hidden"], s["inner"], s["experts"], s["top_k"], s["ffn"]).to(launch.device())
     a, b = _micro_batches(rank, s["tokens"], s["hidden"])
     seq, ovl = layer.sequential(a, b), layer.overlapped(a, b)
     with torch.no_grad():
@@ -111,7 +112,7 @@ def check(rank, world_size, small=True):
 def steps(rank, world_size, calls=2):
     """The two schedules as profiled steps: "a" overlapped, "b" one after the other."""
     s = shapes()
-    layer = Layer(s["hidden"], s["inner"], s["experts"], s["top_k"], s["ffn"])
+    layer = Layer(s["hidden"], s["inner"], s["experts"], s["top_k"], s["ffn"]).to(launch.device())
     a, b = _micro_batches(rank, s["tokens"], s["hidden"])
 
     def repeat(fn):

@@ -63,7 +63,8 @@ def compare(results, names=("a", "b"), term="exposed_comm_s"):
     return {"variants": dict(zip(("a", "b"), names)), "term": term, "values_s": values, "step_s": wall,
             "ratio": timing.ratio(values["a"], values["b"]), "step_ratio": timing.ratio(wall["a"], wall["b"]),
             "median_s": {k: timing.median_interval(v)[0] for k, v in values.items()},
-            "per_rank": per_rank, "labels": labels, "paths": [r["path"] for r in results]}
+            "per_rank": per_rank, "labels": labels, "paths": [r["path"] for r in results],
+            "traces": [r["trace"] for r in results]}
 
 
 def _step(forward, opt, data, after=None):

@@ -28,6 +28,9 @@ from labs.zero.fsdp import HandFSDP, fully_shard_units
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
 LABS = ("ddp", "hand-ddp", "fsdp", "fsdp2", "tp", "1f1b", "gpipe", "3d")
+# chapter 5's executor sends CPU tensors between stages, and the 3D run's hand rings with it:
+# those labs run on gloo on every machine
+BACKEND = {"1f1b": "gloo", "gpipe": "gloo", "3d": "gloo"}
 BUCKET_BYTES = 1 << 20
 
 
