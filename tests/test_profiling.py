@@ -117,7 +117,8 @@ def test_a_trace_without_steps_is_refused():
 
 
 def test_coverage_catches_a_missed_wait():
-    row = {"step_s": 0.1, "compute_s": 0.06, "exposed_comm_s": 0.0, "peer_wait_s": 0.0, "idle_s": 0.04}
+    row = {"step_s": 0.1, "compute_s": 0.06, "exposed_comm_s": 0.0, "peer_wait_s": 0.0, "input_s": 0.0,
+           "idle_s": 0.04}
     # quiet machine: 62 ms on a CPU, no delay. 40 ms idle but only 2 ms of CPU outside operators:
     # the thread was blocked 38 ms on something the trace does not show
     assert analysis.coverage(row, 0.1, {"cpu_s": 0.062, "delay_s": 0.0})["holds"] is False

@@ -69,7 +69,8 @@ def messages(trace):
             continue
         args = e["args"].get("Concrete Inputs") or []
         kind = "send" if e["name"] == "c10d::send" else "recv"
-        span = next((s for s in spans if s["name"] == "gloo:" + kind and e["ts"] <= s["ts"] <= e["ts"] + e["dur"]), None)
+        span = next((s for s in spans if s["name"] == "gloo:" + kind and e["ts"] <= s["ts"] <= e["ts"] + e["dur"]),
+                    None)
         out.append({"kind": kind, "peer": int(args[2]) if len(args) > 3 else None,
                     "tag": int(args[3]) if len(args) > 3 else None, "post": e["ts"],
                     "span": (span["ts"], span["ts"] + span["dur"]) if span else (e["ts"], e["ts"] + e["dur"])})

@@ -4,9 +4,9 @@ Under sequence parallelism the column-parallel layer first all-gathers its input
 sequence and then multiplies (chapter 6's `sp_layers.ColumnParallelLinear`): Y_i = [X_0; ...;
 X_{t-1}] A_i, the gather exposed before the matmul can start. Split it into t ring steps instead
 (Wang et al. 2023, "Overlap communication with dependent computation via decomposition in large
-deep learning models", ASPLOS; PyTorch's async tensor parallelism does the same on GPU streams): at step k rank i
-holds the chunk X_c of rank c = i - k (mod t), posts the send of X_c to rank i + 1 and the receive
-of X_{c-1} from rank i - 1, and multiplies Y_i[c] = X_c A_i while that message travels. Only the
+deep learning models", ASPLOS; PyTorch's async tensor parallelism does the same on GPU streams):
+at step k rank i holds the chunk X_c of rank c = i - k (mod t), posts the send of X_c to rank i + 1
+and the receive of X_{c-1} from rank i - 1, and multiplies Y_i[c] = X_c A_i while it travels. Only the
 first chunk's matmul has nothing to hide behind it; every transfer runs under a matmul.
 
 The result is the plain layer's, up to rounding: the plain layer multiplies all t chunks in one

@@ -54,5 +54,5 @@ def figure(panels, step=0, width=7.0):
     axes[-1, 0].set_xlabel("ms since the step began", fontsize=8)
     handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in COLORS if k in used]
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.07 if len(handles) > 3 else 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))   # half an inch for the legend
     return fig

@@ -53,7 +53,8 @@ def summarize(results, skip=0):
                       "memory_peak_bytes": max((b for _, b in mem), default=None),
                       "wall_s": r["wall_s"], "wall_total_s": sum(r["wall_s"][skip:]),
                       "trace_total_s": window,
-                      "coverage": [analysis.coverage(row, w, th) for row, w, th in zip(rows, r["wall_s"], r["threads"])]})
+                      "coverage": [analysis.coverage(row, w, th)
+                                   for row, w, th in zip(rows, r["wall_s"], r["threads"])]})
     return {"ranks": ranks, "world_size": len(results), "backend": traces[0]["backend"], "per_rank": per_rank}
 
 
@@ -72,6 +73,14 @@ def run(lab, world_size, steps=3, warmup=2, folder=None, timeout=300, memory=Tru
                 oversubscribed=world_size > (os.cpu_count() or 1) and launch.device().type == "cpu")
 
 
+def longer_timeout(parser, seconds):
+    """A profiled run takes longer than most labs: a larger default --timeout, and its help says so."""
+    for action in parser._actions:
+        if action.dest == "timeout":
+            action.default = float(seconds)
+            action.help = action.help.replace("default 120", f"default {seconds}")
+
+
 def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("Profile one of the book's training labs with torch.profiler: one Chrome/Perfetto trace "
@@ -84,6 +93,7 @@ def main(argv=None):
     p.add_argument("--prefetch", action="store_true", help="fsdp2: issue each all-gather one unit ahead")
     p.add_argument("--no-overlap", action="store_true", help="hand-ddp: all-reduce only after backward")
     p.add_argument("--out", default=None, help="folder for the traces (default: a folder under the temp dir)")
+    longer_timeout(p, 300)
     args = cli.parse(p, argv)
     if args.prefetch and args.lab != "fsdp2" or args.no_overlap and args.lab != "hand-ddp":
         raise ValueError("--prefetch applies to --lab fsdp2 only, --no-overlap to --lab hand-ddp only.")

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from labs import model as tiny
 from labs.launcher import launch
 from labs.measure import memory
-from labs.profiling import analysis, trace
+from labs.profiling import analysis, lab, trace
 from labs.zero.fsdp import fully_shard_units
 
 OPT_1_3B = {"n_layer": 24, "hidden": 2048, "n_head": 32, "ffn": 8192, "vocab_size": 50272, "seq_len": 2048}
@@ -168,7 +168,7 @@ def main(argv=None):
                    f"{CPU_SCALE} on the CPU)")
     p.add_argument("--steps", type=cli.at_most(10, "profiled steps"), default=2)
     p.add_argument("--out", default=None, help="folder for the traces")
-    p.set_defaults(timeout=900.0)
+    lab.longer_timeout(p, 900)
     args = cli.parse(p, argv)
     r = run(args.world_size, args.scale, MODES, args.out, args.steps, args.timeout)
     if r is None:

@@ -78,12 +78,13 @@ def _step(forward, opt, data, after=None):
     return step
 
 
-def ddp(rank, world_size, batch_size=2):
+def ddp(rank, world_size, batch_size=2, bucket_bytes=1 << 19):
     """The hand DDP with overlap on ("a") and off ("b"): one model, the switch flipped per step. Two
-    sequences of 64 tokens: backward computes for about as long as its 3.4 MB of buckets travel."""
+    sequences of 64 tokens, so that the 3.4 MB of gradients take a good part of backward's time to
+    travel; 512 KiB buckets, so that the last one, exposed whatever the overlap, is small."""
     cfg = targets.config()
     net = tiny.build(cfg, seed=0, device=launch.device())
-    hand = HandDDP(net, targets.BUCKET_BYTES)
+    hand = HandDDP(net, bucket_bytes)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     data = targets.stream(cfg, rank, batch_size)
 
