@@ -59,6 +59,16 @@ def test_exposed_is_the_wait_not_the_issue():
     assert r["overlap_fraction"] == pytest.approx(9 / 20)
 
 
+def test_a_gap_that_no_completion_ends_is_not_a_wait():
+    # an all-reduce in flight [5, 25] while the thread leaves a gap [10, 15] between two operators
+    # (the interpreter, or the scheduler): the all-reduce completes under compute, nothing waited.
+    # Counting all in-flight time outside operators would call those 5 us exposed.
+    r = one([step(0, 0, 30), op("aten::mm", 0, 10), op("aten::mm", 15, 30),
+             op("gloo:all_reduce", 5, 25, tid=GLOO, cat="user_annotation")])
+    assert r["exposed_comm_s"] == 0 and r["idle_s"] == pytest.approx(5)
+    assert r["overlap_fraction"] == pytest.approx(15 / 20)
+
+
 def test_a_wait_inside_a_wrapper_is_not_compute():
     # an autograd node [0, 30] computes [0, 10] and then waits inside a hook while gloo runs [5, 30]
     r = one([step(0, 0, 30), op("autograd::engine::evaluate_function: AddmmBackward0", 0, 30),

@@ -9,21 +9,26 @@ Per rank and per step (the `trace.STEP` annotation's window), on the CPU with gl
 - communication in flight ("issued"): the union of every gloo span (on gloo's threads, or a
   point-to-point message from post to completion) and of the ``c10d::`` issue calls on the rank
   thread, minus the peer wait below.
-- exposed communication: communication in flight while the rank thread computes nothing, the time
-  the rank waits on it (Holistic Trace Analysis's definition for GPU kernels, with the rank
-  thread's operators in the place of compute kernels).
+- exposed communication: the time the rank waits on it. A wait records nothing, but it returns when
+  the communication completes: so, the issue calls, and in each gap between the rank thread's
+  operators, the communication in flight up to the last completion inside that gap (`waited`). A
+  gap with communication in flight that no completion ends is the interpreter or the scheduler,
+  not a wait: on a CPU the rank thread can be off its core while gloo works, which a GPU's compute
+  kernels never are. (Holistic Trace Analysis's definition for GPU kernels, communication time
+  not overlapped by compute kernels, is what `_gpu_breakdown` uses.)
 - peer wait: the part of a receive before its peer had even posted the matching send (the send
   is found in the peer's trace by source, destination and tag, in order): the rank waits for the
   peer's compute, not for the wire. In a pipeline this is the bubble.
 - input: the time spent in the data loader's ``__next__`` (its ``enumerate(DataLoader)#...``
-  annotation) while computing nothing and with nothing in flight: the step stalled on its input.
-- idle: the rest of the step: no operator, nothing in flight (Python between operators).
+  annotation) while neither computing nor waiting on communication: the step stalled on its input.
+- idle: the rest of the step: the interpreter between operators, and the scheduler's time.
 - overlap fraction: the share of the communication in flight that ran under compute.
 
 compute + exposed + peer wait + input + idle = the step, exactly, by construction. On a GPU trace the
 same quantities come from kernels: compute kernels, NCCL kernels (``nccl`` in the name), and the
 step's window on the GPU timeline (its ``gpu_user_annotation``), as HTA computes them.
 """
+import bisect
 from collections import defaultdict
 
 from labs.profiling import intervals as iv
@@ -137,18 +142,41 @@ def breakdown(trace, p2p=None):
     issue = iv.union((e["ts"], e["ts"] + e["dur"]) for e in events
                      if e["tid"] == tid and e["name"].startswith(ISSUE))
     compute_all = iv.subtract(compute_all, issue)
-    comm_all = iv.union(_spans(events, tid) + p2p["transfer"])
+    spans = _spans(events, tid)
+    comm_all = iv.union(spans + p2p["transfer"])
+    ends = [e["ts"] + e["dur"] for e in events if e["name"].startswith(SPANS) and e["name"] not in P2P]
+    ends += [b for _, b in p2p["transfer"]]              # a collective's, or a message's, completion
+    exposed_all = waited(compute_all, issue, comm_all, ends)
     waits = iv.subtract(iv.subtract(p2p["wait"], compute_all), comm_all)
     loader = iv.union((e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == tid and e["name"].startswith(LOADER))
-    loader = iv.subtract(iv.subtract(loader, iv.union(compute_all + comm_all)), waits)
-    return [_terms(i, (a, b), iv.clip(compute_all, (a, b)), iv.clip(comm_all, (a, b)), iv.clip(waits, (a, b)),
-                   iv.clip(loader, (a, b))) for i, a, b in windows]
+    loader = iv.subtract(iv.subtract(loader, iv.union(compute_all + exposed_all)), waits)
+    return [_terms(i, (a, b), *(iv.clip(x, (a, b)) for x in (compute_all, comm_all, waits, loader, exposed_all)))
+            for i, a, b in windows]
 
 
-def _terms(i, window, compute, comm, waits, loader=()):
-    exposed = iv.subtract(comm, compute)
+def waited(compute, issue, comm, ends):
+    """The time the rank thread waited on communication: its issue calls, and in each gap between its
+    operators, the communication in flight up to the last completion (an end in ``ends``) inside
+    the gap. A wait returns when a communication completes; a gap that no completion ends, with
+    communication in flight all along, is the interpreter's or the scheduler's time, not a wait."""
+    busy = iv.union(compute + issue)
+    bounds = busy + comm
+    if not bounds:
+        return []
+    gaps = iv.subtract([(min(a for a, _ in bounds), max(b for _, b in bounds))], busy)
+    ends = sorted(ends)
+    out = list(issue)
+    for g0, g1 in gaps:
+        k = bisect.bisect_right(ends, g1) - 1
+        if k >= 0 and ends[k] > g0:
+            out.extend(iv.intersect([(g0, ends[k])], comm))
+    return iv.union(out)
+
+
+def _terms(i, window, compute, comm, waits, loader=(), exposed=None):
+    exposed = iv.subtract(comm, compute) if exposed is None else exposed
     step = window[1] - window[0]
-    busy = iv.length(iv.union(compute + comm + waits + list(loader)))
+    busy = iv.length(iv.union(compute + exposed + waits + list(loader)))
     comm_s = iv.length(comm)
     return {"step": i, "step_s": step / 1e6, "compute_s": iv.length(compute) / 1e6, "comm_s": comm_s / 1e6,
             "exposed_comm_s": iv.length(exposed) / 1e6, "peer_wait_s": iv.length(waits) / 1e6,
