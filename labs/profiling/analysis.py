@@ -263,13 +263,13 @@ def coverage(row, wall_s, thread):
     (a `breakdown` row), its wall-clock seconds, and its thread's kernel times (`trace.thread_times`).
 
     The thread's wall time is on a CPU, runnable but waiting for one (delay D), or blocked. Idle
-    time is outside every operator with nothing in flight. If the thread is never blocked there,
+    time is outside every operator and every wait the trace shows. If the thread is never blocked there,
     idle is interpreter time (on a CPU, at most the CPU time not spent in operators) plus delay;
     operators, which do not block on the CPU, hold at most their own CPU time plus D. So
 
         idle <= (cpu - compute) + 2 D.
 
-    A wait the trace missed (blocked, with nothing in flight) breaks the bound by its length, less
+    A wait the trace missed (blocked on something no event records) breaks the bound by its length, less
     the slack (CPU time spent while communication was in flight). ``window_s``: the trace's step
     window minus the wall clock's, the cost of entering and leaving the annotation.
     """

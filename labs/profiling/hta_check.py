@@ -60,7 +60,9 @@ def agree(rows):
 
 def gpu_crosscheck(folder):
     """On a GPU run's traces: HTA's temporal breakdown and communication/computation overlap per rank,
-    beside this package's kernel-based terms summed over the step windows. None on CPU traces."""
+    beside this package's kernel-based terms summed over the step windows. HTA takes every kernel
+    of the trace, the lab only those inside its steps: compare shares, and expect HTA's times to
+    be the larger. None on CPU traces."""
     traces = trace.load_folder(folder)
     if not any(e["cat"] in analysis.KERNELS for e in traces[0]["events"]):
         return None
