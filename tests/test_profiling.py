@@ -59,6 +59,14 @@ def test_exposed_is_the_wait_not_the_issue():
     assert r["overlap_fraction"] == pytest.approx(9 / 20)
 
 
+def test_a_wait_starts_before_gloo_takes_the_collective_up():
+    # a synchronous all-reduce: issued [10, 11], queued until gloo's thread runs it [15, 30]; the
+    # rank thread waits from 11 to 30. Counting only time with a span open would leave 4 us idle.
+    r = one([step(0, 0, 40), op("aten::mm", 0, 10), op("c10d::allreduce_", 10, 11),
+             op("gloo:all_reduce", 15, 30, tid=GLOO, cat="user_annotation"), op("aten::mm", 30, 40)])
+    assert r["exposed_comm_s"] == pytest.approx(20) and r["idle_s"] == 0
+
+
 def test_a_gap_that_no_completion_ends_is_not_a_wait():
     # an all-reduce in flight [5, 25] while the thread leaves a gap [10, 15] between two operators
     # (the interpreter, or the scheduler): the all-reduce completes under compute, nothing waited.

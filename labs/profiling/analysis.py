@@ -10,11 +10,10 @@ Per rank and per step (the `trace.STEP` annotation's window), on the CPU with gl
   point-to-point message from post to completion) and of the ``c10d::`` issue calls on the rank
   thread, minus the peer wait below.
 - exposed communication: the time the rank waits on it. A wait records nothing, but it returns when
-  the communication completes: so, the issue calls, and in each gap between the rank thread's
-  operators, the communication in flight up to the last completion inside that gap (`waited`). A
-  gap with communication in flight that no completion ends is the interpreter or the scheduler,
-  not a wait: on a CPU the rank thread can be off its core while gloo works, which a GPU's compute
-  kernels never are. (Holistic Trace Analysis's definition for GPU kernels, communication time
+  the communication completes: so, the issue calls, and each gap between the rank thread's
+  operators from its start up to the last completion inside it (`waited`). A gap that no
+  completion ends is the interpreter or the scheduler, not a wait: on a CPU the rank thread can be
+  off its core while gloo works, which a GPU's compute kernels never are. (Holistic Trace Analysis's definition for GPU kernels, communication time
   not overlapped by compute kernels, is what `_gpu_breakdown` uses.)
 - peer wait: the part of a receive before its peer had even posted the matching send (the send
   is found in the peer's trace by source, destination and tag, in order): the rank waits for the
@@ -146,8 +145,8 @@ def breakdown(trace, p2p=None):
     comm_all = iv.union(spans + p2p["transfer"])
     ends = [e["ts"] + e["dur"] for e in events if e["name"].startswith(SPANS) and e["name"] not in P2P]
     ends += [b for _, b in p2p["transfer"]]              # a collective's, or a message's, completion
-    exposed_all = waited(compute_all, issue, comm_all, ends)
-    waits = iv.subtract(iv.subtract(p2p["wait"], compute_all), comm_all)
+    waits = iv.subtract(iv.subtract(p2p["wait"], compute_all), issue)
+    exposed_all = iv.subtract(waited(compute_all, issue, comm_all, ends), waits)
     loader = iv.union((e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == tid and e["name"].startswith(LOADER))
     loader = iv.subtract(iv.subtract(loader, iv.union(compute_all + exposed_all)), waits)
     return [_terms(i, (a, b), *(iv.clip(x, (a, b)) for x in (compute_all, comm_all, waits, loader, exposed_all)))
@@ -155,10 +154,11 @@ def breakdown(trace, p2p=None):
 
 
 def waited(compute, issue, comm, ends):
-    """The time the rank thread waited on communication: its issue calls, and in each gap between its
-    operators, the communication in flight up to the last completion (an end in ``ends``) inside
-    the gap. A wait returns when a communication completes; a gap that no completion ends, with
-    communication in flight all along, is the interpreter's or the scheduler's time, not a wait."""
+    """The time the rank thread waited on communication: its issue calls, and each gap between its
+    operators from its start up to the last completion (an end in ``ends``) inside it. A wait
+    returns when a communication completes, and it may begin before gloo's thread has even taken
+    the collective up (the queue shows as a gap with nothing in flight yet). A gap that no
+    completion ends is the interpreter's or the scheduler's time, not a wait."""
     busy = iv.union(compute + issue)
     bounds = busy + comm
     if not bounds:
@@ -169,7 +169,7 @@ def waited(compute, issue, comm, ends):
     for g0, g1 in gaps:
         k = bisect.bisect_right(ends, g1) - 1
         if k >= 0 and ends[k] > g0:
-            out.extend(iv.intersect([(g0, ends[k])], comm))
+            out.append((g0, ends[k]))
     return iv.union(out)
 
 
@@ -244,7 +244,7 @@ def comm_by_op(trace, per_step=True):
         row["seconds"] = iv.length(iv.union(row.pop("intervals"))) / 1e6 / n
         row["calls"] /= n
         row["bytes"] /= n
-    return out
+    return dict(sorted(out.items()))
 
 
 def memory_timeline(trace, device_type=0):

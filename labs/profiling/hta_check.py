@@ -42,7 +42,7 @@ def parsed(folder, prefix=analysis.SPANS):
             if e["ph"] == "X" and e["name"].startswith(prefix):
                 count, total = rows.setdefault(e["name"], {}).get("labs", (0, 0.0))
                 rows[e["name"]]["labs"] = (count + 1, total + e["dur"])
-        out[t["rank"]] = rows
+        out[t["rank"]] = dict(sorted(rows.items()))
     return out
 
 
