@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.launcher import launch
 from labs.measure import memory
 from labs.profiling import analysis, lab, trace
@@ -79,12 +80,11 @@ def wrap(mode, net, world_size):
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(net)
-    from torch.distributed.device_mesh import init_device_mesh
     if mode == "fsdp2+ac":
         for i, block in enumerate(net.blocks):
             net.blocks[i] = Checkpointed(block)
     # FULL_SHARD: each unit's weights gathered for its forward and again for its backward
-    fully_shard_units(net, net.blocks, init_device_mesh(dev.type, (world_size,)))
+    fully_shard_units(net, net.blocks, ParallelDims(dp=world_size).mesh(dev.type)["dp"])
     return net
 
 

@@ -9,11 +9,11 @@
 
 `Recorder` runs the profiler on this rank (CPU ops, and CUDA kernels on a GPU), with shapes and
 memory recorded, and marks each step with a ``record_function`` named `STEP`; the step's
-wall-clock time is measured around the same block (``perf_counter``, after a CUDA synchronize on a
-GPU), and so is the thread's time on a CPU and waiting for one (the kernel's schedstat), so a
-trace can be checked against the clock and the scheduler (`labs.profiling.analysis.coverage`).
-The trace is Chrome's JSON format, gzipped: Perfetto (ui.perfetto.dev) and chrome://tracing open
-it as it is.
+wall-clock time is measured around the same block (`labs.measure.timing.now`: the host clock, read
+after this process's queued GPU work is done), and so is the thread's time on a CPU and waiting
+for one (the kernel's schedstat), so a trace can be checked against the clock and the scheduler
+(`labs.profiling.analysis.coverage`). The trace is Chrome's JSON format, gzipped: Perfetto
+(ui.perfetto.dev) and chrome://tracing open it as it is.
 
 `load` reads a trace back into plain dicts. What torch.profiler 2.13 records for gloo on the CPU,
 read from real traces (the analysis is built on exactly this, `labs.profiling.analysis`):
@@ -32,22 +32,18 @@ read from real traces (the analysis is built on exactly this, `labs.profiling.an
 import gzip
 import json
 import os
-import time
 from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from labs.measure import timing
 
 STEP = "labs:step"   # the record_function around each profiled step: "labs:step#3"
 
 
 def _on_gpu():
     return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
-def _sync():
-    if _on_gpu():
-        torch.cuda.synchronize()
 
 
 def thread_times():
@@ -73,12 +69,12 @@ class Recorder:
         self.threads = [] # per step, the rank thread's {"cpu_s", "delay_s"} (kernel), or None
 
     def __enter__(self):
-        _sync()
+        timing.sync()
         self.profiler.__enter__()
         return self
 
     def __exit__(self, *exc):
-        _sync()
+        timing.sync()
         self.profiler.__exit__(*exc)
         if exc[0] is None:
             self.profiler.export_chrome_trace(self.path)
@@ -88,12 +84,12 @@ class Recorder:
     def step(self, i):
         """One step: a `STEP` annotation in the trace, and its wall-clock time in ``self.steps``.
         On a GPU the step ends when its kernels have, not when the CPU has queued them."""
-        _sync()
-        k0, t0 = thread_times(), time.perf_counter()
+        timing.sync()
+        k0, t0 = thread_times(), timing.now()
         with record_function(f"{STEP}#{i}"):
             yield
-            _sync()
-        self.steps.append(time.perf_counter() - t0)
+            timing.sync()
+        self.steps.append(timing.now() - t0)
         k1 = thread_times()
         self.threads.append({"cpu_s": k1[0] - k0[0], "delay_s": k1[1] - k0[1]} if k0 and k1 else None)
 
