@@ -19,6 +19,7 @@ shows (same bytes, same file name), so a figure is glued displayed, never hidden
 """
 from docutils import nodes
 from docutils.parsers.rst import directives
+from sphinx.transforms.post_transforms import SphinxPostTransform
 from myst_nb.ext.glue.directives import PasteFigureDirective
 from myst_nb.ext.glue.utils import PendingGlueReferenceError, create_pending_glue_ref, glue_warning
 
@@ -40,7 +41,7 @@ class PasteFigureFromDoc(PasteFigureDirective):
                                           self.arguments[0], gtype="any")
         except PendingGlueReferenceError as exc:
             return [glue_warning(str(exc), self.document, self.line)]
-        figure = nodes.figure("", ref)
+        figure = nodes.figure("", ref, glued=True)
         self.set_source_info(figure)
         if self.options.get("figwidth") is not None:
             figure["width"] = self.options["figwidth"]
@@ -62,7 +63,24 @@ class PasteFigureFromDoc(PasteFigureDirective):
         return [figure]
 
 
+class CaptionAsAlt(SphinxPostTransform):
+    """After myst-nb has put the image in (its priority is 5): the caption is the image's alt text,
+    not its file name."""
+
+    default_priority = 6
+
+    def run(self, **kwargs):
+        for figure in self.document.findall(nodes.figure):
+            if not figure.get("glued"):
+                continue
+            captions = [c.astext() for c in figure.findall(nodes.caption)]
+            for image in figure.findall(nodes.image):
+                if captions and not image.get("alt"):
+                    image["alt"] = captions[0]
+
+
 def setup(app):
     app.setup_extension("myst_nb")
     app.add_directive_to_domain("glue", "figure", PasteFigureFromDoc, override=True)
+    app.add_post_transform(CaptionAsAlt)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
