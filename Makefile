@@ -7,14 +7,22 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# On Linux without an NVIDIA GPU (no nvidia-smi), torch comes from PyTorch's CPU wheel index: the
+# default index's Linux torch is the CUDA build, gigabytes of GPU libraries a laptop never uses.
+# Only torch itself is looked up there (the pin of requirements.txt, whose CPU wheel 2.13.0+cpu
+# ranks above the plain one); its dependencies and the rest come from the default index.
+# TORCH_INDEX= keeps the default index alone.
+TORCH_INDEX ?= $(if $(and $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi),,cpu)),--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: book test test-numerics lab test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels
+.PHONY: book test test-numerics lab test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels \
+	box-lab gpu-check test-devices
 
 env: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run make PYTHON=/path/to/python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(BIN)/pip install -q --no-deps $(TORCH_INDEX) "$$(grep -m1 '^torch==' requirements.txt)" 2>&1 | grep -v "is ignored: it is neither" || true)
 	$(BIN)/pip install -q -r requirements.txt 2>&1 | grep -v "is ignored: it is neither" || true
 	$(BIN)/python -c "import torch, myst_nb, nbval, playwright" # fail here, not later, if the install did not finish
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
@@ -49,8 +57,11 @@ OTHER_CPU := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=
 # the recording run and cost a fifth of the time budget (`make test-numerics` and `make book` run
 # the notebooks natively).
 # Then the site is built from the verified outputs with warnings as errors, and every page is
-# opened in headless Chromium with the network blocked (tools/check_site.py). Chromium is checked
-# first, so a machine without it fails in seconds, not after the notebooks.
+# opened in headless Chromium with the network blocked (tools/check_site.py), at 1280 px and at a
+# phone's 390 px. Its checks of notebook code cells wider than the column and of figures too small
+# at 390 px only count and list what they find until `--enforce code-cells --enforce figures` is
+# added below, once the notebooks pass them. Chromium is checked first, so a machine without it
+# fails in seconds, not after the notebooks.
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest tests -q
 	$(OTHER_CPU) $(BIN)/python -m pytest tests -q -m numerics
@@ -67,9 +78,21 @@ test-numerics: $(STAMP)
 	$(OTHER_CPU) $(NBVAL)
 
 # The notebooks in JupyterLab, the book's second way in (the planners' sliders work here). The
-# server's root is the repository, so each notebook's link to its chapter (../book/*.md) opens too.
+# server's root is the repository. It also serves the built site (_build/html) at /static/, where
+# each notebook's first cell links to its chapter, rendered: build it first (make book, or from
+# the committed outputs in a minute: .venv/bin/python tools/build_book.py --no-execute).
+# tools/lab-settings/overrides.json changes two defaults: no first-run prompt about Jupyter's news
+# (it covers the notebook) and no update check; a reader's own settings still win.
+# LAB_ARGS passes options to `jupyter lab`, for example:
+#   make lab LAB_ARGS="--port 8890"                a port other than 8888 (the first free one)
+#   make lab LAB_ARGS="--no-browser"               print the URL (with its token), open no browser
+#   make lab LAB_ARGS="--no-browser --port 8890"   on a remote machine; then on your own, run
+#     ssh -N -L 8890:localhost:8890 user@remote    and open the printed http://localhost:8890/... URL
 lab: $(STAMP)
+	@[ -f _build/html/index.html ] || echo "note: _build/html is not built, so the notebooks' chapter links will not open yet: run make book (or .venv/bin/python tools/build_book.py --no-execute, from the committed outputs)"
 	$(BIN)/jupyter lab --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks \
+	  --ServerApp.extra_static_paths="['$(CURDIR)/_build/html']" \
+	  --LabApp.app_settings_dir=$(CURDIR)/tools/lab-settings \
 	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # The browser check alone, on the site already in _build/html (after `make book`, say).
@@ -83,9 +106,30 @@ check-site: $(STAMP) chromium
 BOX_PYTHON ?= python3
 BOX_NBVAL := $(BOX_PYTHON) -m pytest --nbval notebooks --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider -q
 box-test:
-	$(BOX_PYTHON) tools/box_setup.py $(if $(WHEELS),--wheels $(WHEELS))
-	. .box/env && $(BOX_PYTHON) -m pytest tests -q
+	$(BOX_PYTHON) tools/box_setup.py --for test $(if $(WHEELS),--wheels $(WHEELS))
+	. .box/env && LABS_BACKEND=gloo $(BOX_PYTHON) -m pytest tests -q
 	. .box/env && $(BOX_NBVAL)
+
+# The notebooks in JupyterLab on a GPU box, which usually has no JupyterLab: `make box-lab
+# WHEELS=dir` installs what requirements-box.txt's `# lab` lines add and the box lacks (under
+# .box/, from the same wheels folder), then serves on 127.0.0.1:8888; from your machine,
+# `ssh -L 8888:127.0.0.1:8888 BOX` and open the URL it prints.
+box-lab:
+	$(BOX_PYTHON) tools/box_setup.py --for lab $(if $(WHEELS),--wheels $(WHEELS))
+	. .box/env && $(BOX_PYTHON) -m jupyter lab --no-browser --ip=127.0.0.1 --port=8888 \
+	  --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks \
+	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+
+# A lent GPU's few minutes in one command, at most 8 (tools/gpu_check.py): provenance, the FP8
+# probe, the labs at world size 1 on NCCL, python -m labs.gpu, the tests whose outcome depends on
+# the box, chapter 15's exercise where it exists; each part under its own time limit, results in
+# results/gpu/. Nothing to install: the box's own Python, torch and pytest.
+gpu-check:
+	$(BOX_PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Every rank function under the device audit (tests/test_devices.py), the slow ones included.
+test-devices: $(STAMP)
+	LABS_AUDIT_ALL=1 $(BIN)/python -m pytest tests/test_devices.py -q
 
 # On a machine with network: the wheels a box with Python $(BOX_PY_VERSION) on x86-64 Linux needs
 # for box-test, into wheels/ (copy the folder to the box and pass WHEELS=wheels).

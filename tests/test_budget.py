@@ -174,3 +174,24 @@ def test_calculator_command_line_refuses_a_bad_split():
     proc = subprocess.run([sys.executable, "-m", "labs.memory_budget.budget", "--world-size", "12", "--tp", "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error: world_size 12 is not divisible")
+
+
+def test_lowest_zero_stage_is_the_first_that_leaves_the_headroom():
+    """Chapter 3's quiz: at batch 8 ZeRO-1 fits 80 GiB with no margin, so 10 % headroom needs ZeRO-2;
+    a model no stage can hold on 8 GPUs gives None."""
+    kw = dict(seq=4096, micro_batch=8, recompute="full")
+    assert budget.lowest_zero_stage("13B", 8, 0.0, **kw) == 1
+    assert budget.lowest_zero_stage("13B", 8, 0.1, **kw) == 2
+    assert budget.lowest_zero_stage("405B", 8, 0.0, **kw) is None
+
+
+def test_fewest_gpus_for_the_notes_estimates():
+    """The notes' "7B: 1-2 x A100 ... 405B: 64+" against the calculator: 7B under ZeRO-2 needs 2,
+    405B's state alone under ZeRO-3 needs more than 64 GPUs; one fewer GPU never fits."""
+    for model, stage in (("7B", 2), ("405B", 3)):
+        n = budget.fewest_gpus(model, stage, activations=False)
+        state = lambda k: budget.budget(model, k, zero_stage=stage)["bytes_per_device"]
+        fits = lambda k: state(k)["total"] - state(k)["activations"] <= budget.GPU_GIB * budget.GIB
+        assert fits(n) and not fits(n - 1), (model, n)
+    assert budget.fewest_gpus("7B", 2, activations=False) == 2
+    assert budget.fewest_gpus("405B", 3, activations=False) > 64

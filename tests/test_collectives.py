@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from labs.collectives import alpha_beta, toolkit as col
 from labs.launcher import launch
@@ -99,14 +100,52 @@ def test_two_level_all_reduce_counted_per_link_tier(two_level):
         hierarchical.check(4, 2, 10)
 
 
-@pytest.mark.numerics
-def test_alpha_beta_fit_is_a_least_squares_fit_of_the_measured_times():
-    fit = alpha_beta.fit(sizes=[4, 4096, 65536, 262144], repeats=5)
-    # least squares: the residuals are orthogonal to both columns of the design (1 and n); swapped
-    # or mis-scaled alpha and beta would leave residuals that are not
-    residuals = [t - p for t, p in zip(fit["seconds"], fit["predicted"])]
-    assert abs(sum(residuals)) < 1e-9 * len(residuals) + 1e-6 * max(fit["seconds"])
-    assert abs(sum(n * r for n, r in zip(fit["sizes"], residuals))) < 1e-6 * max(fit["seconds"]) * sum(fit["sizes"])
+ALPHA, BETA = 150e-6, 1 / 0.8e9          # a known line: 150 us, 0.8 GB/s
+
+
+def test_fit_line_recovers_a_known_alpha_and_beta():
+    """The fit the notebooks use (`alpha_beta.fit_line`), on times made from a known line."""
+    sizes = alpha_beta.FIT_SIZES
+    exact = alpha_beta.fit_line(sizes, [ALPHA + n * BETA for n in sizes])
+    assert exact["alpha"] == pytest.approx(ALPHA, rel=1e-9) and exact["beta"] == pytest.approx(BETA, rel=1e-9)
+    assert max(map(abs, exact["residuals"])) < 1e-9
+    # +-5 % noise on the small sizes, the two largest 10 % off in opposite directions: the
+    # relative-error fit keeps alpha and beta within 5 %; unweighted, the two largest sizes' errors
+    # (hundreds of microseconds) tilt the line and move the intercept by more than 20 % of alpha
+    noise = [0.05, -0.05, 0.05, -0.05, 0.05, 0.1, -0.1]
+    noisy = [(ALPHA + n * BETA) * (1 + e) for n, e in zip(sizes, noise)]
+    fit = alpha_beta.fit_line(sizes, noisy)
+    assert fit["alpha"] == pytest.approx(ALPHA, rel=0.05) and fit["beta"] == pytest.approx(BETA, rel=0.05)
+    assert fit["residuals"] == pytest.approx([(t - p) / t for t, p in zip(noisy, fit["predicted"])])
+    a = torch.tensor([[1.0, float(n)] for n in sizes], dtype=torch.float64)
+    b = torch.tensor(noisy, dtype=torch.float64)[:, None]
+    unweighted = torch.linalg.lstsq(a, b).solution[0, 0].item()
+    assert abs(unweighted - ALPHA) > 0.2 * ALPHA             # what the weights are for
+    with pytest.raises(ValueError, match="two or more distinct sizes"):
+        alpha_beta.fit_line([4, 4], [1e-4, 1e-4])
+    with pytest.raises(ValueError, match="positive"):
+        alpha_beta.fit_line([4, 8], [1e-4, 0.0])
+
+
+def test_median_interval_and_verdict():
+    from labs.measure import intervals
+    assert intervals.median_ranks(15) == (4, pytest.approx(1 - 2 * 576 / 2 ** 15))   # P(B <= 3) = 576/2^15
+    assert intervals.median_ranks(6)[0] == 1
+    with pytest.raises(ValueError, match="at least 6"):
+        intervals.median_ranks(5)
+    ring = [1.0] * 15
+    faster = intervals.ratio_interval([0.5 + 0.01 * i for i in range(15)], ring)   # ratios 0.50 .. 0.64
+    assert (faster["low"], faster["high"], faster["median"]) == pytest.approx((0.53, 0.61, 0.57))
+    assert (faster["lowest"], faster["highest"]) == pytest.approx((0.50, 0.64))
+    assert intervals.verdict(faster, "doubling", "ring", ranks=4, machine_cores=4) == "doubling"
+    assert intervals.verdict(faster, "doubling", "ring", ranks=4, machine_cores=2) == intervals.UNRESOLVED
+    # three ratios above 1 among 15: the 4th largest is below 1, so the interval still excludes 1;
+    # four above 1 and it does not
+    assert intervals.ratio_interval([0.9] * 12 + [1.5] * 3, ring)["high"] < 1
+    straddle = intervals.ratio_interval([0.9] * 11 + [1.5] * 4, ring)
+    assert intervals.verdict(straddle, "doubling", "ring", machine_cores=4) == intervals.UNRESOLVED
+    slower = intervals.ratio_interval([2.0] * 15, ring)
+    assert intervals.verdict(slower, "doubling", "ring", machine_cores=4) == "ring"
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 6, 8])
@@ -125,16 +164,33 @@ def test_crossover_costs_are_the_counted_rounds_and_bytes(world_size):
 
 def test_measured_crossover_and_sweep_sizes():
     from labs.collectives import crossover as X
-    sizes = [1000, 2000, 4000, 8000]
-    assert X.measured_crossover(sizes, [4, 4, 4, 4], [1, 2, 3, 3.5]) == ("above", 8000)
-    assert X.measured_crossover(sizes, [1, 1, 1, 1], [2, 2, 2, 2]) == ("below", 1000)
-    where, at = X.measured_crossover(sizes, [2, 2, 2, 2], [1, 1, 4, 4])   # crosses between 2000 and 4000
-    assert where == "at" and at == pytest.approx(2000 * 2 ** (1 / 3))
-    # a dip back below 1 after a crossing: the crossing that holds is the later one
-    assert X.measured_crossover(sizes, [2, 2, 2, 2], [1, 3, 1, 4])[1] > 4000
+    sizes, D, R, U = [1000, 2000, 4000, 8000], "recursive_doubling", "ring", "not resolved on this machine"
+    assert X.measured_crossover(sizes, [D, U, U, R]) == ("between", (1000, 8000))
+    assert X.measured_crossover(sizes, [D, D, U, U]) == ("above", 2000)
+    assert X.measured_crossover(sizes, [U, R, R, R]) == ("below", 2000)
+    assert X.measured_crossover(sizes, [U] * 4) == ("unresolved", None)
+    assert X.measured_crossover(sizes, [D, R, D, R]) == ("unresolved", None)   # contradicts itself
+    assert X.describe("between", (1024, 4096)) == "between 1 KiB and 4 KiB"
     assert all(s % 16 == 0 for s in X.sweep_sizes(1e6, 4)) and len(X.sweep_sizes(1e6, 4)) == len(X.FACTORS)
     with pytest.raises(ValueError, match="even world size"):
         X.sweep(3)
+    with pytest.raises(ValueError, match="at least 6"):
+        X.sweep(2, repeats=5)
+
+
+def test_crossover_sweep_contract():
+    """A fast run of the notebook's sweep on 2 ranks (no crossover at N = 2: doubling saves one
+    alpha at every size): its pieces fit together; its timings are the notebook's to print."""
+    from labs.collectives import crossover as X
+    r = X.sweep(2, fit_sizes=[4, 1024, 65536], repeats=6, timeout=120)
+    assert r["exact"] and r["predicted"] is None and r["sizes"] == [8, 1024, 65536]   # multiples of 4N
+    assert all(len(t) == 6 for a in X.ALGORITHMS for t in r["seconds"][a])
+    assert len(r["ratios"]) == 3
+    assert all(iv["lowest"] <= iv["low"] <= iv["median"] <= iv["high"] <= iv["highest"] for iv in r["ratios"])
+    assert r["fit_residuals"] == pytest.approx([(t - r["alpha"] - n * r["beta"]) / t
+                                                for n, t in zip(r["fit_sizes"], r["fit_seconds"])])
+    assert r["model_round_smallest"]["ring"] == pytest.approx(r["alpha"] + 8 / 2 * r["beta"])   # M/N bytes
+    assert len(X.table(r).splitlines()) == 4
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])

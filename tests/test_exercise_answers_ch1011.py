@@ -12,15 +12,16 @@ import exercise_cases
 
 from labs.collectives import toolkit as col
 from labs.hardware import placement as P
+from labs.pipeline.stage_balance import stage_layers
 
 M1, M2 = 2 ** 30, 2 ** 20           # the buffers of exercises 10.1 and 10.2
 ALPHA, INV_BETA = 5e-6, 25e9        # exercise 10.3: 5 us, 25 GB/s
-SPLIT = P.stage_layers(P.LLAMA3_405B.layers, 16)
+SPLIT = [len(layers) for layers in stage_layers(P.LLAMA3_405B.layers, 16)]
 
 
 # each chapter's checker under the (EXERCISES, check) names chapters 1-5 use
-Chapter10 = SimpleNamespace(__name__=col.__name__, EXERCISES=col.EXERCISES, check=col.check_answer)
-Chapter11 = SimpleNamespace(__name__=P.__name__, EXERCISES=P.ANSWERS, check=P.check)
+Chapter10 = SimpleNamespace(__name__=col.__name__, EXERCISES=col.EXERCISES, check=col.check_answer, MISTAKES=col.MISTAKES)
+Chapter11 = SimpleNamespace(__name__=P.__name__, EXERCISES=P.ANSWERS, check=P.check, MISTAKES=P.MISTAKES)
 
 
 CASES = [
@@ -34,9 +35,9 @@ CASES = [
      "the ring's N-1 rounds (one half) for its 2(N-1)"),
     # chapter 11, hardware and placement
     (Chapter11, "11.1", P.ANSWERS["11.1"]() * (P.LLAMA3_405B.layers // 16) / max(SPLIT),
-     "126 // 16 = 7 layers on every stage"),
+     f"{P.LLAMA3_405B.layers} // 16 layers on every stage"),
     (Chapter11, "11.1", P.ANSWERS["11.1"]() * (P.LLAMA3_405B.layers / 16) / max(SPLIT),
-     "126 / 16 = 7.875 layers on every stage: the first and last stages' lighter load ignored"),
+     f"{P.LLAMA3_405B.layers} / 16 layers on every stage: the first and last stages' lighter load ignored"),
     (Chapter11, "11.1", P.ANSWERS["11.1"]() * 8 / 7, "2M per all-reduce: the ring's (N-1)/N left out"),
     (Chapter11, "11.2", P.ANSWERS["11.2"]() * P.NDR_IB_BPS / P.NVLINK4_BPS, "the NVLink time, not the network's"),
     (Chapter11, "11.2", P.ANSWERS["11.2"]() / 8, "400 Gb/s read as 400 GB/s"),

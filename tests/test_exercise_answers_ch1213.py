@@ -22,13 +22,15 @@ CASES = [
     # chapter 12, checkpointing
     (cost, "1", cost.write_seconds(16 * P70, 10), "chapter 1's 16 bytes: gradients and bf16 weights saved too"),
     (cost, "1", cost.write_seconds(12 * P70, 10 / 8), "10 Gb/s read for 10 GB/s"),
+    (cost, "1", cost.write_seconds(12 * 70e9, 10), budget.nominal_mistake("70B")),
     (cost, "2", math.ceil(10 / 4), "the padded shard's size, padding counted as written"),
     (cost, "3", 7 * 12, "samples consumed, not the position in the epoch"),
     (cost, "4", cost.lost_steps(9, 4, 0), "as if the save of step 8 had committed (a synchronous save)"),
     # chapter 13, failures
     (rel, "1", rel.job_mtbf(rel.LLAMA3_DAYS * 24 / (rel.LLAMA3_UNEXPECTED + 47) * rel.LLAMA3_GPUS, 100_000) * 60,
-     "all 466 interruptions counted, the 47 planned ones included"),
-    (rel, "1", JOB_16K * 60, "the 16k-GPU job's MTBF, not scaled to 100,000 GPUs"),
+     "the planned interruptions counted as failures too"),
+    (rel, "1", PER_GPU * 60, "one GPU's MTBF: the 100,000 GPUs' rates not added"),
+    (rel, "1", JOB_16K * 60, "the MTBF of Llama 3's 16,384-GPU job, not scaled to 100,000 GPUs"),
     (rel, "2", math.sqrt(1 / 60 * JOB_16K) * 60, "sqrt(delta M): Young's factor 2 left out"),
     (rel, "2", math.sqrt(2 * 1 * JOB_16K), "delta in minutes, M in hours"),
 ]

@@ -24,8 +24,10 @@ def test_every_kernel_that_runs_agrees_with_the_emulation_and_a_wrong_scale_is_c
     assert r["tensorwise"]["ran"], r["tensorwise"]     # every CPU build since 2.11 has this one
     for name, v in r.items():
         assert v["ran"] == (v["error"] is None) and (v["gap"] is None) != v["ran"], name
-        if v["ran"]:   # the same FP8 values multiplied; only the order of the fp32 additions differs
-            assert v["gap"] < kernels.GAP_BOUND, name
+        if v["ran"]:   # the same FP8 values multiplied; the bound is the device's (a GPU's accumulator is shorter)
+            assert v["gap"] < v["gap_bound"], name
+        elif "Invalid scaling configuration" in v["error"]:   # kept whole: the supported list follows
+            assert "- For TensorWise scaling" in v["error"], v["error"]
     # the plausible bug: handing the kernel the *encoding* scales (448 / amax) instead of decoding ones
     x, w = fp8.activations(128, 256), torch.randn(128, 256) / 16
     a, b, sa, sb, kinds, ref = kernels._operands("tensorwise", x, w)

@@ -4,6 +4,7 @@ machine without CUDA gets one sentence."""
 import io
 import json
 import os
+import sys
 from contextlib import redirect_stdout
 
 import pytest
@@ -121,3 +122,121 @@ def test_refuses_in_one_sentence_without_cuda(monkeypatch, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: {record.REFUSAL}" and err.count(". ") == 0 and "\n" not in err
+
+
+# ---- make gpu-check (tools/gpu_check.py): its plan, its runner and report, on the CPU ------------
+
+def _gpu_check():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(record.ROOT, "tools", "gpu_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_fits_in_eight_minutes_part_by_part():
+    gc = _gpu_check()
+    plan = gc.parts()
+    names = [p[0] for p in plan]
+    assert names == ["provenance", "fp8", "smoke", "record", "tests", "ch15"]
+    assert sum(p[2] for p in plan) <= gc.BUDGET_S == 480 and all(p[2] > 0 for p in plan)
+    ch15 = dict((p[0], p[1]) for p in plan)["ch15"]
+    assert (ch15 is None) != os.path.exists(os.path.join(record.ROOT, "labs", "profiling", "opt_exercise.py"))
+    assert "tests" not in [p[0] for p in gc.parts(dry_run=True)]   # the dry run never starts the suite
+
+
+def test_a_part_past_its_limit_is_killed_with_its_children():
+    import psutil
+    gc = _gpu_check()
+    child = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+             "time.sleep(60)']); print(p.pid, flush=True); time.sleep(60)")
+    status, seconds, out, _ = gc.run_part([sys.executable, "-c", child], 3)
+    assert status == "timed out after 3 s" and seconds < 30
+    grandchild = int(out.split()[0])
+    try:
+        assert psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+    assert gc.run_part([sys.executable, "-c", "raise SystemExit(3)"], 30)[0] == "failed (exit 3)"
+
+
+def test_gpu_check_reports_each_part_with_provenance(monkeypatch, tmp_path, capsys):
+    gc = _gpu_check()
+    py = sys.executable
+    monkeypatch.setattr(gc, "parts", lambda dry_run=False: [
+        ("provenance", None, 15, None), ("fp8", [py, "-c", "print('{\"gap\": 1}')"], 20, "json"),
+        ("smoke", [py, "-c", "raise SystemExit(1)"], 20, "json"), ("ch15", None, 10, "json")])
+    assert gc.main(["--dry-run", "--out", str(tmp_path)]) == 1       # one part failed: the run fails
+    (path,) = tmp_path.glob("*-check.json")
+    r = json.loads(path.read_text())
+    assert set(r["provenance"]) >= {"device", "driver", "cuda", "torch", "python", "date", "git_commit"}
+    assert r["parts"]["fp8"]["result"] == {"gap": 1} and r["parts"]["fp8"]["status"] == "ok"
+    assert r["parts"]["smoke"]["status"] == "failed (exit 1)" and r["parts"]["ch15"]["status"].startswith("skipped")
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[gpu-check]")]
+    assert len(printed) == 5 and all(" s of " in line for line in printed[:4])
+
+
+def test_gpu_check_refuses_without_cuda(monkeypatch, capsys):
+    gc = _gpu_check()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gc.main([]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: make gpu-check measures a GPU") and "\n" not in err
+
+
+def test_a_cut_short_recording_keeps_the_sections_it_finished():
+    seen = []
+    out = record.record(torch.device("cpu"), record.DRY, ["--dry-run"], only=["bandwidth", "activations"],
+                        log=io.StringIO(), after_each=lambda so_far: seen.append((sorted(so_far["sections"]),
+                                                                                 so_far["complete"])))
+    assert seen == [(["activations"], False), (["activations", "bandwidth"], False)] and out["complete"]
+
+
+# ---- the box's set-up plan, the world-size-1 smoke run, the notebooks' GPU lines -----------------
+
+def test_box_setup_installs_only_what_a_target_needs_and_the_box_lacks():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("box_setup", os.path.join(record.ROOT, "tools", "box_setup.py"))
+    box = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(box)
+    test, lab = box.requirements("test"), box.requirements("lab")
+    assert "jupyterlab" in lab and "jupyterlab" not in test and set(test) < set(lab)
+    have = {"nbval": "0.10.0", "pytest": "8.3.0", "numpy": "2.1.0", "matplotlib": "3.9.0", "psutil": "6.0"}
+    todo = box.missing(lab, installed=have.get)
+    assert "nbval==0.11.0" in todo                               # there, but not the version pinned
+    assert {"ipykernel", "ipywidgets", "jupyterlab", "pytest-timeout"} <= set(todo)
+    assert not {"pytest", "numpy", "matplotlib", "psutil"} & set(todo)
+
+
+def test_smoke_runs_each_lab_and_names_the_one_that_fails():
+    from labs.gpu import smoke
+    from labs.launcher import launch
+    labs = [("labs.data_parallel.bus_bandwidth.rank_sweep", ([6],), {}),
+            ("labs.data_parallel.ring_allreduce.run", (1001,), {"repeats": 1})]
+    r = launch.spawn(smoke.run_each, 1, labs)[0]
+    bad, good = r["labs"]["labs.data_parallel.bus_bandwidth.rank_sweep"], r["labs"][labs[1][0]]
+    assert r["backend"] == "gloo" and good["ok"] and good["seconds"] > 0      # the failure stopped nothing
+    assert not bad["ok"] and bad["error"].startswith("ValueError: every size must be a positive multiple of 4")
+
+
+def test_notebooks_say_when_there_is_no_gpu_recording_and_show_one_when_there_is(tmp_path):
+    from labs.gpu import recorded
+    assert recorded.lines(1, str(tmp_path)) == [recorded.NONE_YET]
+    prov = {"device": "NVIDIA H100 80GB HBM3", "driver": "580.1", "cuda": "13.0", "torch": "2.11.0",
+            "git_commit": "0123456789abcdef", "date": "2026-11-20T10:00:00+00:00"}
+    fig = {"value": 16.5, "unit": "bytes/param", "kind": "measured"}
+    (tmp_path / "h100.json").write_text(json.dumps({"provenance": prov, "sections": {
+        "adam_step_memory": {"lab_mixed": {"step1_peak": fig, "step1_after": fig}},
+        "bandwidth": {"h2d_pinned": {"value": 55.0, "unit": "GB/s", "kind": "measured"}}}}))
+    (tmp_path / "h100-check.json").write_text(json.dumps({"provenance": prov, "parts": {"smoke": {"result": {
+        "backend": "nccl", "labs": {"labs.zero.stages.run": {"ok": True, "seconds": 1.5}},
+        "cuda_peak_bytes_by_recipe": {"mixed": 3 * 2**20}}}}}))
+    three = recorded.lines(3, str(tmp_path))
+    assert "  NVIDIA H100 80GB HBM3, driver 580.1, CUDA 13.0" in three
+    assert "  torch 2.11.0, commit 01234567, 2026-11-20T10:00:00+00:00" in three
+    assert "  zero.stages.run on nccl: ok, 1.5 s" in three and "  copy h2d_pinned: 55 GB/s" in three
+    assert "  Adam step (lab_mixed), peak: 16.5 bytes/param" in three
+    assert "  CUDA peak, recipe mixed: 3.0 MiB" in recorded.lines(1, str(tmp_path))
+    assert all(len(line) <= 88 for ch in (1, 2, 3) for line in recorded.lines(ch, str(tmp_path)))
+    with pytest.raises(ValueError, match="notebooks 1 to 3"):
+        recorded.lines(4, str(tmp_path))

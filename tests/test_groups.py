@@ -1,13 +1,14 @@
-"""One rank grid, every group derived from it, degrees validated in one place."""
+"""One degrees type (`labs.dims.ParallelDims`), every group derived from its rank grid, degrees
+validated in one place; the process groups (`labs.groups`) and the DeviceMesh made from it."""
 import pytest
 
 import workers
-from labs import groups
+from labs.dims import ParallelDims
 from labs.launcher import launch
 
 
 def test_dp_is_filled_in_and_tp_varies_fastest():
-    lay = groups.layout(8, tp=2, pp=2)
+    lay = ParallelDims.build(8, tp=2, pp=2)
     assert (lay.dp, lay.pp, lay.tp) == (2, 2, 2)
     assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert lay.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -16,20 +17,32 @@ def test_dp_is_filled_in_and_tp_varies_fastest():
 
 
 def test_cp_sits_between_tp_and_pp():
-    lay = groups.layout(8, tp=2, pp=2, cp=2)
+    lay = ParallelDims.build(8, tp=2, pp=2, cp=2)
     assert (lay.dp, lay.pp, lay.cp, lay.tp) == (1, 2, 2, 2)
     assert lay.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert lay.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert lay.coords(6) == {"dp": 0, "pp": 1, "cp": 1, "tp": 0}
-    both = groups.layout(16, tp=2, pp=2, cp=2)   # dp = 2: the gradient group is dp x cp
+    both = ParallelDims.build(16, tp=2, pp=2, cp=2)   # dp = 2: the gradient group is dp x cp
     assert both.groups(("dp", "cp")) == [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14], [5, 7, 13, 15]]
     with pytest.raises(ValueError, match="not divisible by tp\\*cp\\*pp = 2\\*3\\*1 = 6"):
-        groups.layout(8, tp=2, cp=3)
+        ParallelDims.build(8, tp=2, cp=3)
+
+
+def test_expert_and_hsdp_groups_split_dp():
+    # ep inside dp, between cp and pp (DeepSeek-V3's EP over consecutive GPUs): an ep group is a run
+    # of ranks, the edp group (the same experts) is the rest of dp, beyond pp; their product is dp
+    e = ParallelDims(dp=4, ep=2, pp=2)
+    assert e.groups("ep")[:2] == [[0, 1], [2, 3]] and e.groups("pp")[0] == [0, 2]
+    assert e.groups("edp")[0] == [0, 4] and e.groups("dp")[0] == [0, 1, 4, 5]
+    assert e.coords(5) == {"dp": 3, "pp": 0, "cp": 0, "tp": 0, "ep": 1, "edp": 1}
+    h = ParallelDims(dp=4, dp_replicate=2)            # HSDP: shard inside, replicate across
+    assert h.groups("dp_shard") == [[0, 1], [2, 3]] and h.groups("dp_replicate") == [[0, 2], [1, 3]]
+    assert [a for a, _ in h.mesh_dims()] == ["dp_replicate", "dp_shard", "pp", "tp"]
 
 
 def test_every_rank_is_in_exactly_one_group_per_axis():
-    lay = groups.layout(12, tp=2, pp=3)
-    for axis in groups.AXES:
+    lay = ParallelDims.build(12, tp=2, pp=3)
+    for axis in ("tp", "cp", "pp", "dp", ("dp", "cp")):
         members = sorted(r for g in lay.groups(axis) for r in g)
         assert members == list(range(12))
 
@@ -40,14 +53,26 @@ def test_every_rank_is_in_exactly_one_group_per_axis():
     (dict(world_size=8, tp=2, dp=3), "use dp=4"),
     (dict(world_size=0), "positive integer"),
     (dict(world_size=4, tp=1.5), "positive integer"),
+    (dict(world_size=6, ep=4), "ep = 4 does not divide dp = 6"),
+    (dict(world_size=6, dp_replicate=4), "dp_replicate = 4 does not divide dp = 6"),
+    (dict(world_size=8, ep=2, dp_replicate=2), "not both"),
+    (dict(world_size=8, order=("tp", "pp", "dp")), "order must list"),
 ])
 def test_degrees_that_do_not_fit_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        groups.layout(**kwargs)
+        ParallelDims.build(**kwargs)
 
 
-def test_groups_in_a_running_job():
+def test_groups_and_mesh_in_a_running_job():
+    # the process groups and the DeviceMesh (dp flattened from edp and ep, which pp separates) hold
+    # the same ranks as the grid's lists
     results = launch.spawn(workers.tp_group_sum, 4, 2, timeout=60)
     assert [r["tp_sum"] for r in results] == [1.0, 1.0, 5.0, 5.0]
     assert [r["tp_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["dp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    e = ParallelDims(dp=2, ep=2, pp=2)
+    meshes = launch.spawn(workers.mesh_groups, 4, e, timeout=60)
+    for rank, got in enumerate(meshes):
+        for axis, ranks in got.items():
+            assert ranks in e.groups(axis) and rank in ranks, (rank, axis)
+    assert set(meshes[0]) == {"dp", "edp", "ep", "pp", "tp"}

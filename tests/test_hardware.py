@@ -7,9 +7,15 @@ import json
 
 import pytest
 
+from labs.dims import ParallelDims
 from labs.hardware import boundary, latency, machine, placement as P
+from labs.pipeline.stage_balance import stage_layers
 
 NUMEL = 1020  # fp32, divisible by 2, 3 and 4, so the ring sends equal chunks
+
+
+def placed(order=P.ORDER, gpus_per_node=8, **degrees):
+    return P.Placement(ParallelDims(**degrees, order=order), gpus_per_node=gpus_per_node)
 
 
 def test_tp_four_times_chattier_crosses_in_the_reversed_order_only():
@@ -17,7 +23,7 @@ def test_tp_four_times_chattier_crosses_in_the_reversed_order_only():
     numel = {"tp": 4 * NUMEL, "cp": NUMEL, "pp": NUMEL, "dp": NUMEL}
     totals = []
     for order in (P.ORDER, tuple(reversed(P.ORDER))):
-        r = boundary.count(P.Placement({"tp": 2, "dp": 2}, gpus_per_node=2, order=order), numel)
+        r = boundary.count(placed(order, 2, tp=2, dp=2), numel)
         assert r["counted"] == r["formula"], order
         totals.append(r)
     assert totals[0]["counted"]["tp"] == 0 < totals[1]["counted"]["tp"]
@@ -27,12 +33,12 @@ def test_tp_four_times_chattier_crosses_in_the_reversed_order_only():
 def test_a_group_within_g_ranks_can_still_straddle_a_node():
     """Delta N <= G is not enough: tp = 2 on nodes of 3 puts [2, 3] across the boundary (counted), and the
     issue's case, cp = 3 on nodes of 4, puts [3, 4, 5] and [6, 7, 8] across (calculator)."""
-    p = P.Placement({"tp": 2, "dp": 2}, gpus_per_node=3)        # nodes {0, 1, 2}, {3}
+    p = placed(gpus_per_node=3, tp=2, dp=2)        # nodes {0, 1, 2}, {3}
     assert p.group_nodes("tp") == [1, 2] and p.tier("tp") == "inter"
     r = boundary.count(p, NUMEL)
     assert r["counted"] == r["formula"] and r["counted"]["tp"] == 2 * 4 * NUMEL   # ranks 2 and 3 each send M
-    big = P.Placement({"tp": 1, "cp": 3, "dp": 4}, gpus_per_node=4)
-    assert big.groups("cp")[1] == [3, 4, 5] and big.group_nodes("cp") == [1, 2, 2, 1]
+    big = placed(gpus_per_node=4, tp=1, cp=3, dp=4)
+    assert big.dims.groups("cp")[1] == [3, 4, 5] and big.group_nodes("cp") == [1, 2, 2, 1]
     assert big.tier("cp") == "inter"
 
 
@@ -40,39 +46,61 @@ def test_every_group_stays_inside_exactly_when_delta_n_divides_g():
     """The closed-form rule against the group-by-group count, over many layouts that fill their nodes."""
     for tp, cp, pp, dp in itertools.product((1, 2, 3), (1, 2, 3), (1, 2, 4), (1, 2, 3)):
         for g in (2, 3, 4, 6, 8):
-            p = P.Placement({"tp": tp, "cp": cp, "pp": pp, "dp": dp}, gpus_per_node=g)
-            if p.world_size % g:
+            d = ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp)
+            if d.world_size % g:
                 continue
-            for axis in P.ORDER:
-                n = p.degrees.get(axis, 1)
-                rule = n == 1 or g % (p.stride(axis) * n) == 0
-                assert (max(p.group_nodes(axis)) == 1) == rule, (tp, cp, pp, dp, g, axis)
+            for axis in P.LLAMA3_ORDER:
+                n = d.size(axis)
+                rule = n == 1 or g % (d.stride(axis) * n) == 0
+                assert (max(d.group_nodes(axis, g)) == 1) == rule, (tp, cp, pp, dp, g, axis)
+
+
+def test_straddling_groups_are_inter_node_wherever_the_tier_is_asked():
+    """The one rule everywhere: the planner's tiers (chapter 14) agree with the calculator's, group by
+    group, for the cases the older stride rule (Delta N <= G means inside) got wrong: PP = 2 beside
+    TP = 8 on a 72-GPU NVLink domain, CP = 3 on nodes of 4, TP = 2 with PP = 3 on nodes of 8."""
+    from labs.planning import traffic
+    for degrees, g, axis in ((dict(tp=8, pp=2, dp=9), 72, "pp"), (dict(cp=3, dp=4), 4, "cp"),
+                             (dict(tp=2, pp=3, dp=4), 8, "pp")):
+        d = ParallelDims(**degrees)
+        assert d.tier(axis, g) == "inter" == traffic.tiers(d, g)[axis] == P.Placement(d, g).tier(axis), degrees
+    assert traffic.tiers(ParallelDims(tp=8, pp=9, dp=8), 72)["pp"] == "intra"    # 8 x 9 = 72 divides 72
 
 
 def test_llama3_stage_split_and_the_busiest_stage():
     # section 3.3.2: one layer fewer on the first and last stages; 126 // 16 = 7 on every stage would
     # leave 14 layers unplaced
-    split = P.stage_layers(126, 16)
+    split = [len(layers) for layers in stage_layers(126, 16)]
     assert split == [7] + [8] * 14 + [7] and sum(split) == 126
-    assert P.stage_layers(126, 1) == [126] and sum(P.stage_layers(30, 4)) == 30
-    layout = {"tp": 8, "cp": 1, "pp": 16, "dp": 128}
-    good = P.plan(P.LLAMA3_405B, P.Placement(layout))
-    bad = P.plan(P.LLAMA3_405B, P.Placement(layout, order=tuple(reversed(P.ORDER))))
+    assert [len(x) for x in stage_layers(126, 16, 8)] == split   # v = 8: one layer a chunk, the ends empty
+    good = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
+    bad = P.plan(P.LLAMA3_405B, placed(tuple(reversed(P.ORDER)), tp=8, pp=16, dp=128))
     assert good["tp"]["tier"] == "intra" and bad["tp"]["tier"] == "inter"
     assert good["pp"]["tier"] == good["dp"]["tier"] == "inter"
     per_layer_and_microbatch = 4 * 2 * 7 / 8 * good["tp"]["payload_bytes"]
     assert good["tp"]["bytes_per_rank"] / per_layer_and_microbatch / 16 == max(split) == 8
-    e = P.exposed(P.LLAMA3_405B, P.Placement(layout))
-    assert e["pp_critical_sends"] == 30 and e["pods_per_group"]["dp"] > 1 == e["pods_per_group"]["pp"]
+    e = P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
+    assert e["pp_critical_sends"] == 2 * (16 * 8 - 1) and e["pp_sends_per_step"] == 2 * 8 * 16
+    assert e["pods_per_group"]["dp"] > 1 == e["pods_per_group"]["pp"]
+
+
+def test_llama3_data_parallel_traffic_is_a_bf16_gather_and_an_fp32_reduce_scatter():
+    """Section 3.3.2: FSDP without reshard after forward, gradients reduce-scattered in fp32: 2 + 4
+    bytes per parameter of the average stage, (n - 1)/n of each; a bf16 all-reduce (4 bytes) or an fp32
+    all-reduce (8) would miss."""
+    dp = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))["dp"]
+    per_rank = P.LLAMA3_405B.params() // (8 * 16)
+    assert dp["bytes_per_rank"] == 6 * per_rank * 127 / 128
+    assert dp["kind"] == "all_gather + reduce_scatter" and 18.8e9 < dp["bytes_per_rank"] < 18.9e9
 
 
 def test_bad_input_is_one_sentence():
     with pytest.raises(ValueError, match="positive integer"):
-        P.Placement({"tp": 0})
+        ParallelDims(tp=0)
     with pytest.raises(ValueError, match="gpus_per_node"):
-        P.Placement({"tp": 2}, gpus_per_node=0)
+        placed(gpus_per_node=0, tp=2)
     with pytest.raises(ValueError, match="cannot fill"):
-        P.stage_layers(126, 100)
+        stage_layers(126, 16, 9)
     with pytest.raises(ValueError, match="8-byte"):
         latency.measure(sizes=(1024,))
     with pytest.raises(ValueError, match="exactly 2 ranks"):
@@ -85,4 +113,17 @@ def test_placement_cli(capsys):
     P.main(["--reversed", "--json"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]["tp"]["tier"] == "inter"
     with pytest.raises(ValueError, match="cannot fill"):
-        P.main(["--tp", "1", "--pp", "100", "--dp", "1"])
+        P.main(["--tp", "1", "--pp", "100", "--dp", "1"])      # 100 stages x 8 chunks for 126 layers
+
+
+def test_chapters_11_and_14_count_the_same_tp_and_pp_bytes():
+    """One formula table (`labs.measure.costs`), one stage split, one degrees type: the calculator's TP and
+    PP bytes for a middle stage of Llama 3 405B equal the planner's (`planning.traffic`) for the same
+    layout, b, m and v, without the planner's vocabulary terms (a middle stage has none)."""
+    from labs.planning import memory, traffic
+    run = P.LLAMA3_RUN
+    calc = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS), run)
+    plan = memory.Plan(P.LLAMA3_DIMS, zero=1, micro_batch=run.micro_batch, v=run.v)
+    planner = traffic.predict_bytes_per_group(P.LLAMA3_405B, plan, num_microbatches=run.micro_batches, stage=8)
+    assert planner["terms"]["tp_vocab"] == 0 and planner["tp"] == calc["tp"]["bytes_per_rank"]
+    assert planner["pp"] == calc["pp"]["bytes_per_rank"]

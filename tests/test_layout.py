@@ -6,7 +6,9 @@ inside a function that closes a circle is still a circle), and checked for: no c
 modules; the shared packages (launcher, measure) and the top-level modules importing no chapter;
 a chapter importing only shared pieces and earlier chapters; no file over 320 lines; at most three
 modules loose in labs/; a docstring in every package's __init__.py that names its chapter and
-says what each of its modules is for. The synthetic cases at the end show each rule can fail.
+says what each of its modules is for; one home for the degrees, the model shape, the stage split
+and the DeviceMesh (issue 35: four copies of the degrees had drifted apart). The synthetic cases at the
+end show each rule can fail.
 """
 import ast
 import os
@@ -17,12 +19,13 @@ LABS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 MAX_LINES = 320
 MAX_LOOSE = 3
 SHARED = {"labs.launcher", "labs.measure"}           # what every chapter uses
-TOP = {"labs.model", "labs.groups"}                   # the tiny model and the rank grid
+TOP = {"labs.model", "labs.groups", "labs.dims"}      # the tiny model, the degrees, their process groups
 APPS = {"labs.gpu"}                                   # commands on top of the chapters; nothing imports them
 CHAPTERS = {"labs.memory_budget": 1, "labs.data_parallel": 2, "labs.zero": 3, "labs.tensor_parallel": 4,
             "labs.pipeline": 5, "labs.context_parallel": 6, "labs.expert_parallel": 7, "labs.precision": 8,
             "labs.recompute": 9, "labs.collectives": 10, "labs.hardware": 11, "labs.checkpointing": 12,
-            "labs.failures": 13, "labs.planning": 14}
+            "labs.failures": 13, "labs.planning": 14,
+            "labs.profiling": 15}
 
 
 # ---- the graph ------------------------------------------------------------------------------------
@@ -182,6 +185,67 @@ def test_package_docstring_names_its_chapter_and_every_module(package):
     modules = sorted(m.rpartition(".")[2] for m in TREE if m.startswith(package + ".") and m.count(".") == 2)
     missing = [m for m in modules if f"`{m}`" not in doc and f"`{m}.py`" not in doc]
     assert missing == [], f"{package}/__init__.py does not say what these modules are for: {missing}"
+
+
+# ---- one home per idea (issue 35) -------------------------------------------------------------------
+
+DEGREES = {"dp", "tp", "pp", "cp", "ep"}
+HOMES = {"degrees": "labs.dims", "model shape": "labs.memory_budget.model_shape",
+         "stage split": "labs.pipeline.stage_balance", "device mesh": "labs.dims", "placement rule": "labs.dims"}
+
+
+def second_homes(sources):
+    """(idea, module) for every module other than the idea's home that defines it again: a dataclass
+    with two or more degree fields, a dataclass with a model's layers and hidden size, a stage split
+    (``stage_layers`` or ``split_counts``), a call of ``init_device_mesh``, a tier rule (``tier_of``)."""
+    found = set()
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+                fields = {t.target.id for t in node.body
+                          if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
+                if len(fields & DEGREES) >= 2:
+                    found.add(("degrees", name))
+                if {"layers", "hidden"} <= fields:
+                    found.add(("model shape", name))
+            elif isinstance(node, ast.FunctionDef) and node.name in ("stage_layers", "split_counts"):
+                found.add(("stage split", name))
+            elif isinstance(node, ast.FunctionDef) and node.name == "tier_of":
+                found.add(("placement rule", name))
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "init_device_mesh":
+                found.add(("device mesh", name))
+    return sorted((idea, m) for idea, m in found if HOMES[idea] != m)
+
+
+def test_degrees_model_shape_stage_split_and_mesh_have_one_home():
+    assert second_homes({m: src for m, (_, src) in TREE.items()}) == []
+
+
+def test_the_homes_define_what_they_are_home_to():
+    homes = {m: TREE[m][1] for m in set(HOMES.values())}
+    assert "class ParallelDims" in homes["labs.dims"] and "init_device_mesh(" in homes["labs.dims"]
+    assert "class ModelShape" in homes["labs.memory_budget.model_shape"]
+    assert "def stage_layers" in homes["labs.pipeline.stage_balance"]
+
+
+SECOND_HOMES = {
+    "a Plan with its own degrees": ("from dataclasses import dataclass\n@dataclass\nclass Plan:\n    dp: int\n"
+                                    "    tp: int = 1\n", ("degrees", "labs.planning.memory")),
+    "the older tier rule": ("def tier_of(stride, n, g):\n    return stride * n <= g\n",
+                            ("placement rule", "labs.hardware.placement")),
+    "a mesh built by hand": ("from torch.distributed.device_mesh import init_device_mesh\n"
+                             "m = init_device_mesh('cpu', (2,))\n", ("device mesh", "labs.zero.stages")),
+    "a second model type": ("import dataclasses\n@dataclasses.dataclass(frozen=True)\nclass Arch:\n    layers: int\n"
+                            "    hidden: int\n", ("model shape", "labs.memory_budget.budget")),
+    "a second split": ("def split_counts(n, parts):\n    return [n // parts] * parts\n",
+                       ("stage split", "labs.planning.memory")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SECOND_HOMES))
+def test_a_second_home_is_caught(case):
+    source, (idea, module) = SECOND_HOMES[case]
+    assert second_homes({module: source, HOMES[idea]: source}) == [(idea, module)]
 
 
 # ---- the checks can fail -------------------------------------------------------------------------

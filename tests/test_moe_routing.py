@@ -105,7 +105,18 @@ def test_balancing_orders_the_final_imbalance():
     assert runs["bias 0.001"]["final"] < floor + 0.15 and runs["aux 0.1"]["final"] < floor + 0.15
 
 
-def test_the_layer_without_residual_is_the_switch_equation():
+@pytest.mark.numerics
+def test_the_layer_is_the_switch_equation_plus_the_residual():
+    """Against sum_{i in top-k} softmax(x W_r)_i E_i(x), written here token by token from the
+    layer's weights: a gate renormalised over the top k, a missing gate, the wrong expert, or a
+    residual added twice or not at all would each miss by far more than the tolerance."""
+    torch.manual_seed(1)
     x = torch.randn(8, 16)
-    with_res, without = moe.MoE(residual=True), moe.MoE(residual=False)
-    torch.testing.assert_close(with_res(x), x + without(x), rtol=0, atol=0)   # same ops, same order: exact
+    for residual in (False, True):
+        layer = moe.MoE(residual=residual)
+        probs = torch.softmax(x @ layer.router.weight.T, dim=-1)          # (T, N)
+        want = torch.stack([sum(probs[t, i] * layer.experts[i](x[t:t + 1])[0]
+                                for i in probs[t].topk(layer.top_k).indices.tolist())
+                            for t in range(len(x))])                        # (T, h)
+        # fp32, the same products summed in another order (k = 2 terms per token): a few ulps
+        torch.testing.assert_close(layer(x), x + want if residual else want, rtol=1e-5, atol=1e-6)

@@ -4,22 +4,25 @@ Opening a notebook must not mark it modified: JupyterLab writes the running kern
 ``metadata.kernelspec`` and its ``language_info``, and saves through nbformat, so a committed
 notebook must already hold exactly those and be byte for byte what nbformat writes. And its
 Markdown must read the same in JupyterLab as on the site: a MyST role such as {doc} shows raw in
-JupyterLab, so the notebooks use plain Markdown links (which Jupyter Book resolves to the page).
-The cases at the end show each check fails on what the notebooks held before.
+JupyterLab, and so does a chapter's .md (as MyST source, every number an unresolved glue role), so
+the first cell links to the chapter's page on the built site, which `make lab` serves beside
+JupyterLab and the site resolves to itself. The cases at the end show each check fails on what
+the notebooks held before.
 """
 import glob
 import io
 import json
 import os
 import re
+import sys
 
 import nbformat
 import pytest
 from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelspec import get_kernel_dict
 
-NOTEBOOKS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                          "notebooks", "*.ipynb")))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 ROLE = re.compile(r"\{[a-z][\w:-]*\}`")           # {doc}`...`, {ref}`...`, {numref}`...`, {glue:text}`...`
 KERNEL = get_kernel_dict()
 
@@ -57,14 +60,36 @@ def test_notebook_opens_unmodified_and_without_raw_roles(path):
         assert problems(f.read()) == []
 
 
+# A notebook's link to its chapter: the built site's page, which `make lab` serves beside JupyterLab
+# at /static/ (so JupyterLab opens the rendered chapter, not its MyST source) and which
+# tools/offline_site.py makes relative on the site itself.
+LINK = re.compile(r'<a href="/static/book/((\d\d)-[\w-]+)\.html">[^<]+</a>')
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
-def test_the_first_cell_links_to_its_chapter(path):
+def test_the_first_cell_links_to_its_rendered_chapter(path):
     with open(path, encoding="utf-8") as f:
-        first = json.load(f)["cells"][0]
-    chapter = os.path.basename(path)[:2]
-    link = re.search(r"\]\((\.\./book/(\d\d)-[\w-]+\.md)\)", "".join(first["source"]))
-    assert link and link.group(2) == chapter, "".join(first["source"])[:300]
-    assert os.path.exists(os.path.join(os.path.dirname(path), link.group(1)))
+        first = "".join(json.load(f)["cells"][0]["source"])
+    link = LINK.search(first)
+    assert link and link.group(2) == os.path.basename(path)[:2], first[:300]
+    assert os.path.exists(os.path.join(ROOT, "book", link.group(1) + ".md"))
+    assert "../book/" not in first               # a link to the .md opens raw MyST in JupyterLab
+    assert "run `make book` if it is not built yet" in first
+
+
+def test_jupyterlab_and_the_site_resolve_the_chapter_link():
+    with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as f:
+        makefile = f.read()
+    assert "--ServerApp.extra_static_paths=\"['$(CURDIR)/_build/html']\"" in makefile
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import offline_site
+    finally:
+        sys.path.pop(0)
+    for page, href in [("notebooks/03_zero_fsdp", "../book/03-zero-fsdp.html"), ("index", "book/03-zero-fsdp.html")]:
+        context = {"body": '<p><a href="/static/book/03-zero-fsdp.html">3. ZeRO and FSDP</a></p>'}
+        offline_site.lab_links(None, page, "page.html", context, None)
+        assert context["body"] == f'<p><a href="{href}">3. ZeRO and FSDP</a></p>'
 
 
 def _variant(path, change):
@@ -80,7 +105,7 @@ def _old_kernelspec(nb):
 
 def _raw_role(nb):
     cell = nb["cells"][0]
-    cell["source"] = re.sub(r"\[[^]]+\]\(\.\./book/([\w-]+)\.md\)", r"{doc}`../book/\1`", "".join(cell["source"]))
+    cell["source"] = LINK.sub(r"{doc}`../book/\1`", "".join(cell["source"]))
 
 
 def _no_language_info(nb):

@@ -220,3 +220,10 @@ def test_command_line_contract():
     bad = subprocess.run([sys.executable, "-m", "labs.pipeline.executor", "--world-size", "2", "--schedule", "interleaved",
                           "--microbatches", "5", "--chunks", "2"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not a multiple of p=2" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_microbatches_to_halve_the_bubble_share():
+    """(p-1)/(m'+p-1) <= half of (p-1)/(m+p-1) first at m' = 2m + p - 1: counted, not assumed."""
+    from labs.pipeline import schedules
+    for p, m in ((4, 12), (8, 8), (16, 48), (2, 1)):
+        assert schedules.microbatches_to_halve(p, m) == 2 * m + p - 1, (p, m)

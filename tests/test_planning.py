@@ -3,11 +3,15 @@ from earlier chapters, and the quiz checker. One process, no spawn: integers and
 arithmetic only (the float-sensitive check is in test_planning_numerics.py)."""
 import pytest
 
-from labs.memory_budget import fused_swiglu
-from labs.pipeline import schedules
-from labs.planning import memory, meta_check, planner, quiz, shapes
+import dataclasses
 
-TINY = shapes.ModelShape("tiny Llama", layers=4, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=100, seq=16)
+from labs.dims import ParallelDims
+from labs.memory_budget import fused_swiglu
+from labs.memory_budget.model_shape import ModelShape
+from labs.pipeline import schedules
+from labs.planning import cases, flop_count, memory, meta_check, planner, quiz, shapes
+
+TINY = ModelShape("tiny Llama", layers=4, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=100, seq=16)
 
 
 @pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 4, 2, 1),
@@ -25,26 +29,25 @@ def test_meta_device_shards_equal_the_planner_on_every_rank():
     # chunks are uneven, and each rank must hold what chapter 3's rows predict; a planner that split a weight
     # wrongly, or forgot the row split of wo or the vocabulary split, would miss. Ranks (dp, stage, tp): (0, 0, 0),
     # (2, 0, 1) with the embedding's short last chunk, (2, 1, 0) with the head's, (1, 1, 1).
-    plan = memory.Plan(3, 2, 2, zero=3)
+    plan = memory.Plan(ParallelDims(dp=3, tp=2, pp=2), zero=3)
     for rank in (0, 9, 10, 7):
         r = meta_check.measure_rank(TINY, plan, rank)
         assert r["local_elements"] == r["chunked_elements"], rank
     # where dp divides every row count, the planner's even split P_r / dp is exactly what FSDP2 stores
-    even = memory.Plan(2, 2, 2, zero=3)
-    r = meta_check.measure_rank(shapes.ModelShape(**{**TINY.__dict__, "vocab": 128}), even, 5)
+    even = memory.Plan(ParallelDims(dp=2, tp=2, pp=2), zero=3)
+    r = meta_check.measure_rank(dataclasses.replace(TINY, vocab=128), even, 5)
     assert r["local_elements"] == r["planner_elements"]
     assert r["measured_bytes"] == r["planner_bytes"]
 
 
 def test_rules_are_named_in_one_sentence():
     job = planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 64, 64 * 4096)
-    assert "beyond a node" in planner.broken_rule(job, {"tp": 16, "pp": 1, "cp": 1, "ep": 1, "dp": 4})
+    assert "beyond a node" in planner.broken_rule(job, ParallelDims(tp=16, dp=4))
     assert "does not split over dp" in planner.broken_rule(
-        planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 48, 64 * 4096), {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 48})
+        planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 48, 64 * 4096), ParallelDims(dp=48))
     gpt = planner.Job(shapes.gpt("GPT", 24, 2304, 24), shapes.SELENE, 16, 512 * 2048)
-    assert planner.broken_rule(gpt, {"tp": 16, "pp": 1, "cp": 1, "ep": 1, "dp": 1})   # beyond the node first
-    assert planner.broken_rule(planner.Job(TINY, shapes.DGX_H100, 8, 64 * 16), {"tp": 8, "pp": 1, "cp": 1, "ep": 1,
-                                                                               "dp": 1})   # 4 heads over 8
+    assert planner.broken_rule(gpt, ParallelDims(tp=16))   # beyond the node first
+    assert planner.broken_rule(planner.Job(TINY, shapes.DGX_H100, 8, 64 * 16), ParallelDims(tp=8))   # 4 heads over 8
     with pytest.raises(ValueError, match="whole number"):
         planner.plan(planner.Job(TINY, shapes.DGX_H100, 8, 100), 0.5)
 
@@ -53,11 +56,14 @@ def test_the_overflowing_term_is_the_one_that_passes_the_gpu():
     # 70B with mixed-precision Adam on one node: even ZeRO-3 over 8 leaves 16 x 69B / 8 bytes of state per
     # GPU; weights and gradients (4 + 4 bytes / 8) fit in 80 GiB, the optimizer's 8 / 8 does not
     job = planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 8, 1024 * 4096)
-    row = planner.best_for(job, {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 8}, 0.5, {"zero": 3})
-    assert row["term"] == "optimizer"
+    row = planner.published(job, ParallelDims(dp=8), 0.5, {"zero": 3})
+    assert not row["fits"] and row["term"] == "optimizer"
     p = shapes.LLAMA2_70B.params()
     assert row["memory"]["optimizer"] == 8 * p / 8 and row["memory"]["weights"] == 4 * p / 8
-    assert planner.plan(job, 0.5)["ranked"] == []
+    result = planner.plan(job, 0.5)
+    assert result["ranked"] == []
+    with pytest.raises(ValueError, match="no layout of Llama 2 70B on 8 GPUs fits, so .* has no rank"):
+        planner.rank_of(result, row)
 
 
 def test_fused_swiglu_keeps_six_not_eight_bytes_per_element():
@@ -76,8 +82,40 @@ def test_quiz_checker_refuses_the_notes_wrong_answers():
         quiz.check("99", 1.0)
 
 
+def test_quiz_names_what_each_of_the_notes_figures_is(capsys):
+    quiz.check("7", 810.0)
+    assert "whole model's bf16 gradient" in capsys.readouterr().out      # a total, not a rank's bytes
+    quiz.check("2", 0.05)
+    assert "16M-token batch" in capsys.readouterr().out
+    # "enough micro-batches" for a 5 % bubble at p = 16: 15 / (15 + m) < 0.05 needs m > 285 under
+    # 1F1B; 15 / (8 m + 15) < 0.05 needs 8 m > 285, m >= 36, interleaved with v = 8; Llama 3 has 16
+    enough = (quiz.q2_microbatches_for_5pct(), quiz.q2_microbatches_for_5pct(8), quiz.q2_microbatches())
+    assert enough == (286, 36, 16)
+
+
+def test_deepseek_v3_flops_per_token_term_by_term():
+    """The derived TFLOP/s's count, checked against the report's shapes written out by hand
+    (DeepSeek-AI 2024, §4.2: h 7168, 128 heads of 128 + 64 rope dims, d_c 512, d_c' 1536, 61 layers,
+    3 dense of width 18432, then 1 shared + 8 of 256 routed experts of width 2048; V 129,280, s 4096)."""
+    h, layers, moe, s = 7168, 61, 58, 4096
+    attention = 1536 * h + 128 * 192 * 1536 + 576 * h + 128 * 256 * 512 + h * 128 * 128
+    routed = 8 * 3 * 2048 * h
+    terms = flop_count.breakdown()
+    assert terms["attention projections"] == 6 * layers * attention
+    assert terms["dense MLP"] == 6 * 3 * 3 * 18432 * h
+    assert terms["routed experts"] == 6 * moe * routed and terms["shared expert"] == 6 * moe * 3 * 2048 * h
+    assert terms["router"] == 6 * moe * 256 * h and terms["output head"] == 6 * h * 129_280
+    width = 128 * (2 * 128 + 64) // 2          # MLA: the mean of the q.k (192) and v (128) widths
+    assert terms["attention"] == 12 * layers * width * s
+    r = flop_count.derived_tflops()
+    assert r["flops_per_token"] == r["planner_flops_per_token"]       # the planner's count, exactly
+    assert r["tflops"] == cases.deepseek_case().tflops                 # the figure the chapter quotes
+    mtp = 6 * (attention + 256 * h + 3 * 2048 * h + routed + 2 * h * h + h * 129_280) + 12 * width * s
+    assert r["mtp_flops_per_token"] == mtp
+
+
 def test_bad_input_is_one_sentence_before_anything_is_built():
     with pytest.raises(ValueError, match="rank 9 is not one of the 8 ranks"):
         meta_check.main(["--model", "70B", "--dp", "8", "--pp", "1", "--tp", "1", "--rank", "9"])
     with pytest.raises(ValueError, match="dense Llama-shaped"):
-        meta_check.measure_rank(shapes.DEEPSEEK_V3, memory.Plan(8), 0)
+        meta_check.measure_rank(shapes.DEEPSEEK_V3, memory.Plan(ParallelDims(dp=8)), 0)

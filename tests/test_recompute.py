@@ -108,7 +108,10 @@ def test_offloading_keeps_only_the_input_and_moves_every_saved_tensor():
     assert all(v["grads_equal"] for v in o.values())                   # a copy there and back changes no bit
     assert o["none"]["kept_bytes"] == r["formula_bytes"]
     assert o["hand offload"]["kept_bytes"] == 2 * cfg.seq_len * 1 * cfg.hidden   # the bf16 input only
+    # the hook's copies against the saved tensors read from the autograd graph's nodes: a pack
+    # that skipped a tensor, copied one twice or moved a weight would not match
     assert o["hand offload"]["to_host_bytes"] == o["hand offload"]["to_device_bytes"] == r["saved_tensor_bytes"]
+    assert r["saved_tensor_bytes"] > o["none"]["kept_bytes"]    # a tensor saved by two ops moves twice
     assert o["hand offload"]["peak_bytes"] < o["none"]["peak_bytes"]
     assert o["torch save_on_cpu"]["kept_bytes"] == o["none"]["kept_bytes"]    # on a CPU, .cpu() moves nothing
 
@@ -118,3 +121,33 @@ def test_bad_input_of_the_distributed_labs_is_one_sentence_before_any_process_st
         pm.run_policy(world_size=3, m=2)
     with pytest.raises(ValueError, match="offloading runs in one process"):
         offload.main(["--world-size", "2"])
+
+
+@pytest.fixture(scope="module")
+def clipped():
+    from labs.recompute import clip_norm
+    return clip_norm.run(timeout=240)
+
+
+@pytest.mark.numerics
+def test_the_global_norm_counts_each_shard_once_and_equals_one_process(clipped):
+    """Under FSDP + TP and PP + TP, Megatron's rule by hand and the library on DTensors (torchtitan's
+    pipeline reduction added) both give one process's norm, and the clipped gradients equal one
+    process's; counting the TP-replicated LayerNorms and biases on every tp rank, or stopping at a
+    stage's own norm, misses by far more than the rounding bound."""
+    from labs.recompute import clip_norm
+    ref = clipped["reference"]
+    assert ref > clip_norm.MAX_NORM                                   # clipping acted
+    for name in ("fsdp_tp", "pp_tp"):
+        r = clipped[name]
+        for way in ("hand", "library"):
+            assert abs(r[way] / ref - 1) < clip_norm.BOUND, (name, way, r[way], ref)
+        assert r["max_grad_err"] < clip_norm.BOUND, name
+        assert r["duplicates_counted"] / ref - 1 > 100 * clip_norm.BOUND, name
+    assert 1 - clipped["pp_tp"]["stage_only"] / ref > 100 * clip_norm.BOUND
+
+
+def test_the_clipping_lab_refuses_another_world_size():
+    from labs.recompute import clip_norm
+    with pytest.raises(ValueError, match="dp \\(or pp\\) = 2 by tp = 2"):
+        clip_norm.main(["--world-size", "2"])

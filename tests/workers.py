@@ -79,10 +79,18 @@ def count_collectives(rank, world_size, numel):
 
 def tp_group_sum(rank, world_size, tp):
     from labs import groups
-    g = groups.Groups(groups.layout(world_size, tp=tp))
+    from labs.dims import ParallelDims
+    g = groups.Groups(ParallelDims.build(world_size, tp=tp))
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=g.tp)
     return {"coords": g.coords, "tp_ranks": g.tp_ranks, "dp_ranks": g.dp_ranks, "tp_sum": t.item()}
+
+
+def mesh_groups(rank, world_size, dims):
+    """{dimension: this rank's group's ranks} of ``dims.mesh()``, the flattened "dp" included."""
+    mesh = dims.mesh("cpu")
+    return {a: dist.get_process_group_ranks(mesh.get_group(a)) for a in mesh.mesh_dim_names + ("dp",)
+            if a == "dp" or a in mesh.mesh_dim_names}
 
 
 # ---- hand collectives (labs.data_parallel.hand_ring.hand_collectives) ------------------------
@@ -190,8 +198,9 @@ def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16):
 
 def ring_runs(rank, world_size, numels, naive_numel=101):
     """labs.data_parallel.ring_allreduce.run: ring for several sizes, naive and library for one, in one job (one spawn)."""
-    from labs.data_parallel import ring_allreduce as ra
-    return {"ring": [ra.run(rank, world_size, numel, "ring", 1) for numel in numels],
+    from labs.data_parallel import ring_allreduce as ra, ring_steps
+    return {"trace": ring_steps.trace(rank, world_size),
+            "ring": [ra.run(rank, world_size, numel, "ring", 1) for numel in numels],
             "naive": ra.run(rank, world_size, naive_numel, "naive", 1),
             "library": ra.run(rank, world_size, 1000, "library", 1)}
 

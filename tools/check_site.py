@@ -14,7 +14,20 @@ reported), and each page is checked once its math is typeset and its fonts and i
 - links to a local page or anchor that does not exist;
 - any request to a host other than 127.0.0.1 (the site must work with the network off);
 - cell output blocks whose text is wider than the column (cut off at the right edge), and code
-  blocks of the prose that are (notebook code cells that scroll sideways are listed as notes).
+  blocks of the prose that are;
+- at 1280 x 900, display equations wider than their column (MathJax's box scrolls or is clipped);
+- at a phone's 390 x 844 (the same tab, resized after the checks above): a page wider than the
+  viewport, which scrolls sideways (the widest element that sticks out is named).
+
+Two checks are listed as notes unless asked for with --enforce, because the notebooks do not pass
+them yet (the count is printed either way):
+- `--enforce code-cells`: notebook code cells wider than their column at 1280 px;
+- `--enforce figures`: figures too small to read at 390 px. The rule: matplotlib draws its labels
+  and ticks at 10 pt, 10/72 inch, which is 10/72 x dpi pixels of the image (dpi from the PNG's
+  pHYs chunk; 96 when it has none, the CSS pixel's own, as for SVG); scaled to its rendered
+  width at 390 px, that text must stay at least MIN_FIGURE_TEXT_PX (7) CSS pixels high. A
+  6.4-inch figure (matplotlib's default width) passes in a phone's column; a strip of five panels
+  does not. Dropdowns are opened before anything is measured.
 
 The browser is Debian's `chromium` (`apt-get install chromium`), driven by the playwright Python
 package with `executable_path`: nothing downloads a browser. Without Chromium the check fails.
@@ -33,6 +46,11 @@ from urllib.parse import unquote, urlsplit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALL_HINT = "install it with `apt-get install chromium` (as root) or pass --chromium PATH"
+DESKTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
+FIGURE_TEXT_PT = 10        # matplotlib's default size for tick and axis labels
+MIN_FIGURE_TEXT_PX = 7     # that text's least height at 390 px, in CSS pixels
+DEFERRABLE = ("code-cells", "figures")
 
 # Text that must never be visible on a page (code inputs and code blocks of the prose are
 # excluded, cell outputs are not). Each pattern is named in the report.
@@ -56,6 +74,8 @@ async () => {
     return new Promise(done => { img.onload = img.onerror = done; setTimeout(done, 10000); });
   }));
   await document.fonts.ready;
+  document.querySelectorAll('details').forEach(d => { d.open = true; });  // measure what a dropdown holds
+  await new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)));
   const clone = document.body.cloneNode(true);
   clone.querySelectorAll('script, style, template, textarea, mjx-container, .cell_input').forEach(e => e.remove());
   clone.querySelectorAll('pre, code').forEach(e => { if (!e.closest('.cell_output')) e.remove(); });
@@ -64,7 +84,15 @@ async () => {
     .filter(pre => pre.getClientRects().length && pre.scrollWidth > pre.clientWidth + 1);
   const overflow = wide.filter(pre => pre.closest('.cell_output')).map(longest);
   const wideCode = wide.filter(pre => !pre.closest('.cell_output') && !pre.closest('.cell_input')).map(longest);
-  const wideInputs = wide.filter(pre => pre.closest('.cell_input')).map(longest);
+  const wideInputs = wide.filter(pre => pre.closest('.cell_input'))
+    .map(pre => ({line: longest(pre), width: pre.scrollWidth, column: pre.clientWidth}));
+  const texOf = new Map();
+  if (window.MathJax && MathJax.startup && MathJax.startup.document)
+    for (const item of MathJax.startup.document.math) texOf.set(item.typesetRoot, item.math);
+  const wideMath = Array.from(new Set(document.querySelectorAll('div.math mjx-container, mjx-container[display="true"]')))
+    .filter(c => c.getClientRects().length && c.scrollWidth > c.clientWidth + 1)
+    .map(c => ({tex: (texOf.get(c) || c.textContent).trim().replace(/\s+/g, ' ').slice(0, 80),
+                width: c.scrollWidth, column: c.clientWidth}));
   const wideTables = Array.from(document.querySelectorAll('div.cell_output table'))
     .filter(t => t.parentElement.scrollWidth > t.parentElement.clientWidth + 1)
     .map(t => (t.querySelector('tr') || t).textContent.trim().replace(/\\s+/g, ' ').slice(0, 60));
@@ -81,10 +109,65 @@ async () => {
     overflow: overflow,
     wideCode: wideCode,
     wideInputs: wideInputs,
+    wideMath: wideMath,
     inputs: Array.from(document.querySelectorAll('.cell_input'), e => e.textContent),
   };
 }
 """
+
+# Runs after the tab is resized to a phone's width: does the page scroll sideways, and at what
+# width does each figure render? An element inside a box that scrolls or clips is the box's
+# business, not the page's, and a fixed one (the theme's drawers) never scrolls the page.
+PHONE_SCRIPT = """
+async () => {
+  await new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)));
+  const view = document.documentElement.clientWidth;
+  const over = document.documentElement.scrollWidth - view;
+  let culprit = null;
+  if (over > 1) {
+    const inBox = e => {  // clipped or scrolled by a box, or fixed (a drawer off screen): no page scroll
+      if (getComputedStyle(e).position === 'fixed') return true;
+      for (let a = e.parentElement; a && a !== document.body; a = a.parentElement) {
+        const style = getComputedStyle(a);
+        if (style.overflowX !== 'visible' || style.position === 'fixed') return true;
+      }
+      return false;
+    };
+    let best = null;
+    for (const e of document.body.querySelectorAll('*')) {
+      const r = e.getBoundingClientRect();
+      const own = getComputedStyle(e).overflowX === 'visible' ? e.scrollWidth : 0;
+      const right = Math.max(r.right, r.left + own);  // a word that sticks out of its block
+      if (r.width === 0 || right <= view + 1 || inBox(e)) continue;
+      if (!best || right > best.right + 0.5 || (right > best.right - 0.5 && best.e.contains(e))) best = {e: e, right: right};
+    }
+    if (best) {
+      const cls = typeof best.e.className === 'string' && best.e.className ? '.' + best.e.className.split(' ')[0] : '';
+      culprit = `<${best.e.tagName.toLowerCase()}${cls}> ${best.e.textContent.trim().replace(/\s+/g, ' ').slice(0, 70)}`;
+    }
+  }
+  const figures = Array.from(document.images).filter(img => img.getClientRects().length && img.naturalWidth)
+    .map(img => ({src: img.getAttribute('src'), url: img.src, natural: img.naturalWidth,
+                  width: img.getBoundingClientRect().width}));
+  return {view: view, over: over, culprit: culprit, figures: figures};
+}
+"""
+
+
+def image_dpi(path):
+    """The dots per inch a PNG records (pHYs), else 96: the CSS pixel's, and an SVG's."""
+    try:
+        from PIL import Image
+        with Image.open(path) as im:
+            dpi = im.info.get("dpi")
+        return float(dpi[0]) if dpi and dpi[0] > 0 else 96.0
+    except Exception:  # not a raster image Pillow reads (an SVG): CSS pixels
+        return 96.0
+
+
+def figure_text_px(dpi, natural, width):
+    """How high 10-point text of a figure stands on screen, in CSS pixels, at ``width``."""
+    return FIGURE_TEXT_PT / 72 * dpi * width / natural
 
 
 def find_chromium(explicit):
@@ -128,17 +211,32 @@ def serve(site):
 class Site:
     """What the pages reported, and the defects found."""
 
-    def __init__(self, site, base):
-        self.site, self.base = site, base
+    def __init__(self, site, base, enforce=()):
+        self.site, self.base, self.enforce = site, base, set(enforce)
+        self.deferred = {name: [] for name in DEFERRABLE}   # what each deferrable check found
         self.defects = []          # (page, defect)
         self.ids = {}              # page path -> set of element ids seen in the browser
         self.links = []            # (page, absolute href)
         self.notes = []            # (page, note): shown, never a failure
         self.shot_lock = asyncio.Lock()
+        self.dpis = {}
+
+    def dpi(self, path):
+        if path not in self.dpis:
+            self.dpis[path] = image_dpi(path)
+        return self.dpis[path]
 
     def add(self, page, defect):
         if (page, defect) not in self.defects:
             self.defects.append((page, defect))
+
+    def defer(self, check, page, finding, count=1):
+        """A finding of a deferrable check: a defect when --enforce names the check, else a note."""
+        self.deferred[check].append((page, count))
+        if check in self.enforce:
+            self.add(page, finding)
+        else:
+            self.notes.append((page, f"{finding} (a note until --enforce {check})"))
 
     def local_path(self, url):
         """The site path of a URL on our server, or None if it is on another host."""
@@ -186,9 +284,21 @@ async def check_page(context, site, page, shots, timeout_s):
         if resp.status >= 400 and site.local_path(resp.url) is not None:
             site.add(page, f"missing file: {resp.url.replace(base, '')} (HTTP {resp.status})")
 
+    async def shoot(suffix):
+        if not shots or tab.is_closed():
+            return
+        name = page.replace("/", "__").removesuffix(".html") + suffix + ".png"
+        try:
+            async with site.shot_lock:  # one at a time, in front: background tabs tile badly
+                await tab.bring_to_front()
+                await tab.screenshot(path=os.path.join(shots, name), full_page=True)
+        except Exception as e:
+            print(f"note: no screenshot of {page}: {e}", file=sys.stderr)
+
     tab.on("console", on_console)
     tab.on("pageerror", lambda err: site.add(page, f"uncaught exception: {str(err)[:200]}"))
     tab.on("response", on_response)
+    info = None
     try:
         await tab.goto(base + page, wait_until="load", timeout=timeout_s * 1000)
         with open(os.path.join(site.site, page), encoding="utf-8", errors="replace") as f:
@@ -198,19 +308,25 @@ async def check_page(context, site, page, shots, timeout_s):
             site.links.append((page, base + os.path.dirname(page) + ("/" if os.path.dirname(page) else "") + m.group(1).strip()))
             return
         info = await asyncio.wait_for(tab.evaluate(PAGE_SCRIPT), timeout_s)
+        await shoot("")
+        await tab.set_viewport_size(PHONE)
+        phone = await asyncio.wait_for(tab.evaluate(PHONE_SCRIPT), timeout_s)
+        await shoot("@390")
     except Exception as e:  # a page that cannot be opened or never settles is a defect
         site.add(page, f"page did not load: {str(e).splitlines()[0][:200]}")
+        if info is None:
+            await shoot("")
         return
     finally:
-        if shots and not tab.is_closed():
-            name = page.replace("/", "__").removesuffix(".html") + ".png"
-            try:
-                async with site.shot_lock:  # one at a time, in front: background tabs tile badly
-                    await tab.bring_to_front()
-                    await tab.screenshot(path=os.path.join(shots, name), full_page=True)
-            except Exception as e:
-                print(f"note: no screenshot of {page}: {e}", file=sys.stderr)
         await tab.close()
+    check_desktop(site, page, info)
+    check_phone(site, page, phone)
+    site.ids[page] = set(info["ids"])
+    site.links += [(page, href) for href in info["links"]]
+
+
+def check_desktop(site, page, info):
+    """The defects of a page as the 1280-pixel tab saw it."""
     for name, pattern in TEXT_DEFECTS:
         found = list(pattern.finditer(info["text"]))
         if found:
@@ -233,19 +349,37 @@ async def check_page(context, site, page, shots, timeout_s):
         site.add(page, f"code block wider than the column (scrolls sideways): {line.strip()[:100]}")
     for head in info["wideTables"]:  # it scrolls inside the column: readable, a note
         site.notes.append((page, f"an output table scrolls sideways: {head}..."))
-    if info["wideInputs"]:  # notebook code scrolls like code in any editor: a note, not a defect
-        longest = max(info["wideInputs"], key=len).strip()
-        site.notes.append((page, f"{len(info['wideInputs'])} code cells scroll sideways; the longest line "
-                                 f"has {len(longest)} characters: {longest[:60]}..."))
-    site.ids[page] = set(info["ids"])
-    site.links += [(page, href) for href in info["links"]]
+    for eq in info["wideMath"]:
+        site.add(page, f"display equation wider than the column at 1280 px ({eq['width']} px in "
+                       f"{eq['column']} px; break it over lines): {eq['tex']}")
+    if info["wideInputs"]:
+        widest = max(info["wideInputs"], key=lambda c: c["width"])
+        line = widest["line"].strip()
+        site.defer("code-cells", page, f"{len(info['wideInputs'])} code cells wider than the column at 1280 px; "
+                   f"the widest, {widest['width']} px in {widest['column']} px, has a line of {len(line)} "
+                   f"characters: {line[:60]}...", count=len(info["wideInputs"]))
 
 
-async def run(site_dir, chromium, shots, jobs, timeout_s):
+def check_phone(site, page, phone):
+    """The defects of a page resized to a phone's width: sideways scrolling, figures too small."""
+    if phone["over"] > 1:
+        site.add(page, f"page wider than a {PHONE['width']} px viewport (scrolls sideways by {phone['over']} px); "
+                       f"the widest part: {phone['culprit']}")
+    for fig in phone["figures"]:
+        path = site.local_path(fig["url"])
+        dpi = site.dpi(os.path.join(site.site, path)) if path else 96.0
+        px = figure_text_px(dpi, fig["natural"], fig["width"])
+        if px < MIN_FIGURE_TEXT_PX:
+            site.defer("figures", page, f"figure too small to read at {PHONE['width']} px: its {FIGURE_TEXT_PT}-point "
+                       f"text stands {px:.1f} px high (at least {MIN_FIGURE_TEXT_PX}); {fig['natural']} px at "
+                       f"{dpi:g} dpi shown {fig['width']:.0f} px wide: {fig['src']}")
+
+
+async def run(site_dir, chromium, shots, jobs, timeout_s, enforce=()):
     from playwright.async_api import async_playwright
 
     server = serve(site_dir)
-    site = Site(site_dir, f"http://127.0.0.1:{server.server_address[1]}/")
+    site = Site(site_dir, f"http://127.0.0.1:{server.server_address[1]}/", enforce)
     pages = html_pages(site_dir)
     try:
         async with async_playwright() as p:
@@ -253,7 +387,7 @@ async def run(site_dir, chromium, shots, jobs, timeout_s):
                 executable_path=chromium,
                 # No sandbox: CI runs as root. No name resolves: nothing reaches the network.
                 args=["--no-sandbox", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
-            context = await browser.new_context(viewport={"width": 1280, "height": 900})
+            context = await browser.new_context(viewport=DESKTOP)
 
             async def route(r):
                 if site.local_path(r.request.url) is None and not r.request.url.startswith(("data:", "blob:")):
@@ -278,7 +412,7 @@ async def run(site_dir, chromium, shots, jobs, timeout_s):
     finally:
         server.shutdown()
     site.check_links()
-    return pages, site.defects, site.notes
+    return pages, site
 
 
 def main(argv=None):
@@ -288,6 +422,9 @@ def main(argv=None):
     ap.add_argument("--screenshots", metavar="DIR", help="save a full-page screenshot of every page into DIR")
     ap.add_argument("--jobs", type=int, default=4, help="pages open at once (default 4)")
     ap.add_argument("--timeout", type=int, default=60, help="seconds a page may take to load and settle")
+    ap.add_argument("--enforce", action="append", choices=DEFERRABLE, default=[],
+                    help="make a check that is a note by default a failure: code-cells (notebook code wider "
+                         "than its column at 1280 px), figures (text under 7 px high at 390 px); repeatable")
     args = ap.parse_args(argv)
 
     if not os.path.isfile(os.path.join(args.site, "index.html")) and not html_pages(args.site):
@@ -304,16 +441,24 @@ def main(argv=None):
 
     start = time.monotonic()
     try:
-        pages, defects, notes = asyncio.run(run(os.path.abspath(args.site), chromium, args.screenshots, args.jobs, args.timeout))
+        pages, site = asyncio.run(run(os.path.abspath(args.site), chromium, args.screenshots, args.jobs,
+                                      args.timeout, args.enforce))
     except Exception as e:
         sys.exit(f"error: could not run Chromium ({chromium}): {str(e).splitlines()[0]}; {INSTALL_HINT}.")
     took = time.monotonic() - start
-    for page, note in sorted(notes):
+    defects = site.defects
+    for page, note in sorted(site.notes):
         print(f"{page}: note: {note}")
     for page, defect in sorted(defects):
         print(f"{page}: {defect}")
+    for check, what in (("code-cells", "notebook code cells wider than the column at 1280 px"),
+                        ("figures", "figures too small to read at 390 px")):
+        found = site.deferred[check]
+        if found and check not in site.enforce:
+            print(f"not enforced (--enforce {check}): {sum(n for _, n in found)} {what}, "
+                  f"on {len({p for p, _ in found})} pages")
     broken = len({page for page, _ in defects})
-    print(f"browser check: {len(pages)} pages in {took:.0f} s, "
+    print(f"browser check: {len(pages)} pages at {DESKTOP['width']} and {PHONE['width']} px in {took:.0f} s, "
           + (f"{len(defects)} defects on {broken} pages" if defects else "no defects"))
     return 1 if defects else 0
 

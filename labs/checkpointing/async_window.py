@@ -16,7 +16,9 @@ The lab trains the chapter's hand-FSDP run (`labs.checkpointing.training`) on 2 
 format's `sharded_checkpoint.async_save`; slow storage is modelled by holding each rank's last file
 until omega steps after the save began, so the commit, which waits for every rank's files, lands
 then. After every step rank 0 reads from disk which checkpoint a restart would find
-(`sharded_checkpoint.latest`, which verifies it).
+(`sharded_checkpoint.latest`, which verifies it). omega is therefore an input, not a measurement:
+the run tests that the commit waits for every rank's files, that a restart finds the newest
+committed checkpoint and never one in flight, and that the lost steps follow from those two.
 `killed_in_flight` then kills the job for real while a save is in flight and reads what is left.
 """
 import os

@@ -77,7 +77,17 @@ WRONG = {
     "4": 9 % 4,                                                  # as if the save of step 8 had committed
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(WRONG["1"], "chapter 1's 16 bytes: gradients and bf16 weights saved too"),
+          (lambda: write_seconds(checkpoint_bytes("70B"), 10 / 8), "10 Gb/s read for 10 GB/s"),
+          budget.nominal("70B", EXERCISES["1"])],
+    "2": [(WRONG["2"], "the padded shard's size, padding counted as written")],
+    "3": [(WRONG["3"], "samples consumed, not the position in the epoch")],
+    "4": [(WRONG["4"], "as if the save of step 8 had committed (a synchronous save)")],
+}
+
 
 def check(question, answer, rel=0.01):
     """Automatic checker: within 1% of the computed answer."""
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from labs import groups, model as tiny
+from labs.dims import ParallelDims
 from labs.launcher import launch
 from labs.tensor_parallel import megatron
 from labs.zero import fsdp
@@ -84,7 +85,7 @@ def tp_state(index, tp_rank, saving):
 def build(kind, rank, world_size, tp, cfg, dev):
     """The tiny GPT under (dp, tp) = (world_size / tp, tp): (net, hand, opt, sched, loader, grid,
     (the hand format's state to save, and to load into))."""
-    lay = groups.layout(world_size, tp=tp)
+    lay = ParallelDims.build(world_size, tp=tp)
     grid = groups.Groups(lay)
     dp_rank, net = grid.coords["dp"], tiny.build(cfg, seed=0, device=dev)
     hand, state_fns = None, (ck.hand_state, ck.hand_state)
@@ -95,8 +96,7 @@ def build(kind, rank, world_size, tp, cfg, dev):
             state_fns = tuple(tp_state(index, grid.coords["tp"], saving) for saving in (True, False))
         hand = fsdp.HandFSDP(net, list(net.blocks), group=grid.dp)
     else:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(dev.type, (lay.dp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = lay.mesh(dev.type)
         if tp > 1:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
             for block in net.blocks:
@@ -129,7 +129,7 @@ def run(rank, world_size, kind, root, steps, tp, save_at=None, load_at=None, cfg
     Returns losses, the saved or loaded full weights, and the global batches of each step."""
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     net, hand, opt, sched, loader, grid, (save_fn, load_fn) = build(kind, rank, world_size, tp, cfg, dev)
-    dp_rank, dp = grid.coords["dp"], grid.layout.dp
+    dp_rank, dp = grid.coords["dp"], grid.dims.dp
     out, first = {"losses": [], "batches": []}, 0
     if load_at is not None:
         ck._load(kind, net, hand, opt, sched, loader, os.path.join(root, f"step-{load_at}"), state_fn=load_fn)

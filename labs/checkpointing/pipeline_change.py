@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from labs import groups, model as tiny
+from labs.dims import ParallelDims
 from labs.launcher import launch
 from labs.pipeline import executor, pipeline_dp, schedules
 from labs.checkpointing import one_name, resharding as ck, sharded_checkpoint as sc, training
@@ -171,7 +172,7 @@ def run(rank, world_size, kind, root, steps, pp, save_at=None, load_at=None, cfg
     global mean loss of each step, the global sample ids of each step, the full weights at the
     save or just after the load, and the keys every rank read (after a load)."""
     cfg, dev = cfg or CFG, launch.device()
-    lay = groups.layout(world_size, pp=pp)
+    lay = ParallelDims.build(world_size, pp=pp)
     grid = groups.Groups(lay)
     stage, dp_rank, dp = grid.coords["pp"], grid.coords["dp"], lay.dp
     piece = executor.split(tiny.build(cfg, seed=0, device=dev), pp)[stage]
@@ -244,7 +245,7 @@ def change_pipeline(src=2, dsts=(2, 1, 4), world_size=4, steps=5, save_at=3, tim
     "wrong_names": what the bug loads and whether `check_coverage` refuses it}."""
     cfg = cfg or CFG
     for pp in (src,) + tuple(dsts):
-        groups.layout(world_size, pp=pp)
+        ParallelDims.build(world_size, pp=pp)
         if cfg.n_layer % pp or (training.GLOBAL_BATCH // (world_size // pp)) % MICRO:
             raise ValueError(f"pp={pp} on {world_size} ranks does not give whole layers of {cfg.n_layer} and whole "
                              f"micro-batches of {MICRO} samples; use a pp dividing both.")

@@ -12,6 +12,7 @@ RNG state draws other masks and trains on other inputs (the check `rng_match` ca
 import torch
 
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.checkpointing.stateful_loader import StatefulLoader
 from labs.zero import fsdp
 
@@ -46,8 +47,7 @@ def build(kind, rank, world_size, cfg, dev):
     net = tiny.build(cfg, seed=0, device=dev)
     hand = None
     if kind == "dcp":
-        from torch.distributed.device_mesh import init_device_mesh
-        fsdp.fully_shard_units(net, list(net.blocks), init_device_mesh(dev.type, (world_size,)))
+        fsdp.fully_shard_units(net, list(net.blocks), ParallelDims(dp=world_size).mesh(dev.type)["dp"])
     else:
         hand = fsdp.HandFSDP(net, list(net.blocks))
     opt, sched = optimizer(net)

@@ -1,9 +1,11 @@
 """Chapter 10: the alpha-beta model fitted on this machine, and an nccl-tests-style table.
 
 Hockney's model, as Thakur, Rabenseifner & Gropp (2005) use it: a message of n bytes
-takes alpha + n * beta. `fit` estimates alpha and beta by least squares from measured times of
-one exchange (both ranks send and receive n bytes at once, as in every round of chapter 10's
-algorithms) on 2 ranks. `costs` gives each all-reduce's rounds and bytes along its critical path
+takes alpha + n * beta. `fit_line` estimates alpha and beta from measured times of one exchange per
+size (`labs.collectives.crossover` times them on the ranks it sweeps; chapter 11's
+`labs.hardware.latency` on 2) by least squares on the relative errors, since the times span three
+orders of magnitude and an unweighted fit spends itself on the largest sizes, whose noise alone
+exceeds alpha. `costs` gives each all-reduce's rounds and bytes along its critical path
 (the tests set them beside the counted ones), and `crossover` the size below which recursive
 doubling, L (alpha + n beta), beats the ring, 2(p-1) * alpha + 2(p-1)/p * n * beta:
 
@@ -16,13 +18,12 @@ fold in first and unfold last). `labs.collectives.crossover` times both algorith
 (`labs.data_parallel.bus_bandwidth`), on whatever backend `labs.launcher.launch` chose: gloo here, NCCL on a GPU box.
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from labs.data_parallel import bus_bandwidth
-from labs.measure import comm
+from labs.measure import comm, timing
 from labs.launcher import launch, preflight
 
 FIT_SIZES = [4, 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024]   # bytes
@@ -30,51 +31,37 @@ BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BENCH_SIZES = [4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024]      # bytes, the full buffer S
 
 
-def _sync(t):
-    if t.is_cuda:
-        torch.cuda.synchronize()
-
-
-def _median_seconds(call, repeats, t, stat=statistics.median):
+def _median_seconds(call, repeats, stat=statistics.median):
     """Median (or ``stat``) of ``repeats`` timed calls, each after a barrier, after one warm-up."""
     call()
     times = []
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start = timing.now()                  # after the GPU's queued work, not at its launch
         call()
-        _sync(t)
-        times.append(time.perf_counter() - start)
+        times.append(timing.now() - start)
     return stat(times)
 
 
-def rank_exchange_times(rank, world_size, sizes, repeats):
-    """One rank of 2: the fastest seconds of one exchange of each size with the other rank."""
-    out = []
-    for size in sizes:
-        mine = torch.ones(size // 4, device=launch.device())
-        theirs, peer = torch.empty_like(mine), 1 - rank
+def fit_line(sizes, seconds):
+    """alpha (s) and beta (s/byte) of t = alpha + n beta, minimising the squared relative errors
+    sum(((t_i - alpha - n_i beta) / t_i)^2): weighted least squares with weights 1/t_i.
 
-        def swap():
-            for req in (comm.isend(mine, peer), comm.irecv(theirs, peer)):
-                req.wait()
-        # the fastest of many: on a shared box the slow ones are other processes, not alpha or beta
-        out.append(_median_seconds(swap, repeats, mine, stat=min))
-    return out
-
-
-def fit(sizes=FIT_SIZES, repeats=20, timeout=120.0):
-    """alpha (s) and beta (s/byte) by least squares over ``sizes`` on 2 ranks, with the times.
-
-    Returns sizes, seconds (slower rank's fastest per size), alpha, beta and predicted (alpha +
-    n beta per size), so predicted can be set beside measured."""
-    ranks = launch.spawn(rank_exchange_times, 2, list(sizes), repeats, timeout=timeout)
-    seconds = [max(col) for col in zip(*ranks)]
-    a = torch.tensor([[1.0, float(n)] for n in sizes], dtype=torch.float64)  # (sizes, 2)
-    b = torch.tensor(seconds, dtype=torch.float64).unsqueeze(1)              # (sizes, 1)
-    alpha, beta = torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
-    return {"sizes": list(sizes), "seconds": seconds, "alpha": alpha, "beta": beta,
-            "predicted": [alpha + n * beta for n in sizes]}
+    Returns alpha, beta, predicted (alpha + n beta per size) and residuals ((t - predicted) / t
+    per size). Unweighted, a 1 % error at 4 MiB (a few hundred microseconds here) moves the
+    intercept by more than alpha itself; weighted, every size counts by its relative error."""
+    if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+        raise ValueError(f"a line needs times at two or more distinct sizes, got sizes {list(sizes)} "
+                         f"and {len(seconds)} times.")
+    if min(seconds) <= 0:
+        raise ValueError(f"times must be positive, got {list(seconds)}.")
+    t = torch.tensor(seconds, dtype=torch.float64)                                   # (sizes,)
+    a = torch.tensor([[1.0, float(n)] for n in sizes], dtype=torch.float64) / t[:, None]  # (sizes, 2)
+    ones = torch.ones(len(sizes), 1, dtype=torch.float64)                              # (sizes, 1)
+    alpha, beta = torch.linalg.lstsq(a, ones).solution[:, 0].tolist()
+    predicted = [alpha + n * beta for n in sizes]
+    return {"alpha": alpha, "beta": beta, "predicted": predicted,
+            "residuals": [(s - p) / s for s, p in zip(seconds, predicted)]}
 
 
 def doubling_rounds(p):
@@ -130,7 +117,7 @@ def rank_bench(rank, world_size, ops, sizes, repeats):
         row = []
         for s in sizes:
             call, t = _library_call(op, s, world_size)
-            row.append(_median_seconds(call, repeats, t))
+            row.append(_median_seconds(call, repeats))
         rows.append(row)
     return rows
 

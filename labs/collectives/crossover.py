@@ -1,23 +1,23 @@
 """Chapter 10: recursive doubling against the ring, timed on both sides of the predicted crossover.
 
-`alpha_beta.crossover` predicts, from fitted alpha and beta, the size n* below which recursive
-doubling's all-reduce (few rounds, n bytes each) beats the ring's (2(p-1) rounds of n/p bytes).
+`alpha_beta.crossover` predicts, from fitted alpha and beta, the size M* below which recursive
+doubling's all-reduce (few rounds, M bytes each) beats the ring's (2(N-1) rounds of M/N bytes).
 A prediction is not a measurement, so `sweep` times both hand all-reduces of
-`labs.collectives.algorithms` on p ranks, at sizes from n*/4 to 4 n*, and reports where the
+`labs.collectives.algorithms` on N ranks, at sizes from M*/4 to 4 M*, and reports where the
 measured times cross beside where the model says they should.
 
 In every round of both algorithms all ranks exchange at once, so alpha and beta are fitted here, in
-the same job, on the same p ranks: rank r swaps n bytes with r XOR 1, every pair at once. Each time
-is the slowest rank's (a collective ends when its last rank does): a collective's time at a size is
-the median of repeats, each after a barrier, the two algorithms taking turns; the fit's exchanges
-are the fastest of repeats (as `alpha_beta.fit` does). Timings vary with the machine and its load: the notebook prints them and asserts nothing
-about them.
+the same job, on the same N ranks: rank r swaps M bytes with r XOR 1, every pair at once, and
+`alpha_beta.fit_line` fits the fastest repeat per size by relative error. Each time is the slowest
+rank's (a collective ends when its last rank does). At each size the two all-reduces take turns,
+repeat by repeat, the first of the pair alternating, so each repeat gives one paired ratio
+doubling / ring; `labs.measure.intervals` turns the ratios into a median with its interval and
+range, and names the faster algorithm only where the interval excludes 1 and no more ranks ran
+than the machine has cores. On a GPU the clock is read after `torch.cuda.synchronize`.
 
     python -m labs.collectives.crossover --world-size 4 --json
 """
-import math
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,126 +25,158 @@ import torch.distributed as dist
 from labs.collectives import algorithms, alpha_beta
 from labs.collectives.recursive import Rounds
 from labs.launcher import launch
+from labs.measure import intervals, timing
 
-FACTORS = (1 / 4, 1 / 2, 1, 2, 4)   # sizes swept, as multiples of the predicted n*
+FACTORS = (1 / 4, 1 / 2, 1, 2, 4)   # sizes swept, as multiples of the predicted M*
 ALGORITHMS = ("ring", "recursive_doubling")
+REPEATS = 15                        # paired repeats per size: a 96.5 % interval from order statistics
 
 
 def _slowest(seconds):
     """Per repeat, the slowest rank's seconds (a tensor all-reduced with MAX)."""
-    t = torch.tensor(seconds, dtype=torch.float64)
+    t = torch.tensor(seconds, dtype=torch.float64, device=launch.device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
-def _timed(call, repeats):
-    """This rank's seconds for each of ``repeats`` calls, each after a barrier, after one warm-up."""
+def _seconds(call):
+    """This rank's seconds for one call, started after a barrier with the GPU idle (`timing.now`)."""
+    dist.barrier()
+    start = timing.now()
     call()
+    return timing.now() - start
+
+
+def _exchange_times(rank, sizes, repeats):
+    """Per size, the slowest rank's seconds of each repeat of one exchange with rank XOR 1."""
     out = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - start)
-    return out
-
-
-def _fit(rank, sizes, repeats):
-    """alpha, beta by least squares from exchanges with rank XOR 1, all pairs at once."""
-    fastest = []
     for nbytes in sizes:
         mine = torch.ones(nbytes // 4, device=launch.device())
         theirs = torch.empty_like(mine)
         exchange = lambda: Rounds().exchange(sends=[(mine, rank ^ 1)], recvs=[(theirs, rank ^ 1)])
-        fastest.append(min(_timed(exchange, repeats)))
-    fastest = _slowest(fastest)
-    a = torch.tensor([[1.0, float(n)] for n in sizes], dtype=torch.float64)   # (sizes, 2)
-    alpha, beta = torch.linalg.lstsq(a, torch.tensor(fastest, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
-    return alpha, beta, fastest
+        exchange()                                            # warm-up: connections, buffers
+        out.append(_slowest([_seconds(exchange) for _ in range(repeats)]))
+    return out
 
 
-def sweep_sizes(n_star, p, factors=FACTORS):
-    """Byte sizes around n*, each a multiple of 4p (fp32 elements in p equal blocks), at least 4p."""
-    step = 4 * p
-    return sorted({max(step, round(n_star * f / step) * step) for f in factors})
+def sweep_sizes(m_star, n, factors=FACTORS):
+    """Byte sizes around M*, each a multiple of 4N (fp32 elements in N equal blocks), at least 4N."""
+    step = 4 * n
+    return sorted({max(step, round(m_star * f / step) * step) for f in factors})
 
 
 def rank_sweep(rank, world_size, fit_sizes, factors, repeats):
-    """One rank: fit alpha and beta, predict n*, time both all-reduces around it.
-
-    At each size the two algorithms take turns, repeat by repeat, so a burst of load on the
-    machine falls on both; each time is the slowest rank's, and a size's time the median."""
-    alpha, beta, fit_seconds = _fit(rank, fit_sizes, repeats)
-    n_star = alpha_beta.crossover(alpha, beta, world_size)
-    sizes = sweep_sizes(n_star, world_size, factors) if n_star else list(fit_sizes)
+    """One rank: fit alpha and beta, predict M*, time both all-reduces around it, in pairs."""
+    fit_times = _exchange_times(rank, fit_sizes, repeats)
+    fastest = [min(t) for t in fit_times]
+    line = alpha_beta.fit_line(fit_sizes, fastest)
+    m_star = alpha_beta.crossover(line["alpha"], line["beta"], world_size)
+    step = 4 * world_size                                 # fp32 elements in N equal blocks
+    sizes = (sweep_sizes(m_star, world_size, factors) if m_star      # no M* (N = 2): the fit's sizes
+             else sorted({-(-n // step) * step for n in fit_sizes}))
     times, exact = {a: [] for a in ALGORITHMS}, True
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, device=launch.device())
         per_repeat = {a: [] for a in ALGORITHMS}
         for repeat in range(repeats + 1):                    # repeat 0: warm-up, not kept
-            for name in ALGORITHMS:
+            for name in (ALGORITHMS if repeat % 2 else ALGORITHMS[::-1]):   # who goes first alternates
                 x.fill_(1.0)
-                dist.barrier()
-                start = time.perf_counter()
-                algorithms.HAND["all_reduce", name](x, Rounds())
-                seconds = time.perf_counter() - start
-                exact = exact and bool((x == world_size).all())   # p ones summed: exactly p in fp32
+                seconds = _seconds(lambda: algorithms.HAND["all_reduce", name](x, Rounds()))
+                exact = exact and bool((x == world_size).all())   # N ones summed: exactly N in fp32
                 if repeat:
                     per_repeat[name].append(seconds)
         for name in ALGORITHMS:
-            times[name].append(statistics.median(_slowest(per_repeat[name])))
-    ok = torch.tensor([int(exact)])
+            times[name].append(_slowest(per_repeat[name]))
+    ok = torch.tensor([int(exact)], device=launch.device())
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)                # every rank's results
-    return {"alpha": alpha, "beta": beta, "fit_sizes": list(fit_sizes), "fit_seconds": fit_seconds,
-            "predicted": n_star, "sizes": sizes, "seconds": times, "exact": bool(ok.item())}
+    return {"alpha": line["alpha"], "beta": line["beta"], "fit_sizes": list(fit_sizes),
+            "fit_seconds": fastest, "fit_residuals": line["residuals"],
+            "fit_median_seconds": [statistics.median(t) for t in fit_times],
+            "predicted": m_star, "sizes": sizes, "seconds": times, "exact": bool(ok.item())}
 
 
-def measured_crossover(sizes, ring, doubling):
-    """The size where doubling stops being faster for good, interpolated in log size between the two
-    sizes around it; ("below", sizes[0]) or ("above", sizes[-1]) if the sweep does not bracket it."""
-    ratio = [d / r for d, r in zip(doubling, ring)]
-    k = next((i for i in range(len(ratio)) if all(x > 1 for x in ratio[i:])), None)
-    if k is None:
-        return "above", sizes[-1]
-    if k == 0:
-        return "below", sizes[0]
-    lo, hi = math.log(sizes[k - 1]), math.log(sizes[k])
-    frac = (1 - ratio[k - 1]) / (ratio[k] - ratio[k - 1])
-    return "at", math.exp(lo + frac * (hi - lo))
+def measured_crossover(sizes, verdicts):
+    """Where the faster algorithm changes, from the sizes whose verdict is resolved.
+
+    ("between", (a, b)): doubling faster at a, the ring at b, every resolved doubling size below
+    every resolved ring size; ("above", a) or ("below", b) when only one side was resolved;
+    ("unresolved", None) when none was, or when the resolved sizes contradict one another."""
+    doubling = [s for s, v in zip(sizes, verdicts) if v == "recursive_doubling"]
+    ring = [s for s, v in zip(sizes, verdicts) if v == "ring"]
+    if doubling and ring:
+        return ("between", (max(doubling), min(ring))) if max(doubling) < min(ring) else ("unresolved", None)
+    if doubling:
+        return "above", max(doubling)
+    if ring:
+        return "below", min(ring)
+    return "unresolved", None
 
 
-def sweep(world_size, fit_sizes=alpha_beta.FIT_SIZES, factors=FACTORS, repeats=7, timeout=300.0):
+def describe(where, at):
+    """The measured crossover in words, sizes in KiB."""
+    kib = lambda n: f"{n / 1024:.0f} KiB"
+    return {"between": lambda: f"between {kib(at[0])} and {kib(at[1])}",
+            "above": lambda: f"above {kib(at)}", "below": lambda: f"below {kib(at)}",
+            "unresolved": lambda: intervals.UNRESOLVED}[where]()
+
+
+def sweep(world_size, fit_sizes=alpha_beta.FIT_SIZES, factors=FACTORS, repeats=REPEATS, timeout=300.0):
     """Fit, predict and time on ``world_size`` ranks; the predicted and the measured crossover.
 
-    Returns alpha, beta (isolated exchanges), predicted (n* in bytes, None for p = 2), sizes, seconds
-    per algorithm (slowest rank, median), exact (every result right), measured: (where, bytes) from
-    `measured_crossover`, and seconds_per_round_smallest: each algorithm's time at the smallest size
-    over its rounds, the latency a round paid inside a chain of rounds."""
+    Returns alpha, beta, fit_residuals (relative), fit_median_seconds, predicted (M* in bytes, None
+    for N = 2), sizes, seconds (per algorithm and size, the slowest rank's time of each repeat),
+    ratios (per size, `intervals.ratio_interval` of doubling / ring, with its verdict), cores,
+    measured (where, bytes, text) and seconds_per_round_smallest with model_round_smallest: at the
+    smallest size, each algorithm's median time over its rounds beside alpha + (bytes a round
+    moves) beta, what the fit says a round costs."""
     if world_size < 2 or world_size % 2:
         raise ValueError(f"the sweep pairs rank r with r XOR 1 to fit alpha and beta: use an even world "
                          f"size of at least 2, not {world_size}.")
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}.")
+    intervals.median_ranks(repeats)                          # refuses too few repeats before spawning
     r = launch.spawn(rank_sweep, world_size, list(fit_sizes), list(factors), repeats, timeout=timeout)[0]
-    where, nbytes = measured_crossover(r["sizes"], r["seconds"]["ring"], r["seconds"]["recursive_doubling"])
-    # at the smallest size the bytes cost little: its time over its rounds is what one round cost
-    per_round = {a: r["seconds"][a][0] / alpha_beta.costs(world_size)[a][0] for a in ALGORITHMS}
-    return {"world_size": world_size, **r, "measured": {"where": where, "bytes": nbytes},
-            "seconds_per_round_smallest": per_round}
+    cores = intervals.cores()
+    ratios = []
+    for ring, doubling in zip(r["seconds"]["ring"], r["seconds"]["recursive_doubling"]):
+        iv = intervals.ratio_interval(doubling, ring)
+        iv["verdict"] = intervals.verdict(iv, "recursive_doubling", "ring", world_size, cores)
+        ratios.append(iv)
+    where, at = measured_crossover(r["sizes"], [iv["verdict"] for iv in ratios])
+    costs, smallest = alpha_beta.costs(world_size), r["sizes"][0]
+    per_round = {a: statistics.median(r["seconds"][a][0]) / costs[a][0] for a in ALGORITHMS}
+    # a round moves (bytes along the critical path) / rounds: M/N for the ring, M for doubling
+    model = {a: r["alpha"] + costs[a][1] / costs[a][0] * smallest * r["beta"] for a in ALGORITHMS}
+    return {"world_size": world_size, "cores": cores, "repeats": repeats, **r, "ratios": ratios,
+            "measured": {"where": where, "bytes": at, "text": describe(where, at)},
+            "seconds_per_round_smallest": per_round, "model_round_smallest": model}
+
+
+def table(result):
+    """One line per size: both medians, the ratio doubling / ring, its interval, its range, verdict."""
+    lines = [f"{'size KiB':>9} {'ring ms':>8} {'dbl ms':>8} {'dbl/ring':>8} "
+             f"{'interval':>14} {'range':>14}  faster"]
+    for n, ring, dbl, iv in zip(result["sizes"], result["seconds"]["ring"],
+                                result["seconds"]["recursive_doubling"], result["ratios"]):
+        med = lambda t: statistics.median(t) * 1e3
+        faster = {"recursive_doubling": "doubling"}.get(iv["verdict"], iv["verdict"])
+        faster = "not resolved" if faster == intervals.UNRESOLVED else faster
+        lines.append(f"{n / 1024:>9.1f} {med(ring):>8.2f} {med(dbl):>8.2f} {iv['median']:>8.2f} "
+                     f"[{iv['low']:5.2f}, {iv['high']:5.2f}] "
+                     f"[{iv['lowest']:5.2f}, {iv['highest']:5.2f}]  {faster}")
+    return "\n".join(lines)
 
 
 def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("Recursive doubling against the ring: the predicted crossover (fitted alpha, beta) "
-                   "and the measured one (both all-reduces timed around it).", world_size_default=4)
-    p.add_argument("--repeats", type=cli.positive_int, default=7)
+                   "and the measured one (both all-reduces timed around it, in pairs).", world_size_default=4)
+    p.add_argument("--repeats", type=cli.positive_int, default=REPEATS)
     args = cli.parse(p, argv)
     r = sweep(args.world_size, repeats=args.repeats, timeout=args.timeout)
-    lines = [f"alpha {r['alpha'] * 1e6:.1f} us, 1/beta {1 / r['beta'] / 1e9:.2f} GB/s on {args.world_size} ranks; "
-             f"predicted crossover {r['predicted'] and round(r['predicted'] / 1024)} KiB; measured: "
-             f"{r['measured']['where']} {r['measured']['bytes'] / 1024:.0f} KiB"]
-    lines += [f"{n:>10} B  ring {t1 * 1e3:8.2f} ms  doubling {t2 * 1e3:8.2f} ms"
-              for n, t1, t2 in zip(r["sizes"], r["seconds"]["ring"], r["seconds"]["recursive_doubling"])]
+    predicted = f"{r['predicted'] / 1024:.0f} KiB" if r["predicted"] else "none (doubling wins at every size)"
+    bandwidth = f"{1 / r['beta'] / 1e9:.2f} GB/s" if r["beta"] > 0 else f"beta = {r['beta']:.3g} s/B"
+    lines = [f"alpha {r['alpha'] * 1e6:.1f} us, 1/beta {bandwidth} on {args.world_size} ranks "
+             f"({r['cores']} cores); predicted crossover {predicted}; measured: {r['measured']['text']}",
+             table(r)]
     cli.report(r, args, "\n".join(lines))
 
 

@@ -83,6 +83,7 @@ def gloo_model(op, nbytes, p, rank):
     return wire.gloo_allreduce_all_ranks(nbytes, p) // p    # all_reduce, and reduce_scatter inside it
 
 
+@launch.on_cpu("gloo's wire bytes, read from /proc/self/io, which NCCL's traffic never passes through")
 def rank_beside(rank, world_size, numel):
     """One rank, per op: its counted bytes in the hand collective and its wire bytes in gloo's.
 

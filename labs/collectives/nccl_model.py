@@ -14,7 +14,7 @@ Protocols (how a GPU signals that data has arrived):
 - Simple: whole buffers and a memory fence per step: the full bandwidth, the highest latency.
 
 Algorithms: Ring (all collectives); Tree (all-reduce: a chain inside each node, a double binary
-tree across nodes, since NCCL 2.4.2, `src/misc/trees.cc` then); CollNetDirect and CollNetChain
+tree across nodes, since NCCL 2.4.2, `src/misc/trees.cu` then); CollNetDirect and CollNetChain
 (in-network reduction through a CollNet plugin such as SHARP); NVLS and NVLSTree (NVLink SHARP
 in the NVSwitch; Simple only); PAT (NCCL 2.23.4: "Parallel Aggregated Trees, variation of Bruck
 algorithm", all-gather and reduce-scatter, one rank per node only).

@@ -199,10 +199,23 @@ EXERCISES = {
     "3": lambda: alpha_beta.crossover(5e-6, 1 / 25e9, 8),                      # n*, bytes
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(2 ** 30, "the payload M for what the ring sends, 2(N-1)/N M"),
+          (2 * 2 ** 30, "2M: the ring's (N-1)/N left out")],
+    "2": [(lambda: formula("all_reduce", "ring", 8, 2 ** 20)[1],
+           "the ring's 2(N-1)/N M for doubling's M lg N"),
+          (2 ** 20, "one swap of M: the lg N rounds left out")],
+    "3": [(lambda: (2 * 7 - 3) * 5e-6 * 25e9,
+           "the rounds saved times alpha/beta, without the bytes' lg N - 2(N-1)/N"),
+          (lambda: (8 - 1 - 3) * 5e-6 * 25e9 / (3 - 2 * 7 / 8),
+           "the ring's N-1 rounds (one half) for its 2(N-1)")],
+}
+
 
 def check_answer(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def main(argv=None):

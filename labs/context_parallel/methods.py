@@ -224,11 +224,24 @@ EXERCISES = {
     **crossover.EXERCISES,
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "3": [(lambda: _h100_over("InfiniBand NDR (400 Gb/s)") / 2,
+           "only Q K^T counted, 2hc^2 FLOPs: c >= C/(2W)"),
+          (lambda: _h100_over("InfiniBand NDR (400 Gb/s)") / 8, "NDR's 400 Gb/s read as 400 GB/s")],
+    "4": [(lambda: _h100_over("InfiniBand NDR (400 Gb/s)"), "GQA left out: exercise 3's answer"),
+          (lambda: _h100_over("InfiniBand NDR (400 Gb/s)", kv_fraction=64 / 8),
+           "a/a_kv instead of a_kv/a: the ratio inverted")],
+    "5": [(1 / 8, "1/cp: Ulysses' (cp-1)/cp share taken for the crossover"),
+          (lambda: float(crossover.crossover("ring", 8, 64)), "the ring's crossover, not the all-gather's"),
+          (8 / 64, "cp/a, where Ulysses starts copying KV heads")],
+}
+
 
 def check_answer(question, answer, rel=0.01):
     """The exercise checker (``check`` is the lab's run of one method)."""
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def main(argv=None):

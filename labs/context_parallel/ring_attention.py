@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labs.measure import comm
+from labs.measure import comm, timing
 
 NEG_INF = float("-inf")
 
@@ -168,9 +168,10 @@ class RingAttention(torch.autograd.Function):
     """O = softmax(Q K^T / sqrt(d)) V for this rank's queries, K/V blocks passed around the ring.
 
     ``trace`` (a list) receives one entry per forward step: the owner of the block computed, the
-    score entries computed, perf_counter times when the step began, when its compute ended and
-    when the next block had arrived (the wait on the left neighbour), and the CPU time of the
-    compute (process_time: what the step would take with a core to itself)."""
+    score entries computed, `labs.measure.timing.now` times when the step began, when its compute
+    ended and when the next block had arrived (the wait on the left neighbour; on a GPU each is read
+    once the compute stream is done, so the compute, not its launch, is timed), and the CPU time of
+    the compute (process_time: what the step would take with a core to itself)."""
 
     @staticmethod
     def forward(ctx, q, k, v, table, causal, group, work, block, trace):
@@ -180,12 +181,12 @@ class RingAttention(torch.autograd.Function):
         blocks = (k, v)
         for step in range(n):
             owner = (r - step) % n                                   # whose K, V this rank holds now
-            began, cpu = time.perf_counter(), time.process_time()
+            began, cpu = timing.now(), time.process_time()
             mine = dict.fromkeys(("tiles_full", "tiles_masked", "score_entries", "unmasked_entries"), 0)
             pending = _pass(blocks, group) if step < n - 1 else None  # the next block is on its way
             o, l = attend(q, blocks[0], blocks[1], table[r], table[owner], causal, mine, block)
             out, lse = merge(out, lse, o, l)
-            computed, cpu = time.perf_counter(), time.process_time() - cpu
+            computed, cpu = timing.now(), time.process_time() - cpu
             if pending:
                 blocks = _wait(pending)
             if work is not None:
@@ -193,7 +194,7 @@ class RingAttention(torch.autograd.Function):
                     work[key] += value
             if trace is not None:
                 trace.append({"step": step, "owner": owner, "score_entries": mine["score_entries"], "began": began,
-                              "computed": computed, "arrived": time.perf_counter(), "compute_cpu_s": cpu})
+                              "computed": computed, "arrived": timing.now(), "compute_cpu_s": cpu})
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.table, ctx.causal, ctx.group, ctx.block = table, causal, group, block
         return out

@@ -13,8 +13,8 @@ entries per batch and head, c = T/cp, beta = the kernel's diagonal block over c)
                 whole tile, 2 units, when its block's owner r - s comes before it (r >= s), else 0;
     zig-zag     step 0: 1 + beta; every later step 1 unit on every rank (two (c/2)^2 tiles).
 `timed` records, on every rank and every forward step, when the step began, when its compute ended
-and when the next block had arrived (time.perf_counter, one clock for all the processes of a Linux
-machine): compute and wait per step, and the compute's CPU time (time.process_time), which is what
+and when the next block had arrived (`labs.measure.timing.now`: time.perf_counter, one clock for
+all the processes of a Linux machine, read after the GPU's queued work where there is one): compute and wait per step, and the compute's CPU time (time.process_time), which is what
 the step would take on a rank with a core to itself: where ranks share cores, a rank that waits
 lends its core to the others and the wall-clock compute stretches with the number of busy ranks.
 The timings are printed, never asserted; the work per step is.

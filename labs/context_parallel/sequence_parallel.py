@@ -24,6 +24,7 @@ chapter 4's block and one process, and PyTorch's own ``SequenceParallel`` beside
 import contextlib
 import torch
 
+from labs.dims import ParallelDims
 from labs.memory_budget import activations
 from labs.measure import comm
 from labs.data_parallel import hand_ring
@@ -123,7 +124,6 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
     gradient (DTensor gradients as this rank's local shard). ColwiseParallel shards the fused qkv
     weight in contiguous rows, so its rows are first reordered to put rank i's q, k and v heads in
     block i (`megatron.qkv_rows`)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     cfg, dev, t = tp.config(hidden=hidden), launch.device(), world_size
     g = torch.Generator().manual_seed(1)
@@ -134,7 +134,7 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
     with torch.no_grad():
         lib.attn.qkv.weight.copy_(lib.attn.qkv.weight[order]), lib.attn.qkv.bias.copy_(lib.attn.qkv.bias[order])
     lib.attn.n_head //= t
-    lib = parallelize_module(lib, init_device_mesh(dev.type, (t,)), dtensor_plan())
+    lib = parallelize_module(lib, ParallelDims(tp=t).mesh(dev.type)["tp"], dtensor_plan())
     runs = [_run(hand, x, upstream, sync=True), _run(lib, x, upstream)]
     # DTensor leaves the LayerNorm gradients Partial(sum): each rank holds its tokens' share, the sum
     # happens when something asks for the full value (full_tensor: an all-reduce, as `sync_grads`)
@@ -177,10 +177,26 @@ EXERCISES = {
     "2": lambda: forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2**20,
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96, tp=8) / 2**20,
+           "the TP-only row sbh(10 + 24/t + 5as/(ht)): the 10sbh left whole"),
+          (lambda: 2048 * 12288 * (34 / 8 + 5 * 96 * 2048 / 12288) / 2**20,
+           "the scores' 5as/h not divided by t"),
+          (lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96) / 2**20,
+           "the unsplit layer's, not one rank's")],
+    "2": [(lambda: forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2 / 2**20,
+           "the all-gathers only: the reduce-scatters left out"),
+          (lambda: 4 * forward_bytes_per_layer(1, 2048, 12288, 8)["message_bytes"] / 2**20,
+           "all of M per collective: the ring's (t-1)/t left out"),
+          (lambda: 2 * forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2**20,
+           "each of SP's four collectives priced as an all-reduce")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def main(argv=None):

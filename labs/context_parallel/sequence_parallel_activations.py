@@ -62,7 +62,7 @@ def table_formula(row, s, b, h, a, t):
             "tp_selective": lambda: f(s, b, h, a, tp=t, recompute="selective"),
             "tp_sp_selective": lambda: f(s, b, h, a, tp=t, sp=True, recompute="selective"),
             "tp_full": lambda: f(s, b, h, a, tp=t, recompute="full"),
-            "tp_sp_full": lambda: 2 * s * b * h / t,
+            "tp_sp_full": lambda: f(s, b, h, a, tp=t, sp=True, recompute="full"),
             "tp_sp_keep_gathered": lambda: f(s, b, h, a, tp=t, sp=True) + 4 * s * b * h * (1 - 1 / t)}[row]()
 
 

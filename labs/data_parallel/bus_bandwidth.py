@@ -17,26 +17,24 @@ wire cannot be read (NCCL) the measured factor is None with the reason, and busb
     python -m labs.data_parallel.bus_bandwidth --world-size 4
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from labs.launcher import launch, preflight
-from labs.measure import wire
+from labs.measure import costs, timing, wire
 
-FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-           "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+DOCUMENTED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")   # the ops doc/PERFORMANCE.md defines
 KiB, MiB = 1024, 1024 ** 2
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB]
 
 
 def bus_factor(op, world_size):
     """nccl-tests' busbw / algbw for ``op`` on ``world_size`` ranks (doc/PERFORMANCE.md)."""
-    if op not in FACTORS:
-        raise ValueError(f"unknown collective {op!r}; use one of {', '.join(FACTORS)}.")
+    if op not in DOCUMENTED:
+        raise ValueError(f"unknown collective {op!r}; use one of {', '.join(DOCUMENTED)}.")
     preflight.check_world_size(world_size)
-    return FACTORS[op](world_size)
+    return float(costs.factor(op, world_size)) if world_size > 1 else float(op == "broadcast")
 
 
 def bandwidths(nbytes, seconds, world_size, op="all_reduce"):
@@ -71,18 +69,17 @@ def rank_sweep(rank, world_size, sizes=SIZES, repeats=5):
         times = []
         for _ in range(repeats):
             dist.barrier()
-            start = time.perf_counter()
+            start = timing.now()
             dist.all_reduce(buf)
-            if buf.is_cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            times.append(timing.now() - start)
         out.append({"nbytes": nbytes, "wire_bytes": w.bytes, "wire_reason": w.reason,
                     "seconds": statistics.median(times)})
     return out
 
 
-def sweep(world_size, sizes=SIZES, repeats=5, timeout=300.0):
-    """algbw, busbw and the measured wire factor per size, on ``world_size`` ranks.
+def sweep(world_size, sizes=SIZES, repeats=5, timeout=300.0, backend=None):
+    """algbw, busbw and the measured wire factor per size, on ``world_size`` ranks (``backend``: the
+    launcher's choice unless given; chapter 2 pins gloo, whose wire it reads).
 
     Per size: nbytes (S), seconds (the slowest rank's median: a collective ends when its last rank
     does, as nccl-tests reports), algbw and busbw (bytes/s), factor (2(N-1)/N), wire_bytes (per
@@ -90,7 +87,7 @@ def sweep(world_size, sizes=SIZES, repeats=5, timeout=300.0):
     preamble_factor (gloo's preambles per rank / S, from its source: the expected excess of
     wire_factor over factor) and wire_all_ranks_model (what all ranks together should write).
     """
-    return summarize(launch.spawn(rank_sweep, world_size, list(sizes), repeats, timeout=timeout))
+    return summarize(launch.spawn(rank_sweep, world_size, list(sizes), repeats, timeout=timeout, backend=backend))
 
 
 def summarize(ranks):

@@ -11,13 +11,12 @@ overlapping buckets with backward hides, and the step time it saves.
 """
 import contextlib
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from labs.measure import comm, wire
+from labs.measure import comm, timing, wire
 from labs.data_parallel import hand_ring
 from labs.data_parallel.hand_ddp import HandDDP, exposed_comm
 from labs.launcher import launch
@@ -115,12 +114,14 @@ def semantics(rank, world_size, head_dtype=torch.bfloat16, steps=3, lr=0.5):
     calls per step without no_sync; the branch is used by every rank in step 0, by rank 0 only in
     step 1, by none in step 2. Returns the largest parameter difference per dtype, the buckets'
     dtypes, and whether the frozen layer stayed as built with no gradient."""
+    dev = launch.device()
+
     def data(step, micro, r):
-        return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + r))
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + r)).to(dev)
 
     def used(step, r):
         return step == 0 or (step == 1 and r == 0)
-    hand_net, ref_net, single = (MixedNet(head_dtype) for _ in range(3))
+    hand_net, ref_net, single = (MixedNet(head_dtype).to(dev) for _ in range(3))
     hand = HandDDP(hand_net, bucket_cap_bytes=1 << 20)
     ref = DistributedDataParallel(ref_net, find_unused_parameters=True)
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (hand_net, ref_net, single)]
@@ -141,7 +142,7 @@ def semantics(rank, world_size, head_dtype=torch.bfloat16, steps=3, lr=0.5):
     return {"fp32_vs_torch_ddp": diff(ref_net, torch.float32), "bf16_vs_torch_ddp": diff(ref_net, torch.bfloat16),
             "fp32_vs_single": diff(single, torch.float32), "bf16_vs_single": diff(single, torch.bfloat16),
             "bucket_dtypes": [str(b.buffer.dtype) for b in hand.buckets],
-            "frozen_unchanged": torch.equal(hand_net.frozen.weight, MixedNet().frozen.weight)
+            "frozen_unchanged": torch.equal(hand_net.frozen.weight, MixedNet().frozen.weight.to(dev))
             and hand_net.frozen.weight.grad is None}
 
 
@@ -179,9 +180,9 @@ def _timed_step(net, ddp, x, y):
     """One forward + backward with gradient sync; times relative to the start of backward."""
     loss = net(x, y)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0 = timing.now()
     loss.backward()  # the hand DDP settles at the end of autograd, so .grad holds the averages here
-    events, end = ddp.finish(), time.perf_counter()
+    events, end = ddp.finish(), timing.now()
     net.zero_grad()
     shifted = [{k: (v - t0 if k != "bytes" else v) for k, v in e.items()} for e in events]
     backward_end = ddp.backward_end - t0
@@ -189,6 +190,7 @@ def _timed_step(net, ddp, x, y):
             "exposed_comm": exposed_comm(shifted, backward_end)}
 
 
+@launch.on_cpu("the hand DDP's bucket timeline is read on the host clock inside autograd hooks, which on a GPU would time launches")
 def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_size=8):
     """Overlap on vs off in one run (alternating steps): exposed communication and step time.
 

@@ -19,7 +19,6 @@ Li et al. 2020 ("PyTorch Distributed", arXiv 2006.15704, §3.2-3.3; torch's Redu
     python -m labs.data_parallel.ddp_internals --world-size 2
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labs.launcher import launch
-from labs.measure import wire
+from labs.measure import timing, wire
 
 WIDTH = 256            # 256 x 256 fp32 = 256 KiB per layer:
 CAP_MB = WIDTH * WIDTH * 4 / 2**20   # a bucket cap of one layer, so every layer fills a bucket of its own
@@ -62,7 +61,13 @@ def predicted_ready_order(order):
 
 
 def _data(rank, step, width=WIDTH, batch=4):
-    return torch.randn(batch, width, generator=torch.Generator().manual_seed(100 * step + rank))
+    """Drawn on the CPU (the same numbers on any machine), then moved to this rank's device."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(batch, width, generator=g).to(launch.device())
+
+
+def _net(**kwargs):
+    return Shuffled(**kwargs).to(launch.device())
 
 
 def _layer_of(net):
@@ -76,7 +81,7 @@ def bucket_order(rank, world_size, steps=3, find_unused=False):
     Layers, not parameters, because each layer has one. With ``find_unused=True`` the Reducer
     starts from reverse registration order and never rebuilds (it cannot trust one step's order).
     """
-    net = Shuffled()
+    net = _net()
     model = DDP(net, bucket_cap_mb=CAP_MB, find_unused_parameters=find_unused)
     layers, seen = _layer_of(net), []
 
@@ -100,7 +105,7 @@ def _storages(tensors):
 def bucket_view(rank, world_size, as_view):
     """Distinct gradient storage bytes after one DDP step (the grads plus the bucket buffers the
     comm hook is handed), and whether every ``param.grad`` lives in a bucket buffer's storage."""
-    net = Shuffled()
+    net = _net()
     model = DDP(net, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=as_view)
     buffers = []
 
@@ -120,7 +125,7 @@ def bucket_view(rank, world_size, as_view):
 
 def single_process_grads(world_size, step, skip=None):
     """The reference: one process, every rank's batch, the mean loss over ranks (= DDP's average)."""
-    net = Shuffled()
+    net = _net()
     sum(net(_data(r, step), skip) for r in range(world_size)).div(world_size).backward()
     return [p.grad for p in net.parameters()]
 
@@ -132,7 +137,7 @@ def unused(rank, world_size, skip=3, steps=2):
     out = {}
     for name, kwargs in (("plain", {}), ("find_unused_parameters", {"find_unused_parameters": True}),
                          ("static_graph", {"static_graph": True})):
-        net = Shuffled()
+        net = _net()
         model, err = DDP(net, bucket_cap_mb=CAP_MB, **kwargs), 0.0
         try:
             for step in range(steps):
@@ -154,16 +159,16 @@ def walk_cost(rank, world_size, depth=48, width=16, steps=12):
     steps, on a deep narrow model (many graph nodes, little arithmetic: the walk shows)."""
     def build():
         torch.manual_seed(0)
-        return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth)))
+        return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth))).to(launch.device())
     models = {flag: DDP(build(), find_unused_parameters=flag) for flag in (True, False)}
     times = {True: [], False: []}
     for step in range(2 + 2 * steps):
         flag = step % 2 == 0
         dist.barrier()
-        start = time.perf_counter()
+        start = timing.now()
         models[flag](_data(rank, step, width)).pow(2).mean().backward()
         if step >= 2:
-            times[flag].append(time.perf_counter() - start)
+            times[flag].append(timing.now() - start)
     on, off = statistics.median(times[True]), statistics.median(times[False])
     return {"find_unused_s": on, "plain_s": off, "ratio": on / off, "depth": depth}
 
@@ -192,7 +197,7 @@ def compression(rank, world_size, hook=default_hooks.bf16_compress_hook, step_me
     elementwise bound of `rounding_bound` with the low precision's unit roundoff.
     """
     dtype = torch.bfloat16 if hook is default_hooks.bf16_compress_hook else torch.float16
-    nets = {"fp32": Shuffled(), "hook": Shuffled()}
+    nets = {"fp32": _net(), "hook": _net()}
     models = {k: DDP(net, bucket_cap_mb=CAP_MB) for k, net in nets.items()}
     sizes = {"fp32": [], "hook": []}
 
@@ -213,7 +218,7 @@ def compression(rank, world_size, hook=default_hooks.bf16_compress_hook, step_me
             wires[kind] = w
             if step < step_measured:
                 model.module.zero_grad()
-    local = Shuffled()
+    local = _net()
     local(_data(rank, step_measured)).backward()
     mine = torch.cat([p.grad.view(-1) for p in local.parameters()])
     every = [torch.empty_like(mine) for _ in range(world_size)]

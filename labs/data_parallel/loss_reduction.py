@@ -79,11 +79,12 @@ def rank_grads(rank, world_size, accumulation=2, micro_batch=2, seed=0, padded=T
     """One rank's gradients after one step, by reduction (a) and (b); runs with or without a group."""
     cfg = gpt.GPTConfig()
     inputs, targets = global_batch(cfg, world_size, accumulation, micro_batch, seed, padded)
-    x, y = inputs[rank], targets[rank]                                       # (K, b, s) each
+    dev = launch.device()
+    x, y = inputs[rank].to(dev), targets[rank].to(dev)                      # (K, b, s) each
     counts = [int((y[k] != IGNORE).sum()) for k in range(accumulation)]     # n_{r,k}
     out = {"counts": counts}
     # (a) naive: mean per micro-batch, / K, gradients averaged over the ranks.
-    net = gpt.build(cfg, seed=1)
+    net = gpt.build(cfg, seed=1, device=dev)
     logged = 0.0
     for k in range(accumulation):
         loss = _token_loss_sum(net, x[k], y[k]) / counts[k] / accumulation
@@ -91,17 +92,18 @@ def rank_grads(rank, world_size, accumulation=2, micro_batch=2, seed=0, padded=T
         logged += loss.item()
     g = _all_reduce(_flat_grad(net), dist.ReduceOp.SUM) / world_size
     out["naive"] = g
-    out["naive_loss"] = float(_all_reduce(torch.tensor([logged], dtype=torch.float64), dist.ReduceOp.SUM)) / world_size
+    out["naive_loss"] = float(_all_reduce(torch.tensor([logged], dtype=torch.float64, device=dev),
+                                          dist.ReduceOp.SUM)) / world_size
     # (b) right: N from an all-reduce of the counts, sum of token losses / N, gradients summed.
-    n_global = int(_all_reduce(torch.tensor([sum(counts)]), dist.ReduceOp.SUM))
-    net = gpt.build(cfg, seed=1)
+    n_global = int(_all_reduce(torch.tensor([sum(counts)], device=dev), dist.ReduceOp.SUM))
+    net = gpt.build(cfg, seed=1, device=dev)
     total = 0.0
     for k in range(accumulation):
         loss = _token_loss_sum(net, x[k], y[k]) / n_global
         loss.backward()
         total += loss.item()
     out["right"] = _all_reduce(_flat_grad(net), dist.ReduceOp.SUM)
-    out["right_loss"] = float(_all_reduce(torch.tensor([total], dtype=torch.float64), dist.ReduceOp.SUM))
+    out["right_loss"] = float(_all_reduce(torch.tensor([total], dtype=torch.float64, device=dev), dist.ReduceOp.SUM))
     out["n_global"] = n_global
     return out
 

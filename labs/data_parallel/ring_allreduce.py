@@ -14,13 +14,12 @@ writes to its sockets (`labs.measure.wire`) beside what the ring needs.
     python -m labs.data_parallel.ring_allreduce --world-size 4 --numel 1000003 --algorithm ring --json
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from labs.data_parallel.hand_ring import naive_allreduce, ring_allreduce
-from labs.measure import comm, wire
+from labs.measure import comm, costs, timing, wire
 from labs.launcher import launch, preflight
 
 ALGORITHMS = ("ring", "naive", "library")
@@ -63,11 +62,9 @@ def run(rank, world_size, numel, algorithm="ring", repeats=3):
     for _ in range(repeats):
         buf = x.clone()
         dist.barrier()  # start together, so the time is the collective's, not a late rank's
-        start = time.perf_counter()
+        start = timing.now()
         allreduce(buf, algorithm)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(timing.now() - start)
     return {"max_abs_error": (out.double().cpu() - exact).abs().max().item(),
             "bytes_sent": tally.bytes_sent, "bytes_received": tally.bytes_received,
             "formula_bytes_sent": tally.formula_bytes_sent,
@@ -116,7 +113,7 @@ def alpha_beta_fit(sizes_bytes, seconds, n):
     """Least-squares alpha (s per step) and beta (s per byte) of T = 2(N-1)alpha + 2(N-1)/N M beta."""
     import numpy as np
     slope, intercept = np.polyfit(np.asarray(sizes_bytes, float), np.asarray(seconds, float), 1)
-    return intercept / (2 * (n - 1)), slope / (2 * (n - 1) / n)
+    return intercept / (2 * (n - 1)), slope / float(costs.factor("all_reduce", n))
 
 
 # Chapter 2's exercises: the answers are computed here, so the book never types them.
@@ -126,10 +123,18 @@ EXERCISES = {
     "3": lambda: 7 * 14e9 / 1e9,                      # GB the naive root sends for the same job
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(14.0, "the payload M instead of what the ring sends, 2(N-1)/N M"),
+          (2 * 14.0, "2M: the ring's (N-1)/N left out")],
+    "2": [(lambda: 2 * 7 / 8 * 14e9 / 900e9 * 1e3, "NVLink's 900 GB/s counts both directions: 450 each way")],
+    "3": [(8 * 14.0, "the root sending to itself too: N M instead of (N-1) M")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def bench(rank, world_size, sizes_bytes, repeats=5, algorithms=("ring", "library")):
@@ -142,9 +147,9 @@ def bench(rank, world_size, sizes_bytes, repeats=5, algorithms=("ring", "library
             times = []
             for _ in range(repeats):
                 dist.barrier()
-                start = time.perf_counter()
+                start = timing.now()
                 allreduce(buf, algorithm)
-                times.append(time.perf_counter() - start)
+                times.append(timing.now() - start)
             out[f"{algorithm}:{nbytes}"] = statistics.median(times)
     return out
 
@@ -168,7 +173,7 @@ def main(argv=None):
               "bytes_received": [r["bytes_received"] for r in results],
               "formula_bytes_sent": [r["formula_bytes_sent"] for r in results],
               "wire_bytes": [r["wire_bytes"] for r in results], "wire_reason": results[0]["wire_reason"],
-              "bytes_sent_formula_per_rank": 2 * (n - 1) / n * m,
+              "bytes_sent_formula_per_rank": float(costs.sent("all_reduce", m, n)),
               "seconds": statistics.median(r["seconds"] for r in results)}
     cli.report(result, args, f"{args.algorithm} all-reduce of {m} bytes on {n} ranks: max error "
                f"{result['max_abs_error']:.2e}, counted bytes sent per rank {result['bytes_sent']} "

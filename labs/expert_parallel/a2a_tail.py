@@ -10,7 +10,7 @@ T * sum_{i in E_r} pi_i rows in expectation. The mean over ranks is T k (ep - 1)
     slowest / mean = ep * max_r sum_{i in E_r} pi_i / k,
 
 1 under uniform routing, up to ep when one rank holds every chosen expert. The lab routes Zipf-skewed
-batches (p_i proportional to 1 / i^s) through `router.route` on every rank, sends the rows with
+batches (p_i proportional to 1 / i^zeta) through `router.route` on every rank, sends the rows with
 `moe.exchange` (the layer's all-to-all), reads each rank's bytes per destination from the payloads,
 and sums what every rank received, for experts placed contiguously (rank r holds r N/ep, ...: the
 popular experts together) and strided (rank r holds r, r + ep, ...).
@@ -52,9 +52,9 @@ def sent_bytes(rank, world_size, skews=(0.0, 0.5, 1.0, 1.5), tokens=256, hidden=
     ``batches`` batches (read from the payloads), and the smallest routing margin."""
     dev, out = launch.device(), {}
     moe.check_ep(experts, world_size)
-    for s in skews:
-        probs = moe_routing.zipf_probs(experts, s)
-        g = torch.Generator().manual_seed(seed + 1000 * rank + int(100 * s))
+    for zeta in skews:
+        probs = moe_routing.zipf_probs(experts, zeta)
+        g = torch.Generator().manual_seed(seed + 1000 * rank + int(100 * zeta))
         logits = [moe_routing.skewed_logits(tokens, probs, g) for _ in range(batches)]
         for placement in PLACEMENTS:
             where = owner(experts, world_size, placement).to(dev)
@@ -71,7 +71,7 @@ def sent_bytes(rank, world_size, skews=(0.0, 0.5, 1.0, 1.5), tokens=256, hidden=
                 with moe.payloads() as log:
                     moe.exchange(rows, recv, send.tolist(), None, "dispatch")
                 total = [a + (b if d != rank else 0) for d, (a, b) in enumerate(zip(total, log[0]["to"]))]
-            out[(s, placement)] = {"sent_to": total, "routing_margin": margin, "row_bytes": hidden * 4}
+            out[(zeta, placement)] = {"sent_to": total, "routing_margin": margin, "row_bytes": hidden * 4}
     return out
 
 
@@ -81,17 +81,17 @@ def tail_table(results, skews, tokens=256, experts=8, top_k=2, batches=4):
     per-rank totals must meet (each token sends at most k rows to a rank, so the variance of a rank's
     received rows is at most k times their mean: four standard deviations)."""
     ep, rows = len(results), []
-    for s in skews:
-        p = moe_routing.zipf_probs(experts, s)
+    for zeta in skews:
+        p = moe_routing.zipf_probs(experts, zeta)
         for placement in PLACEMENTS:
-            got = [sum(r[(s, placement)]["sent_to"][d] for r in results) for d in range(ep)]
-            row = results[0][(s, placement)]["row_bytes"]
+            got = [sum(r[(zeta, placement)]["sent_to"][d] for r in results) for d in range(ep)]
+            row = results[0][(zeta, placement)]["row_bytes"]
             ratio, per_rank = derived_ratio(p, ep, top_k, placement)
             expected = [batches * (ep - 1) * tokens * q.item() * row for q in per_rank]
             worst = max(abs(g_ - e) / row / (4 * (top_k * e / row) ** 0.5) for g_, e in zip(got, expected))
-            rows.append({"skew": s, "placement": placement, "received": got, "measured_ratio": max(got) / (sum(got) / ep),
+            rows.append({"skew": zeta, "placement": placement, "received": got, "measured_ratio": max(got) / (sum(got) / ep),
                          "derived_ratio": ratio, "worst_in_bounds": worst,
-                         "routing_margin": min(r[(s, placement)]["routing_margin"] for r in results)})
+                         "routing_margin": min(r[(zeta, placement)]["routing_margin"] for r in results)})
     return rows
 
 
@@ -99,7 +99,7 @@ def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("The all-to-all's slowest rank under Zipf-skewed routing: received bytes counted "
                    "against the derivation.", world_size_default=4)
-    p.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.5, 1.0, 1.5], help="Zipf exponents s")
+    p.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.5, 1.0, 1.5], help="Zipf exponents zeta")
     args = cli.parse(p, argv)
     if any(s < 0 for s in args.skews):
         raise ValueError(f"a Zipf exponent is 0 or more, got {min(args.skews)}; give --skews like 0 0.5 1.")

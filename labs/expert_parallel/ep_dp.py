@@ -1,11 +1,11 @@
 """Chapter 7: which group reduces which gradient under expert + data parallelism, counted.
 
-ep x edp ranks on the book's grid (`labs.groups`, ep on the fastest axis: an ep group is a run of
-consecutive ranks). Each rank holds the router, replicated on every rank, and the N/ep experts of
-its place in its ep group; the edp ranks with the same place hold the same experts, the
-expert-data-parallel replicas (Megatron Core's EDP group, next to its EP and ETP groups: MoE
-parallel folding, Liu et al. 2025, arXiv 2504.14960). Each rank routes its own tokens; dispatch and
-combine run inside its ep group. After backward:
+ep x edp ranks on the book's grid (`labs.dims`, ep carved out of dp on its faster side: an ep group
+is a run of consecutive ranks, an edp group the ranks ep apart). Each rank holds the router,
+replicated on every rank, and the N/ep experts of its place in its ep group; the edp ranks with
+the same place hold the same experts, the expert-data-parallel replicas (Megatron Core's EDP group,
+next to its EP and ETP groups: MoE parallel folding, Liu et al. 2025, arXiv 2504.14960). Each rank
+routes its own tokens; dispatch and combine run inside its ep group. After backward:
 - the router's gradient (and any dense weight's) is this rank's tokens' share: all-reduce over
   all ep * edp ranks;
 - an expert's gradient already sums every token of its ep group that chose it: all-reduce over
@@ -20,10 +20,11 @@ M = (N/ep) P_e e for a rank's experts (P_e parameters each) on n = edp.
 import torch
 
 from labs import groups
+from labs.dims import ParallelDims
 from labs.data_parallel import hand_ring
 from labs.expert_parallel import moe
 from labs.launcher import launch
-from labs.measure import comm
+from labs.measure import comm, costs
 
 
 def _flat(params):
@@ -34,14 +35,14 @@ def check(rank, world_size, ep=2, tokens=16, hidden=16, experts=8, top_k=2, seed
     """The layer on ep x edp ranks beside one process on all their tokens. Returns the gradient
     errors with the right groups, and with the expert gradients reduced over every rank or not at
     all (the two plausible bugs); bytes sent per rank, counted, for each reduction; the payloads."""
-    grid = groups.Groups(groups.layout(world_size, tp=ep))       # tp axis = ep group, dp axis = edp group
+    grid = groups.Groups(ParallelDims.build(world_size, ep=ep))   # ep: consecutive ranks; edp: the same experts
     dev, per = launch.device(), moe.check_ep(experts, ep)
     full = moe.MoE(hidden, experts, top_k, None, seed=seed).to(dev)
     g = torch.Generator().manual_seed(seed + 1)
     x_all = torch.randn(world_size * tokens, hidden, generator=g).to(dev)
     up = torch.randn(world_size * tokens, hidden, generator=g).to(dev)    # a fixed dL/dy
     (full(x_all) * up).sum().backward()               # no capacity: one batch routes as the ranks' do
-    layer = moe.ExpertParallelMoE(moe.MoE(hidden, experts, top_k, None, seed=seed).to(dev), group=grid.tp)
+    layer = moe.ExpertParallelMoE(moe.MoE(hidden, experts, top_k, None, seed=seed).to(dev), group=grid.ep)
     mine = slice(rank * tokens, (rank + 1) * tokens)
     (layer(x_all[mine]) * up[mine]).sum().backward()
     expert_params = list(layer.experts.parameters())
@@ -52,9 +53,9 @@ def check(rank, world_size, ep=2, tokens=16, hidden=16, experts=8, top_k=2, seed
             comm.all_reduce(layer.router.weight.grad)                # every rank: ep * edp
         with comm.counting() as expert_tally:
             reduced = local.clone()
-            comm.all_reduce(reduced, group=grid.dp)                  # the edp group only
+            comm.all_reduce(reduced, group=grid.edp)                  # the edp group only
         comm.all_reduce(everyone)                                    # the bug: over every rank
-    first = grid.coords["tp"] * per                                  # this rank's first expert
+    first = grid.coords["ep"] * per                                  # this rank's first expert
     want = _flat([p for e in range(first, first + per) for p in full.experts[e].parameters()])
     return {"router_error": (layer.router.weight.grad - full.router.weight.grad).abs().max().item(),
             "expert_error": (reduced - want).abs().max().item(),
@@ -62,13 +63,13 @@ def check(rank, world_size, ep=2, tokens=16, hidden=16, experts=8, top_k=2, seed
             "expert_error_not_reduced": (local - want).abs().max().item(),
             "router_bytes_sent": router_tally.bytes_sent, "expert_bytes_sent": expert_tally.bytes_sent,
             "router_payload": router_tally.payload_bytes, "expert_payload": expert_tally.payload_bytes,
-            "edp_group": grid.dp_ranks, "ep_group": grid.tp_ranks, "experts": list(range(first, first + per)),
+            "edp_group": grid.edp_ranks, "ep_group": grid.ep_ranks, "experts": list(range(first, first + per)),
             "routing_margin": full.routing.margin}
 
 
 def ring_bytes(payload, n):
     """Formula: what one rank sends in a ring all-reduce of ``payload`` bytes over n ranks."""
-    return 2 * (n - 1) * payload / n
+    return float(costs.sent("all_reduce", payload, n))
 
 
 def main(argv=None):
@@ -77,7 +78,7 @@ def main(argv=None):
                    "gradients, bytes counted.", world_size_default=4)
     p.add_argument("--ep", type=cli.positive_int, default=2)
     args = cli.parse(p, argv)
-    groups.layout(args.world_size, tp=args.ep)
+    ParallelDims.build(args.world_size, ep=args.ep)
     moe.check_ep(8, args.ep)
     results = launch.launch(check, args.world_size, args.ep, timeout=args.timeout)
     if results is None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labs import groups, model as tiny
+from labs.dims import ParallelDims
 from labs.context_parallel import sp_layers
 from labs.data_parallel import hand_ring
 from labs.expert_parallel import moe
@@ -64,7 +65,7 @@ def check(rank, world_size, tp=2, batch=2, seq=8, hidden=16, n_head=4, experts=8
     d*batch ... of the reference batch, tokens j*s/tp ... Returns errors (output, input gradient,
     every parameter gradient) and the bytes per group: TP's all-gathers and reduce-scatters and
     the gradient all-reduces counted as messages (hand rings), the all-to-alls' payloads."""
-    grid = groups.Groups(groups.layout(world_size, tp=tp))
+    grid = groups.Groups(ParallelDims.build(world_size, tp=tp))
     d, j, dev = grid.coords["dp"], grid.coords["tp"], launch.device()
     ref, cfg = block(hidden, n_head, seq, experts, top_k, seed)
     ref = ref.to(dev)
@@ -119,7 +120,7 @@ def main(argv=None):
                    "against one process, bytes per group counted.", world_size_default=4)
     p.add_argument("--tp", type=cli.positive_int, default=2)
     args = cli.parse(p, argv)
-    groups.layout(args.world_size, tp=args.tp)
+    ParallelDims.build(args.world_size, tp=args.tp)
     megatron.check_degree(tiny.GPTConfig(hidden=16, n_head=4), args.tp)
     moe.check_ep(8, args.world_size)
     results = launch.launch(check, args.world_size, args.tp, timeout=args.timeout)

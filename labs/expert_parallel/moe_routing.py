@@ -32,9 +32,10 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def zipf_probs(experts, s=1.0):
-    """p_i proportional to 1 / i^s: expert 1 the most popular (a Zipf-like skew)."""
-    w = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** s
+def zipf_probs(experts, zeta=1.0):
+    """p_i proportional to 1 / i^zeta: expert 1 the most popular (a Zipf-like skew; the book writes
+    the exponent zeta, keeping s for the sequence length)."""
+    w = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** zeta
     return w / w.sum()
 
 
@@ -52,12 +53,12 @@ def expected_dropped(probs, tokens, cap):
     return ((loads - cap).clamp(min=0) * pmf).sum().item() / tokens
 
 
-def drop_curve(capacity_factors, tokens=256, experts=8, s=1.0, trials=40, seed=0):
+def drop_curve(capacity_factors, tokens=256, experts=8, zeta=1.0, trials=40, seed=0):
     """Top-1 routing through `router.route` under a Zipf router, for each capacity factor: the dropped
     fraction measured (mean and standard error over ``trials`` batches), the fraction computed from
     each batch's measured loads (``from_loads``, which must equal it batch by batch), and the
     expectation derived from p (``predicted``)."""
-    probs, g = zipf_probs(experts, s), torch.Generator().manual_seed(seed)
+    probs, g = zipf_probs(experts, zeta), torch.Generator().manual_seed(seed)
     batches = [skewed_logits(tokens, probs, g) for _ in range(trials)]
     rows = []
     for cf in capacity_factors:
@@ -212,7 +213,15 @@ WRONG = {
     "6": (2 * (32 - 1) / 32 * (64 // 8) * 50e6 * 2 / 1e9, "the ring over all 32 ranks instead of edp = 4"),
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {q: [wrong] for q, wrong in WRONG.items()}
+MISTAKES["2"].append((dispatch_bytes(4096, 8, 64, 7168) / 1e6, "MB taken for MiB"))
+MISTAKES["4"].append((dispatch_bytes(4096, 8, 64, 7168) / 2**20, "FP8 dispatch forgotten: the bf16 bytes"))
+MISTAKES["5"].append((1.0, "uniform routing assumed: the slowest rank at the mean"))
+MISTAKES["6"].append((2 * (4 - 1) / 4 * 64 * 50e6 * 2 / 1e9,
+                      "every expert's gradient reduced, not the 64/ep = 8 a rank holds"))
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)

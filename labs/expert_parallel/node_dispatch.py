@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from labs import groups
+from labs.dims import ParallelDims
 from labs.expert_parallel import moe
 from labs.launcher import launch
 
@@ -58,7 +59,7 @@ def hierarchical_forward(layer, x, ranks_per_node, node_group):
     (rows1, idr1, gr1), recv1, send1, o1 = _send([x[t1], ids1, r.gates[t1].detach()], m1 * G + l, world, None, "node dispatch")
     # hop 2, inside the node: one row per (row, local rank hosting one of its experts)
     rank_of = torch.where(idr1 >= 0, idr1 // per - me * G, -1)    # (R1, k) in-node index of each expert
-    i2, j2 = (rank_of[:, None, :] == torch.arange(G)[None, :, None]).any(2).nonzero(as_tuple=True)
+    i2, j2 = (rank_of[:, None, :] == torch.arange(G, device=x.device)[None, :, None]).any(2).nonzero(as_tuple=True)
     ids2 = torch.where(rank_of[i2] == j2[:, None], idr1[i2], -1)
     (rows2, idr2, gr2), recv2, send2, o2 = _send([rows1[i2], ids2, gr1[i2]], j2, G, node_group, "intra dispatch")
     # the experts: each row, the gate-weighted sum of this rank's experts it was sent to
@@ -109,7 +110,7 @@ def compare(rank, world_size, ranks_per_node=2, tokens=64, hidden=16, experts=16
     """Flat and node-deduplicated dispatch on the same layer and tokens, with and without a limit
     of one node per token (M = 1). Per setting: bytes per tier and kind (counted), the rows derived
     from the single-process routing, the error of each forward against the single-process layer."""
-    grid = groups.Groups(groups.layout(world_size, tp=ranks_per_node))   # tp axis = the ranks of a node
+    grid = groups.Groups(ParallelDims.build(world_size, tp=ranks_per_node))   # tp axis = the ranks of a node
     dev, per = launch.device(), moe.check_ep(experts, world_size)
     epn = per * ranks_per_node                                            # experts per node
     g = torch.Generator().manual_seed(seed + 1)

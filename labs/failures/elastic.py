@@ -23,26 +23,26 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
+
+from labs.launcher import torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/<package>/<file>.py
 
 
 def torchrun_command(folder, world_size, max_restarts, steps, every, kill_step, kill_rank):
-    """The command line: the torchrun next to this interpreter, so the workers run the same torch."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [torchrun, "--standalone", f"--nproc-per-node={world_size}", f"--max-restarts={max_restarts}",
-            "-m", "labs.failures.elastic_worker", "--folder", folder, "--steps", str(steps),
-            "--every", str(every), "--kill-step", str(kill_step), "--kill-rank", str(kill_rank)]
+    """The command line: torchrun run by this interpreter, so the workers run the same torch."""
+    return torchrun.command("--standalone", f"--nproc-per-node={world_size}", f"--max-restarts={max_restarts}",
+                            "-m", "labs.failures.elastic_worker", "--folder", folder, "--steps", str(steps),
+                            "--every", str(every), "--kill-step", str(kill_step), "--kill-rank", str(kill_rank))
 
 
 def run_torchrun(cmd, timeout):
     """Run torchrun in its own session; past ``timeout`` the whole session is SIGKILLed (never hangs).
 
     LOGLEVEL=INFO makes the elastic agent print its restart decision (its logger's default is WARNING)."""
-    env = dict(os.environ, PYTHONPATH=REPO, LOGLEVEL="INFO")
+    env = torchrun.child_env(REPO, LOGLEVEL="INFO")
     env.pop("OMP_NUM_THREADS", None)  # torchrun then sets 1 per worker (run.py), as the lab's spawned ranks
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -92,7 +92,7 @@ def one_run(world_size, max_restarts, steps, every, kill_step, kill_rank, timeou
     return {"max_restarts": max_restarts, "returncode": ran["returncode"], "seconds": ran["seconds"],
             "attempts_seen": sorted({a for _, a in recs}), "records": recs, "agent": agent,
             "pids": sorted(r["pid"] for r in recs.values()), "log_tail": ran["log"][-3000:],
-            "command": " ".join(["torchrun", *cmd[1:]]).replace(folder, "<folder>")}
+            "command": " ".join(["torchrun", *cmd[len(torchrun.command()):]]).replace(folder, "<folder>")}
 
 
 def summarize(run, kill_rank, kill_step):

@@ -150,7 +150,20 @@ EXERCISES = {
     "2": lambda: young(1 / 60, job_mtbf(llama3_per_gpu_mtbf_h(), 16_384)) * 60,  # minutes
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: llama3_per_gpu_mtbf_h() * 60, "one GPU's MTBF: the 100,000 GPUs' rates not added"),
+          # the same section's 47 planned interruptions counted too
+          (lambda: job_mtbf(LLAMA3_DAYS * 24 / (LLAMA3_UNEXPECTED + 47) * LLAMA3_GPUS, 100_000) * 60,
+           "the planned interruptions counted as failures too"),
+          (lambda: job_mtbf(llama3_per_gpu_mtbf_h(), LLAMA3_GPUS) * 60,
+           "the MTBF of Llama 3's 16,384-GPU job, not scaled to 100,000 GPUs")],
+    "2": [(lambda: math.sqrt(1 / 60 * job_mtbf(llama3_per_gpu_mtbf_h(), 16_384)) * 60,
+           "sqrt(delta M): Young's factor 2 left out"),
+          (lambda: young(1, job_mtbf(llama3_per_gpu_mtbf_h(), 16_384)), "delta in minutes, M in hours")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)

@@ -61,8 +61,10 @@ def sdc_runs(rank, world_size, steps, bad_step, bad_rank, bit):
 
 
 def sdc(world_size=3, bad_rank=1, steps=6, bad_step=2, bit=20, timeout=60.0):
-    """Clean run, the flip caught by the hash check, the flip unchecked. Bit 0 is the lowest
-    mantissa bit: a change of one unit in the last place, which no norm threshold would notice."""
+    """Clean run, the flip caught by the hash check, the flip unchecked. The default, bit 20, is
+    the third-highest of fp32's 23 mantissa bits: flipping it moves the element by 2^-3 of its
+    leading power of two (1/16 to 1/8 of its value), which no norm threshold over the gradient
+    would notice; bit 0, the lowest, would move it by one unit in the last place."""
     runs = launch.spawn(sdc_runs, world_size, steps, bad_step, bad_rank, bit, timeout=timeout)[0]
     events = runs["checked"]["events"]
     first = events[0] if events else {}

@@ -7,13 +7,12 @@ Chapter 12's own lab is written separately; this uses DCP directly.
 import os
 import shutil
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from labs.measure import memory
+from labs.measure import memory, timing
 from labs import model as tiny
 from labs.gpu.figures import figure
 from labs.gpu.memory import gpt_200m
@@ -36,15 +35,14 @@ def _dir_bytes(path):
 
 def _pauses(state, tmp, device):
     """Seconds the caller is blocked by each kind of save, and the async save's total."""
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    start = time.perf_counter()
+    start = timing.now()
     dcp.save(state, checkpoint_id=os.path.join(tmp, "sync"))
-    sync = time.perf_counter() - start
-    start = time.perf_counter()
+    sync = timing.now() - start
+    start = timing.now()
     future = dcp.async_save(state, checkpoint_id=os.path.join(tmp, "async"))
-    pause = time.perf_counter() - start
+    pause = timing.now() - start       # how long the caller is blocked
     future.result()
-    total = time.perf_counter() - start
+    total = timing.now() - start
     return sync, pause, total
 
 

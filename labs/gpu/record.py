@@ -17,13 +17,13 @@ import platform
 import re
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from labs.gpu import dcp, memory, speed
 from labs.launcher import cli
+from labs.measure import timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/<package>/<file>.py
 RESULTS = os.path.join(ROOT, "results", "gpu")
@@ -76,7 +76,8 @@ def provenance(argv, device):
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
             "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": _run(["git", "rev-parse", "HEAD"]),
+            # a copy of the tree without .git (a lent box's) names its commit in LABS_GIT_COMMIT
+            "git_commit": _run(["git", "rev-parse", "HEAD"]) or os.environ.get("LABS_GIT_COMMIT"),
             "git_dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
             "command": " ".join(["python", "-m", "labs.gpu", *argv])}
 
@@ -94,14 +95,17 @@ def sections():
             "checkpoint": dcp.checkpoint_pause}
 
 
-def record(device, sizes, argv, only=None, log=sys.stderr):
+def record(device, sizes, argv, only=None, log=sys.stderr, after_each=None):
     """Run every section (or those in ``only``); print each section's seconds to ``log``. On a GPU
-    a section that raises is recorded as "error: ..." and the others still run; in the dry run it raises."""
-    out = {"provenance": provenance(argv, device), "sizes": asdict(sizes), "seconds": {}, "sections": {}}
+    a section that raises is recorded as "error: ..." and the others still run; in the dry run it raises.
+    ``after_each(out)`` is called after every section with what is recorded so far (``complete``
+    False until the last): a run stopped at a time limit keeps the sections it finished."""
+    out = {"provenance": provenance(argv, device), "sizes": asdict(sizes), "seconds": {}, "sections": {},
+           "complete": False}
     for name, run in sections().items():
         if only and name not in only:
             continue
-        start = time.perf_counter()
+        start = timing.now()
         try:
             out["sections"][name] = run(device, sizes)
         except Exception as exc:  # noqa: BLE001  on a GPU one broken section must not cost the others
@@ -109,8 +113,11 @@ def record(device, sizes, argv, only=None, log=sys.stderr):
                 raise                 # the dry run is the test: a bug there fails loudly
             out["sections"][name] = f"error: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
             torch.cuda.empty_cache()
-        out["seconds"][name] = round(time.perf_counter() - start, 3)
+        out["seconds"][name] = round(timing.now() - start, 3)
         print(f"[labs.gpu] {name}: {out['seconds'][name]:.1f} s", file=log, flush=True)
+        if after_each is not None:
+            after_each(out)
+    out["complete"] = True
     return out
 
 
@@ -136,7 +143,8 @@ def main(argv=None):
     if not args.dry_run and not torch.cuda.is_available():
         raise ValueError(REFUSAL)
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
-    result = record(device, DRY if args.dry_run else Sizes(), argv, args.only)
+    keep = None if args.dry_run else (lambda so_far: write_results(so_far, device))
+    result = record(device, DRY if args.dry_run else Sizes(), argv, args.only, after_each=keep)
     if args.dry_run:
         print(json.dumps(cli._plain(result), indent=1, sort_keys=True))
     else:

@@ -6,39 +6,35 @@ Every time is wall-clock around ``repeats`` calls after a warm-up, synchronized 
 run). FLOPs are counted by FlopCounterMode (`labs.measure.flops.counting`), never assumed.
 """
 import math
-import time
 
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from labs.memory_budget import compute
+from labs.measure import timing
 from labs.measure.flops import counting as count_flops
-from labs.precision import fp8
+from labs.precision import fp8, kernels
 from labs.recompute import policies
 from labs import model as tiny
 from labs.gpu.figures import figure, refused, skipped
 from labs.gpu.memory import gpt_200m
 
 # NVIDIA H100 and H200 datasheets, dense BF16 tensor-core peak (SXM parts): 989.4 TFLOP/s
-# (1,979 with 2:4 sparsity). The H100 PCIe part is lower (756), so only the SXM names match.
-PEAKS = {"H100 80GB HBM3": compute.H100_BF16_DENSE, "H200": compute.H100_BF16_DENSE}
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# (1,979 with 2:4 sparsity). Keyed by the whole name torch.cuda.get_device_name reports: the PCIe
+# and NVL parts of both (e.g. "NVIDIA H200 NVL", "NVIDIA H100 PCIe") have lower peaks and names
+# that contain these, so a part of a name never matches.
+PEAKS = {"NVIDIA H100 80GB HBM3": compute.H100_BF16_DENSE, "NVIDIA H200": compute.H100_BF16_DENSE}
 
 
 def seconds_per_call(fn, device, repeats, warmup=2):
-    """Mean wall-clock seconds of fn() over ``repeats`` calls, after ``warmup`` calls."""
+    """Mean wall-clock seconds of fn() over ``repeats`` calls, after ``warmup`` calls (the clock
+    read once the device's queued work is done: `labs.measure.timing.now`)."""
     for _ in range(warmup):
         fn()
-    _sync(device)
-    start = time.perf_counter()
+    start = timing.now()
     for _ in range(repeats):
         fn()
-    _sync(device)
-    return (time.perf_counter() - start) / repeats
+    return (timing.now() - start) / repeats
 
 
 def _tflops(m, k, n, device, repeats, dtype=torch.bfloat16):
@@ -70,9 +66,14 @@ def matmul_tflops(device, sizes):
     return out
 
 
+def peak_of(name):
+    """The datasheet dense bf16 peak (FLOP/s) of the device called exactly ``name``, or None."""
+    return PEAKS.get(" ".join(name.split()))
+
+
 def peak_figure(device):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAKS.items() if k in name), None)
+    peak = peak_of(name)
     if peak is None:
         return skipped(f"no datasheet bf16 peak recorded for {name!r} (labs.gpu.speed.PEAKS)")
     return figure(peak / 1e12, "TFLOP/s", "formula", "datasheet dense bf16 peak", peak / 1e12)
@@ -113,18 +114,15 @@ def _scaled(xq, wq, sa, sb):
 
 
 def _fp8_operands(x, w, granularity):
-    """FP8 operands and the dequantisation scales _scaled_mm takes (see `labs.precision.fp8.scaled_mm`);
-    blockwise: X per 1x128 tile (M, K/128), W per 128x128 block (N/128, K/128), in the layouts to try."""
+    """FP8 operands and the dequantisation scales _scaled_mm takes; blockwise: X per 1x128 tile
+    and W per 128x128 block, in the layout CUDA checks (`labs.precision.kernels.blockwise_scales`)."""
     if granularity in ("tensor", "row"):
         (xq, sx), (wq, sw) = fp8.quantize(x, granularity), fp8.quantize(w, granularity)
         sa, sb = (1 / sx).float(), (1 / sw).float()
         sa, sb = (sa, sb.reshape(1, -1)) if granularity == "row" else (sa.reshape(()), sb.reshape(()))
         return xq, wq, [(sa, sb)]
     (xq, sx), (wq, sw) = fp8.quantize(x, "1x128"), fp8.quantize(w, "128x128")
-    sa = (1 / sx[:, ::fp8.BLOCK]).float().contiguous()                  # (M, K/128)
-    sb = (1 / sw[::fp8.BLOCK, ::fp8.BLOCK]).float().contiguous()        # (N/128, K/128)
-    col = lambda t: t.t().contiguous().t()                              # noqa: E731  same shape, column-major
-    return xq, wq, [(col(sa), sb.t()), (col(sa), sb.t().contiguous()), (sa, sb.t().contiguous()), (sa, sb.t())]
+    return xq, wq, [kernels.blockwise_scales(sx, sw)]
 
 
 def _fp8_one(x, w, granularity, device, repeats):

@@ -1,17 +1,18 @@
 """Chapter 11: one machine, two latencies. Why the loopback ping-pong and chapter 10's alpha differ.
 
 `machine.ping_pong` reports gloo's loopback latency as half the round trip of a blocking send and
-recv, the median of back-to-back trips. `labs.collectives.alpha_beta.fit` reports alpha as the
-intercept of a least-squares line through exchanges (both ranks send and receive at once), each
-timed right after a barrier, keeping the fastest of many tries per size. On a shared 2-core machine
-the two differ by an order of magnitude. `measure` times, in one job of 2 ranks, each ingredient
+recv, the median of back-to-back trips. Chapter 10 (`labs.collectives.crossover`) reports alpha as the
+intercept of a line fitted by relative error through exchanges (both ranks send and receive at
+once), each timed right after a barrier, keeping the fastest of many tries per size. On a shared
+2-core machine the two can differ several times over. `measure` times, in one job of 2 ranks, each ingredient
 that separates them, so the gap is measured, not argued:
 
 - the pattern: ping-pong (one-way = round trip / 2) or simultaneous exchange;
 - the start: each timing after a barrier (both processes just woken and running), or back to
   back, where each message must wake a process that went to sleep waiting for it;
-- the statistic: median or fastest of the repeats;
-- the estimate: the time of a small message, or the intercept of a line fitted over sizes.
+- the statistic: median (with its quartiles, the spread) or fastest of the repeats;
+- the estimate: the time of a small message, or the intercept of a line fitted over sizes by
+  chapter 10's `alpha_beta.fit_line` (least squares on relative errors).
 
 A process blocked in a receive is woken when its data arrives; on a machine whose cores are all
 busy it may wait for the running process's time slice to end, which on Linux ends at a scheduler
@@ -27,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from labs.collectives import alpha_beta
 from labs.launcher import launch
 
 SMALL = 8                                              # bytes: the latency message
@@ -51,6 +53,7 @@ def _pattern(kind, rank, mine, theirs):
     return lambda: (first(mine, peer), second(mine, peer))
 
 
+@launch.on_cpu("the loopback's two latencies: gloo on CPU tensors, timed with the host clock")
 def rank_times(rank, world_size, sizes, repeats):
     """One rank: {(pattern, start, size): seconds per repeat}, one-way for the ping-pong."""
     out = {}
@@ -71,25 +74,24 @@ def rank_times(rank, world_size, sizes, repeats):
     return out
 
 
-def _intercept(sizes, seconds):
-    a = torch.tensor([[1.0, float(n)] for n in sizes], dtype=torch.float64)   # (sizes, 2)
-    return torch.linalg.lstsq(a, torch.tensor(seconds, dtype=torch.float64)[:, None]).solution[0, 0].item()
-
-
 def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
-    """Every variant's small-message latency (median and fastest, slower rank per repeat), the
-    intercepts of lines fitted over ``sizes``, and the share of back-to-back round trips of at least
-    one scheduler tick."""
+    """Every variant's small-message latency (median, quartiles and fastest of the slower rank per
+    repeat), the intercepts of lines fitted over ``sizes`` (`alpha_beta.fit_line`, the fit chapter 10
+    uses), and the share of back-to-back round trips of at least one scheduler tick."""
     if SMALL not in sizes:
         raise ValueError(f"the sizes must include the {SMALL}-byte latency message, got {list(sizes)}.")
+    if repeats < 4:
+        raise ValueError(f"quartiles need at least 4 repeats, got {repeats}.")
     ranks = launch.spawn(rank_times, 2, list(sizes), repeats, timeout=timeout)
     slowest = {k: [max(a, b) for a, b in zip(ranks[0][k], ranks[1][k])] for k in ranks[0]}
     small = {}
     for kind in ("pingpong", "exchange"):
         for start in ("barrier", "back_to_back"):
             t = slowest[f"{kind}/{start}/{SMALL}"]
-            small[f"{kind}/{start}"] = {"median_s": statistics.median(t), "fastest_s": min(t)}
-    fits = {f"exchange/barrier/{stat}": _intercept(sizes, [f(slowest[f"exchange/barrier/{n}"]) for n in sizes])
+            q1, median, q3 = statistics.quantiles(t, n=4, method="inclusive")
+            small[f"{kind}/{start}"] = {"median_s": median, "q1_s": q1, "q3_s": q3, "fastest_s": min(t)}
+    fits = {f"exchange/barrier/{stat}":
+            alpha_beta.fit_line(sizes, [f(slowest[f"exchange/barrier/{n}"]) for n in sizes])["alpha"]
             for stat, f in (("fastest", min), ("median", statistics.median))}
     tick = kernel_tick_s()
     trips = [2 * t for t in slowest[f"pingpong/back_to_back/{SMALL}"]]
@@ -107,8 +109,8 @@ def main(argv=None):
         raise ValueError(f"the measurement uses exactly 2 ranks, got --world-size {args.world_size}; "
                          "drop --world-size.")
     r = measure(repeats=args.repeats, timeout=args.timeout)
-    lines = [f"{k:24s} median {v['median_s'] * 1e6:8.0f} us, fastest {v['fastest_s'] * 1e6:8.0f} us"
-             for k, v in r["small"].items()]
+    lines = [f"{k:24s} median {v['median_s'] * 1e6:8.0f} us (quartiles {v['q1_s'] * 1e6:.0f} to "
+             f"{v['q3_s'] * 1e6:.0f}), fastest {v['fastest_s'] * 1e6:8.0f} us" for k, v in r["small"].items()]
     lines += [f"intercept, {k:24s} {v * 1e6:8.0f} us" for k, v in r["alpha_fits"].items()]
     lines.append(f"scheduler tick {r['tick_s']} s; back-to-back round trips of a tick or more: "
                  f"{r['trips_of_a_tick_or_more']}")

@@ -13,13 +13,12 @@ import platform
 import socket
 import statistics
 import subprocess
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from labs.launcher import launch
+from labs.launcher import launch, torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/<package>/<file>.py
 
@@ -56,6 +55,7 @@ def gpu_copies(nbytes=1 << 28, repeats=5):
             "d2d_bytes_per_s": timed(b, a), "h2d_bytes_per_s": timed(a, host)}
 
 
+@launch.on_cpu("gloo's loopback between two processes of this machine")
 def ping_pong(rank, world_size, sizes=(8, 1 << 24), repeats=7):
     """Rank 0 and 1 bounce a message back to back; one-way time = round trip / 2 (gloo loopback via
     TCP), the median and the fastest of ``repeats`` trips (`labs.hardware.latency` says why they differ)."""
@@ -102,11 +102,25 @@ def free_port():
 
 
 def two_node_commands(module_args, nproc_per_node=2, host="127.0.0.1", port=29500):
-    """The torchrun command of each of two nodes (run the first on the node at ``host``)."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [[torchrun, "--nnodes=2", f"--nproc-per-node={nproc_per_node}", f"--node-rank={i}",
+    """The torchrun command of each of two nodes, as a reader types it (run the first on the node
+    at ``host``); `two_node_run` runs the same arguments as ``python -m torch.distributed.run``."""
+    return [["torchrun", "--nnodes=2", f"--nproc-per-node={nproc_per_node}", f"--node-rank={i}",
              "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=labs-two-node",
              "-m", *module_args] for i in range(2)]
+
+
+def launcher_gpus(launchers, nproc_per_node, visible=None):
+    """CUDA_VISIBLE_DEVICES for each of ``launchers`` torchrun launchers on this machine: each its
+    own ``nproc_per_node`` GPUs where there are enough for all of them, so two "nodes" never put two
+    ranks on one GPU (NCCL refuses that); else none, and their ranks run on gloo. ``visible``: the
+    GPUs this process may use (its CUDA_VISIBLE_DEVICES, or every GPU torch sees)."""
+    if visible is None:
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        visible = [d for d in listed.split(",") if d.strip()] if listed is not None else [str(i) for i in range(count)]
+    if len(visible) < launchers * nproc_per_node:
+        return [""] * launchers
+    return [",".join(visible[i * nproc_per_node:(i + 1) * nproc_per_node]) for i in range(launchers)]
 
 
 def _json_line(text):
@@ -124,15 +138,17 @@ def two_node_run(module_args, nproc_per_node=2, timeout=180, single=True):
     rank 0 may live under either launcher: exactly one of the two prints the JSON line.
     """
     cmds = two_node_commands(module_args, nproc_per_node, port=free_port())
-    env = dict(os.environ, PYTHONPATH=REPO)
-    procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for c in cmds]
+    env = torchrun.child_env(REPO)
+    gpus = launcher_gpus(2, nproc_per_node)
+    procs = [subprocess.Popen(torchrun.command(*c[1:]), cwd=REPO, env=dict(env, CUDA_VISIBLE_DEVICES=g),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c, g in zip(cmds, gpus)]
     outs = [p.communicate(timeout=timeout) for p in procs]
     for p, (_, err) in zip(procs, outs):
         if p.returncode:
             raise RuntimeError(f"a two-node launcher failed (exit {p.returncode}):\n{err[-2000:]}")
     reports = [_json_line(o) for o, _ in outs]
-    one = subprocess.run([cmds[0][0], f"--nproc-per-node={2 * nproc_per_node}", "-m", *module_args],
+    one = subprocess.run(torchrun.command(f"--nproc-per-node={2 * nproc_per_node}", "-m", *module_args),
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
                          check=True).stdout if single else None
     return {"two_node": [r for rep in reports for r in rep], "reports_per_launcher": [len(r) for r in reports],

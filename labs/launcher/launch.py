@@ -21,7 +21,8 @@ Promises, because a distributed job that hangs teaches nothing:
   sentence before any process starts.
 
 Backend: NCCL with one GPU per rank when the machine has at least ``world_size`` GPUs, else gloo
-on the CPU. ``LABS_BACKEND=gloo`` or ``LABS_BACKEND=nccl`` forces one.
+on the CPU. ``LABS_BACKEND=gloo`` or ``LABS_BACKEND=nccl`` forces one. A rank function marked
+``@launch.on_cpu(reason)`` always runs on gloo; any other puts its tensors on `device()`.
 """
 import importlib
 import json
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from labs.launcher import preflight, supervise, torchrun, zygote
+from labs.launcher.preflight import on_cpu  # noqa: F401  (how a lab says it runs on the CPU)
 from labs.launcher.supervise import RankError, RankTimeout  # noqa: F401  (the launcher's public errors)
 
 _RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank.py")
@@ -68,7 +70,7 @@ def spawn(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` new processes."""
     preflight.check_world_size(world_size)
     timeout = preflight.check_timeout(timeout)
-    backend = preflight.choose_backend(world_size, backend)
+    backend = preflight.choose_backend(world_size, backend, fn)
     preflight.check_fits(world_size)
     fn = _importable(fn)
     spec = _spec(fn, args, kwargs, world_size, backend, timeout)
@@ -90,7 +92,9 @@ def spawn(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
         unfinished = [r for r in unfinished if not os.path.exists(supervise.path(tmp, r, "result"))] or unfinished
         if unfinished:
             raise supervise.timeout_error(procs, unfinished, world_size, timeout, tmp)
-        results = [torch.load(supervise.path(tmp, r, "result"), weights_only=False) for r in range(world_size)]
+        # back on the CPU: an NCCL rank's tensors were saved on its GPU, which the caller may not hold
+        results = [torch.load(supervise.path(tmp, r, "result"), weights_only=False, map_location="cpu")
+                   for r in range(world_size)]
         supervise.replay_stdout(tmp, world_size)
         return results
     finally:

@@ -4,7 +4,7 @@ Bad input is refused here in one sentence, before a process exists: a world size
 positive integer, a timeout that is not a number of seconds in (0, 86,400], a run larger than the
 machine's memory. The backend is NCCL with one GPU per rank when the machine has at least
 ``world_size`` GPUs, else gloo on the CPU; ``LABS_BACKEND=gloo`` or ``LABS_BACKEND=nccl`` forces
-one. `labs.launcher.launch` (spawn), `labs.launcher.torchrun` (torchrun's ranks) and the command
+one, except for a rank function marked `on_cpu`, which always gets gloo. `labs.launcher.launch` (spawn), `labs.launcher.torchrun` (torchrun's ranks) and the command
 line (`labs.launcher.cli`) all check with these functions, and none of them is imported here.
 """
 import math
@@ -32,8 +32,27 @@ def check_world_size(world_size):
     return world_size
 
 
-def choose_backend(world_size, backend=None):
-    """NCCL when every rank can have its own GPU, else gloo; ``backend`` or $LABS_BACKEND forces one."""
+def on_cpu(reason):
+    """Mark a rank function that runs on the CPU with gloo on every machine, GPU boxes included,
+    and say why (it measures gloo's own wire, say, or emulates compute with sleeps): the backend
+    choice reads the mark, so the lab never gets NCCL with tensors NCCL would refuse."""
+    def mark(fn):
+        fn.labs_on_cpu = reason
+        return fn
+    return mark
+
+
+def choose_backend(world_size, backend=None, fn=None):
+    """NCCL when every rank can have its own GPU, else gloo; ``backend`` or $LABS_BACKEND forces one.
+
+    A rank function ``fn`` marked `on_cpu` gets gloo whatever $LABS_BACKEND says (the variable sets
+    a machine's default, the mark is the lab's own requirement); asking it for NCCL by argument is
+    refused."""
+    reason = getattr(fn, "labs_on_cpu", None)
+    if reason:
+        if backend == "nccl":
+            raise ValueError(f"{fn.__qualname__} runs on the CPU ({reason}); drop backend='nccl'.")
+        return "gloo"
     forced = backend or os.environ.get(BACKEND_ENV) or None
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if forced is None:

@@ -23,6 +23,21 @@ from labs.launcher import heartbeat, preflight, supervise
 WATCHDOG_WAIT_S = 2.0
 
 
+def command(*args):
+    """torchrun's command line as ``python -m torch.distributed.run``, run by this interpreter: a
+    ``torchrun`` script exists beside ``sys.executable`` only where torch was installed under the
+    same prefix (not with a system Python and torch elsewhere on its path, as on a GPU box)."""
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def child_env(repo, **extra):
+    """This process's environment for torchrun and its workers, with ``repo`` put first on
+    PYTHONPATH (they do not inherit ``sys.path``) and the rest of PYTHONPATH kept after it: the
+    box's own packages may live there (`tools/box_setup.py`)."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != repo]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([repo, *kept]), **extra)
+
+
 def run(fn, world_size, args, kwargs, timeout, backend):
     """torchrun started us: join its group (env://), run under a watchdog, gather results on rank 0.
 
@@ -37,7 +52,7 @@ def run(fn, world_size, args, kwargs, timeout, backend):
         raise ValueError(f"--world-size {world_size} disagrees with torchrun's WORLD_SIZE={size}; "
                          "drop --world-size or make them equal.")
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-    backend = preflight.choose_backend(local_size, backend)
+    backend = preflight.choose_backend(local_size, backend, fn)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout + preflight._GROUP_TIMEOUT_MARGIN_S))

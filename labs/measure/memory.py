@@ -114,9 +114,23 @@ def saved_for_backward(module=None):
         yield record
 
 
+def _cuda_in_use():
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def reset_cuda_peak():
+    """Start this rank's CUDA high-water mark afresh, once the work already queued is done: call it
+    right before the step whose peak `cuda_peak_bytes` should report. Nothing on the CPU."""
+    if _cuda_in_use():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def cuda_peak_bytes():
-    """Peak bytes allocated on this rank's GPU, or None on the CPU."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    """Peak bytes allocated on this rank's GPU since the last `reset_cuda_peak` (else since the
+    process started), once the queued work is done; None on the CPU."""
+    if _cuda_in_use():
+        torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
     return None
 
@@ -240,9 +254,8 @@ class PeakMemory(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        if _cuda_in_use():
+            reset_cuda_peak()
             self.cuda_baseline_bytes = torch.cuda.memory_allocated()
         self._active = True
         return super().__enter__()
@@ -252,8 +265,7 @@ class PeakMemory(TorchDispatchMode):
         self._active = False   # later frees no longer change the results
         self.live.clear()
         if self.cuda_baseline_bytes is not None:
-            torch.cuda.synchronize()
-            self.cuda_peak_bytes = torch.cuda.max_memory_allocated()
+            self.cuda_peak_bytes = cuda_peak_bytes()
         return super().__exit__(*exc)
 
     # -- results ------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Chapter 1, the memory budget: bytes per parameter, activations, FLOPs, and whether a model fits.
 
+- `model_shape`: a model as its published shapes and weight matrices, the one model type every chapter uses.
 - `budget`: the calculator (bytes per device for a configuration) and the lab that measures it.
 - `recipes`: mixed-precision recipes and the hand Adam, whose bytes per parameter the chapter counts.
 - `activations`: what a GPT-3 or Llama block saves for backward, formula against autograd's bytes.

@@ -26,14 +26,15 @@ against the activation formulas.
     python -m labs.memory_budget.budget --measure --world-size 2 --json
 """
 import math
-from dataclasses import dataclass
 
 import torch
 
 from labs.measure import comm, exercises, memory
 from labs.launcher import launch
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.memory_budget import recipes as mixed_precision  # `recipes` names a parameter below
+from labs.memory_budget.model_shape import ModelShape
 from labs.memory_budget.activations import (activation_bytes_per_layer, llama_activation_terms,
                                             measure_activations, measure_llama)
 
@@ -42,31 +43,14 @@ GIB = 2 ** 30     # what a GPU's memory is counted in
 GPU_GIB = 80      # an H100 SXM "80GB": 80 GiB = 85.9e9 bytes
 
 
-@dataclass(frozen=True)
-class Arch:
-    """Published shapes (Touvron et al. 2023 for Llama 2; Llama 3 Herd paper, 2024, for 405B)."""
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-
-    def layer_params(self):
-        return (self.params() - 2 * self.vocab * self.hidden - self.hidden) // self.layers
-
-    def params(self):
-        """Llama block: q, o (h x h); k, v (h x kv*d); SwiGLU (3 matrices h x ffn); 2 RMSNorms."""
-        kv = self.kv_heads * (self.hidden // self.heads)
-        per_layer = 2 * self.hidden ** 2 + 2 * self.hidden * kv + 3 * self.hidden * self.ffn + 2 * self.hidden
-        return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden  # + embed, head, final norm
-
-
+# Published shapes: Touvron et al. 2023 (Llama 2, Table 1: 4,096-token context) and Llama Team 2024
+# (arXiv 2407.21783, Table 3; 405B pre-trained at 8,192 tokens, Table 4)
 MODELS = {
-    "7B": Arch(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
-    "13B": Arch(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000),
-    "70B": Arch(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
-    "405B": Arch(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256),
+    "7B": ModelShape("Llama 2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, seq=4096),
+    "13B": ModelShape("Llama 2 13B", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, seq=4096),
+    "70B": ModelShape("Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, seq=4096),
+    "405B": ModelShape("Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256,
+                       seq=8192),
 }
 
 
@@ -111,10 +95,7 @@ def budget(model="7B", world_size=8, tp=1, pp=1, zero_stage=0, recipe="mixed", s
     = gpu_gib * 2**30; ``fits``: total bytes <= capacity_bytes.
     """
     arch = _arch(model)
-    if world_size % (tp * pp):
-        raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}; "
-                         f"choose tp and pp whose product divides {world_size}.")
-    dp = world_size // (tp * pp)
+    dp = ParallelDims.build(world_size, tp=tp, pp=pp).dp       # the degrees, checked once
     if arch.layers % pp or arch.heads % tp or arch.ffn % tp or (arch.kv_heads % tp and tp % arch.kv_heads):
         raise ValueError(f"{model} has {arch.layers} layers, {arch.heads} heads, {arch.kv_heads} KV heads and "
                          f"MLP width {arch.ffn}: pp must divide the layers and tp the heads and the width "
@@ -166,6 +147,27 @@ def fit_grid(model="7B", world_size=8, zero_stage=1, seq=4096, micro_batch=1, tp
     return rows
 
 
+def lowest_zero_stage(model, world_size, headroom=0.1, gpu_gib=GPU_GIB, **settings):
+    """The lowest ZeRO stage at which ``budget(model, world_size, ...)`` leaves at least ``headroom``
+    of the GPU free (for the temporary buffers, logits and fragmentation the budget does not count),
+    or None when no stage does."""
+    for stage in (0, 1, 2, 3):
+        r = budget(model, world_size, zero_stage=stage, gpu_gib=gpu_gib, **settings)
+        if r["bytes_per_device"]["total"] <= (1 - headroom) * r["capacity_bytes"]:
+            return stage
+    return None
+
+
+def fewest_gpus(model, zero_stage, activations=True, limit=1024, gpu_gib=GPU_GIB, **settings):
+    """The fewest data-parallel GPUs on which ``model``'s state under ``zero_stage`` (with
+    ``activations``, also one micro-batch's, from ``settings``) fits ``gpu_gib``; None up to ``limit``."""
+    for n in range(1, limit + 1):
+        r = budget(model, n, zero_stage=zero_stage, gpu_gib=gpu_gib, **settings)["bytes_per_device"]
+        if r["total"] - (0 if activations else r["activations"]) <= gpu_gib * GIB:
+            return n
+    return None
+
+
 # Link speeds, one direction, from the vendors' specifications (bytes per second).
 LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVMe drive (PCIe 4.0 x4)": 7e9,  # NVMe: a fast drive's read rate
          "NVLink 4 (H100)": 450e9, "InfiniBand NDR (400 Gb/s)": 50e9}
@@ -177,6 +179,7 @@ PEAK_FLOPS = {"H100 SXM, bf16 dense": 989e12}
 def data_parallel_step(cfg, recipe, rank, batch_size):
     """One step of plain data parallelism with a recipe; returns the state this rank holds."""
     dev = launch.device()
+    memory.reset_cuda_peak()  # on a GPU: this recipe's peak alone, not the process's so far
     net = tiny.build(cfg, seed=0, device=dev)  # same seed on every rank: replicas start equal
     opt = mixed_precision.prepare(net, recipe)
     x, y = tiny.synthetic_batch(cfg, batch_size, seed=rank, device=dev)  # each rank its own data
@@ -194,7 +197,7 @@ def data_parallel_step(cfg, recipe, rank, batch_size):
             "formula": mixed_precision.recipe(recipe).bytes_per_param(), "allreduce_payload_bytes": tally.payload_bytes,
             "allreduce_formula_bytes": tally.formula_bytes_sent, "allreduce_calls": tally.calls("all_reduce"),
             "allreduce_wire_bytes": tally.wire_bytes_sent if not tally.wire_missing else None,
-            "param_checksum": checksum}
+            "param_checksum": checksum, "cuda_peak_bytes": memory.cuda_peak_bytes()}
 
 
 def measure(rank, world_size, recipes=tuple(mixed_precision.RECIPES), shapes=((1, 8), (2, 8), (2, 16)),
@@ -204,13 +207,28 @@ def measure(rank, world_size, recipes=tuple(mixed_precision.RECIPES), shapes=((1
     result = {name: data_parallel_step(cfg, name, rank, batch_size) for name in recipes}
     act_cfg = tiny.GPTConfig(dropout=0.1)  # the GPT-3 formula assumes dropout everywhere
     return {"recipes": result, "activations": measure_activations(act_cfg, shapes, device=launch.device()),
-            "llama_activations": measure_llama(shapes, device=launch.device()),
-            "cuda_peak_bytes": memory.cuda_peak_bytes()}
+            "llama_activations": measure_llama(shapes, device=launch.device())}
 
 
 def state_gb(model, world_size, zero_stage, recipe="mixed"):
     """GB per device of parameters + gradients + optimizer state (no activations), pure data parallel."""
     return state_bytes_per_param(zero_stage, world_size, recipe)["total"] * MODELS[model].params() / GB
+
+
+def nominal_params(model):
+    """The parameter count a model's name suggests (70e9 for "70B"), not its real Psi."""
+    return float(model.removesuffix("B")) * 1e9
+
+
+def nominal_mistake(model):
+    """The mistake of taking a model's name for its parameter count, in words."""
+    return (f"the {nominal_params(model) / 1e9:g}e9 parameters of the model's name for its "
+            f"{MODELS[model].params() / 1e9:.2f}e9 (chapter 1)")
+
+
+def nominal(model, answer):
+    """(the answer the nominal count gives, the mistake in words) for an ``answer()`` linear in Psi."""
+    return lambda: answer() * nominal_params(model) / MODELS[model].params(), nominal_mistake(model)
 
 
 # Chapter 1's exercises: the answers are computed here, so the book never types them.
@@ -221,10 +239,21 @@ EXERCISES = {
     "4": lambda: GPU_GIB * GIB / 16 / 1e9,  # billions of parameters in 80 GiB
 }
 
-
-def check(question, answer, rel=0.01):
-    """Automatic checker: within 1% of the computed answer."""
-    return exercises.check(EXERCISES, question, answer, rel)
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: state_gb("13B", 8, zero_stage=2, recipe="bf16_no_master"),
+           "12 bytes per parameter: the fp32 master copy of the weights left out"),
+          (lambda: 16 * MODELS["13B"].params() / GB,
+           "ZeRO-2 forgotten: all 16 bytes per parameter on every GPU")],
+    "2": [(lambda: math.ceil(16 * MODELS["70B"].params() / (GPU_GIB * GB)), "80 GB taken for 80 GiB"),
+          (lambda: math.ceil(16 * nominal_params("70B") / (GPU_GIB * GIB)), nominal_mistake("70B")),
+          (lambda: math.ceil(12 * MODELS["70B"].params() / (GPU_GIB * GIB)),
+           "12 bytes per parameter: the fp32 master copy of the weights left out")],
+    "3": [(lambda: 34 * 2048 * 1 * 12288 / GB, "sbh(34 + 5as/h) without the attention scores' 5as/h")],
+    "4": [(lambda: GPU_GIB / 16, "80 GB taken for 80 GiB"),
+          (lambda: GPU_GIB * GIB / 12 / 1e9, "12 bytes per parameter instead of 16")],
+}
+check = exercises.checker(EXERCISES, MISTAKES)
 
 
 def main(argv=None):

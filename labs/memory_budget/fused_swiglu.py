@@ -38,9 +38,10 @@ def swiglu_saved_bytes(s, b, ffn, tp=1, fused=True, act_bytes=2):
     return (3 if fused else 4) * act_bytes * s * b * ffn / tp
 
 
-def llama_fused_mlp_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute="none", attention="flash"):
+def llama_fused_mlp_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute="none", attention="flash",
+                          head_dim=None):
     """`activations.llama_activation_terms` with the SwiGLU term of a fused kernel (6sbf/tp, not 8sbf/tp)."""
-    terms = llama_activation_terms(s, b, h, a, kv_heads, ffn, tp, sp, recompute, attention)
+    terms = llama_activation_terms(s, b, h, a, kv_heads, ffn, tp, sp, recompute, attention, head_dim=head_dim)
     if "swiglu" in terms:
         terms["swiglu"] = swiglu_saved_bytes(s, b, ffn, tp)
     return terms

@@ -8,18 +8,21 @@ The formula itself, bytes per parameter by stage, is `budget.state_bytes_per_par
 """
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
+from labs.measure import costs
 from labs.memory_budget.budget import GB, LINKS, state_bytes_per_param
 
 def zero_comm_bytes(stage, psi, n, bytes_per_elem=2):
-    """Bytes each rank sends per step (ring model): (N-1)/N x {2, 2, 2, 3} x Psi x bytes."""
-    return (3 if stage == 3 else 2) * (n - 1) / n * psi * bytes_per_elem
+    """Bytes each rank sends per step (ring model): {2, 2, 2, 3} all-gather-sized passes of (N-1)/N x
+    Psi x bytes (`labs.measure.costs`; stages 0-2 all-reduce the gradients, or reduce-scatter and gather)."""
+    return float((3 if stage == 3 else 2) * costs.sent("all_gather", psi * bytes_per_elem, n))
 
 
 def zeropp_cross_node_bytes(psi):
     """ZeRO-3 vs ZeRO++ (Wang et al. 2023, arXiv 2306.10209) bytes across nodes per parameter pass,
     large N: all-gather weights (bf16 -> int8, qwZ), backward all-gather kept inside the node (hpZ:
     0 across), reduce-scatter gradients (bf16 -> int4, qgZ)."""
-    return {"zero3": 2 * psi + 2 * psi + 2 * psi, "zeropp": 1 * psi + 0 + 0.5 * psi}
+    return {"zero3": 2 * psi + 2 * psi + 2 * psi, "zeropp": 1 * psi + 0 + 0.5 * psi,
+            "int8_weights_only": 1 * psi + 1 * psi + 2 * psi}   # qwZ alone: both gathers in int8
 
 
 def offload_seconds(psi, link):

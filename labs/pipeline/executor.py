@@ -193,6 +193,7 @@ def reference_grads(cfg, data):
     return {n: p.grad for n, p in net.named_parameters()}
 
 
+@launch.on_cpu('the executor pads every action to a wall-clock time per work unit and sends its logical clock inside each message: a CPU emulation')
 def run(rank, world_size, schedule="1f1b", m=4, v=1, unit_seconds=0.05, batch_size=2):
     """Execute one schedule; compare gradients with one process; measure both bubbles."""
     p, cfg = world_size, config()
@@ -244,6 +245,7 @@ def summarize(results, schedule, m, v):
             "layer": layer, "piece_costs": [r["piece_costs"] for r in results]}
 
 
+@launch.on_cpu('the executor pads every action to a wall-clock time per work unit and sends its logical clock inside each message: a CPU emulation')
 def sweep(rank, world_size, configs, unit_seconds=0.0):
     """`run` for several (schedule, m, v) in one job; returns the summaries on every rank, each with
     ``events``: per stage, one dict per action (action, start, end in work units, wall_start,

@@ -19,8 +19,10 @@ import time
 
 import torch
 
+from labs.launcher import launch
 from labs.measure import comm
 from labs import groups, model as tiny
+from labs.dims import ParallelDims
 from labs.pipeline import executor, schedules
 
 
@@ -43,11 +45,12 @@ def finish_times(p, m, t_f=1, t_b=2):
     return [(m + p - 1) * (t_f + t_b) - s * t_b for s in range(p)]
 
 
+@launch.on_cpu("chapter 5's executor, a CPU emulation of pipeline timing")
 def run(rank, world_size, pp=2, m=4, batch_size=2, unit_seconds=0.02):
     """One 1F1B step on pp x dp ranks, then each stage's all-reduce over its DP group: counted calls
     and bytes, the logical time it is issued, wall-clock times, and the gradient error against one
     process over all dp x m micro-batches."""
-    lay = groups.layout(world_size, pp=pp)
+    lay = ParallelDims.build(world_size, pp=pp)
     g = groups.Groups(lay)
     stage, d, dp = g.coords["pp"], g.coords["dp"], lay.dp
     cfg = executor.config()

@@ -20,6 +20,7 @@ Bubbles, each formula named by its source:
       stage 0 runs out of forwards at time m and idles 2p - 1 - m units: (2p-1-m)/(3m).
 Work units per full stage: F = 1 and B = 2 (backward costs twice the forward), or, split, F = B = W = 1.
 """
+from fractions import Fraction
 from typing import NamedTuple
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "greedy-bfw")
@@ -252,14 +253,36 @@ def microbatches_for(p, target):
     return m
 
 
+def microbatches_to_halve(p, m):
+    """Fewest micro-batches whose 1F1B bubble, as a share of the total time, is at most half of
+    that with ``m``, counted in exact fractions. (p-1)/(m'+p-1) <= (p-1)/(2(m+p-1)) gives
+    m' = 2m + p - 1: doubling m does not halve the share, since the p - 1 idle slots stay."""
+    half = Fraction(p - 1, m + p - 1) / 2
+    m_new = m
+    while Fraction(p - 1, m_new + p - 1) > half:
+        m_new += 1
+    return m_new
+
+
 # Chapter 5's exercises: the answers are computed here, so the book never types them.
 EXERCISES = {
     "1": lambda: formula("1f1b", 16, 48)["over_total"],
     "2": lambda: microbatches_for(16, 0.05),
     "3": lambda: formula("interleaved", 8, 32, 4)["over_ideal"],
+    "4": lambda: microbatches_to_halve(4, 12),                    # an exact count of micro-batches
+}
+
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: formula("1f1b", 16, 48)["over_ideal"],
+           "(p-1)/m: the bubble over the ideal time, not the total")],
+    "2": [(lambda: next(m for m in range(1, 1000) if 15 / m <= 0.05),
+           "(p-1)/m <= 5 %: the bubble over the ideal time, not the total")],
+    "3": [(lambda: formula("1f1b", 8, 32)["over_ideal"], "the interleaving's v = 4 left out")],
+    "4": [(lambda: 2 * 12, "doubling m: the p - 1 idle slots stay, so the share falls to 1/9, not 1/10")],
 }
 
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)

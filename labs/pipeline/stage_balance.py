@@ -16,7 +16,15 @@ layer each from the first and the last stages, respectively". 126 layers on PP =
 16 x 8 - 2: stages of [7, 8, ..., 8, 7] layers. `llama3_405b` compares it, in FLOPs from the
 formula, with 8 layers on every stage (a 128-layer model) and with the 126 layers split as evenly
 as possible with the short stages last, and runs 1F1B on those per-stage costs (`schedules.simulate`).
+
+`stage_layers` is the book's one stage split (chapters 5, 11 and 14 use it): the layers as evenly as
+possible over p * v model chunks, the short chunks at the two ends, chunk c on rank c mod p
+(interleaved 1F1B, Narayanan et al. 2021, §2.2). It gives Llama 3's split of 126 layers on 16 stages
+([7, 8, ..., 8, 7]) and, with v = 8, its first chunk holding only the embedding and its last only the
+head (§3.3.2: "the first model chunk on the first stage has only the embedding"); and Megatron-LM's
+equal split when p * v divides the layers.
 """
+import functools
 import itertools
 import statistics
 import time
@@ -35,6 +43,32 @@ def config(vocab_size=REAL_VOCAB, hidden=256, n_layer=24):
     """The tiny GPT with a real vocabulary; h = 256 keeps one process on a CPU under a second per
     step while the head is still worth many layers: 2hV / (24h^2 + 4hs) = 10.3 layers' FLOPs."""
     return tiny.GPTConfig(vocab_size=vocab_size, hidden=hidden, n_layer=n_layer, n_head=4, seq_len=16)
+
+
+def split_counts(n, parts):
+    """n items over ``parts`` as evenly as possible, the short parts first and last: 126 over 16 is
+    [7, 8, ..., 8, 7]; with more short parts than two, the first end takes the extra one."""
+    base, extra = divmod(n, parts)
+    short = parts - extra
+    first = short // 2 + short % 2 if extra else 0   # short parts at the ends, the first end first
+    return [base + (first <= i < first + extra) if extra else base for i in range(parts)]
+
+
+@functools.lru_cache(maxsize=None)
+def stage_layers(layers, pp, v=1):
+    """Layer indices of each of the pp ranks: pp * v chunks in order (`split_counts`), chunk c on rank
+    c mod pp. A chunk may hold no layer only at the two ends (the embedding alone, the head alone)."""
+    for name, value in (("layers", layers), ("pp", pp), ("v", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if pp * v > layers + 2:
+        raise ValueError(f"{layers} layers cannot fill pp * v = {pp} * {v} = {pp * v} model chunks (at most "
+                         f"{layers + 2}: only the first and the last chunk may hold no layer); use fewer.")
+    out, start = [[] for _ in range(pp)], 0
+    for c, size in enumerate(split_counts(layers, pp * v)):
+        out[c % pp].extend(range(start, start + size))
+        start += size
+    return tuple(tuple(ranks) for ranks in out)
 
 
 def flops_per_token(cfg, layers, first, last):
@@ -149,7 +183,7 @@ def llama3_405b(m=16, p=16):
     head = seq * 3 * 2 * arch.hidden * arch.vocab
     splits = {"equal_128": [8] * p,                              # the 16 x 8 the paper takes one from
               "even_126": [8] * (p - 2) + [7, 7],                # as even as possible, short stages last
-              "llama3_126": [7] + [8] * (p - 2) + [7]}           # §3.3.2: one layer fewer, first and last
+              "llama3_126": [len(s) for s in stage_layers(arch.layers, p)]}   # §3.3.2: one fewer, first and last
     out = {"layer_flops": layer, "head_flops": head, "head_in_layers": head / layer, "m": m, "p": p,
            "splits": {}}
     for name, counts in splits.items():

@@ -1,16 +1,27 @@
 """Chapter 14, planning a real layout: a planner built from the earlier chapters' formulas, checked
 against published runs; then the layouts composed, trained and held to one process.
 
-- `shapes`: a model as its weight matrices and how tensor parallelism splits each; a cluster as its links and peak.
-- `memory`: what one rank of a layout holds, six terms, each from the chapter that derived it.
-- `traffic`: the formula bytes each parallel group sends per rank per step, and the link tier it uses.
-- `timing`: the estimated step time (compute at a calibrated efficiency, exposed bytes, bubble) and the papers' FLOPs.
+- `shapes`: the models the planner is checked on (chapter 1's `ModelShape`) and a cluster as its links, peaks and memory.
+- `software`: what a training stack offers and which collectives it overlaps, each switch from its source.
+- `grid`: the planner's candidates as columns, so one scalar formula prices thousands of layouts at once.
+- `memory`: a layout (`Plan`: a `ParallelDims` and its settings) and what one rank holds, six terms.
+- `traffic`: the collectives each group runs per micro-batch and per step, and their formula bytes.
+- `links`: one collective's time on its group: NCCL's alpha per link tier plus the bytes over the link.
+- `kernels`: one layer's compute on a rank, GEMM by GEMM on a roofline, attention and the memory-bound ops.
+- `offload`: the optimizer in host memory (ZeRO-Offload): GPU bytes freed, host bytes, PCIe and CPU time.
+- `timing`: the estimated step time, phase by phase, with what each stack overlaps, and the papers' FLOPs.
+- `search`: every setting of each layout priced on three stages; the fastest that fits, or what overflows.
 - `planner`: every layout of a job, the rule or memory term that rejects it, the rest ranked by step time.
-- `cases`: Megatron-LM's Table 1, Llama 3's Table 4, DeepSeek-V3 and the notes' questions, and the one calibration.
+- `cases`: Megatron-LM's Table 1, Llama 3's Table 4, DeepSeek-V3 and the notes' questions, as planner cases.
+- `published_tables`, `published_runs`: more published runs (A100, H100, H800; dense and MoE), as printed and as rows.
+- `checked`: the 112 published rows as planner jobs, the calibration (one eta per generation and precision), the verdicts.
+- `scorecard`: the checked set's figures, its rows by source, and each miss with the term that explains it.
+- `notes`: the notes' three recipes, their interview questions and the stacks' layouts, through the planner.
 - `meta_check`: one rank of a full-size layout built by PyTorch on the meta device (fake process group) holds what the planner counts.
+- `flop_count`: DeepSeek-V3's TFLOP/s per GPU derived from its GPU hours, its FLOPs per token term by term.
 - `quiz`: the notes' readiness quiz, each question with a number answered by the planner or a chapter, and its checker.
-- `layout3d`: the degrees a 3D/4D run accepts, its data, one process's run, the bytes per group predicted.
-- `train3d`: the tiny GPT on dp x tp x pp (x cp) ranks from chapters 3-6's hand pieces, bytes counted per group.
+- `layout3d`: the degrees a 3D run (dp, tp, pp, cp) accepts, its data, one process's run, the bytes per group predicted.
+- `train3d`: the tiny GPT on dp x tp x pp and dp x cp x tp ranks from chapters 3-6's hand pieces, bytes counted per group.
 - `torch3d`: the same 3D layout with DeviceMesh, parallelize_module, fully_shard and pipelining, its bytes audited.
 - `rounding`: the first-order rounding bound of reordered sums, op by op, on one process's step.
 - `drift`: the loss bound a correct layout stays within, and broken layouts that leave it.

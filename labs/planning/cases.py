@@ -7,23 +7,24 @@
 - Llama Team 2024 (arXiv 2407.21783), §3.3.2, Table 4: Llama 3 405B on 8,192 and 16,384 H100s,
   trained at 8K "without activation checkpointing", FSDP keeping the gathered weights through
   backward and reducing gradients in fp32; TFLOP/s as BF16 MFU x peak (PaLM's count, Chowdhery
-  et al. 2022). The 131,072-token row prints DP = 4, which with TP 8, CP 16 and PP 16 fills 8,192
-  GPUs, not the 16,384 printed beside it, and gives 8M tokens, not 16M; DP = 8 fits both (chapters
-  1 and 2 flag the same row), and the planner uses it.
+  et al. 2022). The 131,072-token row prints DP = 4 before arXiv v3 (v3 prints 8), which with TP 8,
+  CP 16 and PP 16 fills 8,192 GPUs, not the 16,384 printed beside it, and gives 8M tokens, not 16M;
+  DP = 8 fits both (chapters 1 and 2 flag the same row), and the planner uses it.
 - DeepSeek-AI 2024 (arXiv 2412.19437), §3.2 and §4.2: DeepSeek-V3 on 2,048 H800s, PP 16, EP 64
   over 8 nodes, ZeRO-1 DP, no TP, batch 15,360 sequences of 4,096; it prints no TFLOP/s, only
-  180K H800 GPU hours per trillion tokens (§1), from which the figure here is derived with PaLM's
-  count of its active parameters.
+  180K H800 GPU hours per trillion tokens (§1), from which the figure here is derived (not published)
+  with PaLM's count of its active parameters, MTP module left out (`flop_count` shows the terms).
 - The source notes' own questions: 70B on one node of 8 H100s, 405B on 16,384 H100s.
 
-Calibration: one efficiency constant eta per GPU generation (A100; Hopper: H100 and H800, one chip),
-fitted on one row (`CALIBRATION_ROWS`) so that the planner's estimate for that row's published
-layout equals its published TFLOP/s; every other row is a prediction.
+The calibration (one efficiency constant per GPU generation and precision) and the other published
+runs are in `checked`; every row here but the A100's calibration row is a prediction.
 """
+import dataclasses
 from dataclasses import dataclass, field
 
+from labs.dims import ParallelDims
 from labs.memory_budget import compute
-from labs.planning import planner, shapes
+from labs.planning import planner, shapes, software, timing
 
 # Narayanan et al. 2021, Table 1, as printed: billions of parameters, heads, hidden, layers, TP, PP,
 # GPUs, batch (sequences), TFLOP/s per GPU, % of peak, aggregate PFLOP/s.
@@ -48,10 +49,17 @@ class Case:
     name: str
     source: str
     job: planner.Job
-    published: dict          # degrees {"tp", "pp", "cp", "ep", "dp"}
+    published: ParallelDims  # the layout the source states
     fixed: dict = field(default_factory=dict)   # settings the source states
     tflops: float = None     # published TFLOP/s per GPU (None: the source gives none)
     counted: str = "none"    # the recomputation the source's FLOP count includes
+    flops_per_token: float = None   # the source's own count, when it is not PaLM's (+ ``counted``)
+    memory_gib: float = None        # published peak memory per GPU
+    notes: str = ""
+
+    def per_token(self):
+        """The FLOPs per token the published TFLOP/s divides by."""
+        return self.flops_per_token or timing.model_flops_per_token(self.job.model, self.counted)
 
 
 def megatron_cases():
@@ -60,11 +68,10 @@ def megatron_cases():
         model = shapes.gpt(f"GPT {b}B", L, h, a)
         # Megatron-LM in 2021: no sequence parallelism (Korthikanti et al. 2022 added it), no
         # distributed optimizer; scores written out, then softmax (§4.2); every run recomputes (eq. 3)
-        job = planner.Job(model, shapes.SELENE, gpus, batch * model.seq, "mixed", "materialized",
-                          zero_stages=(0,), recompute=("full",), sp=False)
+        job = planner.Job(model, shapes.SELENE, gpus, batch * model.seq, software.MEGATRON_2021)
         fixed = {}
         out.append(Case(f"GPT {b}B", "Narayanan et al. 2021, Table 1", job,
-                        {"tp": tp, "pp": pp, "cp": 1, "ep": 1, "dp": gpus // (tp * pp)}, fixed, tflops, "full"))
+                        ParallelDims(tp=tp, pp=pp, dp=gpus // (tp * pp)), fixed, tflops, "full"))
     return out
 
 
@@ -72,41 +79,38 @@ def llama3_cases():
     out = []
     for r in compute.LLAMA3_405B_TABLE4:
         dp = r["gpus"] // (r["tp"] * r["cp"] * r["pp"])       # 8 on the long-context row (see above)
-        model = shapes.ModelShape(**{**shapes.LLAMA3_405B.__dict__, "seq": r["seq"]})
+        model = dataclasses.replace(shapes.LLAMA3_405B, seq=r["seq"])
         # FSDP keeping the gathered weights through backward, fp32 gradients: ZeRO-1's memory and bytes;
         # at 8K "without activation checkpointing"
-        job = planner.Job(model, shapes.LLAMA3_CLUSTER, r["gpus"], compute.LLAMA3_TOKENS_PER_BATCH,
-                          "mixed_fp32_grads", "fused", zero_stages=(1,),
-                          recompute=("none",) if r["seq"] <= 8192 else planner.RECOMPUTE)
+        stack = software.LLAMA3.with_(recompute=("none",)) if r["seq"] <= 8192 else software.LLAMA3
+        job = planner.Job(model, shapes.LLAMA3_CLUSTER, r["gpus"], compute.LLAMA3_TOKENS_PER_BATCH, stack)
         # §3.3.2: "the first model chunk on the first stage has only the embedding, and the last model
         # chunk on the last stage has only output projection and loss": 126 = 16 x 8 - 2 layers, v = 8
         fixed = {"v": 8}
         out.append(Case(f"Llama 3 405B, {r['gpus']:,} GPUs, s = {r['seq']:,}", "Llama Team 2024, Table 4", job,
-                        {"tp": r["tp"], "pp": r["pp"], "cp": r["cp"], "ep": 1, "dp": dp}, fixed, r["tflops"]))
+                        ParallelDims(tp=r["tp"], pp=r["pp"], cp=r["cp"], dp=dp), fixed, r["tflops"]))
     return out
 
 
 def deepseek_case():
     model = shapes.DEEPSEEK_V3
     tokens_per_gpu_s = 1e12 / (DEEPSEEK_GPU_HOURS_PER_T_TOKENS * 3600)
-    from labs.planning import timing
     tflops = tokens_per_gpu_s * timing.model_flops_per_token(model) / 1e12
-    # ZeRO-1 as §3.2 states (the enumeration then tries one stage, not four: the notebook stays fast)
-    job = planner.Job(model, shapes.H800_CLUSTER, 2048, DEEPSEEK_BATCH * model.seq, "mixed_fp32_grads", "fused",
-                      zero_stages=(1,))
+    # ZeRO-1 as §3.2 states; FP8 matmuls (§3.3)
+    job = planner.Job(model, shapes.H800_CLUSTER, 2048, DEEPSEEK_BATCH * model.seq, software.HAI_LLM, "fp8")
     return Case("DeepSeek-V3, 2,048 H800s", "DeepSeek-AI 2024, §3.2, §4.2 (TFLOP/s from §1's GPU hours)", job,
-                {"tp": 1, "pp": 16, "cp": 1, "ep": 64, "dp": 128}, {"zero": 1}, tflops)
+                ParallelDims(pp=16, ep=64, dp=128), {"zero": 1}, tflops)
 
 
 def notes_cases():
     """Source 001's quiz, questions 1 and 2, with the plans the note proposes."""
     m70 = shapes.LLAMA2_70B
-    q1 = planner.Job(m70, shapes.DGX_H100, 8, 1024 * m70.seq, "mixed", "fused")   # a 4M-token batch
-    q2 = planner.Job(shapes.LLAMA3_405B, shapes.DGX_H100, 16_384, compute.LLAMA3_TOKENS_PER_BATCH, "mixed", "fused")
+    q1 = planner.Job(m70, shapes.DGX_H100, 8, 1024 * m70.seq)   # a 4M-token batch
+    q2 = planner.Job(shapes.LLAMA3_405B, shapes.DGX_H100, 16_384, compute.LLAMA3_TOKENS_PER_BATCH)
     return [Case("70B on one node of 8 H100s", "source 001, quiz 1: ZeRO-3 over 8", q1,
-                 {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 8}, {"zero": 3}),
+                 ParallelDims(dp=8), {"zero": 3}),
             Case("405B on 16,384 H100s", "source 001, quiz 2: TP 8, PP 16, DP 128, ZeRO-1", q2,
-                 {"tp": 8, "pp": 16, "cp": 1, "ep": 1, "dp": 128}, {"zero": 1, "recompute": "selective"})]
+                 ParallelDims(tp=8, pp=16, dp=128), {"zero": 1, "recompute": "selective"})]
 
 
 def evaluate(case, eta, result=None):
@@ -114,24 +118,25 @@ def evaluate(case, eta, result=None):
     verdict (fits by the planner's count, or the term that overflows), its rank among the layouts
     that fit, and its estimated TFLOP/s per GPU against the published figure."""
     result = result or planner.plan(case.job, eta)
-    d = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, **case.published}
-    row = planner.published(case.job, d, eta, case.fixed)
+    row = planner.published(case.job, case.published, eta, case.fixed)
     out = {"case": case, "result": result, "row": row, "fits": row["fits"], "of": len(result["ranked"]),
            "best": result["ranked"][:3], "rank": None, "estimate": None, "error": None}
-    if "time" in row:
+    out["estimate"] = tflops(case, row)
+    if result["ranked"]:
         out["rank"] = planner.rank_of(result, row)
-        out["estimate"] = planner.tflops_per_gpu(case.job, row, case.counted)
-        if case.tflops:
-            out["error"] = out["estimate"] / case.tflops - 1
+    if case.tflops:
+        out["error"] = out["estimate"] / case.tflops - 1
     return out
+
+
+def tflops(case, row):
+    """Estimated TFLOP/s per GPU of a row of the case's job, by the source's own FLOP count."""
+    return case.per_token() * case.job.batch_tokens / row["time"]["step"] / case.job.gpus / 1e12
 
 
 def estimate(case, eta):
     """The estimated TFLOP/s per GPU of the case's published layout alone (no enumeration)."""
-    row = planner.published(case.job, {"tp": 1, "pp": 1, "cp": 1, "ep": 1, **case.published}, eta, case.fixed)
-    if "time" not in row:
-        raise ValueError(f"{case.name}: the published layout has no setting to time: {row['reason']}.")
-    return planner.tflops_per_gpu(case.job, row, case.counted)
+    return tflops(case, planner.published(case.job, case.published, eta, case.fixed))
 
 
 def calibrate(case, lo=0.05, hi=1.0, steps=30):
@@ -145,16 +150,5 @@ def calibrate(case, lo=0.05, hi=1.0, steps=30):
     return (lo + hi) / 2
 
 
-# one row per generation, stated: the GPT-3-width row of Table 1 (h = 12,288, the shape §5.2 to
-# §5.8 study), and the first row of Llama 3's Table 4; the H800 shares the Hopper constant.
-CALIBRATION_ROWS = {"A100": "GPT 145.6B", "H100": "Llama 3 405B, 8,192 GPUs, s = 8,192"}
-
-
 def all_cases():
     return megatron_cases() + llama3_cases() + [deepseek_case()] + notes_cases()
-
-
-def calibration(cases=None):
-    """{generation: (eta, the row it was fitted on)}."""
-    cases = {c.name: c for c in (cases or all_cases())}
-    return {gen: (calibrate(cases[name]), name) for gen, name in CALIBRATION_ROWS.items()}

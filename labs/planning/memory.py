@@ -1,86 +1,72 @@
 """Chapter 14: what one rank of a layout holds, term by term, each from the chapter that derived it.
 
-A layout (`Plan`) is the degrees dp x tp x pp x cp x ep, the ZeRO stage, the recomputation policy,
-the micro-batch size b and the virtual stages v (model chunks per rank, interleaved 1F1B). The
-ranks are ordered [tp, cp, ep, pp, dp] fastest first, Llama 3's order with the expert group inside
-the data-parallel one (Llama Team 2024, §3.3.2; DeepSeek-AI 2024, §3.2: EP 64 over 8 nodes).
+A layout (`Plan`) is the degrees dp x tp x pp x cp x ep (`labs.dims.ParallelDims`, which checks them
+and orders the ranks [tp, cp, ep, pp, dp] fastest first: Llama 3's order with the expert group inside
+the data-parallel one; HSDP splits dp into dp_replicate x dp_shard), the ZeRO stage, the
+recomputation policy, the micro-batch size b, the virtual stages v (model chunks per rank,
+interleaved 1F1B) and whether the optimizer state lives in host memory, over chapter 5's stage split
+(`stage_balance.stage_layers`).
 
 Bytes of rank r (stage r of the pipeline), in the order the planner names an overflow:
-- weights, gradients, optimizer state: the rank's parameters (`shapes.ModelShape` weights split by
-  tp, experts by ep) times chapter 1's bytes per parameter for the recipe and ZeRO stage
+- weights, gradients, optimizer state: the rank's parameters (`ModelShape` weights split by tp,
+  experts by ep) times chapter 1's bytes per parameter for the recipe and ZeRO stage
   (`budget.state_bytes_per_param`) over the data-parallel group dp * cp (the experts' over
   dp * cp / ep); stage 3 is FSDP2, whose pieces are chapter 3's (fp32 shard 4, fp32 gradient 4,
-  Adam 8: `distributed_optimizer.FSDP2_PIECES`);
+  Adam 8: `distributed_optimizer.FSDP2_PIECES`) over dp_shard * cp; with the optimizer offloaded
+  (ZeRO-Offload, Ren et al. 2021) the GPU keeps the 16-bit weights only, the gradients streaming to
+  the host as they are reduced (`offload`);
 - activations at the schedule's peak: chapter 5's `schedules.peak_chunks` chunk micro-batches of
-  the rank's layers, each layer chapter 1's formula (`activations.gpt3_activation_bytes_per_layer`
-  for a GPT block with scores written out, `llama_activation_terms` for a Llama block, with
-  FlashAttention and, in production kernels, a fused SwiGLU: `fused_swiglu`) at s/cp tokens, with
-  sequence parallelism (chapter 6) when the software has it;
+  the rank's layers, each layer chapter 1's formula (`activations`) at s/cp tokens, with sequence
+  parallelism (chapter 6) when the software has it; under recomputation, plus one layer's full
+  activations, rebuilt in backward (full recomputation every k layers: one input per k layers kept,
+  k layers rebuilt at once);
 - logits, on the last stage: chapter 1's `logits.tail_forward_peak_bytes` at V/tp (vocabulary-
   parallel head and loss, chapter 4);
-- buffers: what is gathered for one layer at a time: FSDP2's bf16 unit and the next one (prefetch),
-  sequence parallelism's all-gathered layer input, context parallelism's all-gathered K and V.
+- buffers: FSDP2's gathered bf16 unit and the next one (prefetch) with the unit's unsharded
+  gradient, or, when the weights stay gathered after forward (torchtitan under pipelining), the
+  stage's gathered weights and gradients; sequence parallelism's gathered layer input; context
+  parallelism's gathered K and V.
 Left out: the CUDA context, the allocator's fragmentation, temporary workspaces of kernels.
 """
 import functools
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
+from labs.dims import ParallelDims
 from labs.memory_budget import activations, budget, fused_swiglu, logits
 from labs.pipeline import schedules
+from labs.pipeline.stage_balance import stage_layers
+from labs.planning.grid import Columns, per_unique
+from labs.planning.software import RECOMPUTE, SCHEDULES
 from labs.zero import distributed_optimizer
 
 TERMS = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
+KERNELS = ("materialized", "flash", "fused")   # scores written out / FlashAttention / and a fused SwiGLU
 BF16 = 2
 
 
 @dataclass(frozen=True)
 class Plan:
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
+    """A layout: the degrees (`labs.dims.ParallelDims`, checked there) and the settings of each rank."""
+    dims: ParallelDims
     zero: int = 1            # 0: DDP, 1-2: ZeRO (chapter 3), 3: FSDP2
-    recompute: str = "none"  # "none", "selective", "full" (chapter 9)
+    recompute: str = "none"  # `software.RECOMPUTE` (chapter 9)
     micro_batch: int = 1     # b, sequences per micro-batch
     v: int = 1               # model chunks per rank; v > 1 is interleaved 1F1B (chapter 5)
     sp: bool = True          # sequence parallelism with tp > 1 (chapter 6; Megatron-LM from 2022)
-
-    @property
-    def world_size(self):
-        return self.dp * self.tp * self.pp * self.cp
+    zero_bubble: bool = False   # a zero-bubble schedule (DeepSeek's; `timing`)
+    offload: bool = False    # optimizer state and its step in host memory (`offload`)
+    reshard: bool = True     # FSDP frees gathered weights after forward
+    checkpoint_every: int = 1   # full recomputation keeps the input of every k-th layer (Megatron's uniform)
 
     @property
     def schedule(self):
-        return "interleaved" if self.v > 1 else "1f1b"
-
-    def degrees(self):
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        return "zero_bubble" if self.zero_bubble else "interleaved" if self.v > 1 else "1f1b"
 
     def with_(self, **changes):
         return replace(self, **changes)
-
-
-def split_counts(n, parts):
-    """n items over ``parts`` as evenly as possible, the short parts first and last (Llama 3's
-    split of 126 layers over 16 stages, §3.3.2: [7, 8, ..., 8, 7]; chapter 5's `stage_balance`)."""
-    base, extra = divmod(n, parts)
-    short = parts - extra
-    first = short // 2 + short % 2 if extra else 0   # short parts at the ends, the first end first
-    return [base + (first <= i < first + extra) if extra else base for i in range(parts)]
-
-
-@functools.lru_cache(maxsize=None)
-def stage_layers(layers, pp, v=1):
-    """Layer indices of each rank: p*v chunks in order, chunk c on rank c mod p (Narayanan et al.
-    2021, §2.2.2), chunk sizes from `split_counts`."""
-    sizes = split_counts(layers, pp * v)
-    out, start = [[] for _ in range(pp)], 0
-    for c, size in enumerate(sizes):
-        out[c % pp].extend(range(start, start + size))
-        start += size
-    return out
 
 
 def local_numel(w, tp, ep, kv_heads=None):
@@ -97,37 +83,57 @@ def local_numel(w, tp, ep, kv_heads=None):
     return w.copies * numel / ep if w.expert else w.copies * numel
 
 
-def stage_weights(model, plan, stage):
-    """The weights rank ``stage`` of the pipeline holds: its layers, the embedding on the first,
-    the final norm and the head on the last (a tied embedding: its copy there too, as Megatron keeps)."""
-    layers = stage_layers(model.layers, plan.pp, plan.v)[stage]
+def stage_weights(model, pp, v, stage):
+    """The weights rank ``stage`` of a pipeline of pp ranks (v chunks each) holds: its layers, the
+    embedding on the first, the final norm and the head on the last (a tied embedding: its copy
+    there too, as Megatron keeps)."""
+    layers = stage_layers(model.layers, pp, v)[stage]
     ws = [w for i in layers for w in model.layer_weights(i)]
     if stage == 0:
         ws += model.embedding_weights()
-    if stage == plan.pp - 1:
+    if stage == pp - 1:
         ws += model.head_weights()
-        if model.tied and plan.pp > 1:
+        if model.tied and pp > 1:
             ws += model.embedding_weights()[:1]
     return ws
 
 
 def rank_params(model, plan, stage):
     """{"dense": elements, "expert": elements} this rank holds, before any ZeRO sharding."""
-    return dict(_rank_params(model, plan.tp, plan.pp, plan.ep, plan.v, stage))
+    d = plan.dims
+    return dict(zip(("dense", "expert"), stage_params(model, d.tp, d.pp, d.ep, plan.v, stage)))
 
 
 @functools.lru_cache(maxsize=None)
-def _rank_params(model, tp, pp, ep, v, stage):
-    out = {"dense": 0, "expert": 0}
-    for w in stage_weights(model, Plan(1, tp, pp, 1, ep, v=v), stage):
-        out["expert" if w.expert else "dense"] += local_numel(w, tp, ep, model.kv_heads)
-    return tuple(out.items())
+def stage_params(model, tp, pp, ep, v, stage):
+    """(dense, expert) elements of `stage_weights`, added up by layer kind (the same sum, faster)."""
+    n, n_moe = stage_layer_counts(model, pp, v, stage)
+    extra = (model.embedding_weights() if stage == 0 else []) + (model.head_weights() if stage == pp - 1 else [])
+    if model.tied and pp > 1 and stage == pp - 1:
+        extra += model.embedding_weights()[:1]
+    dense = sum(local_numel(w, tp, ep, model.kv_heads) for w in extra)
+    expert = 0
+    for moe, count in ((False, n - n_moe), (True, n_moe)):
+        if count:
+            d, e = _layer_params(model, moe, tp, ep)
+            dense, expert = dense + count * d, expert + count * e
+    return dense, expert
 
 
 @functools.lru_cache(maxsize=None)
-def state_bytes(zero, n, recipe):
+def _layer_params(model, moe, tp, ep):
+    ws = model.layer_weights(next(i for i in range(model.layers) if model.is_moe_layer(i) == moe))
+    return (sum(local_numel(w, tp, ep, model.kv_heads) for w in ws if not w.expert),
+            sum(local_numel(w, tp, ep, model.kv_heads) for w in ws if w.expert))
+
+
+@functools.lru_cache(maxsize=None)
+def state_bytes(zero, n, recipe, offload=False):
     """Bytes per parameter on a rank of a data-parallel group of n: chapter 1's ZeRO stages 0-2,
-    chapter 3's FSDP2 pieces for stage 3, as weights / gradients / optimizer."""
+    chapter 3's FSDP2 pieces for stage 3, as weights / gradients / optimizer; offloaded, the GPU
+    keeps the 16-bit weights (sharded at stage 3) and gradient partition (ZeRO-Offload's)."""
+    if offload:   # gradients go to the host as they are reduced (Ren et al. 2021, §4.1)
+        return {"weights": BF16 / (n if zero == 3 else 1), "gradients": 0.0, "optimizer": 0.0}
     if zero == 3:
         pieces = distributed_optimizer.FSDP2_PIECES
         return {"weights": pieces["params"] / n, "gradients": pieces["grads"] / n,
@@ -136,49 +142,90 @@ def state_bytes(zero, n, recipe):
     return {"weights": b["parameters"], "gradients": b["gradients"], "optimizer": b["optimizer_state"]}
 
 
-KERNELS = ("materialized", "flash", "fused")   # scores written out / FlashAttention / and a fused SwiGLU
-
-
-def layer_activation_bytes(model, plan, kernels, i):
-    """One layer's activations for one micro-batch on one rank (chapter 1's formulas) under
-    ``kernels``: "materialized" (the GPT-3 block, Korthikanti et al. 2022, or a Llama block with
-    its scores written out), "flash" (FlashAttention, the SwiGLU op by op: the book's Llama block)
-    or "fused" (FlashAttention and a fused SwiGLU, `fused_swiglu`)."""
-    return _layer_activation_bytes(model, kernels, model.is_moe_layer(i), plan.micro_batch, plan.tp, plan.cp,
-                                   plan.recompute, plan.sp and plan.tp > 1)
+@functools.lru_cache(maxsize=None)
+def state_terms(model, tp, pp, ep, v, stage, zero, group, recipe, offload=False):
+    """Weights, gradients, optimizer state: the rank's parameters times chapter 1's (or, stage 3,
+    chapter 3's FSDP2) bytes per parameter over the data-parallel group (dp cp; dp cp / ep for experts)."""
+    dense_n, expert_n = stage_params(model, tp, pp, ep, v, stage)
+    dense, expert = state_bytes(zero, group, recipe, offload), state_bytes(zero, max(group // ep, 1), recipe, offload)
+    return tuple(dense_n * dense[t] + expert_n * expert[t] for t in ("weights", "gradients", "optimizer"))
 
 
 @functools.lru_cache(maxsize=None)
-def _layer_activation_bytes(model, kernels, moe_layer, b, tp, cp, recompute, sp):
-    s = model.seq // cp
-    if model.mlp == "gelu":
-        return activations.gpt3_activation_bytes_per_layer(s, b, model.hidden, model.heads, tp, sp, recompute)
-    # an MoE layer: the SwiGLU activations of the k routed and the shared experts a token visits
+def layer_bytes(model, kernels, moe_layer, b, tp, cp, recompute, sp):
+    """One layer's activations for one micro-batch of b sequences on one rank (chapter 1's formulas)
+    under ``kernels``: "materialized" (scores written out), "flash" (FlashAttention, the SwiGLU op by
+    op: the book's Llama block) or "fused" (FlashAttention and a fused SwiGLU, `fused_swiglu`)."""
+    s, attention = model.seq // cp, "materialized" if kernels == "materialized" else "flash"
+    if model.mlp == "gelu" and model.kv_heads == model.heads:     # the GPT-3 block, Korthikanti et al. 2022
+        if recompute == "selective_ops":
+            recompute = "selective"
+        return activations.gpt3_activation_bytes_per_layer(s, b, model.hidden, model.heads, tp, sp, recompute,
+                                                           attention=attention)
+    # an MoE layer: the activations of the k routed and the shared experts a token visits
     ffn = (model.top_k + model.shared_experts) * model.expert_ffn if moe_layer else model.ffn
-    attention = "materialized" if kernels == "materialized" else "flash"
-    terms = (fused_swiglu.llama_fused_mlp_terms if kernels == "fused" else activations.llama_activation_terms)(
-        s, b, model.hidden, model.heads, model.kv_heads, ffn, tp, sp, recompute, attention)
-    return sum(terms.values())
-
-
-def activation_bytes(model, plan, kernels, stage, m):
-    """Activations rank ``stage`` holds at its peak: chapter 5's peak chunk micro-batches times the
-    layers of an average chunk, at the costliest layer's bytes."""
-    layers = stage_layers(model.layers, plan.pp, plan.v)[stage]
-    if not layers:
-        return 0
-    chunks = schedules.peak_chunks(plan.schedule, plan.pp, m, plan.v, stage)
-    sp = plan.sp and plan.tp > 1
-    per_layer = max(_layer_activation_bytes(model, kernels, model.is_moe_layer(i), plan.micro_batch, plan.tp, plan.cp,
-                                            plan.recompute, sp) for i in _kinds(model, plan.pp, plan.v, stage))
-    return chunks * len(layers) / plan.v * per_layer
+    terms = fused_swiglu.llama_fused_mlp_terms if kernels == "fused" and model.mlp == "swiglu" else \
+        activations.llama_activation_terms
+    kw = {} if terms is fused_swiglu.llama_fused_mlp_terms else {"mlp": model.mlp}
+    return sum(terms(s, b, model.hidden, model.heads, model.kv_heads, ffn, tp, sp, recompute, attention,
+                     head_dim=model.head_dim, **kw).values())
 
 
 @functools.lru_cache(maxsize=None)
-def _largest_layer(model, tp, pp, ep, v, stage):
-    """Elements of the largest layer on this rank after the tp and ep split: FSDP2's unit."""
-    return max((sum(local_numel(w, tp, ep, model.kv_heads) for w in model.layer_weights(i))
+def stage_layer_counts(model, pp, v, stage):
+    """(layers, of which MoE) on rank ``stage``."""
+    layers = stage_layers(model.layers, pp, v)[stage]
+    return len(layers), sum(model.is_moe_layer(i) for i in layers)
+
+
+def activations_bytes(model, c, kernels):
+    """Activations each candidate's rank holds at its peak (`grid.Columns` c): chapter 5's peak chunk
+    micro-batches times the layers of an average chunk, plus one layer rebuilt by recomputation."""
+    n, n_moe = per_unique(lambda pp, v, st: stage_layer_counts(model, pp, v, st), c["pp"], c["v"], c["stage"])
+    chunks = per_unique(lambda s, pp, m, v, st: schedules.peak_chunks("1f1b" if s != 1 else "interleaved", pp, m, v,
+                                                                      st), c["sched"], c["pp"], c["m"], c["v"], c["stage"])
+    dense, moe = (per_unique(lambda kind, b, tp, cp, rc, sp: layer_bytes(model, kernels, bool(kind), b, tp, cp,
+                                                                         RECOMPUTE[rc], bool(sp)),
+                             np.full(len(c), kind), c["b"], c["tp"], c["cp"], c["rc"], c["sp"]) for kind in (0, 1))
+    whole = per_unique(lambda kind, b, tp, cp, sp: layer_bytes(model, kernels, bool(kind), b, tp, cp, "none", bool(sp)),
+                       (n_moe > 0).astype(int), c["b"], c["tp"], c["cp"], c["sp"])
+    full = c["rc"] == RECOMPUTE.index("full")
+    rebuilt = np.where(full | (c["rc"] == RECOMPUTE.index("selective_ops")), whole, 0) * np.where(full, c["ckpt"], 1)
+    kept = np.where(full, -(-n // c["ckpt"]) / np.maximum(n, 1), 1.0)    # one input per k layers
+    return np.where(n > 0, chunks * kept * ((n - n_moe) * dense + n_moe * moe) / c["v"] + rebuilt, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def logits_bytes(model, tp, cp, b):
+    """The tail's forward peak on the last stage (chapter 1), vocabulary-parallel over tp (chapter 4)."""
+    return logits.tail_forward_peak_bytes(model.seq // cp, b, -(-model.vocab // tp), BF16, target_copy=False)
+
+
+@functools.lru_cache(maxsize=None)
+def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer"):
+    """FSDP2's gathered bf16 unit and the next one (prefetch) with the unit's unsharded bf16 and fp32
+    gradient (chapter 3); kept gathered after forward, the stage's weights and gradients in bf16. A unit
+    is a layer (FSDP wraps each block) or, for DeepSpeed's per-module hooks, the largest weight."""
+    if zero != 3:
+        return 0
+    if not reshard:
+        return 2 * BF16 * sum(stage_params(model, tp, pp, ep, v, stage))
+    pick = sum if unit == "layer" else max
+    size = max((pick(local_numel(w, tp, ep, model.kv_heads) for w in model.layer_weights(i))
                 for i in _kinds(model, pp, v, stage)), default=0)
+    return 2 * BF16 * size + (BF16 + 4) * size
+
+
+def buffers_bytes(model, c, unit="layer"):
+    """What is gathered for one layer at a time, per candidate: FSDP2's units (`fsdp_buffer_bytes`),
+    sequence parallelism's all-gathered layer input (chapter 6), all-gather CP's K and V of the whole
+    sequence (chapter 6)."""
+    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k, unit=unit), c["zero"], c["tp"], c["pp"], c["ep"],
+                      c["v"], c["stage"], c["reshard"])
+    sp = np.where((c["tp"] > 1) & (c["sp"] == 1), BF16 * c["b"] * (model.seq // c["cp"]) * model.hidden, 0)
+    kv = np.maximum(model.kv_heads // c["tp"], 1) * model.head_dim
+    cp = np.where(c["cp"] > 1, 2 * BF16 * c["b"] * model.seq * kv, 0)
+    return fsdp + sp + cp
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,53 +234,42 @@ def _kinds(model, pp, v, stage):
     return tuple({model.is_moe_layer(i): i for i in stage_layers(model.layers, pp, v)[stage]}.values())
 
 
+def terms(model, c, recipe, kernels, unit="layer"):
+    """The six TERMS of every candidate in ``c`` (`grid.Columns`), each an array of bytes; ``unit``: what
+    ZeRO-3 gathers at a time (`fsdp_buffer_bytes`)."""
+    shard = np.where(c["zero"] == 3, c["dp"] // c["dpr"], c["dp"]) * c["cp"]
+    state = per_unique(lambda tp, pp, ep, v, st, z, g, off: state_terms(model, tp, pp, ep, v, st, z, g, recipe,
+                                                                         bool(off)),
+                       c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["zero"], shard, c["offload"])
+    acts = activations_bytes(model, c, kernels)
+    last = c["stage"] == c["pp"] - 1
+    tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b), c["tp"], c["cp"], c["b"]), 0)
+    return state + (acts, tail, buffers_bytes(model, c, unit))
+
+
+def rank_memory_terms(model, plan, recipe, kernels, m, stage):
+    """The six TERMS of rank ``stage`` of one layout, as floats."""
+    return tuple(float(t[0]) for t in terms(model, Columns.one(plan, m, stage), recipe, kernels))
+
+
 def rank_memory(model, plan, recipe, kernels, m, stage):
     """{term: bytes} of rank ``stage``, the six TERMS."""
     return dict(zip(TERMS, rank_memory_terms(model, plan, recipe, kernels, m, stage)))
 
 
-def rank_memory_terms(model, plan, recipe, kernels, m, stage):
-    """The six TERMS of rank ``stage`` as a tuple (the planner's inner loop: cached pieces, no dicts)."""
-    state = _state_terms(model, plan.tp, plan.pp, plan.ep, plan.v, stage, plan.zero, plan.dp * plan.cp, recipe)
-    acts = activation_bytes(model, plan, kernels, stage, m)
-    tail = _logits(model, plan.tp, plan.cp, plan.micro_batch) if stage == plan.pp - 1 else 0
-    buffers = _buffers(model, plan.zero, plan.tp, plan.pp, plan.cp, plan.ep, plan.v, stage, plan.micro_batch, plan.sp)
-    return state + (acts, tail, buffers)
-
-
-@functools.lru_cache(maxsize=None)
-def _state_terms(model, tp, pp, ep, v, stage, zero, group, recipe):
-    """Weights, gradients, optimizer state: the rank's parameters times chapter 1's (or, stage 3,
-    chapter 3's FSDP2) bytes per parameter over the data-parallel group (dp cp; dp cp / ep for experts)."""
-    params = dict(_rank_params(model, tp, pp, ep, v, stage))
-    dense, expert = state_bytes(zero, group, recipe), state_bytes(zero, max(group // ep, 1), recipe)
-    return tuple(params["dense"] * dense[t] + params["expert"] * expert[t] for t in ("weights", "gradients", "optimizer"))
-
-
-@functools.lru_cache(maxsize=None)
-def _logits(model, tp, cp, b):
-    """The tail's forward peak on the last stage (chapter 1), vocabulary-parallel over tp (chapter 4)."""
-    return logits.tail_forward_peak_bytes(model.seq // cp, b, -(-model.vocab // tp), BF16, target_copy=False)
-
-
-@functools.lru_cache(maxsize=None)
-def _buffers(model, zero, tp, pp, cp, ep, v, stage, b, sp):
-    out = 0
-    if zero == 3:             # the gathered bf16 unit being computed and the one prefetched (chapter 3)
-        out += 2 * BF16 * _largest_layer(model, tp, pp, ep, v, stage)
-    if tp > 1 and sp:         # sequence parallelism's all-gathered layer input (chapter 6)
-        out += BF16 * b * (model.seq // cp) * model.hidden
-    if cp > 1:                # all-gather CP: K and V of the whole sequence for one layer (chapter 6)
-        out += 2 * BF16 * b * model.seq * model.kv_heads * model.head_dim // min(tp, model.kv_heads)
-    return out
-
-
 def overflow(mem, capacity):
     """The first term, in TERMS order, at which the running total passes ``capacity``; None if it
-    fits. ``mem``: {term: bytes} or the tuple of `rank_memory_terms`."""
+    fits. ``mem``: {term: bytes} or a tuple in TERMS order."""
     total = 0
     for term, value in zip(TERMS, mem.values() if isinstance(mem, dict) else mem):
         total += value
         if total > capacity:
             return term
     return None
+
+
+def first_overflow(mem, capacity):
+    """`overflow` for arrays: the index in TERMS of the first term passing ``capacity`` per candidate
+    (len(TERMS) where it fits)."""
+    running = np.cumsum(np.stack(mem), axis=0) > capacity
+    return np.where(running.any(axis=0), running.argmax(axis=0), len(TERMS))

@@ -2,10 +2,11 @@
 
 A rank of a layout is built on the ``meta`` device (shapes, no storage) inside a process group of the
 "fake" backend at the layout's full world size (16,384 ranks for Llama 3 405B), so no process starts
-and no byte is allocated. The rank's pipeline stage gets its real weights (`shapes.ModelShape`), then
-PyTorch's pieces split them: `parallelize_module` (ColwiseParallel for q, k, v, w1, w3 and the head,
-RowwiseParallel for wo, w2 and the embedding: Shoeybi et al. 2019, §3) over the tensor-parallel
-dimension of a `DeviceMesh`, and FSDP2's `fully_shard` over its data-parallel dimension. What the rank
+and no byte is allocated. The rank's pipeline stage gets its real weights (chapter 1's `ModelShape`),
+then PyTorch's pieces split them: `parallelize_module` (ColwiseParallel for q, k, v, w1, w3 and the
+head, RowwiseParallel for wo, w2 and the embedding: Shoeybi et al. 2019, §3) over the tensor-parallel
+dimension of the layout's `DeviceMesh` (`ParallelDims.mesh`), and FSDP2's `fully_shard` over its
+data-parallel dimension. What the rank
 holds is then read from the DTensors (`to_local()`), and set beside the planner's count
 (`memory.rank_params` split over dp, times FSDP2's bytes per element: chapter 3's fp32 shard 4,
 fp32 gradient 4, Adam moments 8).
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labs.dims import ParallelDims
+from labs.pipeline.stage_balance import stage_layers
 from labs.planning import memory, shapes
 from labs.zero import distributed_optimizer
 
@@ -58,21 +61,22 @@ def _tp_plan(part):
 def build_rank(model, plan, rank):
     """Rank ``rank`` of ``plan`` (dp x pp x tp, ranks ordered tp fastest) on meta, split by PyTorch;
     inside an initialised fake process group. Returns (module, stage, dp index, tp index)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
-    mesh = init_device_mesh("cpu", (plan.dp, plan.pp, plan.tp), mesh_dim_names=("dp", "pp", "tp"))
-    dp_i, stage, tp_i = mesh.get_coordinate()
-    layers = memory.stage_layers(model.layers, plan.pp, plan.v)[stage]
+    d = plan.dims
+    mesh = d.mesh("cpu")
+    dp_i, stage, tp_i = (mesh.get_local_rank(a) for a in ("dp", "pp", "tp"))
+    assert (dp_i, stage, tp_i) == tuple(d.coords(rank)[a] for a in ("dp", "pp", "tp")), "the mesh is the grid"
+    layers = stage_layers(model.layers, d.pp, plan.v)[stage]
     with torch.device("meta"):
         parts = [_Weights(model.layer_weights(i)) for i in layers]
         if stage == 0:
             parts.insert(0, _Weights(model.embedding_weights()))
-        if stage == plan.pp - 1:
+        if stage == d.pp - 1:
             parts.append(_Weights(model.head_weights()))
     root = nn.ModuleList(parts)
     for part in parts:
-        if plan.tp > 1:
+        if d.tp > 1:
             parallelize_module(part, mesh["tp"], _tp_plan(part))
         fully_shard(part, mesh=mesh["dp"])   # one FSDP2 unit per layer, as chapter 3 (the list holds no weight)
     return root, stage, dp_i, tp_i
@@ -81,9 +85,10 @@ def build_rank(model, plan, rank):
 def measure_rank(model, plan, rank):
     """One rank, at the layout's full world size on the fake backend: the elements its DTensors hold,
     beside the planner's P_r / dp, and both as weights / gradients / optimizer bytes."""
-    if plan.cp != 1 or plan.ep != 1 or plan.v != 1 or model.moe or model.mlp != "swiglu":
+    d = plan.dims
+    if d.cp != 1 or d.ep != 1 or d.dp_replicate != 1 or plan.v != 1 or model.moe or model.mlp != "swiglu":
         raise ValueError("the meta-device check builds dense Llama-shaped dp x pp x tp layouts with v = 1 only.")
-    world = plan.dp * plan.pp * plan.tp
+    world = d.world_size
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not one of the {world:,} ranks of the layout.")
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -94,8 +99,8 @@ def measure_rank(model, plan, rank):
         whole = sum(math.prod(p.shape) for p in root.parameters())         # the DTensors' global shapes
     finally:
         dist.destroy_process_group()
-    planned = memory.rank_params(model, plan, stage)["dense"] / plan.dp   # the planner's P_r / dp
-    state = memory._state_terms(model, plan.tp, plan.pp, plan.ep, plan.v, stage, 3, plan.dp, "mixed")
+    planned = memory.rank_params(model, plan, stage)["dense"] / d.dp   # the planner's P_r / dp
+    state = memory.state_terms(model, d.tp, d.pp, d.ep, plan.v, stage, 3, d.dp, "mixed")
     return {"rank": rank, "world_size": world, "stage": stage, "dp_index": dp_i, "tp_index": tp_i,
             "local_elements": local, "global_elements": whole, "planner_elements": planned,
             "chunked_elements": chunked_elements(model, plan, stage, dp_i),
@@ -108,11 +113,11 @@ def chunked_elements(model, plan, stage, dp_index):
     """The elements FSDP2 gives data-parallel rank ``dp_index`` of stage ``stage``, from the planner's
     weights: each weight's tensor-parallel-local rows (`memory.local_numel`'s split) cut by chapter 3's
     `fsdp2_local_rows`."""
-    total = 0
-    for w in memory.stage_weights(model, plan, stage):
-        numel = memory.local_numel(w, plan.tp, plan.ep, model.kv_heads)
+    total, d = 0, plan.dims
+    for w in memory.stage_weights(model, d.pp, plan.v, stage):
+        numel = memory.local_numel(w, d.tp, d.ep, model.kv_heads)
         rows = w.shape[0] if w.split == "row" else round(numel / math.prod(w.shape[1:]))
-        total += distributed_optimizer.fsdp2_local_rows(rows, plan.dp, dp_index) * numel // rows
+        total += distributed_optimizer.fsdp2_local_rows(rows, d.dp, dp_index) * numel // rows
     return total
 
 
@@ -125,9 +130,10 @@ def main(argv=None):
         p.add_argument(f"--{axis}", type=cli.positive_int, default=default)
     p.add_argument("--rank", type=int, default=0)
     args = cli.parse(p, argv)
-    plan = memory.Plan(args.dp, args.tp, args.pp, zero=3)
-    if args.world_size not in (None, plan.world_size):
-        raise ValueError(f"--world-size {args.world_size} is not dp*pp*tp = {plan.world_size}; drop it or change the degrees.")
+    plan = memory.Plan(ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp), zero=3)
+    if args.world_size not in (None, plan.dims.world_size):
+        raise ValueError(f"--world-size {args.world_size} is not dp*pp*tp = {plan.dims.world_size}; "
+                         "drop it or change the degrees.")
     model = shapes.LLAMA3_405B if args.model == "405B" else shapes.LLAMA2_70B
     r = measure_rank(model, plan, args.rank)
     cli.report(r, args, f"rank {r['rank']} of {r['world_size']:,} (stage {r['stage']}): {r['local_elements']:,} "

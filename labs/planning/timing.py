@@ -1,60 +1,169 @@
-"""Chapter 14: the estimated step time of a layout, and the FLOPs it is measured against.
+"""Chapter 14: the estimated step time of a layout, phase by phase, with what each stack overlaps.
 
-    step = m t_max (1 + bubble) + exposed data-parallel time
+    step = m t_max (1 + bubble) + exposed data-parallel time + optimizer step
 
-- t_max: the slowest stage's time for one micro-batch: its executed FLOPs at a calibrated fraction
-  eta of the GPU's peak, plus the tensor-, context-, expert- and pipeline-parallel bytes of that
-  micro-batch at their link tier's bandwidth (`traffic`), all on the critical path: TP's
-  all-reduces sit between a layer's matmuls (chapter 4), Llama 3's all-gather CP is "exposed in
-  the critical path" (Llama Team 2024, §3.3.2), and no chapter measured the overlap of an
-  all-to-all or of a pipeline send with compute;
-- the FLOPs a stage executes: chapter 1's per-token count (`compute.flops_per_token`, forward and
-  backward of each layer's active matmul weights and attention, the head on the last stage) plus
-  recomputation (`compute.recompute_flops_per_token`), attention halved when a fused causal kernel
-  skips the masked half (chapter 1), per token of the micro-batch's b s / cp tokens, over tp;
-- bubble: chapter 5's bubble over ideal time, (p-1)/m for 1F1B and (p-1)/(v m) interleaved
-  (`schedules.formula`, Narayanan et al. 2021, §2.2);
-- data parallelism: the gradient reduction overlaps the last micro-batch's backward on the stage,
-  as chapter 2's buckets start inside backward and chapter 5 derived for a pipeline's stages; what
-  backward cannot hide is exposed, and so is ZeRO's all-gather of the updated weights after the
-  optimizer step (stages 1, 2) and FSDP2's gathers of every micro-batch (stage 3: chapter 3's
-  hand FSDP does not prefetch, so no chapter measured that overlap).
-Left out: the optimizer step's memory-bound arithmetic, latencies (alpha), stragglers, data loading.
+- t_max: the slowest stage's micro-batch: its layers' compute (`kernels`: every GEMM on a roofline at
+  a calibrated efficiency eta, attention, the memory-bound ops, recomputation) plus the exposed part
+  of each collective it waits for (`traffic.layer_calls`, `traffic.stage_calls`), each priced at
+  NCCL's latency plus its bytes over its link tier (`links`). Exposed per phase: a collective the
+  stack overlaps (`software`) costs only what the compute it hides under does not cover: tensor-
+  parallel collectives under the layer's GEMMs, context parallelism's K/V under the attention, the
+  experts' all-to-alls and the pipeline's sends under the whole micro-batch; otherwise in full.
+- bubble: chapter 5's bubble over ideal time, (p-1)/m for 1F1B, (p-1)/(v m) interleaved
+  (Narayanan et al. 2021, §2.2), and (p - 1 + max(0, p - m))/(3m) for the zero-bubble schedule
+  (Qi et al. 2023, Table 2, ZB-H1) (`schedules.formula`);
+- data parallelism, on the first stage, the last to finish its backward (chapter 5): the gradient
+  reduction under the last micro-batch's backward when overlapped, the updated weights' all-gather
+  under the next forward; ZeRO-3 / FSDP gathers per micro-batch (twice when it reshards after
+  forward), prefetched under compute where the stack prefetches, all but the first unit's;
+- the optimizer step: Adam's bytes per parameter of the rank's shard at the memory's bandwidth, or
+  in host memory under offload (`offload`).
+Left out: stragglers, data loading, kernel launch gaps, and the slowdown of compute that shares the
+GPU with a collective.
 """
-import functools
+import numpy as np
 
+from labs.dims import ParallelDims
 from labs.memory_budget import compute
 from labs.pipeline import schedules
-from labs.planning import memory, traffic
+from labs.planning import kernels, links, memory, offload, traffic
+from labs.planning.grid import per_unique
+from labs.planning.software import RECOMPUTE, SCHEDULES
+
+AXES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": ("dp", "cp")}
+TUPLE = ("tp", "pp", "cp", "ep", "dp", "dpr")
 
 
-def layer_flops(model, i, seq, recompute, causal):
-    """FLOPs per token of layer ``i``: (executed with the causal kernel's skip, model count without)."""
-    p = model.block_matmul_params(i)
-    run = compute.flops_per_token(p, 1, model.attention_width, seq, causal)["total"]
-    return run + compute.recompute_flops_per_token(p, 1, model.attention_width, seq, recompute)
+def node_counts(job, c):
+    """{group: nodes one of its groups touches} per candidate (`links.group_nodes`); experts folded over
+    tp x dp (Megatron-Core's ETP = 1) sit on consecutive ranks."""
+    G = job.cluster.gpus_per_node
+
+    def nodes(*degrees):
+        d = ParallelDims(**dict(zip(("tp", "pp", "cp", "ep", "dp", "dp_replicate"), degrees)))
+        out = {g: links.group_nodes(d, axis, G) for g, axis in AXES.items()}
+        if job.software.ep_folding:
+            out["ep"] = links.atom_nodes(1, d.ep, G)
+        return tuple(out.values())
+    return dict(zip(AXES, per_unique(nodes, *(c[k] for k in TUPLE))))
 
 
-def stage_flops(model, plan, stage, kernels):
-    """FLOPs this rank executes for one micro-batch, forward and backward: {"total", "backward"}."""
-    per_token, forward = _stage_flops_per_token(model, plan.pp, plan.v, stage, plan.recompute, kernels)
-    tokens = plan.micro_batch * model.seq / plan.cp
-    total = tokens * per_token / plan.tp
-    return {"total": total, "backward": total - tokens * forward / plan.tp}
+def seconds(job, calls, ranks, nodes):
+    """{group: seconds} of ``calls`` (`traffic.layer_calls` format): alpha and bytes (`links`) on a group
+    of ``ranks[group]`` ranks over ``nodes[group]`` nodes (the intra-node link on one node)."""
+    out = {}
+    for group, op, payload, n in calls:
+        out[group] = out.get(group, 0.0) + n * links.collective_time(op, payload, ranks[group], nodes[group], job.cluster)
+    return out
 
 
-@functools.lru_cache(maxsize=None)
-def _stage_flops_per_token(model, pp, v, stage, recompute, kernels):
-    layers = memory.stage_layers(model.layers, pp, v)[stage]
-    causal = kernels != "materialized"   # a fused attention kernel skips the masked half
-    per_token = sum(layer_flops(model, i, model.seq, recompute, causal) for i in layers)
-    forward = sum(compute.flops_per_token(model.block_matmul_params(i), 1, model.attention_width, model.seq,
-                                          causal)["forward"] for i in layers)
-    if stage == pp - 1:   # the output layer, 2hV forward and 4hV backward, never recomputed
-        head = compute.flops_per_token(model.hidden * model.vocab, 1, model.hidden, model.seq)["matmul"]
-        per_token += head
-        forward += head / 3
-    return per_token, forward
+def micro_batch(job, eta, c, nodes):
+    """One micro-batch on each candidate's stage: {"t_mb", "compute", "forward", "backward", "tp",
+    "cp", "ep", "pp"} (the last four: exposed seconds of each group)."""
+    m, sw = job.model, job.software
+    tokens = c["b"] * m.seq // c["cp"]
+    n, n_moe = per_unique(lambda pp, v, st: memory.stage_layer_counts(m, pp, v, st), c["pp"], c["v"], c["stage"])
+    out = {k: np.zeros(len(c)) for k in ("forward", "backward", "tp", "cp", "ep", "pp")}
+    for moe, count in ((0, n - n_moe), (1, n_moe)):
+        if not count.any():
+            continue
+        lay = dict(zip(("forward", "backward", "recompute", "gemm", "attention"), per_unique(
+            lambda T, tp, ep, sp, rc: tuple(kernels.layer_seconds(m, job.cluster, eta, job.fp8, job.eager, job.kernels,
+                                                                  bool(moe), T, tp, ep, bool(sp), RECOMPUTE[rc],
+                                                                  sw.attention).values()),
+            tokens, c["tp"], c["ep"], c["sp"], c["rc"])))
+        comm = per_unique(lambda tp, tpn, cp, cpn, ep, epn, b, rc, sp: _layer_groups(job, moe, tp, tpn, cp, cpn, ep, epn,
+                                                                                     b, rc, sp),
+                          c["tp"], nodes["tp"], c["cp"], nodes["cp"], c["ep"], nodes["ep"], c["b"], c["rc"], c["sp"])
+        hide = {"tp": lay["gemm"] * sw.tp_overlap, "cp": lay["attention"] * sw.cp_overlap,
+                "ep": (lay["forward"] + lay["backward"]) * sw.ep_overlap}
+        chunks = {"tp": c["tp"], "cp": c["cp"], "ep": np.inf}
+        out["forward"] += count * lay["forward"]
+        out["backward"] += count * (lay["backward"] + lay["recompute"])
+        for g, secs in zip(("tp", "cp", "ep"), comm):
+            out[g] += count * exposed(secs, hide[g], chunks[g])
+    last, first = c["stage"] == c["pp"] - 1, c["stage"] == 0
+    head = per_unique(lambda T, tp: kernels.head_seconds(m, job.cluster, eta, job.fp8, T, tp), tokens, c["tp"])
+    out["backward"] += np.where(last, head, 0.0)
+    out["compute"] = out["forward"] + out["backward"]
+    vocab = per_unique(lambda tp, tpn, cp, b, f, l: seconds(job, traffic.vocab_calls(m, tp, cp, b, m.seq, 2, f, l),
+                                                            {"tp": tp}, {"tp": tpn}).get("tp", 0.0),
+                       c["tp"], nodes["tp"], c["cp"], c["b"], first, last)
+    send = per_unique(lambda tp, ppn, cp, b, sp: links.collective_time(
+        "send", traffic.pp_send_bytes(m, tp, cp, b, m.seq, 2, None if sp else False), 2, min(ppn, 2), job.cluster),
+        c["tp"], nodes["pp"], c["cp"], c["b"], c["sp"])
+    out["tp"] += vocab
+    out["pp"] = exposed_pp = traffic.pp_sends(c["stage"], c["pp"], c["v"]) * send
+    out["pp"] = np.maximum(0.0, exposed_pp - out["compute"] * sw.pp_overlap)
+    out["t_mb"] = out["compute"] + out["tp"] + out["cp"] + out["ep"] + out["pp"]
+    return out
+
+
+def exposed(comm, compute, chunks):
+    """Seconds of ``comm`` not hidden under ``compute`` when the collective is cut into ``chunks``
+    pipelined with the compute it feeds (TE's and async TP's chunked GEMMs, ring attention's steps):
+    what the compute cannot cover, and one chunk's worth of the shorter of the two, the pipeline's fill."""
+    return np.maximum(0.0, comm - compute) + np.minimum(comm, compute) / chunks
+
+
+def _layer_groups(job, moe, tp, tpn, cp, cpn, ep, epn, b, rc, sp):
+    m = job.model
+    calls = traffic.layer_calls(m, tp, cp, ep, b, m.seq, 2, RECOMPUTE[rc], bool(moe), bool(sp))
+    t = seconds(job, calls, {"tp": tp, "cp": cp, "ep": ep}, {"tp": tpn, "cp": cpn, "ep": epn})
+    return t.get("tp", 0.0), t.get("cp", 0.0), t.get("ep", 0.0)
+
+
+def _data_parallel(job, tp, pp, cp, ep, dp, dpr, dpn, v, zero, offloaded):
+    """(reduce, gather, replica, one unit's gather, optimizer step) in seconds, first stage."""
+    m, cl = job.model, job.cluster
+    ranks = dp * cp
+    shard, replicas = (ranks // dpr, dpr) if zero == 3 else (ranks, 1)
+    calls = traffic.dp_bytes(m, tp, pp, ep, v, 0, zero, ranks, ranks // ep, replicas, 2, job.software.reduce_bytes)
+    bw = cl.intra_bw if dpn == 1 else cl.inter_bw
+    units = max(memory.stage_layer_counts(m, pp, v, 0)[0], 1)       # a bucket, or an FSDP unit, per layer
+    if job.software.shard_unit == "weight":                          # DeepSpeed's hooks: one call per weight
+        units *= sum(len(w.shape) == 2 for w in m.layer_weights(0))
+    alpha = units * links.alpha("reduce_scatter", shard, max(1, dpn // replicas), cl.link) if shard > 1 else 0.0
+    reduce = calls["reduce"] / bw + alpha if shard > 1 else 0.0
+    gather = calls["gather"] / bw + alpha if shard > 1 and zero else 0.0
+    replica = calls["replica"] / cl.inter_bw + links.alpha("all_reduce", replicas, replicas) if replicas > 1 else 0.0
+    params = sum(memory.stage_params(m, tp, pp, ep, v, 0)) / (shard if zero >= 1 else 1)
+    opt = offload.optimizer_seconds(cl, params) if offloaded else offload.ADAM_BYTES * params / cl.hbm_bw
+    return reduce, gather, replica, gather / units, opt
+
+
+def step(job, eta, c, slowest, first, nodes):
+    """Seconds per step of every candidate: {"step", "pipeline", "bubble", "dp", "optimizer"}; ``slowest``:
+    the `micro_batch` of each candidate's slowest stage, ``first``: of its first stage."""
+    sw, m = job.software, c["m"]
+    reduce, gather, replica, unit, opt = per_unique(lambda *k: _data_parallel(job, *k), *(c[k] for k in TUPLE),
+                                                    nodes["dp"], c["v"], c["zero"], c["offload"])
+    bubble = per_unique(lambda s, p, mm, v: schedules.formula({"zero_bubble": "zb-h1"}.get(SCHEDULES[s], SCHEDULES[s]),
+                                                              p, mm, v)["over_ideal"] if p > 1 else 0.0,
+                        c["sched"], c["pp"], m, c["v"])
+    fwd, bwd = first["forward"], first["backward"]
+    reduced = np.maximum(0.0, reduce + replica - bwd * sw.overlap_grad_reduce)
+    gathered = np.maximum(0.0, gather - fwd * sw.overlap_param_gather)
+    dp = np.select([c["zero"] == 0, c["zero"] == 1, c["zero"] == 2],
+                   [reduced, reduced + gathered, m * reduced + gathered],
+                   default=fsdp_seconds(sw, c, reduce, gather, replica, unit, first))
+    pipeline = m * slowest["t_mb"] * (1 + bubble)
+    return {"step": pipeline + dp + opt, "pipeline": pipeline, "bubble": m * slowest["t_mb"] * bubble, "dp": dp,
+            "optimizer": opt}
+
+
+def fsdp_seconds(sw, c, reduce, gather, replica, unit, first):
+    """ZeRO-3 / FSDP's exposed seconds per step: per micro-batch, its gathers (two when it reshards
+    after forward) and its reduce-scatter, less the compute prefetching hides them under, and the first
+    unit's gather, which nothing hides; kept gathered, one gather and one reduction per step."""
+    m, reshard = c["m"], c["reshard"] == 1
+    per_mb = np.where(reshard, 2 * gather + reduce, 0.0)
+    once_g, once_r = np.where(reshard, 0.0, gather), np.where(reshard, 0.0, reduce) + replica
+    if not sw.prefetch:
+        return m * per_mb + once_g + once_r
+    per_step = m * (np.maximum(0.0, per_mb - first["compute"]) + np.where(reshard, unit, 0.0))
+    return per_step + np.maximum(0.0, once_g - first["forward"]) + \
+        np.maximum(0.0, once_r - first["backward"] * sw.overlap_grad_reduce)
 
 
 def model_flops_per_token(model, recompute="none"):
@@ -64,51 +173,3 @@ def model_flops_per_token(model, recompute="none"):
     extra = sum(compute.recompute_flops_per_token(model.block_matmul_params(i), 1, model.attention_width, model.seq,
                                                   recompute) for i in range(model.layers))
     return per_token + extra
-
-
-def step_time(model, cluster, plan, m, eta, kernels="fused", grad_bytes=2):
-    """Seconds per step and its parts: {"step", "compute", "bubble", "exposed_comm", "dp_exposed",
-    "t_max", "slowest_stage", "tiers", "bytes"}. ``eta``: the calibrated matmul efficiency."""
-    pipe = _pipeline(model, cluster, plan.with_(zero=0), m, eta, kernels)   # the same for every ZeRO stage
-    tiers = traffic.tiers(plan.with_(zero=0), cluster.gpus_per_node)
-    bw = cluster.intra_bw if tiers["dp"] == "intra" else cluster.inter_bw
-    dp = _dp_exposed(model, plan, m, bw, pipe["backward_mb"], grad_bytes)
-    return {"step": pipe["pipe"] + dp, "compute": m * pipe["compute_mb"], "exposed_comm": m * pipe["comm_mb"],
-            "bubble": m * pipe["t_mb"] * pipe["bubble"], "dp_exposed": dp, "t_max": pipe["t_mb"],
-            "slowest_stage": pipe["stage"], "tiers": tiers, "bytes": pipe["bytes"]}
-
-
-@functools.lru_cache(maxsize=None)
-def _pipeline(model, cluster, plan, m, eta, kernels):
-    """The slowest stage's micro-batch (compute and the TP, CP, EP, PP bytes at their tiers) and the
-    pipeline's m t_max (1 + bubble)."""
-    tiers = traffic.tiers(plan, cluster.gpus_per_node)
-    bw = {g: cluster.intra_bw if tier == "intra" else cluster.inter_bw for g, tier in tiers.items()}
-    best = None
-    for stage in _stages(plan.pp):
-        f = stage_flops(model, plan, stage, kernels)
-        sent = traffic.micro_batch_bytes(model, plan.tp, plan.pp, plan.cp, plan.ep, plan.v, plan.micro_batch,
-                                         plan.recompute, stage, model.seq, 2)
-        comm = sum(sent[k] / bw[k.split("_")[0]] for k in sent)
-        t = f["total"] / (cluster.peak_flops * eta)
-        if best is None or t + comm > best["t_mb"]:
-            best = {"t_mb": t + comm, "compute_mb": t, "comm_mb": comm, "stage": stage, "bytes": sent,
-                    "backward_mb": f["backward"] / (cluster.peak_flops * eta)}
-    best["bubble"] = schedules.formula(plan.schedule, plan.pp, m, plan.v)["over_ideal"] if plan.pp > 1 else 0.0
-    best["pipe"] = m * best["t_mb"] * (1 + best["bubble"])
-    return best
-
-
-def _stages(pp):
-    """The stages that can be slowest: the first (embedding), a full middle one and the last (head)."""
-    return sorted({0, pp // 2, pp - 1})
-
-
-def _dp_exposed(model, plan, m, bw, backward_s, grad_bytes):
-    """Data-parallel seconds the pipeline cannot hide (see the module docstring), on stage 0, the
-    last to finish its backward (chapter 5)."""
-    calls = traffic.dp_calls(model, plan, 0, 2, grad_bytes)
-    hidden_reduce = max(0.0, calls["reduce"] / bw - backward_s)
-    gather = calls["gather"] / bw
-    return {0: hidden_reduce, 1: hidden_reduce + gather, 2: m * hidden_reduce + gather,
-            3: m * (hidden_reduce + 2 * gather)}[plan.zero]

@@ -1,7 +1,7 @@
 """Chapter 14: the same 3D layout with PyTorch's own pieces, and an audit of what they send per group.
 
-One 3D ``DeviceMesh`` (dims dp, pp, tp: the grid of `labs.groups`, tp fastest), and on it, applied
-from outside to the plain tiny GPT's stage:
+One 3D ``DeviceMesh`` (dims dp, pp, tp: the layout's grid, tp fastest, built by `ParallelDims.mesh`),
+and on it, applied from outside to the plain tiny GPT's stage:
 - tensor parallelism with ``parallelize_module`` (``ColwiseParallel`` on qkv and fc, ``RowwiseParallel``
   on the two output projections). ``ColwiseParallel`` hands rank r the r-th block of the fused
   qkv's rows, so the rows are first permuted to [q_r, k_r, v_r] per rank: Megatron's head split
@@ -12,7 +12,8 @@ from outside to the plain tiny GPT's stage:
 - ``torch.distributed.pipelining``: a ``PipelineStage`` per rank on the pp group, ``Schedule1F1B``.
 `LibraryBytes` counts what that stack sends the way chapter 3 counts FSDP2's (`labs.zero.hsdp`): a
 TorchDispatchMode sees every c10d op and functional collective, with its process group, so each
-call's payload (the tensor it was called with) and ring formula bytes land on the group they ran on.
+call's payload (the tensor it was called with) and ring formula bytes (`labs.measure.costs`) land on
+the group they ran on.
 
     python -m labs.planning.torch3d --dp 2 --tp 2 --pp 2 --json
 """
@@ -22,9 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labs import groups, model as tiny
+from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.launcher import launch
-from labs.measure import comm
+from labs.measure import comm, costs
 from labs.pipeline.executor import cross_entropy, split
 from labs.planning import layout3d
 from labs.tensor_parallel import megatron
@@ -60,10 +62,12 @@ class LibraryBytes(TorchDispatchMode):
             self._record("all_reduce", pg, _nbytes(args[0][0]), self._ring(args[0][0], pg))
         elif name == "c10d._allgather_base_.default":              # (output, input, pg): FSDP2
             pg = dist.ProcessGroup.unbox(args[2])
-            self._record("all_gather", pg, _nbytes(args[1]), (pg.size() - 1) * _nbytes(args[1]))
+            n, shard = pg.size(), _nbytes(args[1])
+            self._record("all_gather", pg, shard, costs.sent("all_gather", n * shard, n))
         elif name == "c10d._reduce_scatter_base_.default":         # (output, input, pg, op): FSDP2
             pg = dist.ProcessGroup.unbox(args[2])
-            self._record("reduce_scatter", pg, _nbytes(args[1]), (pg.size() - 1) * _nbytes(args[0]))
+            self._record("reduce_scatter", pg, _nbytes(args[1]),
+                         costs.sent("reduce_scatter", _nbytes(args[1]), pg.size()))
         elif name == "c10d.send.default":                          # ([tensors], pg, dst, tag): pipelining
             pg, size = dist.ProcessGroup.unbox(args[1]), sum(_nbytes(t) for t in args[0])
             self._record("send", pg, size, size)
@@ -112,19 +116,17 @@ def build_stage(cfg, mesh):
     return piece
 
 
-def train(rank, world_size, degrees, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
+def train(rank, world_size, dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
           num_microbatches=layout3d.MICROBATCHES):
     """The library-built 3D run: per step the loss of each micro-batch (last stage) and the bytes per
-    group and op counted by `LibraryBytes`; also checks that the mesh's groups are `labs.groups`'."""
+    group and op counted by `LibraryBytes`; also checks that the mesh's groups are the grid's."""
     import torch.distributed.pipelining as pipelining
-    from torch.distributed.device_mesh import init_device_mesh
-    dp, pp, tp = (degrees.get(a, 1) for a in ("dp", "pp", "tp"))
+    dp, pp = dims.dp, dims.pp
     dev, cfg, m = launch.device(), layout3d.config(), num_microbatches
-    mesh = init_device_mesh(dev.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-    lay = groups.layout(world_size, tp=tp, pp=pp, dp=dp)
+    mesh = dims.mesh(dev.type)
     for axis in ("dp", "pp", "tp"):
         mine = dist.get_process_group_ranks(mesh.get_group(axis))
-        assert mine in lay.groups(axis), f"the mesh's {axis} group {mine} is not labs.groups'"
+        assert mine in dims.groups(axis), f"the mesh's {axis} group {mine} is not the grid's"
     labels = {mesh.get_group(a).group_name: a for a in ("dp", "pp", "tp")}
     piece = build_stage(cfg, mesh)
     stage = pipelining.PipelineStage(piece, mesh.get_local_rank("pp"), pp, dev, group=mesh.get_group("pp"))
@@ -159,19 +161,18 @@ def summarize(results):
             "stages": [r["stage"] for r in results]}
 
 
-def check(degrees, micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
+def check(dims, micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
     """The layout layout3d accepts, without context parallelism (not run on CPU by PyTorch)."""
-    if degrees.get("cp", 1) != 1:
+    if dims.cp != 1:
         raise ValueError("PyTorch's context parallelism shards the CUDA attention kernels and does not run "
                          "on CPU; the library-built run takes --dp, --tp and --pp only (use train3d for cp).")
-    return layout3d.check(layout3d.config(), **degrees, micro_batch=micro_batch, num_microbatches=num_microbatches)
+    return layout3d.check(layout3d.config(), dims, micro_batch=micro_batch, num_microbatches=num_microbatches)
 
 
-def run(degrees, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
+def run(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
         num_microbatches=layout3d.MICROBATCHES, timeout=300):
-    d = check(degrees, micro_batch, num_microbatches)
-    results = launch.spawn(train, d["world_size"], {a: d[a] for a in ("dp", "pp", "tp")}, steps, lr,
-                           micro_batch, num_microbatches, timeout=timeout)
+    check(dims, micro_batch, num_microbatches)
+    results = launch.spawn(train, dims.world_size, dims, steps, lr, micro_batch, num_microbatches, timeout=timeout)
     return summarize(results)
 
 
@@ -185,21 +186,21 @@ def main(argv=None):
     p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"), default=layout3d.MICROBATCHES)
     p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"), default=layout3d.MICRO_BATCH)
     args = cli.parse(p, argv)
-    degrees = {a: getattr(args, a) for a in ("dp", "tp", "pp", "cp")}
-    d = check(degrees, args.micro_batch, args.microbatches)
-    if args.world_size not in (None, d["world_size"]):
-        raise ValueError(f"--world-size {args.world_size} is not dp*tp*pp = {d['world_size']}; drop --world-size.")
-    results = launch.launch(train, d["world_size"], degrees, args.steps, layout3d.LR, args.micro_batch, args.microbatches,
+    d = ParallelDims(**{a: getattr(args, a) for a in ("dp", "tp", "pp", "cp")})
+    check(d, args.micro_batch, args.microbatches)
+    if args.world_size not in (None, d.world_size):
+        raise ValueError(f"--world-size {args.world_size} is not dp*tp*pp = {d.world_size}; drop --world-size.")
+    results = launch.launch(train, d.world_size, d, args.steps, layout3d.LR, args.micro_batch, args.microbatches,
                             timeout=args.timeout)
     if results is None:
         return
     r, cfg = summarize(results), layout3d.config()
-    ref = layout3d.reference(cfg, d["dp"], args.microbatches, args.micro_batch, args.steps, layout3d.LR)["losses"]
-    predicted = [layout3d.predict_bytes_per_group(cfg, degrees, args.micro_batch, args.microbatches, cfg.seq_len, s)
+    ref = layout3d.reference(cfg, d.dp, args.microbatches, args.micro_batch, args.steps, layout3d.LR)["losses"]
+    predicted = [layout3d.predict_bytes_per_group(cfg, d, args.micro_batch, args.microbatches, cfg.seq_len, s)
                  for s in r["stages"]]
-    result = {"degrees": degrees, "losses": r["losses"], "reference_losses": ref,
+    result = {"degrees": d.degrees(), "losses": r["losses"], "reference_losses": ref,
               "sent_last_step_per_rank": [s[-1] for s in r["sent"]], "predicted_per_rank": predicted}
-    cli.report(result, args, f"library 3D dp={d['dp']} tp={d['tp']} pp={d['pp']}: losses "
+    cli.report(result, args, f"library 3D dp={d.dp} tp={d.tp} pp={d.pp}: losses "
                f"{[round(x, 5) for x in r['losses']]}, one process {[round(x, 5) for x in ref]}; rank 0 sent "
                f"{r['sent'][0][-1]} bytes per group in the last step, predicted {predicted[0]}")
 

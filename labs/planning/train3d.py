@@ -1,7 +1,7 @@
 """Chapter 14: the tiny GPT trained on dp x tp x pp (and cp) processes, built from chapters 3 to 6's pieces.
 
-Every rank takes its place on the grid of `labs.groups` and applies, from outside, to the plain
-model (`build_rank`):
+Every rank takes its place on the layout's grid (`labs.dims.ParallelDims`, its process groups from
+`labs.groups`) and applies, from outside, to the plain model (`build_rank`):
 - pipeline parallelism: the model cut into pp stages (`labs.pipeline.executor.split`), stepped by
   the hand 1F1B schedule and executor of chapter 5 (`schedules.one_f_one_b`, `executor.Executor`);
 - tensor parallelism inside each stage: Megatron's column- and row-parallel layers, f and g
@@ -14,7 +14,7 @@ Every collective runs as chapter 2's hand ring (`hand_ring.hand_collectives`), s
 counted message, and each message's destination says which group carried it (`bytes_by_group`).
 
     python -m labs.planning.train3d --dp 2 --tp 2 --pp 2 --json
-    python -m labs.planning.train3d --cp 2 --tp 2 --pp 2 --json
+    python -m labs.planning.train3d --dp 2 --cp 2 --tp 2 --json
 """
 import os
 
@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs import groups, model as tiny
+from labs.dims import ParallelDims
 from labs.context_parallel import allgather_cp, methods, ring_attention
 from labs.data_parallel import hand_ring
 from labs.launcher import launch
@@ -105,7 +106,7 @@ def apply_context_parallel(piece, group, seq, gather=None):
 
 def build_rank(cfg, g, bugs=()):
     """This rank's stage of the plain tiny GPT, with TP and CP applied from outside."""
-    lay, c = g.layout, g.coords
+    lay, c = g.dims, g.coords
     piece = executor.split(tiny.build(cfg, seed=0), lay.pp)[c["pp"]]
     megatron.apply_tensor_parallel(piece, g.tp)
     if lay.cp > 1:
@@ -115,33 +116,32 @@ def build_rank(cfg, g, bugs=()):
     return piece
 
 
-def bytes_by_group(tally, lay, rank, peers=None):
+def bytes_by_group(tally, dims, rank, peers=None):
     """Counted bytes this rank sent (to ``peers`` only, if given), per group: each destination differs
     from this rank in one coordinate of the grid, the axis of the group the message went through."""
-    mine, out = lay.coords(rank), dict.fromkeys(groups.AXES, 0)
+    mine = dims.coords(rank)
+    out = dict.fromkeys(mine, 0)
     for peer, nbytes in tally.sent_to.items():
         if peers is not None and peer not in peers:
             continue
-        axes = "+".join(a for a, v in lay.coords(peer).items() if v != mine[a])
+        axes = "+".join(a for a, v in dims.coords(peer).items() if v != mine[a])
         out[axes] = out.get(axes, 0) + nbytes
     return out
 
 
-def train(rank, world_size, degrees, variants=((),), steps=layout3d.STEPS, lr=layout3d.LR,
+def train(rank, world_size, dims, variants=((),), steps=layout3d.STEPS, lr=layout3d.LR,
           micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
-    """Train ``steps`` steps once per variant (a tuple of deliberate bugs, () for the correct layout),
-    in one job. Per variant and step: the losses of this rank's micro-batches (last stage only), the
-    counted bytes it sent per group in forward and backward ("passes") and in the optimizer step
+    """Train ``steps`` steps once per variant (a tuple of deliberate bugs, () for the correct layout,
+    and "weight_decay" for Adam with coupled weight decay `layout3d.WEIGHT_DECAY`), in one job. Per
+    variant and step: the losses of this rank's micro-batches (last stage only), the counted bytes it sent per group in forward and backward ("passes") and in the optimizer step
     ("update": ZeRO-1's reduce-scatter and all-gather), and the bytes it sent to another node."""
-    lay = groups.layout(world_size, tp=degrees.get("tp", 1), pp=degrees.get("pp", 1),
-                        dp=degrees.get("dp", 1), cp=degrees.get("cp", 1))
-    g, nodes = groups.Groups(lay), _nodes()
+    g, nodes = groups.Groups(dims), _nodes()
     return [_train(g, layout3d.config(), steps, lr, micro_batch, num_microbatches, bugs, nodes)
             for bugs in variants]
 
 
 def _train(g, cfg, steps, lr, b, m, bugs, nodes):
-    lay, c, rank = g.layout, g.coords, g.rank
+    lay, c, rank = g.dims, g.coords, g.rank
     piece = build_rank(cfg, g, bugs)
     opt = _optimizer(piece, g, lr, bugs)
     rows = layout3d.cp_rows(cfg.seq_len, lay.cp, c["cp"])
@@ -169,8 +169,10 @@ def _train(g, cfg, steps, lr, b, m, bugs, nodes):
 
 
 def _optimizer(piece, g, lr, bugs):
-    group = g.dp_cp if g.layout.cp > 1 else g.dp
-    opt = ShardedOptimizer(piece.parameters(), torch.optim.Adam, stage=1, group=group, lr=lr)
+    group = g.dp_cp if g.dims.cp > 1 else g.dp        # the ranks that hold the same weights
+    decay = layout3d.WEIGHT_DECAY if "weight_decay" in bugs else 0.0   # a setting, not a bug
+    opt = ShardedOptimizer(piece.parameters(), torch.optim.Adam, stage=1, group=group, lr=lr,
+                           weight_decay=decay)
     if "dp_not_averaged" in bugs:    # the sum over replicas, not the mean
         opt.n = 1
     if "dp_not_reduced" in bugs:     # each rank steps its shard on its own replica's gradient alone
@@ -231,12 +233,12 @@ def _per_group(sent):
             "other": sum(v for k, v in passes.items() if k not in ("tp", "pp", "cp"))}
 
 
-def run(degrees, variants=((),), steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
+def run(dims, variants=((),), steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
         num_microbatches=layout3d.MICROBATCHES, timeout=300):
-    """Check the degrees, spawn the ranks, summarize every variant."""
-    d = layout3d.check(layout3d.config(), **degrees, micro_batch=micro_batch, num_microbatches=num_microbatches)
-    results = launch.spawn(train, d["world_size"], {a: d[a] for a in layout3d.AXES}, variants, steps, lr,
-                           micro_batch, num_microbatches, timeout=timeout)
+    """Check the layout (a `ParallelDims`) against the model, spawn the ranks, summarize every variant."""
+    layout3d.check(layout3d.config(), dims, micro_batch=micro_batch, num_microbatches=num_microbatches)
+    results = launch.spawn(train, dims.world_size, dims, variants, steps, lr, micro_batch, num_microbatches,
+                           timeout=timeout)
     return [summarize(results, i) for i in range(len(variants))]
 
 
@@ -253,24 +255,27 @@ def main(argv=None):
     p.add_argument("--lr", type=cli.positive_float, default=layout3d.LR)
     args = cli.parse(p, argv)
     cfg, degrees = layout3d.config(), {a: getattr(args, a) for a in layout3d.AXES}
-    d = layout3d.check(cfg, **degrees, world_size=args.world_size, micro_batch=args.micro_batch,
-                       num_microbatches=args.microbatches)
-    results = launch.launch(train, d["world_size"], degrees, ((),), args.steps, args.lr, args.micro_batch,
+    if args.world_size is None:
+        d = ParallelDims(**degrees)
+    else:
+        d = ParallelDims.build(args.world_size, **degrees)
+    layout3d.check(cfg, d, micro_batch=args.micro_batch, num_microbatches=args.microbatches)
+    results = launch.launch(train, d.world_size, d, ((),), args.steps, args.lr, args.micro_batch,
                             args.microbatches, timeout=args.timeout)
     if results is None:
         return
     r = summarize(results)
-    ref = layout3d.reference(cfg, d["dp"], args.microbatches, args.micro_batch, args.steps, args.lr)["losses"]
-    shape = (cfg, degrees, args.micro_batch, args.microbatches, cfg.seq_len)
+    ref = layout3d.reference(cfg, d.dp, args.microbatches, args.micro_batch, args.steps, args.lr)["losses"]
+    shape = (cfg, d, args.micro_batch, args.microbatches, cfg.seq_len)
     predicted = [layout3d.predict_bytes_per_group(*shape, c["pp"]) for c in r["coords"]]
     per_node = r["nodes"].count(r["nodes"][0])      # ranks fill torchrun's nodes in order
-    result = {"degrees": degrees, "world_size": d["world_size"], "losses": r["losses"], "reference_losses": ref,
+    result = {"degrees": d.degrees(), "world_size": d.world_size, "losses": r["losses"], "reference_losses": ref,
               "max_abs_loss_diff": max(abs(a - b) for a, b in zip(r["losses"], ref)),
               "sent_per_rank": [s[-1] for s in r["sent"]], "predicted_per_rank": predicted, "nodes": r["nodes"],
               "crossing_per_rank": [c[-1] for c in r["crossing"]],
               "crossing_predicted_per_rank": [layout3d.crossing_bytes(*shape, rank, per_node)
-                                              for rank in range(d["world_size"])]}
-    cli.report(result, args, f"dp={d['dp']} tp={d['tp']} pp={d['pp']} cp={d['cp']} on {d['world_size']} ranks: "
+                                              for rank in range(d.world_size)]}
+    cli.report(result, args, f"dp={d.dp} tp={d.tp} pp={d.pp} cp={d.cp} on {d.world_size} ranks: "
                f"losses {[round(x, 5) for x in r['losses']]}, one process {[round(x, 5) for x in ref]}; "
                f"rank 0 sent {result['sent_per_rank'][0]} bytes per group, predicted {predicted[0]}")
 

@@ -12,6 +12,7 @@ all-gather (`wire.gloo_all_gather`, from gloo's source) for the payloads actuall
 import torch
 import torch.distributed as dist
 
+from labs.launcher import launch
 from labs.measure import comm, wire
 from labs.precision import fp8
 
@@ -30,6 +31,7 @@ def _shard(rank, numel):
     return torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)  # (numel,)
 
 
+@launch.on_cpu("it reads gloo's wire and gloo's refusal of FP8")
 def allgather_worker(rank, world_size, numel=4096):
     """All-gather a BF16 shard, then the same shard as E4M3 bytes plus its fp32 scale, each inside
     ``comm.counting(wire=True)``: payloads from the tensors handed over, wire bytes measured."""
@@ -57,7 +59,6 @@ def allgather_bytes(world_size=2, numel=4096, timeout=60.0):
     """Spawn ``world_size`` ranks of `allgather_worker`; check the gathered FP8 and BF16 on rank 0
     against every rank's shard made here. Returns, per rank, payload and wire bytes of the three
     all-gathers, and gloo's model for the payloads gathered (``model``)."""
-    from labs.launcher import launch
     results = launch.spawn(allgather_worker, world_size, numel, timeout=timeout)
     r0 = results[0]
     for rank in range(world_size):

@@ -243,10 +243,23 @@ EXERCISES = {
     "3": lambda: 7 * (2 ** 20 * formats()["fp8_e4m3"]["bits"] // 8 + formats()["fp32"]["bits"] // 8),
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: 1.0 / 2.0 ** -30, "lifting 2^-30 to 1.0 instead of to FP16's smallest normal"),
+          (lambda: formats()["fp16"]["smallest_subnormal"] / 2.0 ** -30,
+           "lifting 2^-30 to FP16's smallest subnormal, not its smallest normal")],
+    "2": [(lambda: 2 * _e4m3_flush_below(1792.0), "the whole smallest subnormal, not half of it")],
+    "3": [(lambda: 7 * 2 ** 20 * formats()["fp8_e4m3"]["bits"] // 8,
+           "the fp32 scales forgotten: one per shard"),
+          (lambda: 8 * (2 ** 20 * formats()["fp8_e4m3"]["bits"] // 8 + formats()["fp32"]["bits"] // 8),
+           "N shards sent instead of N - 1"),
+          (lambda: 7 * 2 ** 20 * formats()["bf16"]["bits"] // 8, "the BF16 answer: two bytes per element")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 if __name__ == "__main__":

@@ -8,4 +8,7 @@
 - `pipeline_memory`: 1F1B on chapter 5's executor with and without recomputation: held = in flight x policy.
 - `compiled`: torch.compile's min-cut partitioner per activation memory budget: bytes kept, backward
   FLOPs (budget 0 = one more forward), gradients against the uncompiled stack.
+- `clip_norm`: gradient clipping across shards: the global norm under FSDP + TP and PP + TP, each
+  parameter counted once (Megatron's rule by hand, torch's and torchtitan's with DTensors), equal to
+  one process; counting TP-replicated parameters on every tp rank, or a stage's own norm, is caught.
 """

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.data_parallel import ddp, hand_ring, loss_reduction
 from labs.launcher import launch
 from labs.measure import comm, memory
@@ -27,7 +28,7 @@ from labs.zero import fsdp
 def accumulation_vs_full_batch(accumulation=4, micro_batch=2, seed=0):
     """k micro-batches of unequal token counts in one process against the full batch at once:
     chapter 2's `loss_reduction.compare` at world size 1. right_err (sum of token losses over the
-    global count N) is rounding; naive_err (each micro-batch's own mean / k) is not."""
+    global count n_tok) is rounding; naive_err (each micro-batch's own mean / k) is not."""
     return loss_reduction.compare(1, accumulation, micro_batch, seed)
 
 
@@ -60,8 +61,7 @@ def _wrap(kind, net, world_size):
     """Shard ``net`` by blocks with the hand FSDP or FSDP2 (its collectives through labs.measure.comm)."""
     if kind == "hand":
         return fsdp.HandFSDP(net, units=list(net.blocks))
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = ParallelDims(dp=world_size).mesh("cpu")["dp"]
     return fsdp.fully_shard_units(net, list(net.blocks), mesh, hand_comm=True)
 
 

@@ -166,10 +166,11 @@ def measure_eager(policy, cfg, batch):
 
 
 def grad_bound(layers):
-    """How far the compiled gradients may be from the uncompiled ones, relative to each tensor's
-    largest entry. With this backend the partitioned graphs run the ATen operators that eager
-    autograd runs (AOTAutograd traced them) and a recomputed operator reruns on the same inputs, so
-    no rounding need differ; the bound allows for one that does, as Inductor's fused kernels would:
+    """How far compiled gradients may be from the uncompiled ones under a backend whose kernels
+    round differently, relative to each tensor's largest entry. Not this lab's backend: its
+    partitioned graphs run the ATen operators that eager autograd runs (AOTAutograd traced them) and
+    a recomputed operator reruns on the same inputs, so its gradients must equal eager's bit for bit
+    (`compare`'s ``grads_equal_eager``). The bound is for Inductor's fused kernels:
     a bf16 result rounded the other way moves by up to 2^-8 of itself, and the gradient reaching a
     block's first weights passes about 4 such results per block (the two sublayers' LayerNorm and
     matrix product outputs), 4 L 2^-8 in all. A block recomputed from the wrong tensor exceeds it
@@ -216,6 +217,7 @@ def compare(cfg=None, batch=2, budgets=(1.0, 0.5, 0.0), hand_policies=("none", "
         by_op, ref = r["backward_by_op"], base["backward_by_op"]
         r["recomputed_flops_by_op"] = {op: n - ref.get(op, 0) for op, n in by_op.items() if n != ref.get(op, 0)}
         r["max_rel_grad_diff_vs_eager"] = max_relative_grad_diff(r["grads"], base["grads"])
+        r["grads_equal_eager"] = all(torch.equal(g, g0) for g, g0 in zip(r["grads"], base["grads"]))
         r["loss_diff_vs_eager"] = abs(r["loss"] - base["loss"])
     for r in [*eager.values(), *compiled.values()]:
         del r["grads"]

@@ -77,24 +77,39 @@ def measure(mode, cfg=None, batch=2, dtype=torch.bfloat16):
 
 def compare(cfg=None, batch=2, dtype=torch.bfloat16):
     """The three modes side by side; gradients compared with "none"'s (a copy there and back
-    changes no bit). Also the bytes every saved tensor has, counted by a plain saved-tensor hook:
-    what a copy-per-saved-tensor offload must move."""
+    changes no bit). Also what a copy-per-saved-tensor offload must move, read from the autograd
+    graph of a run without hooks (`graph_saved_bytes`), not from a hook like the one it checks."""
     cfg = cfg or policies.config()
     rows = {m: measure(m, cfg, batch, dtype) for m in ("none", "hand offload", "torch save_on_cpu")}
     base = rows["none"]["grads"]
     for r in rows.values():
         r["grads_equal"] = all(torch.equal(a, b) for a, b in zip(r.pop("grads"), base))
     blocks, x, run = policies._step(cfg, batch, "none", 2, dtype)
-    pool = HostPool(blocks)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t if pool._is_param(t) else _count(pool, t), lambda t: t):
-        run(x).float().sum()
-    return {"rows": rows, "saved_tensor_bytes": pool.to_host,
+    return {"rows": rows, "saved_tensor_bytes": graph_saved_bytes(run(x).float().sum(), HostPool(blocks)),
             "formula_bytes": policies.formula_bytes("none", cfg, batch, dtype=dtype)}
 
 
-def _count(pool, t):
-    pool.to_host += t.numel() * t.element_size()
-    return t
+def graph_saved_bytes(loss, pool):
+    """The bytes of every tensor the autograd graph behind ``loss`` holds for backward, read from
+    the nodes themselves (their ``_saved_*`` attributes), not from a hook: one count per node that
+    saves a tensor, as a pack hook is called once per save, parameters left out. Python scalars
+    that autograd wraps as 0-dim float64 tensors (``x * 0.125``) are not saved tensors: no hook sees
+    them."""
+    total, seen, stack = 0, set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                for t in value if isinstance(value, (tuple, list)) else [value]:
+                    wrapped = isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == torch.float64
+                    if isinstance(t, torch.Tensor) and not wrapped and not pool._is_param(t):
+                        total += t.numel() * t.element_size()
+        stack += [nxt for nxt, _ in node.next_functions]
+    return total
 
 
 def main(argv=None):

@@ -63,6 +63,7 @@ def _one_micro_batch_bytes(piece, batch, hidden):
     return held
 
 
+@launch.on_cpu("chapter 5's executor, a CPU emulation of pipeline timing")
 def _run(rank, world_size, m, layers_per_stage, batch):
     p = world_size
     cfg = tiny.GPTConfig(n_layer=p * layers_per_stage)

@@ -23,6 +23,7 @@ selective policy caches, a dispatch mode sees both), FLOPs are counted by ``Flop
     python -m labs.recompute.policies --policy selective --json
 """
 import functools
+import statistics
 import time
 
 import torch
@@ -30,7 +31,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
                                     set_checkpoint_early_stop)
 
 from labs.memory_budget import activations, compute
-from labs.measure import flops
+from labs.measure import flops, intervals
 from labs.data_parallel import loss_reduction
 from labs.measure import memory
 from labs import model as tiny
@@ -157,26 +158,56 @@ def compare(cfg=None, batch=2, k=2, dtype=torch.bfloat16, policies=POLICIES):
     return rows
 
 
-def timing(cfg=None, batch=4, k=2, repeats=7, dtype=torch.float32, threads=1):
-    """Wall-clock seconds of one forward and backward per policy (the fastest of ``repeats``, taken
-    in turns) and the ratio to "none". One thread: on a shared CPU, threads that wait for a busy core
-    time the neighbours, not the policy. One machine, one run: the ratio, not the seconds, is the result."""
+def timing(cfg=None, batch=4, k=2, repeats=15, dtype=torch.float32, threads=1):
+    """Wall-clock seconds of one forward and backward per policy, in rounds: each round times every
+    policy once, the order rotating from round to round, after one warm-up round. Each round gives
+    one paired ratio per policy, its time over "none"'s in the same round, and
+    `labs.measure.intervals` turns the ``repeats`` ratios into a median with its interval and range,
+    and a verdict only where the interval excludes 1. One thread: on a shared CPU, threads that wait
+    for a busy core time the neighbours, not the policy. One machine, one run: the ratio, not the
+    seconds, is the result."""
+    intervals.median_ranks(repeats)                     # refuses too few rounds for an interval
     cfg = cfg or config(layers=4, hidden=128, heads=4, seq=128)
     steps = {p: _step(cfg, batch, p, k, dtype) for p in POLICIES}
-    seconds = dict.fromkeys(POLICIES, float("inf"))
+    seconds = {p: [] for p in POLICIES}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with set_checkpoint_early_stop(False):
-            for i in range(repeats + 1):         # round robin, so a busy moment hits every policy alike
-                for policy, (_, x, run) in steps.items():
+            for i in range(repeats + 1):          # rotating order, so a busy moment hits every policy alike
+                order = POLICIES[i % len(POLICIES):] + POLICIES[:i % len(POLICIES)]
+                for policy in order:
+                    _, x, run = steps[policy]
                     start = time.perf_counter()
                     run(x).sum().backward()
                     if i:                          # the first round warms up and is dropped
-                        seconds[policy] = min(seconds[policy], time.perf_counter() - start)
+                        seconds[policy].append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(before)
-    return {"seconds": seconds, "ratio_vs_none": {p: t / seconds["none"] for p, t in seconds.items()}}
+    ratios = {}
+    for p in POLICIES:
+        iv = intervals.ratio_interval(seconds[p], seconds["none"])
+        iv["verdict"] = intervals.verdict(iv, "faster than none", "slower than none", threads)
+        ratios[p] = iv
+    return {"seconds": {p: statistics.median(t) for p, t in seconds.items()}, "ratios": ratios,
+            "ratio_vs_none": {p: iv["median"] for p, iv in ratios.items()}, "repeats": repeats}
+
+
+def notes_claims(h=12288, a=96, s=2048, layers=96, batch=32):
+    """The source notes' activation figures for GPT-3 175B (L = 96, s = 2048) against the formula
+    the chapter proves on the tiny stack (Korthikanti et al. 2022, Table 2, no tensor parallelism):
+    bytes per sample with no recomputation, with full recomputation (each layer's input, 2sbh) and
+    with selective, the notes' own rule 2 b s h L x 2 bytes, and the reductions; then a DeepSpeed
+    config's batch arithmetic, which DeepSpeed asserts: train_batch_size = micro-batch x accumulation
+    x data-parallel world size (``DeepSpeedConfig._batch_assertion``)."""
+    per = {r: layers * activations.gpt3_activation_bytes_per_layer(s, 1, h, a, recompute=r)
+           for r in ("none", "selective", "full")}
+    notes_rule = 2 * 1 * s * h * layers * 2
+    return {"per_sample_bytes": per, "batch": batch, "notes_rule_bytes": notes_rule,
+            "full_reduction": per["none"] / per["full"],
+            "selective_reduction": per["none"] / per["selective"],
+            "notes_rule_over_full": notes_rule / per["full"],
+            "deepspeed_batch": {g: loss_reduction.global_batch_size(4, 4, g)["sequences"] for g in (2, 4)}}
 
 
 # --- at scale: the GPT-3 setting of Korthikanti et al. 2022 -------------------------------------
@@ -213,10 +244,20 @@ EXERCISES = {
     "3": lambda: 1024 // loss_reduction.global_batch_size(2, 1, 64)["sequences"],
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: selective_at_scale(dropout=False)["memory_removed"],
+           "the dropout-free count sbh(32 + 2as/h) for a layer with dropout")],
+    "2": [(lambda: selective_at_scale()["korthikanti_flops_added"] * 100,
+           "Korthikanti et al.'s figure, which counts the attention products' forward and backward again"),
+          (lambda: selective_at_scale()["full_flops_added"] * 100, "full recomputation's third")],
+    "3": [(1024 // 64, "the micro-batch of 2 left out: 1024 / dp")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def main(argv=None):

@@ -15,6 +15,7 @@ import torch
 from labs.measure import comm
 from labs.launcher import launch, preflight
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.tensor_parallel import megatron
 
 def config(**overrides):
@@ -98,9 +99,9 @@ def message_bytes(rank, world_size, shapes):
     out = []
     for b, s, h in shapes:
         cfg = config(hidden=h, n_head=h // 4)
-        block = megatron.parallelize_mlp(_full_block("mlp", cfg), None)
+        block = megatron.parallelize_mlp(_full_block("mlp", cfg).to(launch.device()), None)
         with megatron.payloads() as log:
-            block(torch.randn(b, s, h))
+            block(torch.randn(b, s, h).to(launch.device()))
         out.append({"b": b, "s": s, "h": h, "calls": len(log), "message_bytes": log[0]["bytes"],
                     "shape": log[0]["shape"]})
     return out
@@ -130,13 +131,12 @@ def train(rank, world_size, steps=3, batch_size=2, lr=1e-2):
 
 def dtensor_mlp(rank, world_size, b=2, s=8):
     """PyTorch's DTensor tensor parallelism on the same MLP: same outputs and gradients as the hand one."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     cfg, dev = config(), launch.device()
     g = torch.Generator().manual_seed(1)
     x, upstream = torch.randn(b, s, cfg.hidden, generator=g).to(dev), torch.randn(b, s, cfg.hidden, generator=g).to(dev)
     hand = megatron.parallelize_mlp(_full_block("mlp", cfg).to(dev), None)
-    lib = parallelize_module(_full_block("mlp", cfg).to(dev), init_device_mesh(dev.type, (world_size,)),
+    lib = parallelize_module(_full_block("mlp", cfg).to(dev), ParallelDims(tp=world_size).mesh(dev.type)["tp"],
                              {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
     outs, grads = [], []
     for block in (hand, lib):
@@ -185,10 +185,18 @@ EXERCISES = {
     "2": lambda: layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
 }
 
+# The answers the usual mistakes give, each computed from its mistake; the checker names them.
+MISTAKES = {
+    "1": [(lambda: layer_costs("70B", 8)["hh_weight_bytes"] / 2**20,
+           "sized by the h x h weight, not by b s h")],
+    "2": [(lambda: layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3 / 8,
+           "400 Gb/s read as 400 GB/s")],
+}
+
 
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def main(argv=None):

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labs.measure import comm, wire
+from labs.dims import ParallelDims
+from labs.measure import comm, costs, wire
 from labs.launcher import launch
 from labs.memory_budget.compute import H100_BF16_DENSE
 from labs import model as tiny
@@ -59,10 +60,10 @@ class GroupBytes(TorchDispatchMode):
         n, rank = pg.size(), pg.rank()
         if op == "all_gather":     # (output, input): each rank sends its shard to n-1 ranks
             payload = _nbytes(args[1])
-            formula = (n - 1) * payload
+            formula = costs.sent("all_gather", n * payload, n)
         elif op == "reduce_scatter":   # (output, input): the full buffer, n-1 of n slices leave
             payload = _nbytes(args[1])
-            formula = (n - 1) * _nbytes(args[0])
+            formula = costs.sent("reduce_scatter", n * _nbytes(args[0]), n)
         else:                          # ([tensors], ...): ring all-reduce, this rank's share
             t = args[0][0]
             payload = _nbytes(t)
@@ -185,17 +186,17 @@ def hsdp_vs_full(rank, world_size, shard=2, steps=2, lr=1e-3):
     if world_size % shard or world_size == shard:
         raise ValueError(f"world_size {world_size} must be a multiple of shard {shard} with at least 2 "
                          "replicas; use e.g. 4 ranks with shard=2.")
-    from torch.distributed.device_mesh import init_device_mesh
     dev = launch.device().type
-    meshes = {"hsdp": init_device_mesh(dev, (world_size // shard, shard), mesh_dim_names=("replicate", "shard")),
-              "full": init_device_mesh(dev, (world_size,), mesh_dim_names=("all",))}
-    labels = {meshes["hsdp"].get_group(d).group_name: d for d in ("replicate", "shard")}
-    labels[meshes["full"].get_group("all").group_name] = "all"
-    out = {"ranks": {d: dist.get_process_group_ranks(meshes["hsdp"].get_group(d)) for d in ("replicate", "shard")}}
+    hsdp = ParallelDims(dp=world_size, dp_replicate=world_size // shard).mesh(dev)["dp_replicate", "dp_shard"]
+    meshes = {"hsdp": hsdp, "full": ParallelDims(dp=world_size).mesh(dev)["dp"]}
+    labels = {hsdp.get_group(f"dp_{d}").group_name: d for d in ("replicate", "shard")}
+    labels[meshes["full"].get_group().group_name] = "all"
+    out = {"ranks": {d: dist.get_process_group_ranks(hsdp.get_group(f"dp_{d}")) for d in ("replicate", "shard")}}
     for name, mesh in meshes.items():
         mode = GroupBytes(labels)
-        _, state = _train(shard_model(tiny.build(), mesh, torch.bfloat16), rank, world_size, 1, lr, mode)
-        net = shard_model(tiny.build(), mesh)
+        _, state = _train(shard_model(tiny.build(device=launch.device()), mesh, torch.bfloat16), rank, world_size,
+                          1, lr, mode)
+        net = shard_model(tiny.build(device=launch.device()), mesh)
         losses, _ = _train(net, rank, world_size, steps, lr)
         params = {k: v.full_tensor().detach().cpu() for k, v in net.named_parameters()}
         out[name] = {"records": mode.records, "by_group": mode.by_group(), "state": state,
@@ -224,7 +225,8 @@ def zero3_bandwidth(params, flops_per_token, tokens_per_rank, n, mfu=0.4, peak=H
     ``nic`` suffices (``tokens_at_nic``)."""
     if min(params, flops_per_token, tokens_per_rank, mfu, peak) <= 0 or n < 2:
         raise ValueError("params, flops_per_token, tokens_per_rank, mfu and peak must be positive and n >= 2.")
-    step_bytes = 3 * (n - 1) * elem * params / n
+    model = elem * params
+    step_bytes = float(2 * costs.sent("all_gather", model, n) + costs.sent("reduce_scatter", model, n))
     compute_s = flops_per_token * tokens_per_rank / (mfu * peak)
     need = step_bytes / compute_s
     return {"step_bytes": step_bytes, "compute_s": compute_s, "bandwidth": need, "nic": nic,

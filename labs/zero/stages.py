@@ -15,9 +15,8 @@ The hand pieces are drop-ins for the library's: stages 0-2 are `labs.zero.sharde
 `ShardedOptimizer` around ``torch.optim.Adam``, stage 3 is `labs.zero.fsdp`'s `HandFSDP`. This file is the
 lab that trains the tiny GPT under each of them and under FSDP2 (`run`, `all_stages`,
 `accumulation`, `fsdp2`), held to the bound on how far two Adam runs can drift apart
-(`labs.zero.adam_drift.param_bound`).
-By default the hand stages run every collective as chapter 2's ring of point-to-point messages
-(`hand_ring.hand_collectives`), so their bytes sent are counted messages, not a formula.
+(`labs.zero.adam_drift.param_bound`). By default the hand stages run every collective as chapter 2's
+ring of point-to-point messages (`hand_ring.hand_collectives`): their bytes sent are counted messages.
 
     python -m labs.zero.stages --world-size 3 --stage 3 --steps 3 --json
 """
@@ -27,15 +26,14 @@ import dataclasses
 import torch
 
 from labs.memory_budget import budget
-from labs.measure import comm, memory
+from labs.measure import comm, costs, exercises, memory
 from labs.data_parallel import hand_ring
 from labs.zero import adam_drift, fsdp
 from labs.launcher import launch
 from labs import model as tiny
+from labs.dims import ParallelDims
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
 
-
-# -- the lab: the tiny GPT under every stage ---------------------------------------------------
 STAGES = (0, 1, 2, 3)
 BF16 = 2
 
@@ -47,9 +45,9 @@ def formula_bytes(stage, padded, n):
 
 
 def formula_comm(stage, padded, n, zero1_allreduce=False):
-    """Bytes each rank sends per step: (N-1)/N x {2, 2, 2, 3} x Psi x 2 bytes."""
+    """Bytes each rank sends per step: {2, 2, 2, 3} passes of (N-1)/N x Psi x 2 bytes (`measure.costs`)."""
     passes = 3 if stage == 3 or (stage == 1 and zero1_allreduce) else 2
-    return passes * (n - 1) * padded * BF16 // n
+    return passes * costs.sent("all_gather", padded * BF16, n)
 
 
 def _batch(cfg, step, rank, batch_size, device):
@@ -229,11 +227,10 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, c
     compute and reduction): losses, how each weight is split, bytes held, the last step's peak and
     bytes sent. ``collectives="hand"`` gives FSDP2 the hand rings through its custom-collective
     hooks (`fsdp.fully_shard_units`): counted messages, and no collective on gloo's threads."""
-    from torch.distributed.device_mesh import init_device_mesh
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     # fp32 masters that start from the bf16-rounded weights, exactly as the hand recipe's do
     net = tiny.build(cfg, seed=0, device=dev).to(torch.bfloat16).float()
-    mesh = init_device_mesh(dev.type, (world_size,))
+    mesh = ParallelDims(dp=world_size).mesh(dev.type)["dp"]
     fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload, hand_comm=collectives == "hand")
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses, tally, window = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives)
@@ -272,16 +269,19 @@ def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None
     return out
 
 
-# Chapter 3's exercises: the answers are computed here, so the book never types them.
-EXERCISES = {
-    "1": lambda: budget.state_gb("70B", 64, zero_stage=2),
-    "2": lambda: formula_comm(3, budget.MODELS["13B"].params(), 8) / budget.GB,
-}
-
-
-def check(question, answer, rel=0.01):
-    from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel)
+# Chapter 3's exercises, and the answers the usual mistakes give (the checker names them), computed here.
+EXERCISES = {"1": lambda: budget.state_gb("70B", 64, zero_stage=2),
+             "2": lambda: formula_comm(3, budget.MODELS["13B"].params(), 8) / budget.GB,
+             "3": lambda: budget.lowest_zero_stage("13B", 8, 0.1, seq=4096, micro_batch=8, recompute="full")}
+MISTAKES = {"1": [(lambda: budget.state_gb("70B", 64, 2, "bf16_no_master"),
+                   "2 + 10/N bytes per parameter: the 12-byte recipe, without the fp32 master copy"),
+                  (lambda: budget.state_gb("70B", 64, zero_stage=1), "ZeRO-1's 4 + 12/N: the gradients left whole"),
+                  budget.nominal("70B", EXERCISES["1"])],
+            "2": [(lambda: formula_comm(0, budget.MODELS["13B"].params(), 8) / budget.GB,
+                   "DDP's bytes: ZeRO-3's extra all-gather left out")],
+            "3": [(lambda: budget.lowest_zero_stage("13B", 8, 0.0, seq=4096, micro_batch=8, recompute="full"),
+                   "stage 1: it fits in 80 GiB, but with no room for buffers, logits and fragmentation")]}
+check = exercises.checker(EXERCISES, MISTAKES)
 
 
 def main(argv=None):

@@ -1,0 +1,215 @@
+"""The degrees of a layout, checked once: every group, mesh and placement comes from here (chapters 2 to 14).
+
+Modelled on torchtitan's ``ParallelDims`` (pytorch/torchtitan, torchtitan/distributed/parallel_dims.py):
+the degrees dp, tp, pp, cp and ep, validated in one place, with the world size, the coordinates of a
+rank, the rank lists of every group (combined ones such as dp x cp included), the DeviceMesh
+(`mesh`) and the link tier each group sits on (`tier`).
+
+Ranks fill the grid with the first axis of ``order`` varying fastest. The default is Llama 3's
+[TP, CP, PP, DP] (Llama Team 2024, arXiv 2407.21783, §3.3.2), with the expert group inside the
+data-parallel one, between CP and PP (DeepSeek-AI 2024, arXiv 2412.19437, §3.2: EP 64 over 8 nodes):
+
+    rank = t + tp (c + cp (e + ep (p + pp d')))      t, c, e, p, d' the tp, cp, ep, pp, dp/ep coordinates
+
+so a tensor-parallel group is a run of consecutive ranks, the GPUs of one node on a GPU box
+(Megatron-LM's placement, Narayanan et al. 2021, arXiv 2104.04473). ep divides dp: the data-parallel
+group of a dense weight is the ep ranks times the dp/ep beyond pp (``edp``, the ranks holding the same
+experts: Megatron Core's expert-data-parallel group). HSDP (chapter 3) splits dp into ``dp_replicate``
+(slowest) x ``dp_shard``.
+
+The placement rule (chapter 11): a group sits inside one node of G GPUs exactly when its first and
+last rank do; a synchronous step waits for its slowest group, so one straddling group puts the axis
+on the slow tier. The group-by-group count (`group_nodes`) decides; "Delta N <= G" does not (tp = 1,
+cp = 3 on nodes of 4: the group [3, 4, 5] straddles).
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+ORDER = ("tp", "cp", "ep", "pp", "dp")     # fastest-varying first
+DEGREES = ("dp", "tp", "pp", "cp", "ep", "dp_replicate")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1                # expert parallelism, carved out of dp
+    dp_replicate: int = 1      # HSDP: dp = dp_replicate x dp_shard
+    order: tuple = ORDER
+
+    def __post_init__(self):
+        for name in DEGREES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        order = tuple(self.order)
+        if "ep" not in order and self.ep == 1:   # a four-axis order: ep = 1 sits anywhere
+            order = order[:order.index("pp")] + ("ep",) + order[order.index("pp"):] if "pp" in order else order
+        if sorted(order) != sorted(ORDER):
+            raise ValueError(f"order must list each of {', '.join(ORDER)} once (ep may be left out when ep = 1), "
+                             f"got {tuple(self.order)}.")
+        object.__setattr__(self, "order", order)
+        if self.dp % self.ep:
+            raise ValueError(f"ep = {self.ep} does not divide dp = {self.dp}: the experts split over ranks of "
+                             "the data-parallel group; choose an ep that divides dp.")
+        if self.dp % self.dp_replicate:
+            raise ValueError(f"dp_replicate = {self.dp_replicate} does not divide dp = {self.dp} "
+                             "(HSDP: dp = dp_replicate x dp_shard); choose a divisor of dp.")
+        if self.ep > 1 and self.dp_replicate > 1:
+            raise ValueError("expert parallelism inside HSDP is not modelled: give ep or dp_replicate, not both.")
+
+    @classmethod
+    def build(cls, world_size, *, dp=None, **degrees):
+        """The layout of ``world_size`` ranks with dp filled in (or checked, when given)."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
+        probe = cls(**{k: v for k, v in degrees.items() if k not in ("ep", "dp_replicate")})   # tp, pp, cp first
+        inner = probe.tp * probe.cp * probe.pp
+        names = "*".join(a for a in ("tp", "cp", "pp") if a != "cp" or probe.cp > 1)
+        values = "*".join(str(getattr(probe, a)) for a in names.split("*"))
+        if world_size % inner:
+            raise ValueError(f"world_size {world_size} is not divisible by {names} = {values} = {inner}; "
+                             f"choose degrees whose product divides {world_size}.")
+        fit = world_size // inner
+        if dp is not None and dp != fit:
+            raise ValueError(f"dp*{names} = {dp}*{values} = {dp * inner} does not equal world_size "
+                             f"{world_size}; use dp={fit} or change the world size.")
+        return cls(dp=fit, **degrees)
+
+    def __repr__(self):   # the degrees that differ from 1 (and the order, when it is not Llama 3's)
+        shown = [f"{a}={getattr(self, a)}" for a in DEGREES if getattr(self, a) != 1 or a == "dp"]
+        return f"ParallelDims({', '.join(shown + ([f'order={self.order}'] if self.order != ORDER else []))})"
+
+    @property
+    def world_size(self):
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def dp_shard(self):
+        return self.dp // self.dp_replicate
+
+    def degrees(self):
+        """{axis: degree} of the four axes every layout has, and ep (for tables and JSON)."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+
+    # ---- the grid ---------------------------------------------------------------------------------
+    def atoms(self):
+        """[(name, size)] of the grid's axes, fastest first; the dp slot holds dp / ep ranks, split
+        into shard (faster) and replicate parts."""
+        slots = {"tp": [("tp", self.tp)], "cp": [("cp", self.cp)], "ep": [("ep", self.ep)],
+                 "pp": [("pp", self.pp)],
+                 "dp": [("dp_shard", self.dp // (self.ep * self.dp_replicate)), ("dp_replicate", self.dp_replicate)]}
+        return [atom for axis in self.order for atom in slots[axis]]
+
+    # the logical groups, as sets of atoms
+    GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "ep": ("ep",),
+              "dp": ("ep", "dp_shard", "dp_replicate"), "edp": ("dp_shard", "dp_replicate"),
+              "dp_shard": ("ep", "dp_shard"), "dp_replicate": ("dp_replicate",)}
+
+    def _atoms_of(self, axis):
+        names = (axis,) if isinstance(axis, str) else tuple(axis)
+        out = set()
+        for name in names:
+            if name not in self.GROUPS:
+                raise ValueError(f"unknown group {name!r}; groups are {', '.join(self.GROUPS)}.")
+            out |= set(self.GROUPS[name])
+        return out
+
+    def size(self, axis):
+        """Ranks in one group of ``axis`` (a name or a tuple of names)."""
+        chosen = self._atoms_of(axis)
+        return math.prod(n for a, n in self.atoms() if a in chosen)
+
+    def stride(self, axis):
+        """Distance Delta in global rank between neighbours in a group of ``axis``: the product of the
+        faster axes. Defined when the group spans one axis of the grid (its ranks r0 + Delta k)."""
+        chosen, out, found = self._atoms_of(axis), 1, []
+        for a, n in self.atoms():
+            if a in chosen and (n > 1 or not found):
+                found.append((a, n, out))
+            out *= n
+        wide = [f for f in found if f[1] > 1]
+        if len(wide) > 1:
+            raise ValueError(f"a group of {axis!r} spans {len(wide)} axes of the grid; it has no single stride.")
+        return (wide or found)[0][2]
+
+    def groups(self, axis):
+        """The rank lists of every group along ``axis`` (a name, or a tuple of names): ranks that
+        differ only in those coordinates, each list ascending, the lists by their first rank.
+        ("dp", "cp") is the group that averages gradients under context parallelism."""
+        return self._grouped(axis).tolist()
+
+    def _grouped(self, axis):
+        """`groups` as a (groups, size) tensor."""
+        chosen, atoms = self._atoms_of(axis), list(reversed(self.atoms()))       # slowest first
+        grid = torch.arange(self.world_size).view([n for _, n in atoms])
+        dims = [i for i, (a, _) in enumerate(atoms) if a in chosen]
+        moved = grid.movedim(dims, list(range(len(atoms) - len(dims), len(atoms))))
+        return moved.reshape(-1, self.size(axis))
+
+    def coords(self, rank):
+        """{group: index of ``rank`` in its group} for tp, cp, pp, dp (and ep, edp, dp_shard,
+        dp_replicate when they are split out)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not one of the {self.world_size} ranks of the layout.")
+        at, stride = {}, 1
+        for a, n in self.atoms():
+            at[a], stride = (rank // stride) % n, stride * n
+        names = ["dp", "pp", "cp", "tp"] + (["ep", "edp"] if self.ep > 1 else []) + \
+                (["dp_shard", "dp_replicate"] if self.dp_replicate > 1 else [])
+        out = {}
+        for name in names:
+            index, scale = 0, 1
+            for a, n in self.atoms():           # faster atoms are the less significant digits
+                if a in self.GROUPS[name]:
+                    index, scale = index + at[a] * scale, scale * n
+            out[name] = index
+        return out
+
+    # ---- placement (chapter 11) -------------------------------------------------------------------
+    def group_nodes(self, axis, gpus_per_node):
+        """Per group of ``axis``, how many units of ``gpus_per_node`` ranks its ranks touch."""
+        _positive("gpus_per_node", gpus_per_node)
+        nodes = self._grouped(axis) // gpus_per_node           # ascending rows: count the changes
+        return ((nodes[:, 1:] != nodes[:, :-1]).sum(dim=1) + 1).tolist()
+
+    def tier(self, axis, gpus_per_node):
+        """"intra" when every group of ``axis`` is inside one node, else "inter"."""
+        return "intra" if max(self.group_nodes(axis, gpus_per_node)) == 1 else "inter"
+
+    # ---- torch ------------------------------------------------------------------------------------
+    def mesh_dims(self):
+        """[(name, size)] of `mesh`'s dimensions, slowest first: tp, pp and dp, which every lab's
+        mesh has; cp, ep and HSDP's replicate part only when they are above 1 (a dimension of size 1
+        costs a process group per rank); dp's remaining part named dp, edp (ep > 1) or dp_shard (HSDP)."""
+        shard = "edp" if self.ep > 1 else "dp_shard" if self.dp_replicate > 1 else "dp"
+        out = []
+        for a, n in reversed(self.atoms()):
+            if a in ("cp", "ep", "dp_replicate") and n == 1:
+                continue
+            out.append((shard if a == "dp_shard" else a, n))
+        return out
+
+    def mesh(self, device_type=None):
+        """The layout as a torch DeviceMesh (inside a running job of `world_size` ranks): one named
+        dimension per `mesh_dims` entry, and "dp" flattened from its parts when it has several, so
+        ``mesh["tp"]``, ``mesh["dp"]`` and, under HSDP, ``mesh["dp_replicate", "dp_shard"]`` exist."""
+        from torch.distributed.device_mesh import init_device_mesh
+        if device_type is None:
+            from labs.launcher import launch
+            device_type = launch.device().type
+        dims = self.mesh_dims()
+        mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(a for a, _ in dims))
+        parts = tuple(a for a, _ in dims if a in ("dp_replicate", "dp_shard", "edp", "ep"))
+        if len(parts) > 1:
+            mesh[parts]._flatten("dp")
+        return mesh
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")

@@ -1,0 +1,153 @@
+"""Chapter 14: how long one layer computes on one rank, matmul by matmul, on a roofline.
+
+Each weight matrix a token meets is a GEMM of M tokens by its rank-local N x K (tensor parallelism
+splits N for column-parallel weights, K for row-parallel ones, chapter 4; a routed expert sees the
+tokens its ep group sends it, chapter 7). Forward is one GEMM of 2MNK FLOPs, backward two of the same
+size (chapter 1). Each runs at the roofline of its arithmetic intensity (Williams et al. 2009):
+
+    t_GEMM = max(2MNK / (eta * peak), e (MK + NK + MN) / BW_HBM)
+
+eta the one fitted constant per GPU generation and precision (`checked.calibrate`), peak the dense
+tensor-core peak of the GEMM's precision (FP8 GEMMs at the FP8 peak; attention stays in BF16), e = 2
+bytes. Small M (short micro-batches, context parallelism) or narrow N (GQA's K and V under tensor
+parallelism) fall below the roofline's ridge and run at the memory's speed. Attention: q k^T and
+scores @ v over the causal half of the keys, 4 T (s/2) a d FLOPs forward for T queries, and 2.5
+times that backward (a fused kernel recomputes the scores: chapter 1 counts five products against
+the forward's two), at eta times its kernel's speed relative to a GEMM's (`attention_ratio`, from
+published utilizations, not fitted); scores written out cost the whole s and twice the forward, at eta.
+
+The rest of the layer (norms, activation functions, residual adds, RoPE, softmax) is memory-bound:
+its time is the bytes it moves over BW_HBM. A fused stack (Transformer Engine, torch.compile) moves
+at least three times the bytes the layer saves for backward (chapter 1's formulas): each saved tensor
+is written in forward, read in backward, and its gradient written. An eager stack runs each op on
+its own: `eager_traffic_ratio` counts every non-matmul op's inputs and outputs, forward and backward,
+on the tiny Llama block with a dispatch mode, against the bytes it saves.
+"""
+import functools
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from labs import model as tiny
+from labs.measure import memory as measured
+from labs.memory_budget import logits
+from labs.planning import memory
+
+E = 2                  # bytes of a 16-bit element
+# A fused attention kernel's speed relative to the best GEMM on the same GPU, each as a share of the BF16
+# peak its authors or a public benchmark report: FlashAttention-2 "reaching 50-73% of the theoretical
+# maximum FLOPs/s on A100" (Dao 2023, abstract; the low end, its backward) and "only 35% utilization on
+# the H100" (Shah et al. 2024, FlashAttention-3, abstract); FlashAttention-3 "up to 740 TFLOPs/s (75%
+# utilization)" (the same abstract), the class of cuDNN's fused attention Transformer Engine runs; the
+# largest GEMMs reach 85.9 % of the A100's peak and 80.1 % of the H100's (maximum achievable matmul
+# FLOPS, stas00/ml-engineering compute/accelerator/README.md). Attention runs at eta times this ratio:
+# the stack's efficiency, slowed by its kernel's gap to a GEMM. Not fitted. Scores written out: eta.
+MAMF = {"A100": 0.859, "RTX 3090": 0.859, "H100": 0.801, "H100 96GB 500W": 0.801}
+KERNEL = {("flash2", "A100"): 0.50, ("flash2", "RTX 3090"): 0.50, ("flash2", "H100"): 0.35,
+          ("flash2", "H100 96GB 500W"): 0.35, ("flash3", "H100"): 0.75, ("flash3", "H100 96GB 500W"): 0.75}
+
+
+def attention_ratio(attention, generation):
+    """A fused attention kernel's speed over the best GEMM's on the same GPU (see above); FlashAttention-3
+    runs on Hopper only, so elsewhere a stack that asks for it runs FlashAttention-2."""
+    return min(1.0, KERNEL.get((attention, generation), KERNEL["flash2", generation]) / MAMF[generation])
+
+
+FUSED_PASSES = 3       # write, read back, write the gradient: the least a fused stack moves
+MATMULS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+           "_scaled_dot_product_flash_attention_for_cpu_backward")
+VIEWS = ("view", "_unsafe_view", "t", "transpose", "expand", "permute", "detach", "alias", "slice", "select",
+         "unsqueeze", "squeeze", "as_strided", "split", "split_with_sizes", "unbind", "_reshape_alias")
+
+
+class _Traffic(TorchDispatchMode):
+    """Adds up the bytes of the inputs and outputs of every op that is neither a matmul nor a view."""
+
+    def __enter__(self):
+        self.bytes = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if name not in MATMULS and name not in VIEWS:
+            self.bytes += _nbytes(args) + _nbytes(kwargs or {}) + _nbytes(out)
+        return out
+
+
+def _nbytes(x):
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    if isinstance(x, dict):
+        return sum(_nbytes(y) for y in x.values())
+    return 0
+
+
+@functools.lru_cache(maxsize=None)
+def eager_traffic_ratio(b=2, s=64):
+    """Bytes the eager ops of one Llama block (RMSNorm, RoPE, SwiGLU, residuals; SDPA and the matmuls
+    left out) read and write in forward and backward, over the bytes the block saves for backward:
+    counted, on a block with Llama 3 8B's proportions (4 query heads per KV head, f = 3.5 h)."""
+    cfg = tiny.LlamaConfig(hidden=256, n_head=8, n_kv_head=2, ffn=896, seq_len=s)
+    torch.manual_seed(0)
+    block = tiny.LlamaBlock(cfg).to(torch.bfloat16)
+    x = torch.randn(b, s, cfg.hidden, dtype=torch.bfloat16, requires_grad=True)
+    with measured.saved_for_backward(block) as saved:
+        block(x)
+    with _Traffic() as traffic:
+        y = block(x)
+        y.backward(torch.ones_like(y))
+    return traffic.bytes / saved.bytes
+
+
+def gemm_seconds(M, N, K, flops, hbm_bw):
+    """One GEMM of (M x K) @ (K x N) on the roofline, at ``flops`` per second."""
+    return max(2 * M * N * K / flops, E * (M * K + N * K + M * N) / hbm_bw)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute, attention="flash2"):
+    """Seconds one layer takes on one rank for a micro-batch of ``tokens`` (b s / cp) tokens:
+    {"forward", "backward", "recompute", "gemm", "attention"} (the last two, forward and backward,
+    are what the tensor- and context-parallel collectives can hide under)."""
+    mm_flops = eta * (cluster.fp8_flops if fp8 else cluster.peak_flops)
+    i = next(j for j in range(model.layers) if model.is_moe_layer(j) == moe_layer)
+    gemm_f, half, mlp = 0.0, 0.0, 0.0
+    attention_names = {w.name for w in model.attention_weights()}
+    for n, w in enumerate(x for x in model.layer_weights(i) if len(x.shape) == 2):
+        out, inn = w.shape
+        N = {"col": -(-out // tp), "kv": out * max(model.kv_heads // tp, 1) // model.kv_heads}.get(w.split, out)
+        K = inn // tp if w.split == "row" else inn
+        if w.expert:            # each of the rank's experts gets its share of the ep group's routed tokens
+            per_expert = tokens // (tp if sp else 1) * model.top_k * ep / model.experts
+            t = w.copies / ep * gemm_seconds(max(per_expert, 1), N, K, mm_flops, cluster.hbm_bw)
+        else:
+            M = tokens // tp if (w.split == "rep" and sp and tp > 1) else tokens
+            t = gemm_seconds(M, N, K, mm_flops, cluster.hbm_bw)
+        gemm_f += t
+        half += t if n % 2 else 0        # torchtitan's per-op policy recomputes every other matmul
+        mlp += 0 if w.name in attention_names else t
+    causal = kernels != "materialized"
+    attn_flops = eta * cluster.peak_flops * (attention_ratio(attention, cluster.generation) if causal else 1.0)
+    attn_f = 4 * tokens * model.seq / (2 if causal else 1) * model.attention_width / tp / attn_flops
+    attn_b = attn_f * (2.5 if causal else 2)
+    passes = FUSED_PASSES if not eager else eager_traffic_ratio()
+    saved = memory.layer_bytes(model, kernels, moe_layer, 1, tp, 1, "none", sp) * tokens / model.seq
+    ew = passes * saved / cluster.hbm_bw
+    forward = gemm_f + attn_f + ew / 3
+    redo = {"none": 0.0, "selective": attn_f, "selective_ops": half + ew / 3, "mlp": mlp + ew / 6,
+            "full": forward}[recompute]
+    return {"forward": forward, "backward": 2 * gemm_f + attn_b + 2 * ew / 3, "recompute": redo,
+            "gemm": 3 * gemm_f, "attention": attn_f + attn_b}
+
+
+@functools.lru_cache(maxsize=None)
+def head_seconds(model, cluster, eta, fp8, tokens, tp):
+    """The output layer (a vocabulary-parallel GEMM of h x V/tp, forward and backward) and its loss,
+    memory-bound over chapter 1's tail bytes, twice (forward, backward)."""
+    mm_flops = eta * (cluster.fp8_flops if fp8 else cluster.peak_flops)
+    gemm = 3 * gemm_seconds(tokens, -(-model.vocab // tp), model.hidden, mm_flops, cluster.hbm_bw)
+    loss = 2 * logits.tail_forward_peak_bytes(tokens, 1, -(-model.vocab // tp), E, target_copy=False)
+    return gemm + loss / cluster.hbm_bw
