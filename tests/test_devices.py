@@ -30,6 +30,7 @@ AUDITED = {2: [
     ("labs.data_parallel.ddp.drift", (1, 1), {}),
     ("labs.data_parallel.loss_reduction.rank_grads", (), {}),
     ("labs.data_parallel.ring_allreduce.run", (1001,), {"repeats": 1}),
+    ("labs.data_parallel.ring_steps.trace", (), {}),
     ("labs.data_parallel.ring_allreduce.compare", (1001,), {}),
     ("labs.data_parallel.ring_allreduce.bench", ([4096],), {"repeats": 1}),
     ("labs.data_parallel.ring_allreduce.library_wire_table", (), {"nbytes": 4096}),
@@ -57,6 +58,7 @@ AUDITED = {2: [
     ("labs.recompute.accumulation._no_sync_counts", (2, 2), {}),
     ("labs.recompute.accumulation._sync_switches", (2, 2, 0.1), {}),
     ("labs.recompute.accumulation._fsdp_no_sync", (2, 2, 0.1), {}),
+    ("labs.failures.compression.train", (("ddp", "half", "powersgd", "int8", "topk_ef"), 3, 0.01, 1), {}),
     ("labs.profiling.collective_matmul.check", (), {"batch": 1, "seq": 8, "hidden": 16, "out_features": 8}),
     ("labs.profiling.moe_overlap.check", (), {}),
     ("labs.profiling.lab.record", ("tp", os.path.join(TRACES, "tp")), {"steps": 1, "warmup": 0,
@@ -95,21 +97,6 @@ ALL = os.environ.get("LABS_AUDIT_ALL") == "1"
 
 # Started by the labs but not audited here, each with the reason.
 NOT_AUDITED = {
-    **dict.fromkeys([
-        "labs.checkpointing.async_checkpoint.pauses", "labs.checkpointing.async_checkpoint.staging",
-        "labs.checkpointing.async_window._both", "labs.checkpointing.async_window._train",
-        "labs.checkpointing.checkpoint_faults.writer", "labs.checkpointing.layout_change.run_both",
-        "labs.checkpointing.pipeline_change._job", "labs.checkpointing.resharding._resumes",
-        "labs.checkpointing.resharding.run_both"],
-        "chapter 12: writes checkpoints to disk (slow under the audit); resharding's checkpoint writer "
-        "calls .numpy() on the state's tensors, which a GPU tensor refuses"),
-    **dict.fromkeys([
-        "labs.failures.scenarios.hang_rank", "labs.failures.scenarios.ready",
-        "labs.failures.scenarios.train_with_checkpoints", "labs.failures.silent_faults.sdc_runs",
-        "labs.failures.silent_faults.spike_runs", "labs.failures.slow_link.both",
-        "labs.failures.stragglers.timed_both"],
-        "chapter 13: fault injection (hangs, kills, delays) on CPU tensors; not yet moved to launch.device() "
-        "nor marked on_cpu"),
     **dict.fromkeys([
         "labs.collectives.hierarchical.rank_compare",
         "labs.collectives.toolkit.rank_every", "labs.collectives.toolkit.rank_rs_then_ag",

@@ -97,6 +97,7 @@ def _hand_holds_old(rank, root, copying, group):
     return torch.equal(back["w"].tensor, before)
 
 
+@launch.on_cpu(sc.ON_CPU)
 def staging(rank, world_size, root, cfg=None):
     """Whether the checkpoint holds the values of the save after training changed them in place
     right after ``async_save`` returned: DCP and the hand format, each with a copying stager and
@@ -111,6 +112,7 @@ def staging(rank, world_size, root, cfg=None):
     return out
 
 
+@launch.on_cpu(sc.ON_CPU)
 def pauses(rank, world_size, root, repeats=3, cfg=None):
     """Seconds training stops for ``dcp.save`` and for ``dcp.async_save`` (until it returns: the
     copy to CPU memory; the write goes on in the background), on the same FSDP2 state: one

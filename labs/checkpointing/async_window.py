@@ -40,6 +40,7 @@ def lost_formula(s, tau, omega):
     return checkpoint_cost.lost_steps(s, tau, omega)
 
 
+@launch.on_cpu(sc.ON_CPU)
 def _train(rank, world_size, root, steps, tau, omega, kill_after=None):
     """Train ``steps`` steps, save every ``tau`` (omega = 0: synchronously); after each step rank 0
     records the step of the newest committed checkpoint on disk. ``kill_after``: rank 1 kills itself
@@ -78,6 +79,7 @@ def _train(rank, world_size, root, steps, tau, omega, kill_after=None):
     return committed
 
 
+@launch.on_cpu(sc.ON_CPU)
 def _both(rank, world_size, root, steps, tau, omega):
     """The same run with synchronous saves, then with asynchronous ones, in the same processes."""
     return {name: _train(rank, world_size, os.path.join(root, name), steps, tau, w)

@@ -38,6 +38,7 @@ def model_state(seed, rank=0, world_size=1):
     return {"model": out, "extra": {"step": seed}}
 
 
+@launch.on_cpu(sc.ON_CPU)
 def writer(rank, world_size, root, pause_s):
     """Run on every rank: commit step-1, then save step-2; rank 1 stops after its first file of
     step-2 (it says so through a flag file) and sleeps there until it is killed."""

@@ -153,6 +153,7 @@ def run(rank, world_size, kind, root, steps, tp, save_at=None, load_at=None, cfg
     return out
 
 
+@launch.on_cpu(sc.ON_CPU)
 def run_both(rank, world_size, root, steps, tp, save_at=None, load_at=None, cfg=None):
     return {kind: run(rank, world_size, kind, os.path.join(root, kind), steps, tp, save_at, load_at, cfg)
             for kind in ("hand", "dcp")}

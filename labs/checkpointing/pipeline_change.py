@@ -224,6 +224,7 @@ def run(rank, world_size, kind, root, steps, pp, save_at=None, load_at=None, cfg
     return out
 
 
+@launch.on_cpu(sc.ON_CPU)
 def _job(rank, world_size, root, steps, save_at, src, dsts, cfg):
     """Every run in one job: the uninterrupted run under ``src``, a load under each of ``dsts``, for
     both formats, and a load under the last of ``dsts`` that keys stages by their local names."""

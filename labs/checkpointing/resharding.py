@@ -192,6 +192,7 @@ def _dcp_payload(path, name):
     return total
 
 
+@launch.on_cpu(sc.ON_CPU)
 def run_both(rank, world_size, root, steps, save_at=None, load_at=None, cfg=None):
     """`run` for the hand format on HandFSDP and for DCP on FSDP2, in one job: {"hand": .., "dcp": ..}."""
     return {kind: run(rank, world_size, kind, os.path.join(root, kind), steps, save_at, load_at, cfg)
@@ -247,6 +248,7 @@ def resume_without(parts=FORGETTABLE, world_size=2, steps=5, save_at=3, timeout=
                             timeout=timeout)[0]
 
 
+@launch.on_cpu(sc.ON_CPU)
 def _resumes(rank, world_size, root, steps, save_at, parts, cfg):
     src = run(rank, world_size, "hand", root, steps, save_at, cfg=cfg)
     out = {}

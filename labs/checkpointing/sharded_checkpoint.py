@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 COMMIT = "metadata.json"
+# why the labs that save in this format run on the CPU with gloo on every machine (`launch.on_cpu`)
+ON_CPU = "the hand checkpoint format writes and hashes each tensor's bytes from host memory (.numpy())"
 
 
 class IncompleteCheckpoint(RuntimeError):

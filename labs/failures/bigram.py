@@ -37,5 +37,7 @@ def batch(step, replica):
 def held_out_loss(model):
     """The loss on a fixed batch no replica trains on: a function of the weights only."""
     x, y = sequences(4 * BATCH, seed=HELD_OUT)
+    dev = next(model.parameters()).device
+    x, y = x.to(dev), y.to(dev)
     with torch.no_grad():
         return model(x, y).item()

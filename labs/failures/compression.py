@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labs import model as tiny
 from labs.failures import bigram
+from labs.launcher import launch
 from labs.measure import comm
 
 METHODS = ("ddp", "half", "powersgd", "int8", "topk_ef", "topk")
@@ -60,7 +61,8 @@ def topk_hook(state, bucket):
     if state.error_feedback:                                      # what was not sent waits for the next step
         state.residual[bucket.index()] = g.index_fill(0, idx, 0.0)
     n = dist.get_world_size()
-    all_vals, all_idx = torch.empty(n * k, dtype=g.dtype), torch.empty(n * k, dtype=torch.int32)
+    all_vals = torch.empty(n * k, dtype=g.dtype, device=g.device)
+    all_idx = torch.empty(n * k, dtype=torch.int32, device=g.device)
     comm.all_gather(all_vals, vals)
     comm.all_gather(all_idx, idx.to(torch.int32))
     out = torch.zeros_like(g).index_add_(0, all_idx.long(), all_vals)
@@ -74,7 +76,7 @@ def int8_hook(state, bucket):
     scale = scale.clamp_min(torch.finfo(g.dtype).tiny)
     q = torch.round(g / scale * 127).to(torch.int8)               # (n,) one byte per entry
     n = dist.get_world_size()
-    every = torch.empty(n * g.numel(), dtype=torch.int8)
+    every = torch.empty(n * g.numel(), dtype=torch.int8, device=g.device)
     comm.all_gather(every, q)
     return _done(every.view(n, -1).float().sum(0) * (scale / 127) / n)
 
@@ -100,16 +102,17 @@ def wrap(method, model, ratio=0.01, rank=1):
 
 def train(rank, world_size, methods, steps, ratio, powersgd_rank):
     """Every method in turn, from the same weights on the same batches; per method the held-out
-    loss after each step and, per step, the payload and the wire bytes of backward."""
+    loss after each step and, per step, the payload and the wire bytes of backward (None on NCCL,
+    whose traffic gloo's counter cannot see: `labs.measure.wire`)."""
     torch.set_num_threads(1)
-    out = {}
+    out, dev = {}, launch.device()
     for method in methods:
-        ddp = wrap(method, tiny.build(bigram.CFG, seed=0), ratio, powersgd_rank)
+        ddp = wrap(method, tiny.build(bigram.CFG, seed=0, device=dev), ratio, powersgd_rank)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
         losses, wire_bytes, payload = [], [], []
         for s in range(steps):
             opt.zero_grad()
-            x, y = bigram.batch(s, rank)
+            x, y = (t.to(dev) for t in bigram.batch(s, rank))
             loss = ddp(x, y)
             with comm.counting() as tally, comm.wire_bytes() as w:
                 loss.backward()                                   # the hook's collectives run in here
@@ -126,7 +129,6 @@ def compression(world_size=2, steps=40, ratio=0.01, powersgd_rank=1, methods=MET
     """Train the tiny GPT ``steps`` steps with each method on ``world_size`` ranks; per method: wire
     bytes per step (median after the first two), the hand hooks' payload, the final held-out
     loss and its gap to plain DDP's."""
-    from labs.launcher import launch
     if not 0 < ratio < 1:
         raise ValueError(f"--ratio {ratio}: the share of entries top-k keeps must lie in (0, 1).")
     if "ddp" not in methods:

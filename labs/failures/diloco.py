@@ -25,7 +25,6 @@ normalized gradients is not the normalized mean DDP with Adam steps with.
     python -m labs.failures.diloco --json
 """
 import os
-import time
 from datetime import timedelta
 
 import torch
@@ -33,6 +32,8 @@ import torch.distributed as dist
 
 from labs import model as tiny
 from labs.failures import bigram, torchft_replica as rep
+from labs.launcher import launch
+from labs.measure import timing
 
 ETA, ADAM_LR = 0.02, 3e-3
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9   # the paper's outer Nesterov (section 3)
@@ -94,7 +95,7 @@ def one_run(name, rank, address, store, steps, inner, h=None, outer=None):
     opt = _inner(inner, model.parameters())
     manager = _manager(name, rank, address, store, model, opt)
     counts = _counted(manager)
-    losses, t0 = [], time.time()
+    losses, t0 = [], timing.now()
     diloco = DiLoCo(manager, [model], opt, _outer(outer, model.parameters()), sync_every=h) if h else None
     with diloco if diloco else _Quorum(manager):
         for s in range(steps):
@@ -113,7 +114,7 @@ def one_run(name, rank, address, store, steps, inner, h=None, outer=None):
     manager.shutdown(wait=False)
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"losses": losses, "allreduce_bytes": sum(counts), "allreduce_calls": len(counts),
-            "weights": weights, "seconds": time.time() - t0, "commits": manager.current_step()}
+            "weights": weights, "seconds": timing.now() - t0, "commits": manager.current_step()}
 
 
 class _Quorum:
@@ -131,6 +132,8 @@ RUNS = (("ddp_sgd", "sgd", None, None), ("diloco_h1_sgd", "sgd", 1, "sgd1"),
         ("ddp_adamw", "adamw", None, None), ("diloco_h1_adamw_sgd1", "adamw", 1, "sgd1"))
 
 
+@launch.on_cpu("torchft's replica groups here are its ProcessGroupGloo on CPU tensors (on GPUs torchft "
+               "gives each replica ProcessGroupNCCL); the launcher's group only spreads the lighthouse's address")
 def train(rank, world_size, steps, hs):
     from torch.distributed import TCPStore
     torch.set_num_threads(1)
@@ -158,7 +161,6 @@ def bound(steps, weights):
 
 def diloco(world_size=2, steps=64, hs=(1, 8, 32), timeout=300.0):
     """DDP and DiLoCo through torchft on ``world_size`` replica groups of one rank each."""
-    from labs.launcher import launch
     if any(h < 1 or steps % h for h in hs):
         raise ValueError(f"--steps {steps} must be a multiple of every H in {hs}: each run ends on a sync.")
     ranks = launch.spawn(train, world_size, steps, tuple(hs), timeout=timeout)

@@ -15,6 +15,9 @@ import torch.nn.functional as F
 
 DIM, ROWS = 16, 8  # features; rows per rank per step
 LR, MOMENTUM = 0.05, 0.9
+# why the job's rank functions run on the CPU with gloo on every machine (`launch.on_cpu`)
+ON_CPU = ("chapter 13's fault job: a CPU stand-in for training whose replicas are compared by hashing "
+          "their bytes on the host (digest: hashlib over .numpy()); the faults are what it measures")
 
 
 class MomentumSGD:

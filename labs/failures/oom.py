@@ -101,6 +101,8 @@ def step(model, opt, x, y, micro, world_size, limit=None):
     return (loss / world_size).item(), (guard.forward_peak, guard.peak_bytes)
 
 
+@launch.on_cpu("the out-of-memory is the lab's own limit on chapter 1's count of live storages, not a "
+               "device allocator's; on the CPU the resume with recomputation is compared bit for bit")
 def train(rank, world_size, folder, steps, every, micro, recompute, limit, long_at):
     """Resume from the latest checkpoint in ``folder`` (if any), train to ``steps``, checkpoint every
     ``every`` steps (rank 0: the model is replicated). Returns the losses and each step's peak."""

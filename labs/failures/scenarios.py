@@ -57,6 +57,7 @@ def _stuck_loading_data(folder):
         time.sleep(0.1)
 
 
+@launch.on_cpu("it only reports its process id, the first start of the CPU-only fault scenarios")
 def ready(rank, world_size):
     return os.getpid()
 
@@ -79,6 +80,7 @@ def _stuck_in_recv(folder, rank, world_size, group):
     dist.recv(t, src=(rank + 1) % world_size, group=group)  # a message its peer never sends
 
 
+@launch.on_cpu("dist.monitored_barrier exists only on gloo, and the flight recorder is read as gloo writes it")
 def hang_rank(rank, world_size, folder, hang_rank_, hang_step, barrier_s=None, inside=False):
     """Train; rank ``hang_rank_`` hangs before step ``hang_step``: in its own code, or ``inside`` a
     recv whose send never comes (the others wait in the all-reduce). With ``barrier_s``, every step
@@ -180,6 +182,7 @@ def _barrier_verdict(record, hung_at):
 
 # --- kill and restart -------------------------------------------------------------------------
 
+@launch.on_cpu(ft.ON_CPU)
 def train_with_checkpoints(rank, world_size, folder, steps, every, step_s=0.0):
     """DDP training that resumes from the latest checkpoint in ``folder`` and saves one every
     ``every`` steps (rank 0: the model is replicated). Reports its progress after every step."""

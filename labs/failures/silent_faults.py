@@ -54,6 +54,7 @@ def sdc_rank(rank, world_size, steps, bad_step, bad_rank, bit, check):
             "weights": ft.gather(final, world_size)}
 
 
+@launch.on_cpu(ft.ON_CPU)
 def sdc_runs(rank, world_size, steps, bad_step, bad_rank, bit):
     """The same job three times in one spawn: clean, flipped and checked, flipped and unchecked."""
     return {name: sdc_rank(rank, world_size, steps, bad_step, bad_rank if flip else None, bit, check)
@@ -141,6 +142,7 @@ def held_out_loss(snap, rank, world_size):
         return ft.mean_loss(torch.nn.functional.mse_loss(model(x), y), world_size)
 
 
+@launch.on_cpu(ft.ON_CPU)
 def spike_runs(rank, world_size, steps, every, bad_batch, scale):
     """The spike and its recovery, then a clean run over the batches the recovery kept."""
     hurt = spike_rank(rank, world_size, steps, every, bad_batch, scale)

@@ -89,6 +89,7 @@ def run(rank, world, steps, slow_link, delay_s):
             "rtt": probe_links(rank, world, slow_link, delay_s)}
 
 
+@launch.on_cpu("the slow link is a sleep in a hand ring's sends, timed by the host clock")
 def both(rank, world, steps, slow_link, delay_s):
     """A healthy run then the slow-link run, in the same processes."""
     return run(rank, world, steps, None, 0.0), run(rank, world, steps, slow_link, delay_s)

@@ -36,6 +36,7 @@ def timed_steps(rank, world_size, steps, slow_rank, delay_s):
             "loss": ft.mean_loss(loss, world_size)}
 
 
+@launch.on_cpu("the straggler is a sleep, and compute is timed by the host clock between collectives")
 def timed_both(rank, world_size, steps, slow_rank, delay_s):
     """A clean run then a slowed one, in the same processes (so the ratio compares like with like)."""
     return (timed_steps(rank, world_size, steps, None, 0.0),
