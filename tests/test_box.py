@@ -211,8 +211,9 @@ HOST_CLOCK_OK = {
     **dict.fromkeys(["labs/hardware/latency.py"],
                     "not yet: CPU tensors or gloo today (tests/test_devices.py NOT_AUDITED); timing.now "
                     "when they move to launch.device()"),
-    **dict.fromkeys(["labs/failures/silent_faults.py", "labs/failures/slow_link.py", "labs/failures/stragglers.py",
-                     "labs/checkpointing/async_checkpoint.py"], "on_cpu: chapter 12's and 13's CPU labs"),
+    **dict.fromkeys(["labs/failures/silent_faults.py", "labs/failures/slow_link.py",
+                     "labs/failures/stragglers.py", "labs/checkpointing/async_checkpoint.py"],
+                    "on_cpu: chapter 12's and 13's CPU labs"),
     **dict.fromkeys(["labs/failures/torchft_replica.py", "labs/failures/torchft_run.py",
                      "labs/launcher/under_load.py"],
                     "process start-up and wall-clock event times compared across processes, no GPU work"),

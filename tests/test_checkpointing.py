@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from labs import model as tiny
-from labs.checkpointing import (async_window, checkpoint_faults, layout_change, pipeline_change, resharding as ck,
+from labs.checkpointing import (async_window, checkpoint_faults, layout_change, pipeline_change,
+                                resharding as ck,
                                 sharded_checkpoint as sc)
 from labs.pipeline import executor
 from labs.checkpointing.stateful_loader import StatefulLoader
@@ -144,7 +145,8 @@ def test_a_stage_keys_its_layers_by_the_whole_models_names(pp):
 def test_a_load_that_leaves_a_saved_key_unread_is_refused():
     saved = {0: ["model.tok_emb.weight", "model.blocks.0.ln1.weight"],
              1: ["model.blocks.1.ln1.weight", "model.blocks.1.ln1.bias"], 2: []}
-    pipeline_change.check_coverage([saved[0], saved[1]], saved, "step-3")        # every key read once: accepted
+    # every key read once: accepted
+    pipeline_change.check_coverage([saved[0], saved[1]], saved, "step-3")
     both_as_layer_0 = [saved[0], ["model.blocks.0.ln1.weight"]]                  # stage 1 read as layer 0
     with pytest.raises(ValueError, match=r"^2 saved entries of step-3 were read by no rank \(blocks.1\)"):
         pipeline_change.check_coverage(both_as_layer_0, saved, "step-3")

@@ -86,7 +86,8 @@ def test_flip_bit_flips_one_bit():
 
 def test_a_loss_spike_rolls_back_to_the_last_healthy_checkpoint_and_skips_its_batches():
     r = silent_faults.loss_spike(world_size=3, steps=14, every=2, bad_batch=9)
-    print(f"\nspike: detected at {r['detected_at_step']}, back to {r['chosen_checkpoint']}, skipped {r['skipped']}")
+    print(f"\nspike: detected at {r['detected_at_step']}, back to {r['chosen_checkpoint']}, "
+          f"skipped {r['skipped']}")
     assert r["spike_started_step"] == 9 and r["detected_at_step"] == 10
     assert r["latest_checkpoint"] == 10 and r["chosen_checkpoint"] == 8  # 10 was written after batch 9
     assert r["latest_loss"] > 100 * r["chosen_loss"]  # the latest checkpoint really is damaged
@@ -98,7 +99,8 @@ def test_a_loss_spike_rolls_back_to_the_last_healthy_checkpoint_and_skips_its_ba
 
 def test_a_straggler_is_named_from_per_rank_compute_times():
     r = stragglers.straggler(world_size=3, slow_rank=1, delay_s=0.03, steps=8)
-    print(f"\nstraggler: rank {r['detected_rank']} at step {r['detected_at_step']}, slowdown {r['slowdown']:.2f}x")
+    print(f"\nstraggler: rank {r['detected_rank']} at step {r['detected_at_step']}, "
+          f"slowdown {r['slowdown']:.2f}x")
     assert r["detected_rank"] == 1 and r["false_alarm_clean"] is None
     assert r["final_loss_match"]  # slow, not wrong: the same operations, so the same bits
 
@@ -120,7 +122,8 @@ def test_the_intervals_against_the_exact_optimum():
     M, delta, R = 50_000 / 16_000, 0.05, 0.1
     exact = reliability.best_interval(delta, M, R)
     # the search finds a maximum: 5 % either side is worse (a search that stopped early fails)
-    assert reliability.goodput(exact, delta, M, R) > max(reliability.goodput(exact * f, delta, M, R) for f in (0.95, 1.05))
+    assert reliability.goodput(exact, delta, M, R) > max(reliability.goodput(exact * f, delta, M, R)
+                                                         for f in (0.95, 1.05))
     assert math.isclose(reliability.daly(delta, M), exact, rel_tol=1e-3)  # Daly: higher order
     assert reliability.young(delta, M) > exact * 1.02  # Young's first order is measurably long
 

@@ -32,7 +32,8 @@ def test_every_new_lab_keeps_the_command_line_contract(main, capsys):
     (lambda: diloco.diloco(steps=20, hs=(8,)), "--steps 20"),
     (lambda: key_clash.key_clash(world_size=3), "--world-size 3"),
     (lambda: under_load.under_load(busy=-1), "--busy -1"),
-], ids=["kill-step", "kill-replica", "long-at", "micro", "ratio", "no-ddp", "diloco-steps", "clash-ws", "busy"])
+], ids=["kill-step", "kill-replica", "long-at", "micro", "ratio", "no-ddp", "diloco-steps", "clash-ws",
+        "busy"])
 def test_bad_input_is_one_sentence_before_any_process_starts(call, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         call()

@@ -46,7 +46,8 @@ def test_torchrun_restarts_the_group_after_a_rank_is_killed(restarted):
     assert r["restart_decisions"] == 1                              # the agent's own log says it restarted
     assert r["killed_rank_ended"] == "SIGKILL" and r["killed_at_step"] == KILL_STEP
     assert r["killed_exit_in_log"] == -9                            # the agent saw that pid die of SIGKILL
-    assert r["survivors_sigtermed"] == [0] and r["survivors_stopped"] == {0: "SIGTERM"}  # ... and stopped the survivor
+    # ... and stopped the survivor
+    assert r["survivors_sigtermed"] == [0] and r["survivors_stopped"] == {0: "SIGTERM"}
     # both attempts bootstrap from one TCPStore kept by the agent: why the workers prefix it per attempt
     assert len(r["store_ports"]) == 2 and len(set(r["store_ports"])) == 1
     assert_gone(r["pids"])

@@ -25,7 +25,8 @@ from labs.launcher import launch
 from labs import model as tiny
 from labs.checkpointing import sharded_checkpoint as sc, training
 
-PAUSE_CFG = dict(vocab_size=256, seq_len=16, n_layer=4, n_head=4, hidden=256)   # about 20 MB per rank at 2 ranks
+# about 20 MB per rank at 2 ranks
+PAUSE_CFG = dict(vocab_size=256, seq_len=16, n_layer=4, n_head=4, hidden=256)
 
 
 def _fsdp_state(rank, world_size, cfg):
@@ -86,7 +87,8 @@ def _dcp_holds_old(state, root, copying, group):
 
 def _hand_holds_old(rank, root, copying, group):
     """The same with the hand format's `sharded_checkpoint.async_save` and its gate."""
-    state = {"w": sc.Shard(torch.arange(8, dtype=torch.float32) + 8 * rank, 8 * rank, (8 * dist.get_world_size(),))}
+    state = {"w": sc.Shard(torch.arange(8, dtype=torch.float32) + 8 * rank, 8 * rank,
+                           (8 * dist.get_world_size(),))}
     before, gate = state["w"].tensor.clone(), threading.Event()
     future = sc.async_save(state, root, group, sc.stage if copying else _no_copy, gate=gate)
     state["w"].tensor.add_(1.0)
@@ -134,7 +136,8 @@ def pauses(rank, world_size, root, repeats=3, cfg=None):
         total.append(time.perf_counter() - t0)
     med = lambda xs: statistics.median(xs[1:])  # noqa: E731  (the first is the warm-up)
     return {"sync_pause_s": med(sync), "async_pause_s": med(paused), "async_total_s": med(total),
-            "repeats": repeats, "state_bytes_per_rank": sum(t.numel() * t.element_size() for t in _local(state))}
+            "repeats": repeats, "state_bytes_per_rank": sum(t.numel() * t.element_size()
+                                                            for t in _local(state))}
 
 
 def measure_staging(world_size=2, timeout=120.0):

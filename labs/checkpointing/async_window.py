@@ -88,7 +88,8 @@ def _both(rank, world_size, root, steps, tau, omega):
 
 def _check(steps, tau, omega):
     if not 0 < omega < tau:
-        raise ValueError(f"omega={omega} must be at least 1 and below tau={tau}: the next save waits for the previous write.")
+        raise ValueError(f"omega={omega} must be at least 1 and below tau={tau}: the next save waits for "
+                         "the previous write.")
     if steps < 2 * tau:
         raise ValueError(f"steps={steps} must cover two checkpoint intervals (2 * tau = {2 * tau}).")
 

@@ -68,12 +68,15 @@ EXERCISES = {
     "4": lambda: lost_steps(9, 4, 2),                                 # steps lost, async save in flight
 }
 
-# The answer a careless reader gives to each, which the checker must refuse (tests/test_exercise_answers_ch1213.py
+# The answer a careless reader gives to each, which the checker must refuse
+# (tests/test_exercise_answers_ch1213.py
 # tests these and more).
 WRONG = {
-    "1": write_seconds(16 * budget.MODELS["70B"].params(), 10),  # chapter 1's 16 bytes, gradients and bf16 weights kept
+    # chapter 1's 16 bytes, gradients and bf16 weights kept
+    "1": write_seconds(16 * budget.MODELS["70B"].params(), 10),
     "2": 3,                                                      # the padded shard's size
-    "3": 7 * 12,                                                 # samples consumed, not the position in the epoch
+    # samples consumed, not the position in the epoch
+    "3": 7 * 12,
     "4": 9 % 4,                                                  # as if the save of step 8 had committed
 }
 

@@ -107,7 +107,8 @@ def killed_save(world_size=2, timeout=60.0):
         # the name does not matter: the same files under the final name, as a copy would leave them
         copied = os.path.join(root, "step-2")
         shutil.copytree(half, copied)
-        refusals = {"as_left": _refusal(model_state(0), half, root), "renamed": _refusal(model_state(0), copied, root)}
+        refusals = {"as_left": _refusal(model_state(0), half, root), "renamed": _refusal(model_state(0),
+                                                                                         copied, root)}
         # a marker written too early, by a commit that did not wait for rank 1
         early = {n: sc.sha256(os.path.join(copied, n)) for n in ("rank0.bin", "rank0.json")}
         with open(os.path.join(copied, sc.COMMIT), "w") as f:
@@ -136,7 +137,8 @@ def corruption(byte=1000):
             f.write(bytes([b ^ 0x10]))
         error = _refusal(model_state(0), path, root)
         # what a loader without checksums would have produced: one weight silently wrong
-        raw = torch.frombuffer(bytearray(open(os.path.join(path, "rank0.bin"), "rb").read()), dtype=torch.float32)
+        raw = torch.frombuffer(bytearray(open(os.path.join(path, "rank0.bin"), "rb").read()),
+                               dtype=torch.float32)
         clean = torch.cat([s.tensor for s in model_state(1)["model"].values()])
     return {"corruption_detected": error is not None and "rank0.bin" in error, "error": error,
             "silently_wrong_values": int((raw != clean).sum())}

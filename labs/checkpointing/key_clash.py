@@ -25,7 +25,6 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
 
 from labs import model as tiny
 from labs.launcher import launch
@@ -96,7 +95,8 @@ def clash(rank, world_size, root):
 def key_clash(world_size=2, timeout=120.0):
     """Two stages (world_size ranks, pp = world_size) save under local and under global names."""
     if world_size < 2 or CFG.n_layer % world_size:
-        raise ValueError(f"--world-size {world_size}: the clash needs 2 or 4 stages of the {CFG.n_layer}-layer model.")
+        raise ValueError(f"--world-size {world_size}: the clash needs 2 or 4 stages of the "
+                         f"{CFG.n_layer}-layer model.")
     with tempfile.TemporaryDirectory(prefix="ckpt-clash-") as root:
         per_rank = launch.spawn(clash, world_size, root, timeout=timeout)
     out = {}

@@ -39,7 +39,8 @@ from labs.checkpointing.stateful_loader import StatefulLoader
 def global_index(cfg, tp, tp_rank):
     """{parameter name: (global shape, the global flat index of every element this TP rank holds)},
     from the same row choices `megatron.apply_tensor_parallel` makes."""
-    with torch.random.fork_rng():                                  # shapes only: training's RNG stays untouched
+    # shapes only: training's RNG stays untouched
+    with torch.random.fork_rng():
         h, net = cfg.hidden, tiny.GPT(cfg)
     qkv = megatron.qkv_rows(h, cfg.n_head, tp, tp_rank)             # this rank's heads in q, k, v
     fc = megatron.shard_rows(4 * h, tp, tp_rank)
@@ -100,7 +101,8 @@ def build(kind, rank, world_size, tp, cfg, dev):
         if tp > 1:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
             for block in net.blocks:
-                parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+                parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(),
+                                                           "proj": RowwiseParallel()})
         fsdp.fully_shard_units(net, list(net.blocks), mesh["dp"])
     opt, sched = training.optimizer(net)
     loader = StatefulLoader(training.NUM_SAMPLES, training.GLOBAL_BATCH, dp_rank, lay.dp)
@@ -148,7 +150,8 @@ def run(rank, world_size, kind, root, steps, tp, save_at=None, load_at=None, cfg
         out["losses"].append(total.item() / world_size)
         out["batches"].append([i for t, s in seen if t == 0 for i in s])
         if save_at is not None and step + 1 == save_at:
-            ck._save(kind, net, hand, opt, sched, loader, os.path.join(root, f"step-{save_at}"), state_fn=save_fn)
+            ck._save(kind, net, hand, opt, sched, loader, os.path.join(root, f"step-{save_at}"),
+                     state_fn=save_fn)
             out["saved"] = _full(net, hand, grid, cfg, tp)
     return out
 
@@ -166,7 +169,8 @@ def change_layout(src=(2, 2), dsts=((4, 1), (1, 2)), steps=5, save_at=3, timeout
     for dp, tp in (src,) + tuple(dsts):
         megatron.check_degree(cfg or tiny.GPTConfig(), tp)
         if training.GLOBAL_BATCH % dp:
-            raise ValueError(f"dp={dp} does not divide the global batch of {training.GLOBAL_BATCH}; use 1, 2, 3, 4, 6 or 12.")
+            raise ValueError(f"dp={dp} does not divide the global batch of {training.GLOBAL_BATCH}; "
+                             "use 1, 2, 3, 4, 6 or 12.")
     with tempfile.TemporaryDirectory(prefix="ckpt-layout-") as root:
         a = launch.spawn(run_both, src[0] * src[1], root, steps, src[1], save_at, timeout=timeout, cfg=cfg)[0]
         folder = os.path.join(root, "hand", f"step-{save_at}")
@@ -175,8 +179,10 @@ def change_layout(src=(2, 2), dsts=((4, 1), (1, 2)), steps=5, save_at=3, timeout
         for dp, tp in dsts:
             b = launch.spawn(run_both, dp * tp, root, steps, tp, None, save_at, timeout=timeout, cfg=cfg)[0]
             out[f"{src[0]}x{src[1]} -> {dp}x{tp}"] = {kind: {
-                "weights_bit_exact": all(torch.equal(a[kind]["saved"][n], b[kind]["loaded"][n]) for n in a[kind]["saved"]),
+                "weights_bit_exact": all(torch.equal(a[kind]["saved"][n], b[kind]["loaded"][n])
+                                         for n in a[kind]["saved"]),
                 "batches_match": a[kind]["batches"][save_at:] == b[kind]["batches"],
-                "max_loss_diff": max(abs(x - y) for x, y in zip(a[kind]["losses"][save_at:], b[kind]["losses"])),
+                "max_loss_diff": max(abs(x - y) for x, y in zip(a[kind]["losses"][save_at:],
+                                                                b[kind]["losses"])),
                 "uninterrupted": a[kind]["losses"], "resumed": b[kind]["losses"]} for kind in ("hand", "dcp")}
     return out

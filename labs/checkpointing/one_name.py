@@ -17,7 +17,8 @@ from labs.checkpointing import sharded_checkpoint as sc
 
 
 def _digest(t):
-    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()[:16]
 
 
 def check_one_name(state, group=None):
@@ -38,6 +39,7 @@ def check_one_name(state, group=None):
     clashes = sorted((k, sorted(w.values())) for k, w in held.items() if len(w) > 1)
     if clashes:
         key, ranks = clashes[0]
-        raise ValueError(f"{len(clashes)} keys name different tensors on different ranks (first: {key} on ranks "
-                         f"{' and '.join(str(r[0]) for r in ranks)}): two stages saving layers under their local "
-                         "names would lose one of them; key every tensor by its global name.")
+        raise ValueError(f"{len(clashes)} keys name different tensors on different ranks (first: {key} "
+                         f"on ranks {' and '.join(str(r[0]) for r in ranks)}): two stages saving layers "
+                         "under their local names would lose one of them; key every tensor by its global "
+                         "name.")

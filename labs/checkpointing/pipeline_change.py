@@ -213,7 +213,8 @@ def run(rank, world_size, kind, root, steps, pp, save_at=None, load_at=None, cfg
         out["batches"].append([i for s, b in seen if s == 0 for i in b])
         if save_at is not None and step + 1 == save_at:
             path = os.path.join(root, f"step-{save_at}")
-            state = {**_state(kind, named, opt, kind == "dcp" or dp_rank == 0), "extra": ck._extra(loader, sched)}
+            state = {**_state(kind, named, opt, kind == "dcp" or dp_rank == 0), "extra": ck._extra(loader,
+                                                                                                   sched)}
             one_name.check_one_name(state)     # two stages under one name would lose one (key_clash)
             if kind == "hand":
                 sc.save(state, path)           # data-parallel rank 0 of each stage writes that stage
@@ -234,7 +235,8 @@ def _job(rank, world_size, root, steps, save_at, src, dsts, cfg):
         out[kind] = {"src": run(rank, world_size, kind, folder, steps, src, save_at, cfg=cfg)}
         for pp in dsts:
             out[kind][pp] = run(rank, world_size, kind, folder, steps, pp, None, save_at, cfg)
-    out["wrong"] = run(rank, world_size, "hand", os.path.join(root, "hand"), steps, dsts[-1], None, save_at, cfg,
+    out["wrong"] = run(rank, world_size, "hand", os.path.join(root, "hand"), steps, dsts[-1], None, save_at,
+                       cfg,
                        local_as_global, check=False)
     return out if rank == 0 else None
 
@@ -248,13 +250,14 @@ def change_pipeline(src=2, dsts=(2, 1, 4), world_size=4, steps=5, save_at=3, tim
     for pp in (src,) + tuple(dsts):
         ParallelDims.build(world_size, pp=pp)
         if cfg.n_layer % pp or (training.GLOBAL_BATCH // (world_size // pp)) % MICRO:
-            raise ValueError(f"pp={pp} on {world_size} ranks does not give whole layers of {cfg.n_layer} and whole "
-                             f"micro-batches of {MICRO} samples; use a pp dividing both.")
+            raise ValueError(f"pp={pp} on {world_size} ranks does not give whole layers of {cfg.n_layer} "
+                             f"and whole micro-batches of {MICRO} samples; use a pp dividing both.")
     with tempfile.TemporaryDirectory(prefix="ckpt-pipeline-") as root:
         res = launch.spawn(_job, world_size, root, steps, save_at, src, tuple(dsts), cfg, timeout=timeout)[0]
         out = {"written": {k: written(k, os.path.join(root, k, f"step-{save_at}")) for k in KINDS}}
         for pp in dsts:
-            out[f"{src} -> {pp}"] = {kind: _compare(res[kind]["src"], res[kind][pp], save_at) for kind in KINDS}
+            out[f"{src} -> {pp}"] = {kind: _compare(res[kind]["src"], res[kind][pp], save_at)
+                                     for kind in KINDS}
         bug = _compare(res["hand"]["src"], res["wrong"], save_at)
         try:
             check_coverage(bug["read_by_rank"], out["written"]["hand"], f"step-{save_at}")
@@ -262,7 +265,8 @@ def change_pipeline(src=2, dsts=(2, 1, 4), world_size=4, steps=5, save_at=3, tim
         except ValueError as e:
             bug["refused"] = str(e)
         a = res["hand"]["src"]["saved"]
-        bug["wrong_weights"] = parts([f"model.{n}" for n in a if not torch.equal(a[n], res["wrong"]["loaded"][n])])
+        bug["wrong_weights"] = parts([f"model.{n}" for n in a if not torch.equal(a[n],
+                                                                                 res["wrong"]["loaded"][n])])
         out["wrong_names"] = bug
     return out
 
@@ -281,15 +285,18 @@ def main(argv=None):
     p = cli.parser("A checkpoint saved under pp = 2 stages, loaded under pp = 1 and 4.", world_size_default=4)
     args = cli.parse(p, argv)
     if args.world_size != 4:
-        raise ValueError(f"--world-size {args.world_size}: this lab runs (pp, dp) = (2, 2), (1, 4) and (4, 1); use 4.")
+        raise ValueError(f"--world-size {args.world_size}: this lab runs (pp, dp) = (2, 2), (1, 4) and "
+                         "(4, 1); use 4.")
     res = change_pipeline(timeout=args.timeout)
     ok = all(c[k]["weights_bit_exact"] and c[k]["batches_match"] and c[k]["max_loss_diff"] < ck.LOSS_TOL
              for c in (res["2 -> 1"], res["2 -> 4"]) for k in KINDS)
     same = all(res["2 -> 2"][k]["losses_bit_exact"] for k in KINDS)
     bug = res["wrong_names"]
     result = {"world_size": 4, "loads_match": ok, "same_layout_bit_exact": same,
-              "wrong_names_refused": bug["refused"] is not None, "wrong_names_max_loss_diff": bug["max_loss_diff"]}
-    cli.report(result, args, f"pp 2 -> 2 bit for bit: {same}; 2 -> 1 and 2 -> 4 weights exact and losses within "
+              "wrong_names_refused": bug["refused"] is not None,
+              "wrong_names_max_loss_diff": bug["max_loss_diff"]}
+    cli.report(result, args,
+               f"pp 2 -> 2 bit for bit: {same}; 2 -> 1 and 2 -> 4 weights exact and losses within "
                f"{ck.LOSS_TOL:g}: {ok}; local names refused: {result['wrong_names_refused']}")
 
 if __name__ == "__main__":

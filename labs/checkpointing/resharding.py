@@ -62,7 +62,8 @@ def hand_state(hand, opt):
             keep = max(0, min(piece.numel(), shape.numel() - piece.offset))
             model[name] = sc.Shard(piece.data[:keep], piece.offset, tuple(shape))
             st = opt.state[piece]
-            optim[name] = {k: sc.Shard(st[k][:keep], piece.offset, tuple(shape)) for k in ("exp_avg", "exp_avg_sq")}
+            optim[name] = {k: sc.Shard(st[k][:keep], piece.offset, tuple(shape)) for k in ("exp_avg",
+                                                                                           "exp_avg_sq")}
             optim[name]["step"] = st["step"]
     return {"model": model, "optim": optim}
 
@@ -171,7 +172,8 @@ def _disk_bytes(kind, hand, opt, path, rank):
         formula = shards + (replicated + rng if rank == 0 else 0)
         name, out = f"rank{rank}.bin", {}
     else:
-        formula = 3 * sum(p.to_local().numel() * p.to_local().element_size() for p in opt.param_groups[0]["params"])
+        formula = 3 * sum(p.to_local().numel() * p.to_local().element_size()
+                          for p in opt.param_groups[0]["params"])
         name = f"__{rank}_0.distcp"
         out = {"dcp_weight_moment_bytes_in_file": _dcp_payload(path, name)}
     return {"bytes_on_disk": os.path.getsize(os.path.join(path, name)), "bytes_formula": formula, **out}
@@ -185,7 +187,8 @@ def _dcp_payload(path, name):
     md = dcp.FileSystemReader(path).read_metadata()
     total = 0
     for idx, info in md.storage_data.items():
-        if info.relative_path == name and (idx.fqn.startswith("model.") or idx.fqn.endswith(("exp_avg", "exp_avg_sq"))):
+        if info.relative_path == name and (idx.fqn.startswith("model.") or idx.fqn.endswith(("exp_avg",
+                                                                                             "exp_avg_sq"))):
             meta = md.state_dict_metadata[idx.fqn]
             chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(idx.offset))
             total += math.prod(chunk.sizes) * meta.properties.dtype.itemsize
@@ -214,7 +217,8 @@ def _compare(src, dst, k):
                      "batches_match": a["batches"][k:] == b["batches"],
                      "rng_match": torch.equal(a["rng"], b["rng"]),
                      "uninterrupted": a["losses"], "resumed": b["losses"]}
-    out["hand_vs_dcp_max_loss_diff"] = max(abs(x - y) for x, y in zip(dst["hand"]["losses"], dst["dcp"]["losses"]))
+    out["hand_vs_dcp_max_loss_diff"] = max(abs(x - y) for x, y in zip(dst["hand"]["losses"],
+                                                                      dst["dcp"]["losses"]))
     return out
 
 
@@ -230,7 +234,8 @@ def reshard(pairs=PAIRS, steps=8, save_at=3, root=None, timeout=60.0, cfg=None):
                 sources[a] = launch.spawn(run_both, a, os.path.join(root, f"ws{a}"), steps, save_at,
                                           timeout=timeout, cfg=cfg)
                 out["bytes"][a] = {kind: [(r[kind]["bytes_on_disk"], r[kind]["bytes_formula"],
-                                           r[kind].get("dcp_weight_moment_bytes_in_file")) for r in sources[a]]
+                                           r[kind].get("dcp_weight_moment_bytes_in_file"))
+                                          for r in sources[a]]
                                    for kind in ("hand", "dcp")}
             dst = launch.spawn(run_both, b, os.path.join(root, f"ws{a}"), steps, load_at=save_at,
                                timeout=timeout, cfg=cfg)
@@ -253,7 +258,8 @@ def _resumes(rank, world_size, root, steps, save_at, parts, cfg):
     src = run(rank, world_size, "hand", root, steps, save_at, cfg=cfg)
     out = {}
     for name in ("correct",) + parts:
-        dst = run(rank, world_size, "hand", root, steps, None, save_at, cfg, None if name == "correct" else name)
+        dst = run(rank, world_size, "hand", root, steps, None, save_at, cfg, None if name == "correct"
+                  else name)
         out[name] = max(abs(x - y) for x, y in zip(src["losses"][save_at:], dst["losses"]))
         out[f"{name}_rng_match"] = torch.equal(src["rng"], dst["rng"])
     return out
@@ -267,16 +273,19 @@ def main(argv=None):
     p.add_argument("--save-at", type=cli.positive_int, default=3, help="step after which to save (default 3)")
     args = cli.parse(p, argv)
     if args.save_at >= args.steps:
-        raise ValueError(f"--save-at {args.save_at} must be below --steps {args.steps}, so training continues after the load.")
+        raise ValueError(f"--save-at {args.save_at} must be below --steps {args.steps}, so training "
+                         "continues after the load.")
     if training.GLOBAL_BATCH % args.world_size:
-        raise ValueError(f"--world-size {args.world_size} does not divide the global batch of {training.GLOBAL_BATCH}; use 1, 2, 3, 4, 6 or 12.")
+        raise ValueError(f"--world-size {args.world_size} does not divide the global batch of "
+                         f"{training.GLOBAL_BATCH}; use 1, 2, 3, 4, 6 or 12.")
     target = 1 if args.world_size > 1 else 2
     res = reshard(((args.world_size, target),), args.steps, args.save_at, timeout=args.timeout)
     pair = res[f"{args.world_size}->{target}"]
     same = res[f"{args.world_size}->{args.world_size}"]
     staged = measure_staging(args.world_size, timeout=args.timeout)
     killed, corrupt = checkpoint_faults.killed_save(timeout=args.timeout), checkpoint_faults.corruption()
-    ok = lambda c: c["weights_bit_exact"] and c["batches_match"] and c["rng_match"] and c["max_loss_diff"] < LOSS_TOL  # noqa: E731
+    ok = lambda c: (c["weights_bit_exact"] and c["batches_match"] and c["rng_match"]  # noqa: E731
+                    and c["max_loss_diff"] < LOSS_TOL)
     result = {"async_save_copies": staged["dcp_copy"] and staged["hand_copy"],
               "resharded_loss_match": all(ok(pair[k]) for k in ("hand", "dcp")),
               "same_world_bit_exact": all(same[k]["losses_bit_exact"] for k in ("hand", "dcp")),
@@ -284,7 +293,8 @@ def main(argv=None):
               "corruption_detected": corrupt["corruption_detected"], "resharded_to": target,
               "max_loss_diff": max(pair[k]["max_loss_diff"] for k in ("hand", "dcp")),
               "world_size": args.world_size}
-    cli.report(result, args, f"{args.world_size} -> {target} ranks: losses match {result['resharded_loss_match']}; "
+    cli.report(result, args,
+               f"{args.world_size} -> {target} ranks: losses match {result['resharded_loss_match']}; "
                f"async save copies {result['async_save_copies']}; killed save recovered "
                f"{killed['killed_save_recovered']}; corruption detected {corrupt['corruption_detected']}")
 

@@ -59,7 +59,8 @@ class Shard:
     index: torch.Tensor = None     # (n,) int64 global flat index of each element, or None
 
     def runs(self):
-        """[(start, end, at)]: runs of consecutive global indices; ``at`` is where a run starts in ``tensor``."""
+        """[(start, end, at)]: runs of consecutive global indices; ``at`` is where a run starts in
+        ``tensor``."""
         n = self.tensor.numel()
         if self.index is None:
             return [(self.offset, self.offset + n, 0)] if n else []
@@ -170,7 +171,8 @@ def verify(checkpoint_id):
     with open(meta_path) as f:
         meta = json.load(f)
     listed = {f"rank{r}.{ext}" for r in range(meta["world_size"]) for ext in ("bin", "json")}
-    missing = sorted(n for n in listed | set(meta["sha256"]) if not os.path.exists(os.path.join(checkpoint_id, n)))
+    missing = sorted(n for n in listed | set(meta["sha256"]) if not os.path.exists(os.path.join(checkpoint_id,
+                                                                                                n)))
     if missing or not listed <= set(meta["sha256"]):
         raise IncompleteCheckpoint(f"checkpoint {checkpoint_id} lacks {', '.join(missing) or 'checksums'} of "
                                    f"its {meta['world_size']} ranks; load the previous checkpoint.")

@@ -12,8 +12,9 @@ built here by hand, beside two of PyTorch's own, on the same DDP and the same da
 - int8 quantization: one scale per bucket agreed by an all-reduce of the largest magnitude, each
   rank's gradient rounded to int8 and all-gathered (int8 sums would overflow), averaged in fp32.
 - PyTorch's 16-bit hook (the bucket cast to 16 bits, all-reduced, cast back): ``bf16_compress_hook``
-  on NCCL, ``fp16_compress_hook`` on gloo, where DDP refuses the bf16 one; and ``powerSGD_hook`` (Vogels et al. 2019: each matrix approximated by a rank-r product P Q^T,
-  with error feedback and warm start; 1-D tensors all-reduced uncompressed).
+  on NCCL, ``fp16_compress_hook`` on gloo, where DDP refuses the bf16 one; and ``powerSGD_hook``
+  (Vogels et al. 2019: each matrix approximated by a rank-r product P Q^T, with error feedback and warm start;
+  1-D tensors all-reduced uncompressed).
 
 Two byte counts per step, each named: the payload of the hand hooks' messages (the tensors each
 rank hands to its collectives, `labs.measure.comm`), and the library's wire bytes of the whole
@@ -86,10 +87,12 @@ def wrap(method, model, ratio=0.01, rank=1):
     ddp = DistributedDataParallel(model)
     if method == "half":   # DDP refuses the bf16 hooks off NCCL (by name: distributed.py, _check_comm_hook)
         nccl = dist.get_backend() == "nccl"
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if nccl else default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if nccl
+                               else default_hooks.fp16_compress_hook)
     elif method == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                            start_powerSGD_iter=2)   # the smallest DDP allows with error feedback
+                                            # the smallest DDP allows with error feedback
+                                            start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif method == "int8":
         ddp.register_comm_hook(None, int8_hook)
@@ -148,7 +151,8 @@ def compression(world_size=2, steps=40, ratio=0.01, powersgd_rank=1, methods=MET
         out[m]["wire_reduction"] = None if w is None else base["wire_bytes_per_step"] / w
         out[m]["loss_gap"] = (out[m]["final_loss"] - base["final_loss"]) / base["final_loss"]
     return {"methods": out, "world_size": world_size, "steps": steps, "ratio": ratio,
-            "powersgd_rank": powersgd_rank, "params": r0["ddp"]["params"], "wire_reason": r0["ddp"]["wire_reason"]}
+            "powersgd_rank": powersgd_rank, "params": r0["ddp"]["params"],
+            "wire_reason": r0["ddp"]["wire_reason"]}
 
 
 def main(argv=None):

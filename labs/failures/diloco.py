@@ -24,7 +24,6 @@ normalized gradients is not the normalized mean DDP with Adam steps with.
 
     python -m labs.failures.diloco --json
 """
-import os
 from datetime import timedelta
 
 import torch
@@ -56,7 +55,8 @@ def _manager(name, rank, address, store, model, opt):
     from torchft import Manager, ProcessGroupGloo
     t = timedelta(seconds=30)
     return Manager(pg=ProcessGroupGloo(timeout=t), min_replica_size=dist.get_world_size(),
-                   load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["optim"])),
+                   load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
+                                               opt.load_state_dict(sd["optim"])),
                    state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
                    replica_id=f"{name}_{rank}", lighthouse_addr=address, store_addr="127.0.0.1",
                    store_port=store.port, rank=0, world_size=1, use_async_quorum=False, timeout=t,
@@ -132,8 +132,9 @@ RUNS = (("ddp_sgd", "sgd", None, None), ("diloco_h1_sgd", "sgd", 1, "sgd1"),
         ("ddp_adamw", "adamw", None, None), ("diloco_h1_adamw_sgd1", "adamw", 1, "sgd1"))
 
 
-@launch.on_cpu("torchft's replica groups here are its ProcessGroupGloo on CPU tensors (on GPUs torchft "
-               "gives each replica ProcessGroupNCCL); the launcher's group only spreads the lighthouse's address")
+@launch.on_cpu("torchft's replica groups here are its ProcessGroupGloo on CPU tensors (on GPUs "
+               "torchft gives each replica ProcessGroupNCCL); the launcher's group only spreads the "
+               "lighthouse's address")
 def train(rank, world_size, steps, hs):
     from torch.distributed import TCPStore
     torch.set_num_threads(1)

@@ -28,14 +28,17 @@ import time
 
 from labs.launcher import torchrun
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/<package>/<file>.py
+# labs/<package>/<file>.py
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def torchrun_command(folder, world_size, max_restarts, steps, every, kill_step, kill_rank):
     """The command line: torchrun run by this interpreter, so the workers run the same torch."""
-    return torchrun.command("--standalone", f"--nproc-per-node={world_size}", f"--max-restarts={max_restarts}",
+    return torchrun.command("--standalone", f"--nproc-per-node={world_size}",
+                            f"--max-restarts={max_restarts}",
                             "-m", "labs.failures.elastic_worker", "--folder", folder, "--steps", str(steps),
-                            "--every", str(every), "--kill-step", str(kill_step), "--kill-rank", str(kill_rank))
+                            "--every", str(every), "--kill-step", str(kill_step), "--kill-rank",
+                            str(kill_rank))
 
 
 def run_torchrun(cmd, timeout):
@@ -52,7 +55,8 @@ def run_torchrun(cmd, timeout):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise RuntimeError(f"torchrun did not finish within {timeout:g} s; its process group was killed.") from None
+        raise RuntimeError(f"torchrun did not finish within {timeout:g} s; its process group was "
+                           "killed.") from None
     return {"returncode": proc.returncode, "log": log, "seconds": time.monotonic() - start}
 
 
@@ -105,7 +109,8 @@ def summarize(run, kill_rank, kill_step):
            "killed_rank_ended": killed.get("ended"), "killed_at_step": len(killed.get("steps", [])),
            # the agent's log names the killed worker's pid with exit code -9 (SIGKILL)
            "killed_exit_in_log": failed.get(killed.get("pid")),
-           "survivors_stopped": {r: rec["ended"] for (r, a), rec in recs.items() if a == 0 and r != kill_rank},
+           "survivors_stopped": {r: rec["ended"] for (r, a), rec in recs.items() if a == 0
+                                 and r != kill_rank},
            # what a survivor's own collective said before the agent stopped it (None if it was stopped first)
            "survivors_saw": {r: rec.get("collective_error") for (r, a), rec in recs.items()
                              if a == 0 and r != kill_rank},
@@ -149,8 +154,10 @@ def main(argv=None):
     p = cli.parser("Kill one rank of a torchrun job and watch torchrun --max-restarts restart it from "
                    "its checkpoint (and, with --max-restarts=0, fail).", world_size_default=2)
     p.add_argument("--steps", type=cli.at_most(50, "a handful of steps"), default=8)
-    p.add_argument("--every", type=cli.positive_int, default=3, help="checkpoint every this many steps (default 3)")
-    p.add_argument("--kill-step", type=cli.positive_int, default=5, help="rank --kill-rank dies after this step (default 5)")
+    p.add_argument("--every", type=cli.positive_int, default=3,
+                   help="checkpoint every this many steps (default 3)")
+    p.add_argument("--kill-step", type=cli.positive_int, default=5,
+                   help="rank --kill-rank dies after this step (default 5)")
     p.add_argument("--kill-rank", type=int, default=1)
     args = cli.parse(p, argv)
     if args.world_size > 4:

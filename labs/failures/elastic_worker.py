@@ -38,10 +38,11 @@ def attempt_store():
     """The agent's TCPStore, under a prefix of its own for this attempt.
 
     torchrun's workers all connect to one store that the agent's rendezvous keeps across restarts
-    (dynamic_rendezvous.py makes the shared TCPStore server once, although a comment in rendezvous.py
-    says a new one is made for every retry; the lab reads one port for both attempts). The keys in which attempt 0's ranks published their gloo addresses are
-    still there, so a plain ``init_process_group`` on attempt 1 can read a dead rank's address and
-    fail with "Connection refused"; a prefix per attempt gives each attempt a clean namespace."""
+    (dynamic_rendezvous.py makes the shared TCPStore server once, although a comment in rendezvous.py says a
+    new one is made for every retry; the lab reads one port for both attempts). The keys in which attempt 0's
+    ranks published their gloo addresses are still there, so a plain ``init_process_group`` on attempt 1 can
+    read a dead rank's address and fail with "Connection refused"; a prefix per attempt gives each attempt a
+    clean namespace."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), is_master=False)
     return dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
@@ -98,7 +99,8 @@ def main(argv=None):
     p.add_argument("--folder", required=True, help="where the checkpoints and the per-rank records go")
     p.add_argument("--steps", type=cli.positive_int, default=8)
     p.add_argument("--every", type=cli.positive_int, default=3, help="checkpoint every this many steps")
-    p.add_argument("--kill-step", type=cli.positive_int, default=5, help="attempt 0 dies after this many steps")
+    p.add_argument("--kill-step", type=cli.positive_int, default=5,
+                   help="attempt 0 dies after this many steps")
     p.add_argument("--kill-rank", type=int, default=1)
     args = cli.parse(p, argv)
     if not cli.under_torchrun():

@@ -50,8 +50,8 @@ class MemoryLimit(memory.PeakMemory):
             self.forward_peak = max(self.forward_peak, self.baseline_bytes + self.net)
         if delta > 0 and self.baseline_bytes + self.net > self.limit:
             raise torch.OutOfMemoryError(
-                f"tried to allocate {delta:,} bytes in {self.phase} ({self._op}); {self.baseline_bytes + self.net:,} "
-                f"bytes would be live, the limit is {self.limit:,}")
+                f"tried to allocate {delta:,} bytes in {self.phase} ({self._op}); "
+                f"{self.baseline_bytes + self.net:,} bytes would be live, the limit is {self.limit:,}")
 
 
 class Recomputed(torch.nn.Module):
@@ -139,23 +139,25 @@ def oom(steps=8, every=3, long_at=5, micro=4, limit=None, world_size=2, timeout=
         raise ValueError(f"--micro {micro} must divide the batch of {BATCH} and be even (it is halved).")
     roots = [tempfile.mkdtemp(prefix="labs-oom-") for _ in range(3)]
     try:
-        ref = launch.spawn(train, world_size, roots[0], steps, every, micro, False, None, long_at, timeout=timeout)
+        ref = launch.spawn(train, world_size, roots[0], steps, every, micro, False, None, long_at,
+                           timeout=timeout)
         normal = max(p[1] for r in ref for s, p in r["peaks"].items() if s != long_at)
         forward, longest = (max(r["peaks"][long_at][i] for r in ref) for i in (0, 1))
         if not normal < forward < longest:
-            raise RuntimeError(f"the long batch's peaks ({forward:,} in forward, {longest:,} in all) do not bracket "
-                               f"a normal step's {normal:,}: no limit fails it in backward only")
+            raise RuntimeError(f"the long batch's peaks ({forward:,} in forward, {longest:,} in all) do "
+                               f"not bracket a normal step's {normal:,}: no limit fails it in backward only")
         limit = limit or (forward + longest) // 2   # passed in backward, never in forward
         try:
-            launch.spawn(train, world_size, roots[1], steps, every, micro, False, limit, long_at, timeout=timeout)
+            launch.spawn(train, world_size, roots[1], steps, every, micro, False, limit, long_at,
+                         timeout=timeout)
             error = None
         except launch.RankError as exc:
             error = exc
         shutil.copytree(roots[1], roots[2], dirs_exist_ok=True)   # the same checkpoints for both resumes
-        resumed = {"recompute": launch.spawn(train, world_size, roots[1], steps, every, micro, True, limit, long_at,
-                                             timeout=timeout),
-                   "half_micro": launch.spawn(train, world_size, roots[2], steps, every, micro // 2, False, limit,
-                                              long_at, timeout=timeout)}
+        resumed = {"recompute": launch.spawn(train, world_size, roots[1], steps, every, micro, True,
+                                             limit, long_at, timeout=timeout),
+                   "half_micro": launch.spawn(train, world_size, roots[2], steps, every, micro // 2,
+                                              False, limit, long_at, timeout=timeout)}
     finally:
         for r in roots:
             shutil.rmtree(r, ignore_errors=True)
@@ -170,7 +172,8 @@ def oom(steps=8, every=3, long_at=5, micro=4, limit=None, world_size=2, timeout=
     for how, r in resumed.items():
         start = r[0]["start"]
         tail = [r[0]["losses"][s] for s in range(start, steps)]
-        out[how] = {"resumed_from": start, "losses": tail, "peak": max(p[1] for x in r for p in x["peaks"].values()),
+        out[how] = {"resumed_from": start, "losses": tail,
+                    "peak": max(p[1] for x in r for p in x["peaks"].values()),
                     "bit_exact": tail == [losses[s] for s in range(start, steps)],
                     "max_loss_diff": max(abs(a - losses[s]) for a, s in zip(tail, range(start, steps)))}
     out["loss_tol"] = resharding.LOSS_TOL
@@ -180,7 +183,8 @@ def oom(steps=8, every=3, long_at=5, micro=4, limit=None, world_size=2, timeout=
 def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("Two ranks train under a memory limit; a long batch goes out of memory in backward on "
-                   "rank 1; the run resumes with recomputation, or with smaller micro-batches.", world_size_default=2)
+                   "rank 1; the run resumes with recomputation, or with smaller micro-batches.",
+                   world_size_default=2)
     p.add_argument("--steps", type=cli.at_most(50, "a short run"), default=8)
     p.add_argument("--long-at", type=cli.positive_int, default=5, help="the step of rank 1's long batch")
     args = cli.parse(p, argv)

@@ -130,7 +130,8 @@ def curves(per_gpu_mtbf_h, n_gpus_list=(1_000, 16_000, 100_000), deltas=(0.5 / 6
         for delta in deltas:
             star = best_interval(delta, M, R)
             taus = [star * 10 ** (k / (points - 1) * 2 - 1) for k in range(points)]  # star/10 .. 10 star
-            out[(n, delta)] = {"M": M, "best_tau": star, "young_tau": young(delta, M), "daly_tau": daly(delta, M),
+            out[(n, delta)] = {"M": M, "best_tau": star, "young_tau": young(delta, M), "daly_tau": daly(delta,
+                                                                                                        M),
                                "taus": taus, "goodput": [goodput(t, delta, M, R) for t in taus],
                                "best_goodput": goodput(star, delta, M, R)}
     return out

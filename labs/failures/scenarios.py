@@ -80,7 +80,8 @@ def _stuck_in_recv(folder, rank, world_size, group):
     dist.recv(t, src=(rank + 1) % world_size, group=group)  # a message its peer never sends
 
 
-@launch.on_cpu("dist.monitored_barrier exists only on gloo, and the flight recorder is read as gloo writes it")
+@launch.on_cpu("dist.monitored_barrier exists only on gloo, and the flight recorder is read as gloo "
+               "writes it")
 def hang_rank(rank, world_size, folder, hang_rank_, hang_step, barrier_s=None, inside=False):
     """Train; rank ``hang_rank_`` hangs before step ``hang_step``: in its own code, or ``inside`` a
     recv whose send never comes (the others wait in the all-reduce). With ``barrier_s``, every step
@@ -218,7 +219,8 @@ def kill(world_size=2, kill_rank=1, steps=12, every=4, kill_after=6, step_s=0.05
     try:
         clean = launch.spawn(train_with_checkpoints, world_size, folders[0], steps, every, timeout=timeout)
         record, f = {}, folders[1]
-        t = threading.Thread(target=_killer, args=(f, kill_rank, kill_after, record, time.monotonic() + timeout))
+        t = threading.Thread(target=_killer, args=(f, kill_rank, kill_after, record,
+                                                   time.monotonic() + timeout))
         t.start()
         try:
             launch.spawn(train_with_checkpoints, world_size, f, steps, every, step_s, timeout=timeout)
@@ -253,13 +255,15 @@ def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("Inject one fault into a small DDP job and report how it was detected.", 3)
     p.add_argument("--scenario", choices=SCENARIOS, required=True)
-    p.add_argument("--rank", type=int, default=1, help="the rank the fault is injected on (default 1; "
-                   "loss-spike: a bad batch reaches every rank); for hang, --timeout is the watchdog, at most 5 s")
+    p.add_argument("--rank", type=int, default=1,
+                   help="the rank the fault is injected on (default 1; loss-spike: a bad batch reaches "
+                   "every rank); for hang, --timeout is the watchdog, at most 5 s")
     args = cli.parse(p, argv)
     if args.world_size < 2:
         raise ValueError(f"--world-size {args.world_size} has no peer to detect a fault; use 2 or more.")
     if not 0 <= args.rank < args.world_size:
-        raise ValueError(f"--rank {args.rank} is not a rank of {args.world_size}; pick 0 to {args.world_size - 1}.")
+        raise ValueError(f"--rank {args.rank} is not a rank of {args.world_size}; "
+                         f"pick 0 to {args.world_size - 1}.")
     if args.scenario == "hang" and args.rank == 0:
         raise ValueError("--rank 0 hosts monitored_barrier's check; inject the hang on rank 1 or above.")
     key = {"hang": "hang_rank_", "kill": "kill_rank", "straggler": "slow_rank"}.get(args.scenario, "bad_rank")

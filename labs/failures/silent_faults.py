@@ -58,7 +58,8 @@ def sdc_rank(rank, world_size, steps, bad_step, bad_rank, bit, check):
 def sdc_runs(rank, world_size, steps, bad_step, bad_rank, bit):
     """The same job three times in one spawn: clean, flipped and checked, flipped and unchecked."""
     return {name: sdc_rank(rank, world_size, steps, bad_step, bad_rank if flip else None, bit, check)
-            for name, flip, check in (("clean", False, True), ("checked", True, True), ("unchecked", True, False))}
+            for name, flip, check in (("clean", False, True), ("checked", True, True), ("unchecked", True,
+                                                                                        False))}
 
 
 def sdc(world_size=3, bad_rank=1, steps=6, bad_step=2, bit=20, timeout=60.0):
@@ -156,6 +157,7 @@ def loss_spike(world_size=2, bad_rank=None, steps=16, every=2, bad_batch=9, scal
     rb = hurt["rollback"] or {}
     return {"scenario": "loss-spike", "world_size": world_size, "bad_batch": bad_batch, "scale": scale,
             "detected": bool(rb), "detected_rank": None, **rb, "skipped": hurt["skipped"],
-            "seconds_to_detect": rb.get("seconds"), "steps_lost": rb["detected_at_step"] + 1 - rb["chosen_checkpoint"] if rb else None,
+            "seconds_to_detect": rb.get("seconds"),
+            "steps_lost": rb["detected_at_step"] + 1 - rb["chosen_checkpoint"] if rb else None,
             "final_loss": hurt["loss"], "final_loss_match": hurt["loss"] == clean["loss"],
             "batches": hurt["batches"], "log": hurt["log"], "clean_log": clean["log"]}

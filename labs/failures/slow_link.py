@@ -111,7 +111,8 @@ def slow_link_scenario(world_size=4, slow_link=(1, 2), delay_s=0.05, steps=6, ti
     if not (0 <= slow_link[0] < world_size and slow_link[1] == (slow_link[0] + 1) % world_size):
         raise ValueError(f"slow_link {slow_link} is not a ring link r -> r+1 of {world_size} ranks.")
     healthy, slow = zip(*launch.spawn(both, world_size, steps, slow_link, delay_s, timeout=timeout))
-    step_time = [statistics.median(max(r["step"][s] for r in res) for s in range(steps)) for res in (healthy, slow)]
+    step_time = [statistics.median(max(r["step"][s] for r in res) for s in range(steps)) for res in (healthy,
+                                                                                                     slow)]
     link = find_slow_link(slow[0]["rtt"])
     return {"scenario": "slow-link", "world_size": world_size, "injected_link": list(slow_link),
             "compute_names": find_straggler(slow[0]["compute"])[0],
@@ -128,7 +129,8 @@ def main(argv=None):
     p.add_argument("--link", type=int, default=1, help="the slow link is LINK -> LINK+1 (default 1)")
     args = cli.parse(p, argv)
     if args.world_size < 3:
-        raise ValueError(f"--world-size {args.world_size} leaves no other links to compare with; use 3 or more.")
+        raise ValueError(f"--world-size {args.world_size} leaves no other links to compare with; "
+                         "use 3 or more.")
     link = (args.link, (args.link + 1) % args.world_size)
     result = slow_link_scenario(world_size=args.world_size, slow_link=link, timeout=args.timeout)
     cli.report(result, args, f"slow link {link[0]} -> {link[1]}: compute times name rank "

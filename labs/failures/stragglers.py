@@ -63,7 +63,8 @@ def straggler(world_size=3, slow_rank=2, delay_s=0.03, steps=10, timeout=60.0):
     clean, slow = zip(*launch.spawn(timed_both, world_size, steps, slow_rank, delay_s, timeout=timeout))
     rank, at = find_straggler(slow[0]["compute"])
     false_alarm, _ = find_straggler(clean[0]["compute"])
-    step_time = [statistics.median(max(r["step"][s] for r in res) for s in range(steps)) for res in (clean, slow)]
+    step_time = [statistics.median(max(r["step"][s] for r in res) for s in range(steps)) for res in (clean,
+                                                                                                     slow)]
     return {"scenario": "straggler", "world_size": world_size, "injected_rank": slow_rank,
             "detected": rank is not None, "detected_rank": rank, "detected_at_step": at,
             "seconds_to_detect": sum(slow[0]["step"][:at + 1]) if at is not None else None,

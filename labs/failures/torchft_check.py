@@ -61,7 +61,8 @@ def summarize(fault, reference):
         "turned_down": [e["step"] for e in down],
         # a step turned down leaves weights and optimizer as they were before it
         "turned_down_untouched": all(e["digest"] == before[e["step"] - 1]["digest"] for e in down),
-        "small_quorum_steps": [e["step"] for e in small], "small_quorum_size": sorted({e["participants"] for e in small}),
+        "small_quorum_steps": [e["step"] for e in small], "small_quorum_size": sorted({e["participants"]
+                                                                                       for e in small}),
         "new_quorum_s": small[0]["quorum_at"] - kill["time"],
         "restart_started_s": events(second, "start")[0]["time"] - kill["time"],
         "recovered_step": rec["step"], "recovered_bytes": rec["bytes"], "recovery_s": rec["seconds"],

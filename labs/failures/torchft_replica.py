@@ -25,7 +25,6 @@ The run reads only these.
 import hashlib
 import json
 import os
-import sys
 import time
 import urllib.request
 from datetime import timedelta
@@ -127,7 +126,8 @@ def train(replica, lighthouse, folder, steps, step_s=0.0, timeout_s=20.0, ready=
         state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
         replica_id=f"replica_{replica}", lighthouse_addr=lighthouse, store_addr="127.0.0.1",
         store_port=store.port, rank=0, world_size=1, timeout=timeout, quorum_timeout=timeout,
-        connect_timeout=timeout, checkpoint_transport=counting_transport(lambda *a, **k: log(*a, **k), timeout),
+        connect_timeout=timeout, checkpoint_transport=counting_transport(lambda *a, **k: log(*a, **k),
+                                                                         timeout),
         init_sync=False)  # every replica builds the same seeded weights
     ddp = DistributedDataParallel(manager, model) if wrapper else model
     _wait_for_peers(folder, replica, ready)

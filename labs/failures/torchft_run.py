@@ -198,7 +198,8 @@ def torchft(steps=30, kill_step=8, step_s=0.3, kill_replica=2, timeout=600.0, no
                          f"(--steps {steps}).")
     if not 0 <= kill_replica < REPLICAS:
         raise ValueError(f"--kill-replica {kill_replica} is not one of the {REPLICAS} replica groups.")
-    reference = run(steps, step_s=step_s, kill_lighthouse_after=steps - 1, timeout=timeout, replica_timeout_s=5)
+    reference = run(steps, step_s=step_s, kill_lighthouse_after=steps - 1, timeout=timeout,
+                    replica_timeout_s=5)
     fault = run(steps, kill_replica=kill_replica, kill_step=kill_step, step_s=step_s, timeout=timeout)
     summary = check.summarize(fault, reference)
     exact = check.replay_exact(summary, fault["state_before_kill"], fault["logs"][0])
@@ -216,9 +217,11 @@ def ddp_wrapper(step_s=0.3, timeout=600.0):
     r = run(10, kill_replica=1, kill_step=3, step_s=step_s, timeout=timeout, wrapper=True, replicas=2,
             restart=False)
     failed = [e for e in r["logs"][0] if e["event"] == "failed"]
-    return {"survivor_returncode": r["returncodes"][0], "survivor_error": failed[0]["error"] if failed else None,
+    return {"survivor_returncode": r["returncodes"][0], "survivor_error": failed[0]["error"] if failed
+            else None,
             "in_ddp_hook": "assert fut._fut" in r["stderr"][0] and "torchft/ddp.py" in r["stderr"][0],
-            "survivor_steps": sorted({e["step"] for e in r["logs"][0] if e["event"] == "step" and e["committed"]}),
+            "survivor_steps": sorted({e["step"] for e in r["logs"][0] if e["event"] == "step"
+                                      and e["committed"]}),
             "pids": r["pids"]}
 
 
@@ -231,13 +234,15 @@ def main(argv=None):
     p.add_argument("--kill-replica", type=int, default=2)
     args = cli.parse(p, argv)
     if args.world_size not in (None, REPLICAS):
-        raise ValueError(f"--world-size {args.world_size}: the lab runs {REPLICAS} replica groups of one process.")
+        raise ValueError(f"--world-size {args.world_size}: the lab runs {REPLICAS} replica groups of "
+                         "one process.")
     r = torchft(args.steps, args.kill_step, kill_replica=args.kill_replica, timeout=args.timeout * 5)
     s = r["summary"]
     cli.report(r, args, f"step {s['turned_down']} turned down; {len(s['small_quorum_steps'])} steps with "
                f"{s['small_quorum_size']} replicas; new quorum {s['new_quorum_s']:.1f} s after the kill; "
-               f"replica {s['victim']} recovered {s['recovered_bytes']:,} bytes at step {s['recovered_step']} and "
-               f"rejoined at step {s['rejoined_step']}; replicas agree bit for bit: {s['replicas_agree']}; "
+               f"replica {s['victim']} recovered {s['recovered_bytes']:,} bytes at step "
+               f"{s['recovered_step']} and rejoined at step {s['rejoined_step']}; replicas agree bit for "
+               f"bit: {s['replicas_agree']}; "
                f"lighthouse killed: every replica stopped: "
                f"{all(v['returncode'] != 0 for v in r['lighthouse_lost'].values())}")
 

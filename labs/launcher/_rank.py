@@ -1,8 +1,8 @@
 """The first code a spawned rank runs (see labs.launcher.launch), in one of two ways:
 
 - ``python labs/launcher/_rank.py TMP RANK PARENT_PID``: a fresh interpreter for one rank;
-- ``python labs/launcher/_rank.py --zygote PARENT_PID``: a zygote (`labs.launcher.zygote`) that imports torch once,
-  then forks one rank per request, so a rank starts in milliseconds instead of paying its own
+- ``python labs/launcher/_rank.py --zygote PARENT_PID``: a zygote (`labs.launcher.zygote`) that imports torch
+  once, then forks one rank per request, so a rank starts in milliseconds instead of paying its own
   `import torch` (about 2 s of CPU each, most of a small lab's cost).
 
 Either imports nothing but the standard library until it has asked the kernel to kill it when its
@@ -158,7 +158,8 @@ def _fork_rank(tmp, rank, cwd, env):
         return pid
     code = 1
     try:
-        for fd, name, flags in ((0, os.devnull, os.O_RDONLY), (1, "stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        for fd, name, flags in ((0, os.devnull, os.O_RDONLY), (1, "stdout",
+                                                               os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                                 (2, "stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
             target = os.open(name if fd == 0 else os.path.join(tmp, f"rank{rank}.{name}"), flags, 0o644)
             os.dup2(target, fd)

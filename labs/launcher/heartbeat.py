@@ -27,7 +27,8 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 SYMPTOMS = re.compile(r"Connection (reset|closed) by peer|Broken pipe|connection closed|Socket Timeout|"
                       r"Timed out waiting|timed out|NCCL communicator was aborted|Read error|"
                       r"remote process exited|ECONNRESET|EPIPE", re.IGNORECASE)
-_COLLECTIVE_DIRS = tuple(os.path.join(_TORCH_DIR, d) + os.sep for d in ("distributed", os.path.join("nn", "parallel")))
+_COLLECTIVE_DIRS = tuple(os.path.join(_TORCH_DIR, d) + os.sep for d in ("distributed", os.path.join("nn",
+                                                                                                    "parallel")))
 
 
 def where(frame):
@@ -160,7 +161,8 @@ def verdict(beats, unfinished, now, stale_s=STALE_S):
         elif b.get("phase") == "start":
             culprits[r] = f"it was still starting, in {b['where']} (joining the process group)"
         elif now - b["time"] > stale_s:
-            culprits[r] = f"it stopped running Python {now - b['time']:.0f} s before the timeout, in {b['where']}"
+            culprits[r] = (f"it stopped running Python {now - b['time']:.0f} s before the timeout, "
+                           f"in {b['where']}")
         elif b["collective"] is None:
             culprits[r] = f"it was in {b['where']}, outside any collective"
         else:
@@ -184,7 +186,8 @@ def is_symptom(message):
 
 def timeout_message(beats, unfinished, world_size, timeout, now, stale_s=STALE_S):
     culprits, waiters = verdict(beats, unfinished, now, stale_s)
-    lines = [f"rank {r} of {world_size} did not finish within {timeout:g} s: {why}" for r, why in sorted(culprits.items())]
+    lines = [f"rank {r} of {world_size} did not finish within {timeout:g} s: {why}" for r,
+             why in sorted(culprits.items())]
     if all((beats.get(r) or {}).get("phase", "start") == "start" for r in unfinished):
         lines.append(f"(starting a rank imports torch and joins the group: about a second per rank on a "
                      f"small machine, more under load; raise the timeout above {timeout:g} s)")

@@ -89,7 +89,8 @@ def spawn(fn, world_size, *args, timeout=60.0, backend=None, **kwargs):
         if failures:  # a failure outranks a timeout: the stuck ranks wait on the failed one
             raise supervise.rank_error(failures, world_size, tmp)
         # a rank with a result waits only for its peers to finish (_rank.leave_together): not stuck
-        unfinished = [r for r in unfinished if not os.path.exists(supervise.path(tmp, r, "result"))] or unfinished
+        unfinished = [r for r in unfinished if not os.path.exists(supervise.path(tmp, r,
+                                                                                 "result"))] or unfinished
         if unfinished:
             raise supervise.timeout_error(procs, unfinished, world_size, timeout, tmp)
         # back on the CPU: an NCCL rank's tensors were saved on its GPU, which the caller may not hold
@@ -122,7 +123,8 @@ def _spec(fn, args, kwargs, world_size, backend, timeout):
                              "backend": backend, "timeout": timeout})
     except Exception as exc:
         raise ValueError(f"cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to the ranks "
-                         f"({type(exc).__name__}: {exc}); pass a module-level function and plain values.") from None
+                         f"({type(exc).__name__}: {exc}); pass a module-level function and plain "
+                         "values.") from None
 
 
 def _start_rank(tmp, rank, backend):
@@ -132,7 +134,8 @@ def _start_rank(tmp, rank, backend):
     interpreter is the only way to be sure of that."""
     if backend == "gloo" and zygote.enabled():
         return zygote.start_rank(tmp, rank)
-    with open(supervise.path(tmp, rank, "stdout"), "wb") as out, open(supervise.path(tmp, rank, "stderr"), "wb") as err:
+    with open(supervise.path(tmp, rank, "stdout"), "wb") as out, open(supervise.path(tmp, rank, "stderr"),
+                                                                      "wb") as err:
         return subprocess.Popen([sys.executable, _RANK_SCRIPT, tmp, str(rank), str(os.getpid())],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, close_fds=True)
 

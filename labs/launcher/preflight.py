@@ -4,8 +4,9 @@ Bad input is refused here in one sentence, before a process exists: a world size
 positive integer, a timeout that is not a number of seconds in (0, 86,400], a run larger than the
 machine's memory. The backend is NCCL with one GPU per rank when the machine has at least
 ``world_size`` GPUs, else gloo on the CPU; ``LABS_BACKEND=gloo`` or ``LABS_BACKEND=nccl`` forces
-one, except for a rank function marked `on_cpu`, which always gets gloo. `labs.launcher.launch` (spawn), `labs.launcher.torchrun` (torchrun's ranks) and the command
-line (`labs.launcher.cli`) all check with these functions, and none of them is imported here.
+one, except for a rank function marked `on_cpu`, which always gets gloo. `labs.launcher.launch` (spawn),
+`labs.launcher.torchrun` (torchrun's ranks) and the command line (`labs.launcher.cli`) all check with these
+functions, and none of them is imported here.
 """
 import math
 import os
@@ -97,9 +98,11 @@ def check_fits(world_size, bytes_per_rank=0, what=""):
     override = os.environ.get(MAX_RANKS_ENV)
     if override:
         if not override.isdigit() or int(override) < 1:
-            raise ValueError(f"{MAX_RANKS_ENV}={override!r} is not a positive integer; unset it or set e.g. 64.")
+            raise ValueError(f"{MAX_RANKS_ENV}={override!r} is not a positive integer; unset it or set "
+                             "e.g. 64.")
         if world_size > int(override):
-            raise ValueError(f"world_size {world_size} is above {MAX_RANKS_ENV}={override}; raise it or use fewer ranks.")
+            raise ValueError(f"world_size {world_size} is above {MAX_RANKS_ENV}={override}; raise it or "
+                             "use fewer ranks.")
         return
     free = available_bytes()
     need = world_size * (RANK_BYTES + bytes_per_rank)

@@ -55,7 +55,8 @@ def run(fn, world_size, args, kwargs, timeout, backend):
     backend = preflight.choose_backend(local_size, backend, fn)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout + preflight._GROUP_TIMEOUT_MARGIN_S))
+    dist.init_process_group(backend,
+                            timeout=datetime.timedelta(seconds=timeout + preflight._GROUP_TIMEOUT_MARGIN_S))
     board = _StoreBoard(rank)
     # One beat now, the last one at the deadline (the watchdog's): beats through the store are
     # socket writes, which chapter 2's wire measurement would count if they came in between.
@@ -71,8 +72,8 @@ def run(fn, world_size, args, kwargs, timeout, backend):
         except Exception as exc:
             if heartbeat.is_symptom(str(exc)):
                 time.sleep(2.0)  # let the rank that failed first report first: torchrun names the earliest
-            error = supervise.RankError(f"rank {rank} of {size} raised {type(exc).__name__}: {exc}\n\n--- rank {rank} ---\n"
-                              f"{traceback.format_exc()}", rank)
+            error = supervise.RankError(f"rank {rank} of {size} raised {type(exc).__name__}: {exc}\n\n"
+                                        f"--- rank {rank} ---\n{traceback.format_exc()}", rank)
             _torchrun_error_file(error)
             raise error from None
         pulse.stop(done=True)
@@ -113,7 +114,8 @@ def _torchrun_timeout(board, rank, size, timeout):
         time.sleep(WATCHDOG_WAIT_S)
         beats = board.read(size)
         unfinished = [r for r in range(size) if not beats.get(r, {}).get("done")]
-        message = heartbeat.timeout_message(beats, unfinished, size, timeout, time.time(), stale_s=2 * WATCHDOG_WAIT_S)
+        message = heartbeat.timeout_message(beats, unfinished, size, timeout, time.time(),
+                                            stale_s=2 * WATCHDOG_WAIT_S)
     except Exception as exc:  # the store itself may be gone: still stop, and say why the verdict is missing
         message = f"rank {rank} of {size}: the run did not finish within {timeout:g} s (no verdict: {exc})"
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -128,4 +130,5 @@ def _torchrun_error_file(error):
     if path and not os.path.exists(path):
         with open(path, "w") as f:
             json.dump({"message": {"message": f"{type(error).__name__}: {error}",
-                                   "extraInfo": {"py_callstack": str(error), "timestamp": str(int(time.time()))}}}, f)
+                                   "extraInfo": {"py_callstack": str(error),
+                                                 "timestamp": str(int(time.time()))}}}, f)

@@ -3,11 +3,11 @@
 A rank that starts as a fresh interpreter spends about 2 s of CPU importing torch before it does
 any work, and a lab of a few milliseconds pays that on every rank of every call: on a 2-core
 machine most of a notebook's run. So the launcher keeps one *zygote* per process
-(``python labs/launcher/_rank.py --zygote PID``, see labs/launcher/_rank.py): it imports torch once, then forks a
-rank per request. The fork has imported nothing of the caller's: it imports the lab's module afresh,
-sees the caller's current working directory, ``sys.path`` and environment (a change in a variable
-that libraries read when imported, `IMPORT_TIME`, starts a new zygote), and runs exactly the code
-a fresh rank runs. Forking is safe here because
+(``python labs/launcher/_rank.py --zygote PID``, see labs/launcher/_rank.py): it imports torch once,
+then forks a rank per request. The fork has imported nothing of the caller's: it imports the lab's module
+afresh, sees the caller's current working directory, ``sys.path`` and environment (a change in a variable that
+libraries read when imported, `IMPORT_TIME`, starts a new zygote), and runs exactly the code a fresh rank
+runs. Forking is safe here because
 the zygote only imports: it starts no thread pool and runs no kernel. The launcher forks gloo
 ranks only; NCCL ranks start as fresh interpreters, since a process must not fork once CUDA has
 been touched and only a fresh one is sure not to have been.
@@ -81,7 +81,8 @@ class Zygote:
     def start(self, tmp, rank):
         """Ask for a rank; it is forked once the zygote has imported torch (the first call waits)."""
         request = next(_ids)
-        line = json.dumps({"id": request, "tmp": tmp, "rank": rank, "cwd": os.getcwd(), "env": dict(os.environ)}) + "\n"
+        line = json.dumps({"id": request, "tmp": tmp, "rank": rank, "cwd": os.getcwd(),
+                           "env": dict(os.environ)}) + "\n"
         with _lock:
             self.proc.stdin.write(line.encode())
             self.proc.stdin.flush()
@@ -163,7 +164,8 @@ def start_rank(tmp, rank):
     """A rank of the run in ``tmp``, forked by this process's zygote (started if needed)."""
     with _lock:
         current = _zygotes[-1] if _zygotes else None
-        if current is None or not current.alive() or current.env != _import_time_env() or current.owner != os.getpid():
+        if (current is None or not current.alive() or current.env != _import_time_env()
+                or current.owner != os.getpid()):
             for old in _zygotes:
                 if old.owner == os.getpid() and not old.live:
                     old.close()
