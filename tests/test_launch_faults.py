@@ -64,7 +64,8 @@ class Run:
 
     def _watch(self):
         while not self._done.is_set():
-            self.seen |= _ours(self.tmpdir) - {self.proc.pid}
+            # a new set, not |=: the test thread may be iterating over the old one
+            self.seen = self.seen | (_ours(self.tmpdir) - {self.proc.pid})
             time.sleep(0.1)
 
     def ranks_started(self):
