@@ -43,7 +43,8 @@ def scatter_seq(x, group, op):
     t = dist.get_world_size(group)
     full = x.transpose(0, 1).contiguous()                     # (s, B, H)
     if full.size(0) % t:
-        raise ValueError(f"sequence length {full.size(0)} is not divisible by tp = {t}; choose s divisible by tp.")
+        raise ValueError(f"sequence length {full.size(0)} is not divisible by tp = {t}; choose s "
+                         "divisible by tp.")
     out = full.new_empty((full.size(0) // t,) + tuple(full.shape[1:]))
     _log(op, full)
     comm.reduce_scatter(out, full, group=group)
@@ -123,7 +124,8 @@ def parallelize_block(block, group=None, regather=True):
     attn, mlp, h = block.attn, block.mlp, block.attn.proj.in_features
     megatron.check_degree(tiny.GPTConfig(hidden=h, n_head=attn.n_head), t)
     qkv = megatron.qkv_rows(h, attn.n_head, t, rank)
-    attn.qkv, attn.proj = ColumnParallelLinear(attn.qkv, group, qkv), RowParallelLinear(attn.proj, group, qkv[:h // t])
+    attn.qkv, attn.proj = (ColumnParallelLinear(attn.qkv, group, qkv),
+                           RowParallelLinear(attn.proj, group, qkv[:h // t]))
     rows = megatron.shard_rows(mlp.fc.out_features, t, rank)
     mlp.fc, mlp.proj = ColumnParallelLinear(mlp.fc, group, rows), RowParallelLinear(mlp.proj, group, rows)
     attn.n_head //= t
@@ -135,7 +137,8 @@ def parallelize_block(block, group=None, regather=True):
 def sequence_parallel_params(block):
     """Parameters that saw only this rank's tokens: the LayerNorms and the row-parallel biases."""
     mods = (block.ln1, block.ln2, block.attn.proj, block.mlp.proj)
-    return [p for m in mods for n, p in m.named_parameters() if n != "weight" or isinstance(m, torch.nn.LayerNorm)]
+    return [p for m in mods for n, p in m.named_parameters()
+            if n != "weight" or isinstance(m, torch.nn.LayerNorm)]
 
 
 def sync_grads(block, group=None):
