@@ -55,7 +55,8 @@ def checkpoint_pause(device, sizes):
     tmp = tempfile.mkdtemp(prefix="labs-gpu-dcp-")
     own_group = not dist.is_initialized()
     if own_group:      # DCP coordinates through the default group: one rank, gloo, a file rendezvous
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0,
+                                world_size=1)
     try:
         sync, pause, total = _pauses(state, tmp, device)
         written = _dir_bytes(os.path.join(tmp, "sync"))

@@ -189,7 +189,8 @@ def recompute_overhead(device, sizes):
                 run(x).float().sum().backward()
             t = seconds_per_call(lambda: run(x).float().sum().backward(), device, sizes.recompute_repeats)
             f = policies.formula_flops(policy, cfg, batch * seq, seq)
-            out[policy] = {"seconds": t, "flops": mode.get_total_flops(), "formula_flops": f["forward"] + f["backward"]}
+            out[policy] = {"seconds": t, "flops": mode.get_total_flops(),
+                           "formula_flops": f["forward"] + f["backward"]}
     base = out["none"]
     for r in out.values():
         r["time_ratio"] = figure(r["seconds"] / base["seconds"], "ratio", formula="FLOPs / FLOPs(none)",
@@ -209,7 +210,8 @@ def copy_bandwidth(device, sizes):
     """Device-to-device copy; pinned and pageable host <-> device (what chapter 3's ZeRO-Offload
     figures assume of PCIe, labs.memory_budget.budget.LINKS)."""
     n = sizes.copy_bytes
-    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    src, dst = (torch.empty(n, dtype=torch.uint8, device=device),
+                torch.empty(n, dtype=torch.uint8, device=device))
     out = {"device_to_device": _bandwidth(src, dst, device, sizes.copy_repeats)}
     del src, dst
     if device.type != "cuda":
