@@ -191,7 +191,8 @@ def test_package_docstring_names_its_chapter_and_every_module(package):
 
 DEGREES = {"dp", "tp", "pp", "cp", "ep"}
 HOMES = {"degrees": "labs.dims", "model shape": "labs.memory_budget.model_shape",
-         "stage split": "labs.pipeline.stage_balance", "device mesh": "labs.dims", "placement rule": "labs.dims"}
+         "stage split": "labs.pipeline.stage_balance", "device mesh": "labs.dims",
+         "placement rule": "labs.dims"}
 
 
 def second_homes(sources):
@@ -201,7 +202,8 @@ def second_homes(sources):
     found = set()
     for name, source in sources.items():
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d)
+                                                      for d in node.decorator_list):
                 fields = {t.target.id for t in node.body
                           if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
                 if len(fields & DEGREES) >= 2:
@@ -229,14 +231,14 @@ def test_the_homes_define_what_they_are_home_to():
 
 
 SECOND_HOMES = {
-    "a Plan with its own degrees": ("from dataclasses import dataclass\n@dataclass\nclass Plan:\n    dp: int\n"
-                                    "    tp: int = 1\n", ("degrees", "labs.planning.memory")),
+    "a Plan with its own degrees": ("from dataclasses import dataclass\n@dataclass\nclass Plan:\n "
+                                    "   dp: int\n    tp: int = 1\n", ("degrees", "labs.planning.memory")),
     "the older tier rule": ("def tier_of(stride, n, g):\n    return stride * n <= g\n",
                             ("placement rule", "labs.hardware.placement")),
     "a mesh built by hand": ("from torch.distributed.device_mesh import init_device_mesh\n"
                              "m = init_device_mesh('cpu', (2,))\n", ("device mesh", "labs.zero.stages")),
-    "a second model type": ("import dataclasses\n@dataclasses.dataclass(frozen=True)\nclass Arch:\n    layers: int\n"
-                            "    hidden: int\n", ("model shape", "labs.memory_budget.budget")),
+    "a second model type": ("import dataclasses\n@dataclasses.dataclass(frozen=True)\nclass Arch:\n    "
+                            "layers: int\n    hidden: int\n", ("model shape", "labs.memory_budget.budget")),
     "a second split": ("def split_counts(n, parts):\n    return [n // parts] * parts\n",
                        ("stage split", "labs.planning.memory")),
 }
@@ -254,16 +256,20 @@ SYNTHETIC = {
     "a circle": ({"labs.measure.a": "from labs.measure import b\n",
                   "labs.measure.b": "from labs.measure import a\n"}, "circle"),
     "a circle hidden in a function": ({"labs.zero.x": "from labs.zero import y\n",
-                                       "labs.zero.y": "def f():\n    from labs.zero.x import g\n    return g\n"},
+                                       "labs.zero.y": "def f():\n    from labs.zero.x import g\n  "
+                                                      "  return g\n"},
                                       "circle"),
     "a circle through a third module": ({"labs.pipeline.p": "import labs.pipeline.q\n",
                                          "labs.pipeline.q": "from labs.pipeline import r\n",
                                          "labs.pipeline.r": "from . import p\n"}, "circle"),
     "chapter 2 importing chapter 8": ({"labs.data_parallel.d": "from labs.precision import fp8\n",
                                        "labs.precision.fp8": ""}, "backward"),
-    "a chapter importing itself from a later one": ({"labs.zero.s": "from labs.tensor_parallel.megatron import f\n",
+    "a chapter importing itself from a later one": ({"labs.zero.s": "from "
+                                                                    "labs.tensor_parallel.megatron import "
+                                                                    "f\n",
                                                      "labs.tensor_parallel.megatron": ""}, "backward"),
-    "measurement importing a chapter": ({"labs.measure.comm": "def f():\n    from labs.data_parallel import ring\n",
+    "measurement importing a chapter": ({"labs.measure.comm": "def f():\n    from labs.data_parallel "
+                                                              "import ring\n",
                                          "labs.data_parallel.ring": ""}, "backward"),
     "a chapter importing the GPU command": ({"labs.failures.f": "from labs.gpu import record\n",
                                              "labs.gpu.record": ""}, "backward"),
