@@ -177,12 +177,12 @@ def wire_checks(rank, world_size):
         comm.all_reduce(x, async_op=True).wait()
     with comm.wire_bytes() as measured:
         comm.all_reduce(x)
-    real, wire._wchar = wire._wchar, lambda: (_ for _ in ()).throw(OSError("no such file"))
+    real, wire.wchar = wire.wchar, lambda: (_ for _ in ()).throw(OSError("no such file"))
     try:
         with comm.wire_bytes() as missing:
             pass
     finally:
-        wire._wchar = real
+        wire.wchar = real
     return {"tally": tally.as_dict(), "wire": measured.bytes, "missing": missing.as_dict()}
 
 

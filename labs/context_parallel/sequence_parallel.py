@@ -55,7 +55,7 @@ def _slice_of_full(name, grad, t, rank, cfg):
     """The part of the one-process gradient that this rank's parameter ``name`` should hold."""
     part, _, rest = name.partition(".")
     kind = {"attn": "attention", "mlp": "mlp"}.get(part)
-    return tp._slice_of_full(rest, grad, t, rank, kind, cfg) if kind else grad
+    return tp.slice_of_full(rest, grad, t, rank, kind, cfg) if kind else grad
 
 
 def _max_err(a, b):

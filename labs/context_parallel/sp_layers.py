@@ -20,20 +20,12 @@ from labs.measure import comm
 from labs.tensor_parallel import megatron
 
 
-def _log(op, x):
-    """Record one collective in every open `megatron.payloads()` log: the bytes of the tensor
-    handed to it (all-gather: the shard sent; reduce-scatter: the full input), read from the tensor."""
-    for log in megatron._logs:
-        log.append({"op": op, "bytes": x.numel() * x.element_size(), "numel": x.numel(),
-                    "element_size": x.element_size(), "shape": tuple(x.shape)})
-
-
 def gather_seq(x, group, op):
     """(B, s/t, H) -> (B, s, H): every rank's tokens, in rank order, through `comm.all_gather`."""
     t = dist.get_world_size(group)
     shard = x.transpose(0, 1).contiguous()                    # (s/t, B, H): sequence first, as Megatron's sbh
     full = shard.new_empty((t * shard.size(0),) + tuple(shard.shape[1:]))
-    _log(op, shard)
+    megatron.record(op, shard)   # the shard each rank sends
     comm.all_gather(full, shard, group=group)
     return full.transpose(0, 1)                               # (B, s, H)
 
@@ -46,7 +38,7 @@ def scatter_seq(x, group, op):
         raise ValueError(f"sequence length {full.size(0)} is not divisible by tp = {t}; choose s "
                          "divisible by tp.")
     out = full.new_empty((full.size(0) // t,) + tuple(full.shape[1:]))
-    _log(op, full)
+    megatron.record(op, full)    # the full input
     comm.reduce_scatter(out, full, group=group)
     return out.transpose(0, 1)                                # (B, s/t, H)
 
@@ -145,7 +137,7 @@ def sync_grads(block, group=None):
     """All-reduce the partial gradients of `sequence_parallel_params` (Megatron does this for the
     LayerNorm weights under sequence parallelism); logged as "parameter-gradient all-reduce"."""
     for p in sequence_parallel_params(block):
-        megatron._all_reduce(p.grad, group, "parameter-gradient all-reduce")
+        megatron.logged_all_reduce(p.grad, group, "parameter-gradient all-reduce")
 
 
 def _block(cfg, dev, dropout=0.0):

@@ -97,7 +97,7 @@ def check(rank, world_size, tp=2, batch=2, seq=8, hidden=16, n_head=4, experts=8
             i, rest = name.split(".", 4)[3], name.split(".", 4)[4]
             want = full[f"mlp.layer.experts.{int(i) + b.mlp.layer.rank * b.mlp.layer.per}.{rest}"].grad
         elif name.startswith("attn."):
-            want = tp_blocks._slice_of_full(name[len("attn."):], full[name].grad, tp, j, "attention", cfg)
+            want = tp_blocks.slice_of_full(name[len("attn."):], full[name].grad, tp, j, "attention", cfg)
         else:
             want = full[name].grad
         errs[name] = (p.grad - want).abs().max().item()

@@ -131,7 +131,7 @@ def write_results(result, device):
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, device_slug(result["provenance"]["device"]) + ".json")
     with open(path, "w") as f:
-        json.dump(cli._plain(result), f, indent=1, sort_keys=True)
+        json.dump(cli.plain(result), f, indent=1, sort_keys=True)
         f.write("\n")
     return path
 
@@ -149,6 +149,6 @@ def main(argv=None):
     keep = None if args.dry_run else (lambda so_far: write_results(so_far, device))
     result = record(device, DRY if args.dry_run else Sizes(), argv, args.only, after_each=keep)
     if args.dry_run:
-        print(json.dumps(cli._plain(result), indent=1, sort_keys=True))
+        print(json.dumps(cli.plain(result), indent=1, sort_keys=True))
     else:
         print(f"wrote {write_results(result, device)}")

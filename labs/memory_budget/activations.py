@@ -176,7 +176,7 @@ def rmsnorm_saved_bytes(h=8, dtype=torch.bfloat16, device="cpu"):
     return out
 
 
-class _AttentionOps(TorchDispatchMode):
+class AttentionOps(TorchDispatchMode):
     """Names the aten attention ops that run: which kernel F.scaled_dot_product_attention picked."""
 
     def __enter__(self):
@@ -215,7 +215,7 @@ def measure_llama_activations(cfg, shapes, recompute="none", dtype=torch.bfloat1
         if recompute == "selective":
             recompute_attention_core(block)
         x = torch.randn(b, s, cfg.hidden, dtype=dtype, device=device, requires_grad=True)
-        with memory.saved_for_backward(block) as saved, _AttentionOps() as ops:
+        with memory.saved_for_backward(block) as saved, AttentionOps() as ops:
             checkpoint(block, x, use_reentrant=True) if recompute == "full" else block(x)
         terms = llama_activation_terms(s, b, cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.ffn,
                                        recompute=recompute, attention=attention)

@@ -28,7 +28,7 @@ def _full_block(kind, cfg):
     return tiny.MLP(cfg) if kind == "mlp" else tiny.CausalSelfAttention(cfg)
 
 
-def _slice_of_full(name, full_grad, tp, rank, kind, cfg):
+def slice_of_full(name, full_grad, tp, rank, kind, cfg):
     """The part of the unsharded gradient that rank ``rank`` should hold for parameter ``name``."""
     hidden = cfg.hidden
     if kind == "mlp":
@@ -68,7 +68,7 @@ def check_block(rank, world_size, kind="mlp", b=2, s=8, hidden=48):
         out = block(x_tp)
     with megatron.payloads() as backward:
         (out * upstream).sum().backward()
-    grads = {name: (p.grad - _slice_of_full(name, dict(full.named_parameters())[name].grad, world_size, rank,
+    grads = {name: (p.grad - slice_of_full(name, dict(full.named_parameters())[name].grad, world_size, rank,
                                             kind, cfg)).abs().max().item()
              for name, p in block.named_parameters()}
     grads["input"] = (x_tp.grad - x_ref.grad).abs().max().item()

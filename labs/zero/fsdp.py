@@ -242,11 +242,12 @@ class HandFSDP:
             flat = u.flat_shard.new_empty(u.padded)
             comm.all_gather_single(flat, u.flat_shard, group=self.group)
             for shape, s, places in zip(u.shapes, u.start, u.where):
-                out[_name(self.model, places[0])] = flat[s:s + shape.numel()].view(shape).clone()
+                out[param_name(self.model, places[0])] = flat[s:s + shape.numel()].view(shape).clone()
         return out
 
 
-def _name(model, place):
+def param_name(model, place):
+    """The dotted name in ``model`` of the parameter at ``place``, a (module, attribute name) pair."""
     module, name = place
     prefix = next(n for n, m in model.named_modules() if m is module)
     return f"{prefix}.{name}" if prefix else name

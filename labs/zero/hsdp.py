@@ -71,11 +71,11 @@ class GroupBytes(TorchDispatchMode):
         reason = wire.unavailable(pg)
         if reason is None:
             dist.barrier(group=pg)   # the window: nothing else in flight on this group
-            start = wire._wchar()
+            start = wire.wchar()
         out = func(*args, **kwargs)
         if reason is None:
             torch._C._distributed_c10d.Work.unbox(out[1]).wait()   # the data has gone
-            wire_bytes = wire._wchar() - start
+            wire_bytes = wire.wchar() - start
         self.records.append({"op": op, "group": self.labels[pg.group_name], "n": n, "payload": payload,
                              "formula_sent": formula, "wire_sent": None if reason else wire_bytes,
                              "element_size": (args[0][0] if op == "all_reduce" else args[1]).element_size()})
