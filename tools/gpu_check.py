@@ -156,9 +156,8 @@ def main(argv=None):
             json.dump(report, f, indent=1, sort_keys=True, default=str)
             f.write("\n")
     print(f"[gpu-check] total {time.monotonic() - total:.1f} s; results in {out_dir}", flush=True)
-    return (0
-            if all(p["status"] == "ok" or p["status"].startswith("skipped") for p in report["parts"].values())
-            else 1)
+    ok = all(p["status"] == "ok" or p["status"].startswith("skipped") for p in report["parts"].values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
