@@ -146,7 +146,8 @@ def test_the_same_lab_runs_under_torchrun():
 
 def test_the_budget_calculator_reports_once_under_torchrun():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    out = subprocess.run([torchrun, "--nproc_per_node=2", "-m", "labs.memory_budget.budget", "--model", "7B", "--json"],
+    out = subprocess.run([torchrun, "--nproc_per_node=2", "-m", "labs.memory_budget.budget", "--model", "7B",
+                          "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=180, check=True).stdout
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert len(lines) == 1, "only global rank 0 reports"

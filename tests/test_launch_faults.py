@@ -56,7 +56,8 @@ class Run:
         cmd = [TORCHRUN, "--nproc_per_node=3"] if torchrun else [sys.executable]
         cmd += ["-m", "labs.launcher.hello"]
         self.start = time.monotonic()
-        self.proc = subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
         self.seen, self._done = set(), threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
@@ -110,7 +111,8 @@ def _headline(run):
     ("kill", 2, "was killed by signal SIGKILL"),
 ])
 def test_the_rank_that_failed_is_named_not_its_peers(tmp_path, fault, rank, reason):
-    run = Run(["--world-size", "3", "--fault", fault, "--fault-rank", str(rank), "--timeout", "60"], tmp_path).finish()
+    run = Run(["--world-size", "3", "--fault", fault, "--fault-rank", str(rank), "--timeout", "60"],
+              tmp_path).finish()
     print(f"\n{fault} on rank {rank}: {run.seconds:.1f} s: {_headline(run)}")
     assert run.proc.returncode == 1
     assert _headline(run) == f"rank {rank} of 3 {reason}"
@@ -120,7 +122,8 @@ def test_the_rank_that_failed_is_named_not_its_peers(tmp_path, fault, rank, reas
 
 
 def test_a_hung_rank_is_named_and_its_waiters_are_told_apart(tmp_path):
-    run = Run(["--world-size", "3", "--fault", "hang", "--fault-rank", "2", "--timeout", "12"], tmp_path).finish()
+    run = Run(["--world-size", "3", "--fault", "hang", "--fault-rank", "2", "--timeout", "12"],
+              tmp_path).finish()
     print(f"\nhang on rank 2: {run.seconds:.1f} s: {run.err[:300]}")
     assert run.proc.returncode == 1
     assert _headline(run).startswith("rank 2 of 3 did not finish within 12 s: it was in hello (hello.py:")
@@ -159,14 +162,16 @@ def test_a_rank_that_cannot_start_says_why(tmp_path, monkeypatch):
     with pytest.raises(launch.RankError) as info:
         launch.spawn(unstartable.work, 2, timeout=60)
     message = str(info.value)
-    assert message.startswith(f"rank {info.value.rank} of 2 failed to start: ImportError: deliberately unimportable")
+    assert message.startswith(f"rank {info.value.rank} of 2 failed to start: ImportError: deliberately "
+                              "unimportable")
     assert "must import without error in a new process" in message
     assert time.monotonic() - start < START_S
     assert os.listdir(tmp_path) == []
 
 
 def test_a_script_without_a_main_guard_works(tmp_path):
-    """Ranks never import the caller's script, so the guard that multiprocessing's spawn needs is not needed."""
+    """Ranks never import the caller's script, so the guard that multiprocessing's spawn needs is not
+    needed."""
     script = tmp_path / "no_guard.py"
     script.write_text("from labs.launcher import hello, launch\n"
                       "print(sum(r['sum_of_ranks'] for r in launch.spawn(hello.hello, 2)))\n")
@@ -201,18 +206,27 @@ def test_under_torchrun_a_hung_rank_is_named(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["labs.launcher.hello", "--world-size", "10000"], "10000 ranks need about"),
-    (["labs.launcher.hello", "--timeout", "0"], "argument --timeout: expected a positive finite number, got 0"),
-    (["labs.launcher.hello", "--timeout", "-1"], "argument --timeout: expected a positive finite number, got -1"),
-    (["labs.launcher.hello", "--timeout", "nan"], "argument --timeout: expected a positive finite number, got nan"),
-    (["labs.launcher.hello", "--timeout", "inf"], "argument --timeout: expected a positive finite number, got inf"),
+    (["labs.launcher.hello", "--timeout", "0"],
+     "argument --timeout: expected a positive finite number, got 0"),
+    (["labs.launcher.hello", "--timeout", "-1"],
+     "argument --timeout: expected a positive finite number, got -1"),
+    (["labs.launcher.hello", "--timeout", "nan"],
+     "argument --timeout: expected a positive finite number, got nan"),
+    (["labs.launcher.hello", "--timeout", "inf"],
+     "argument --timeout: expected a positive finite number, got inf"),
     (["labs.launcher.hello", "--timeout", "1e12"], "argument --timeout: expected at most 86,400, got 1e12"),
     (["labs.launcher.hello", "--fault", "hang", "--fault-rank", "5"], "--fault-rank 5 is not a rank of 2"),
-    (["labs.pipeline.executor", "--world-size", "4", "--microbatches", "100000000"], "above the 3,000,000 this lab builds"),
-    (["labs.pipeline.executor", "--microbatches", "2000", "--timeout", "60"], "take at least 300 s, above --timeout 60"),
-    (["labs.pipeline.executor", "--unit-ms", "-1"], "argument --unit-ms: expected a positive finite number, got -1"),
+    (["labs.pipeline.executor", "--world-size", "4", "--microbatches", "100000000"],
+     "above the 3,000,000 this lab builds"),
+    (["labs.pipeline.executor", "--microbatches", "2000", "--timeout", "60"],
+     "take at least 300 s, above --timeout 60"),
+    (["labs.pipeline.executor", "--unit-ms", "-1"],
+     "argument --unit-ms: expected a positive finite number, got -1"),
     (["labs.data_parallel.ring_allreduce", "--numel", "1000000000000"], "for --numel) but this machine has"),
-    (["labs.tensor_parallel.blocks", "--hidden", "1200000"], "for --hidden, --batch or --seq) but this machine has"),
-    (["labs.memory_budget.budget", "--gpu-gib", "-5"], "argument --gpu-gib: expected a positive finite number, got -5"),
+    (["labs.tensor_parallel.blocks", "--hidden", "1200000"],
+     "for --hidden, --batch or --seq) but this machine has"),
+    (["labs.memory_budget.budget", "--gpu-gib", "-5"],
+     "argument --gpu-gib: expected a positive finite number, got -5"),
     (["labs.memory_budget.budget", "--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
 ])
 def test_bad_input_is_one_sentence_before_anything_starts(monkeypatch, capsys, args, message):

@@ -42,7 +42,8 @@ class _Armed:
     """Saved-tensor recorder armed by a forward pre-hook on the head: records the tail only."""
 
     def __init__(self, net, mem):
-        self.record = memory.SavedTensors(exclude={(t.untyped_storage().device, t.untyped_storage().data_ptr())
+        self.record = memory.SavedTensors(exclude={(t.untyped_storage().device,
+                                                    t.untyped_storage().data_ptr())
                                                    for t in list(net.parameters()) + list(net.buffers())})
         self.armed, self.mem, self.live_at_head = False, mem, None
 
@@ -103,5 +104,6 @@ def at_scale(model="405B", seq=8192, micro_batch=1, vocab=None, tp=1):
     saved = tail_saved_bytes(s, b, arch.hidden, v_local)
     return {"model": model, "seq": s, "micro_batch": b, "vocab": V, "tp": tp,
             "logits_bf16_bytes": 2 * s * b * v_local, "log_softmax_fp32_bytes": 4 * s * b * v_local,
-            "saved_bytes": saved, "forward_peak_bytes": tail_forward_peak_bytes(s, b, v_local, target_copy=False),
+            "saved_bytes": saved,
+            "forward_peak_bytes": tail_forward_peak_bytes(s, b, v_local, target_copy=False),
             "layer_flash_bytes": layer, "saved_in_layers": saved / layer}
