@@ -61,7 +61,10 @@ def stack(run):
     if f.startswith("Megatron-LM 285068c8"):
         return sw.MEGASCALE_BASELINE
     if f.startswith("torchtitan"):
-        return sw.TORCHTITAN.with_(tp_overlap="AsyncTP" in run.name or "async TP" in run.name)
+        base = sw.TORCHTITAN if f.startswith("torchtitan 9dec370") else sw.TORCHTITAN_2025
+        return base.with_(tp_overlap="AsyncTP" in run.name or "async TP" in run.name)
+    if f.startswith("NeMo 25.11"):
+        return sw.NEMO_2511
     if f.startswith("NeMo"):
         return sw.NEMO
     if f.startswith("Megatron-Core ("):

@@ -13,6 +13,8 @@ and virtual stages v the stack offers (`search`). A layout is refused for the fi
   schedule whose m is not a multiple of p (chapter 5's `schedules.interleaved`);
 - context parallelism with attention scores written out (chapter 6's methods attend block by block),
   or a sequence that does not split into 2 cp chunks (chapter 6's zig-zag order);
+- layers that do not split evenly over the pipeline's stages, on a stack that splits them evenly
+  (Megatron-LM; `software.Software.uniform_stages`);
 
 and otherwise for the first memory term that overflows the GPU (`memory.terms`), or, offloaded, the
 host. The layouts that fit are ranked by `timing.step`; each degree tuple is shown at its fastest
@@ -85,7 +87,7 @@ def degree_tuples(job):
     """Every `ParallelDims` whose tp pp cp dp is the GPUs (ep divides dp; HSDP's replicas where offered)."""
     m, n, sw = job.model, job.gpus, job.software
     for tp in [t for t in (1, 2, 4, 8, 16, 32, 64) if n % t == 0 and t <= sw.max_tp]:
-        for pp in [p for p in range(1, min(n // tp, m.layers) + 1) if (n // tp) % p == 0]:
+        for pp in [p for p in range(1, min(n // tp, m.layers, sw.max_pp) + 1) if (n // tp) % p == 0]:
             for cp in [c for c in (1, 2, 4, 8, 16, 32) if (n // (tp * pp)) % c == 0 and c <= sw.max_cp]:
                 dp = n // (tp * pp * cp)
                 for ep in ([e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if dp % e == 0 and e <= m.experts]
@@ -108,6 +110,8 @@ def broken_rule(job, d):
         return str(exc).rstrip(".")
     if job.sequences % d.dp:
         return f"the batch of {job.sequences:,} sequences does not split over dp = {d.dp}"
+    if job.software.uniform_stages and m.layers % d.pp:
+        return f"{job.software.name} splits the layers evenly, and {m.layers} layers do not split over pp = {d.pp}"
     if d.cp > 1 and job.kernels == "materialized":   # chapter 6's methods attend block by block
         return "context parallelism needs a fused attention kernel, not scores written out"
     if d.cp > 1 and m.seq % (2 * d.cp):

@@ -50,7 +50,7 @@ def annotate(results):
     resolution = statistics.median(abs(r["error"]) for r in pred)
     for r in results:
         r["family"], r["calibration"] = family(r["case"]), r["case"].name in calibrated
-        step = r["row"]["time"]["step"] * (1 - resolution)
+        step = r["listed"]["time"]["step"] * (1 - resolution)
         others = [x for x in r["result"]["ranked"] if x["dims"] != r["row"]["dims"]]
         r["resolved_rank"] = 1 + sum(x["time"]["step"] < step for x in others) if r["result"]["ranked"] else None
     return resolution
@@ -65,6 +65,7 @@ def summary(results):
     return {"rows": len(results), "predictions": len(pred), "fits": sum(r["fits"] for r in results),
             "within15": sum(abs(r["error"]) <= 0.15 for r in pred),
             "top3": sum((r["rank"] or 99) <= 3 for r in pred),
+            "top3_stated": sum((r["rank_stated"] or 99) <= 3 for r in pred),
             "top3_resolved": sum((r["resolved_rank"] or 99) <= 3 for r in pred),
             "mae": sum(abs(r["error"]) for r in pred) / len(pred), "resolution": resolution,
             "memory_rows": len(mem), "memory_within15": sum(abs(e) <= 0.15 for e in mem_err),

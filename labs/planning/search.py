@@ -32,8 +32,10 @@ def schedules_for(job, d, m, fixed):
         return [("1f1b", 1)]
     flat = [(s, 1) for s in ("1f1b", "zero_bubble") if s in sw.schedules] or [("1f1b", 1)]
     if v_fixed is None:
-        return flat + ([("interleaved", v) for v in V_CHOICES if d.pp * v <= L + 2 and m % d.pp == 0]
-                       if "interleaved" in sw.schedules else [])
+        # an even split offers every v that divides the layers of a stage (Megatron-LM); otherwise `V_CHOICES`
+        vs = [v for v in range(2, L // d.pp + 1) if L % (d.pp * v) == 0] if sw.uniform_stages else \
+            [v for v in V_CHOICES if d.pp * v <= L + 2]
+        return flat + ([("interleaved", v) for v in vs if m % d.pp == 0] if "interleaved" in sw.schedules else [])
     most = (L + 2) // d.pp
     if not 1 <= v_fixed <= most:
         raise ValueError(f"v = {v_fixed} model chunks per stage is outside 1..{most}: pp = {d.pp} stages of "
@@ -59,6 +61,8 @@ def settings(job, d, fixed):
         raise ValueError(f"b = {b_fixed} sequences per micro-batch does not divide the {seqs:,} sequences each of "
                          f"the dp = {d.dp} replicas takes per step.")
     bs = [b_fixed] if b_fixed else [b for b in MICRO_BATCHES if seqs % b == 0]
+    if not sw.accumulation and d.pp == 1 and not b_fixed:   # one forward and backward of the local batch
+        bs = [seqs]
     if fixed.get("v", 1) > 1 and not b_fixed:     # interleaving needs m = seqs / b to be a multiple of pp
         bs = [b for b in bs if (seqs // b) % d.pp == 0] or bs[:1]
     zeros = [fixed["zero"]] if "zero" in fixed else sw.zero_stages

@@ -13,8 +13,9 @@
   (Narayanan et al. 2021, §2.2), and (p - 1 + max(0, p - m))/(3m) for the zero-bubble schedule
   (Qi et al. 2023, Table 2, ZB-H1) (`schedules.formula`);
 - data parallelism, on the first stage, the last to finish its backward (chapter 5): the gradient
-  reduction under the last micro-batch's backward when overlapped, the updated weights' all-gather
-  under the next forward; ZeRO-3 / FSDP gathers per micro-batch (twice when it reshards after
+  reduction under the last micro-batch's backward when overlapped (ZeRO-2's reduction of every other
+  micro-batch under the next one's forward and backward), the updated weights' all-gather under the
+  next forward; ZeRO-3 / FSDP gathers per micro-batch (twice when it reshards after
   forward), prefetched under compute where the stack prefetches, all but the first unit's;
 - the optimizer step: Adam's bytes per parameter of the rank's shard at the memory's bandwidth, or
   in host memory under offload (`offload`).
@@ -143,9 +144,12 @@ def step(job, eta, c, slowest, first, nodes):
                         c["sched"], c["pp"], m, c["v"])
     fwd, bwd = first["forward"], first["backward"]
     reduced = np.maximum(0.0, reduce + replica - bwd * sw.overlap_grad_reduce)
+    # ZeRO-2 reduce-scatters every micro-batch's gradients: under the next micro-batch's forward and
+    # backward while there is one (nothing waits for them before the optimizer step), the last under its own
+    each = np.maximum(0.0, reduce + replica - (fwd + bwd) * sw.overlap_grad_reduce)
     gathered = np.maximum(0.0, gather - fwd * sw.overlap_param_gather)
     dp = np.select([c["zero"] == 0, c["zero"] == 1, c["zero"] == 2],
-                   [reduced, reduced + gathered, m * reduced + gathered],
+                   [reduced, reduced + gathered, (m - 1) * each + reduced + gathered],
                    default=fsdp_seconds(sw, c, reduce, gather, replica, unit, first))
     pipeline = m * slowest["t_mb"] * (1 + bubble)
     return {"step": pipeline + dp + opt, "pipeline": pipeline, "bubble": m * slowest["t_mb"] * bubble, "dp": dp,
