@@ -16,6 +16,9 @@ times that backward (a fused kernel recomputes the scores: chapter 1 counts five
 the forward's two), at eta times its kernel's speed relative to a GEMM's (`attention_ratio`, from
 published utilizations, not fitted); scores written out cost the whole s and twice the forward, at eta.
 
+A mixture of experts also permutes its tokens to their experts and back (`permutation_bytes`: the
+bytes Megatron-Core's permute and unpermute move, counted from its code), at the memory's bandwidth.
+
 The rest of the layer (norms, activation functions, residual adds, RoPE, softmax) is memory-bound:
 its time is the bytes it moves over BW_HBM. A fused stack (Transformer Engine, torch.compile) moves
 at least three times the bytes the layer saves for backward (chapter 1's formulas): each saved tensor
@@ -108,7 +111,8 @@ def gemm_seconds(M, N, K, flops, hbm_bw):
 
 
 @functools.lru_cache(maxsize=None)
-def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute, attention="flash2"):
+def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute, attention="flash2",
+                  permute_fused=False):
     """Seconds one layer takes on one rank for a micro-batch of ``tokens`` (b s / cp) tokens:
     {"forward", "backward", "recompute", "gemm", "attention"} (the last two, forward and backward,
     are what the tensor- and context-parallel collectives can hide under)."""
@@ -120,8 +124,11 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
         out, inn = w.shape
         N = {"col": -(-out // tp), "kv": out * max(model.kv_heads // tp, 1) // model.kv_heads}.get(w.split, out)
         K = inn // tp if w.split == "row" else inn
-        if w.expert:            # each of the rank's experts gets its share of the ep group's routed tokens
-            per_expert = tokens // (tp if sp else 1) * model.top_k * ep / model.experts
+        if w.expert:            # each of the rank's experts gets its share of the ep group's routed tokens:
+            # the tp ranks of a group hold 1/tp of each expert and all of its micro-batch's tokens (gathered
+            # after the dispatch under sequence parallelism; with experts folded over tp x dp each rank holds
+            # whole experts and the same M), so a rank does 1/tp of its group's expert FLOPs
+            per_expert = tokens * model.top_k * ep / model.experts
             t = w.copies / ep * gemm_seconds(max(per_expert, 1), N, K, mm_flops, cluster.hbm_bw)
         else:
             M = tokens // tp if (w.split == "rep" and sp and tp > 1) else tokens
@@ -136,11 +143,30 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
     passes = FUSED_PASSES if not eager else eager_traffic_ratio()
     saved = memory.layer_bytes(model, kernels, moe_layer, 1, tp, 1, "none", sp) * tokens / model.seq
     ew = passes * saved / cluster.hbm_bw
-    forward = gemm_f + attn_f + ew / 3
-    redo = {"none": 0.0, "selective": attn_f, "selective_ops": half + ew / 3, "mlp": mlp + ew / 6,
+    perm = permutation_bytes(model, tokens // (tp if sp else 1), ep, permute_fused) / cluster.hbm_bw \
+        if moe_layer else 0.0
+    forward = gemm_f + attn_f + ew / 3 + perm
+    redo = {"none": 0.0, "selective": attn_f, "selective_ops": half + ew / 3, "mlp": mlp + ew / 6 + perm,
             "full": forward}[recompute]
-    return {"forward": forward, "backward": 2 * gemm_f + attn_b + 2 * ew / 3, "recompute": redo,
+    return {"forward": forward, "backward": 2 * gemm_f + attn_b + 2 * ew / 3 + perm, "recompute": redo,
             "gemm": 3 * gemm_f, "attention": attn_f + attn_b}
+
+
+# Token permutation, counted from the code that runs it. Megatron-Core's (NVIDIA/Megatron-LM f2e5db40,
+# megatron/core/transformer/moe/moe_utils.py): `permute` is an index_select of the k copies of each token
+# (reads and writes T k h elements); `unpermute` zero-fills a T k h buffer, index_copy_s into it, multiplies by
+# the routing probabilities and sums over k (six passes over T k h). The alltoall dispatcher
+# (token_dispatcher.py) permutes before the all-to-all and again, by local expert, after it, and unpermutes
+# twice. Fused (Transformer Engine's moe_permute / moe_unpermute, `--moe-permute-fusion`): the permute reads
+# each token once and writes its k copies, (1 + k) T h; the unpermute reads the k copies and writes their
+# weighted sum, (k + 1) T h; the sort by local expert reads and writes T k h each way.
+def permutation_bytes(model, routed, ep, fused=False):
+    """Bytes one MoE layer's token permutation moves in forward (backward moves as many), for ``routed``
+    tokens routed on the rank (its sequence-parallel share): memory-bound, at the HBM's bandwidth. The
+    sort by local expert runs only when a rank holds more than one expert."""
+    k, local = model.top_k, model.experts // ep > 1
+    elements = (2 * (1 + k) + (4 * k if local else 0)) if fused else (8 * k + (8 * k if local else 0))
+    return elements * routed * model.hidden * E
 
 
 @functools.lru_cache(maxsize=None)

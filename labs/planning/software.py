@@ -61,6 +61,7 @@ class Software:
     max_pp: int = 1024
     uniform_stages: bool = False    # Megatron-LM: L / (pp v) layers in every model chunk, nothing else
     accumulation: bool = True       # several micro-batches per step without a pipeline (False: b = the local batch)
+    permute_fusion: bool = False    # MoE token permutation in fused kernels (`kernels.permutation_bytes`)
 
     def with_(self, **changes):
         return replace(self, **changes)
@@ -102,14 +103,17 @@ NEMO = MEGATRON_CORE.with_(name="NeMo (Megatron-Core)", source="NVIDIA/NeMo perf
                            zero_stages=(0, 1, 3), prefetch=True, recipe="mixed", reduce_bytes=2)
 # NeMo 25.11 (Megatron-Bridge) counts the embedding and the loss as pipeline layers: its Llama 3.1 405B row
 # runs 126 layers on PP 8 x VP 8 = 64 chunks, which an even split cannot hold
-NEMO_2511 = NEMO.with_(name="NeMo 25.11 (Megatron-Bridge)", uniform_stages=False)
+# Its Qwen3 recipes fuse the token permutation (NVIDIA-NeMo/Megatron-Bridge 067f987d
+# src/megatron/bridge/recipes/qwen/h100/qwen3_moe.py: "moe_permute_fusion = True"); so does the ModelZoo
+# (model_configs/benchmarking/Qwen3-235B-A22B.yaml: "--moe-permute-fusion: true").
+NEMO_2511 = NEMO.with_(name="NeMo 25.11 (Megatron-Bridge)", uniform_stages=False, permute_fusion=True)
 # Megatron-MoE-ModelZoo (yanring/Megatron-MoE-ModelZoo e8650517): Megatron-Core with expert parallelism
 # folded over tp x dp (its ETP column is 1: MoE parallel folding, Liu et al. 2025, arXiv 2504.14960); its
 # "+1f1b overlap" row overlaps the experts' all-to-all with another micro-batch's compute.
 # Its Qwen3-235B rows run 94 layers on PP 8 x VPP 4: uneven stages, as Megatron-Core now offers.
 MOE_ZOO = MEGATRON_CORE.with_(name="Megatron-Core MoE", source="Megatron-MoE-ModelZoo e8650517 best_practice/qwen3",
                               zero_stages=(0, 1, 3), recompute=("none", "selective", "mlp", "full"), prefetch=True,
-                              ep_folding=True, uniform_stages=False)
+                              ep_folding=True, uniform_stages=False, permute_fusion=True)
 # DeepSpeed ZeRO-3 as Narayanan et al. 2021 ran it against PTD-P (§5.2, Table 2): no model parallelism,
 # each weight gathered by the hooks of its own module, with prefetching (Rajbhandari et al. 2021,
 # ZeRO-Infinity §5.1.2), recomputation (the count includes it); no pipeline: "ZeRO-2 and ZeRO-3 are
@@ -152,14 +156,15 @@ TORCHTITAN = Software("torchtitan 9dec370", "pytorch/torchtitan 9dec370", zero_s
 TORCHTITAN_2025 = TORCHTITAN.with_(name="torchtitan 820504e", source="pytorch/torchtitan 820504e", accumulation=True)
 # DeepSeek (V2 §3.2.3, V3 §3.2): HAI-LLM, no TP, ZeRO-1, zero-bubble pipelining (V3: DualPipe, which
 # overlaps the all-to-alls of one micro-batch with another's compute).
+# Its dispatch and combine are its own kernels (V3 §3.2.2), taken as fused.
 HAI_LLM = Software("HAI-LLM", "DeepSeek-AI 2024 (V2 §3.2.3, V3 §3.2)", zero_stages=(1,), max_tp=1,
                    schedules=("zero_bubble",), recipe="mixed_fp32_grads", reduce_bytes=4, overlap_grad_reduce=True,
-                   overlap_param_gather=True, pp_overlap=True, ep_overlap=True)
+                   overlap_param_gather=True, pp_overlap=True, ep_overlap=True, permute_fusion=True)
 # What a planner user gets by default: everything a current stack offers.
 ANY = Software("any current stack", "Megatron-Core and torchtitan together", zero_stages=(0, 1, 2, 3),
                recompute=("none", "selective", "full"), hsdp=True, recipe="mixed", overlap_grad_reduce=True,
                overlap_param_gather=True, prefetch=True, tp_overlap=True, pp_overlap=True, cp_overlap=True,
-               attention="flash3")
+               attention="flash3", permute_fusion=True)
 # DeepSpeed with ZeRO-Offload (Ren et al. 2021): the optimizer state and its Adam step on the CPU.
 DEEPSPEED_OFFLOAD = Software("DeepSpeed ZeRO-3 + offload", "Ren et al. 2021; DeepSpeed docs", zero_stages=(3,),
                              recompute=("none", "full"), schedules=("1f1b",), max_cp=1, sp=False, kernels="flash",

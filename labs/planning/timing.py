@@ -71,7 +71,7 @@ def micro_batch(job, eta, c, nodes):
         lay = dict(zip(("forward", "backward", "recompute", "gemm", "attention"), per_unique(
             lambda T, tp, ep, sp, rc: tuple(kernels.layer_seconds(m, job.cluster, eta, job.fp8, job.eager, job.kernels,
                                                                   bool(moe), T, tp, ep, bool(sp), RECOMPUTE[rc],
-                                                                  sw.attention).values()),
+                                                                  sw.attention, sw.permute_fusion).values()),
             tokens, c["tp"], c["ep"], c["sp"], c["rc"])))
         comm = per_unique(lambda tp, tpn, cp, cpn, ep, epn, b, rc, sp: _layer_groups(job, moe, tp, tpn, cp, cpn, ep, epn,
                                                                                      b, rc, sp),
