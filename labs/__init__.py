@@ -13,7 +13,8 @@ reverse; `tests/test_layout.py` checks it):
     tensor_parallel/  chapter 4          pipeline/         chapter 5          context_parallel/ chapter 6
     expert_parallel/  chapter 7          precision/        chapter 8          recompute/       chapter 9
     collectives/      chapter 10         hardware/         chapter 11         checkpointing/   chapter 12
-    failures/         chapter 13         gpu/              the GPU recording command, on top of them all
+    failures/         chapter 13         planning/         chapter 14         profiling/       chapter 15
+    gpu/              the GPU recording command, on top of them all
 
 Every lab runs multi-process through `labs.launcher.launch` and returns a plain result dict that
 its chapter's notebook asserts on.

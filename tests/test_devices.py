@@ -9,12 +9,16 @@ tensor a GPU would refuse; the audit is itself checked on rank functions that ma
 """
 import importlib
 import os
+import tempfile
 
 import pytest
 
 import device_audit
 from labs.launcher import launch
 from rank_functions import rank_functions
+
+# chapter 15's profiled runs write their traces here
+TRACES = os.path.join(tempfile.gettempdir(), "labs-audit-profiling")
 
 # (rank function, args, kwargs) at small sizes, on 2 and on 4 ranks
 AUDITED = {2: [
@@ -53,6 +57,19 @@ AUDITED = {2: [
     ("labs.recompute.accumulation._no_sync_counts", (2, 2), {}),
     ("labs.recompute.accumulation._sync_switches", (2, 2, 0.1), {}),
     ("labs.recompute.accumulation._fsdp_no_sync", (2, 2, 0.1), {}),
+    ("labs.profiling.collective_matmul.check", (), {"batch": 1, "seq": 8, "hidden": 16, "out_features": 8}),
+    ("labs.profiling.moe_overlap.check", (), {}),
+    ("labs.profiling.lab.record", ("tp", os.path.join(TRACES, "tp")), {"steps": 1, "warmup": 0,
+                                                                      "memory": False}),
+    ("labs.profiling.overlap.record", ([("ddp", os.path.join(TRACES, "ddp"), 1, {}),
+                                        ("fsdp2", os.path.join(TRACES, "fsdp2"), 1, {}),
+                                        ("matmul", os.path.join(TRACES, "matmul"), 1,
+                                         {"seq": 16, "hidden": 32, "out_features": 16}),
+                                        ("moe", os.path.join(TRACES, "moe"), 1, {"calls": 1})],), {}),
+    # FSDP2 with checkpointing covers the exercise's own code (wrap, PeakMemory, the recorder); its DDP
+    # mode is left out: the audit flags DDP's C++ reducer copying a gradient into a bucket in backward
+    # (aten.mul.out), a bucket whose device it cannot see (device_audit's docstring)
+    ("labs.profiling.opt_exercise.run_modes", (["fsdp2+ac"], 32, os.path.join(TRACES, "opt")), {"steps": 1}),
 ], 4: [
     ("labs.zero.hsdp.hsdp_vs_full", (2,), {"steps": 1}),
     ("labs.recompute.clip_norm.rank_clip", (), {}),
@@ -72,7 +89,8 @@ SLOW = {"labs.data_parallel.ddp.run", "labs.collectives.crossover.rank_sweep", "
         "labs.recompute.accumulation._sync_switches", "labs.zero.stages.accumulation",
         "labs.memory_budget.budget.measure", "labs.zero.stages.all_stages", "labs.zero.hsdp.hsdp_vs_full",
         "labs.context_parallel.hybrid.check", "labs.expert_parallel.node_dispatch.compare",
-        "labs.expert_parallel.ep_dp.check", "labs.expert_parallel.moe_check.check_layer"}
+        "labs.expert_parallel.ep_dp.check", "labs.expert_parallel.moe_check.check_layer",
+        "labs.profiling.lab.record", "labs.profiling.overlap.record", "labs.profiling.opt_exercise.run_modes"}
 ALL = os.environ.get("LABS_AUDIT_ALL") == "1"
 
 # Started by the labs but not audited here, each with the reason.

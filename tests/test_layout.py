@@ -24,7 +24,8 @@ APPS = {"labs.gpu"}                                   # commands on top of the c
 CHAPTERS = {"labs.memory_budget": 1, "labs.data_parallel": 2, "labs.zero": 3, "labs.tensor_parallel": 4,
             "labs.pipeline": 5, "labs.context_parallel": 6, "labs.expert_parallel": 7, "labs.precision": 8,
             "labs.recompute": 9, "labs.collectives": 10, "labs.hardware": 11, "labs.checkpointing": 12,
-            "labs.failures": 13, "labs.planning": 14}
+            "labs.failures": 13, "labs.planning": 14,
+            "labs.profiling": 15}
 
 
 # ---- the graph ------------------------------------------------------------------------------------

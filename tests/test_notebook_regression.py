@@ -78,7 +78,7 @@ def _assert_only_cell_fails(code, output, index):
 
 def test_a_byte_count_off_by_one_element_fails(tmp_path):
     # The ring's counted bytes per rank at N = 4: the last rank "sends" one fp32 element more.
-    nb, cell, index = _truncated("02_data_parallel.ipynb", "runs = {n: launch.spawn(ra.compare")
+    nb, cell, index = _truncated("02_data_parallel.ipynb", "launch.spawn(ra.compare")
     _perturb_output(cell, "text/markdown", r"(\| 4 \| ring \|[^\n]*?\[\d+, \d+, \d+, )(\d+)\]",
                     lambda m: f"{m.group(1)}{int(m.group(2)) + 4}]")
     _assert_only_cell_fails(*_nbval(nb, tmp_path), index)
@@ -86,7 +86,7 @@ def test_a_byte_count_off_by_one_element_fails(tmp_path):
 
 def test_a_glued_integer_off_by_one_element_fails(tmp_path):
     # The glued per-rank ring bytes that the chapter's prose quotes.
-    nb, cell, index = _truncated("02_data_parallel.ipynb", "runs = {n: launch.spawn(ra.compare")
+    nb, cell, index = _truncated("02_data_parallel.ipynb", "launch.spawn(ra.compare")
     record = "application/papermill.record/text/plain"
     glued = [o for o in cell["outputs"] if o.get("metadata", {}).get("scrapbook", {}).get("name") == "ring_bytes_n4"]
     assert len(glued) == 1

@@ -24,6 +24,28 @@ def test_glue_writes_what_myst_nb_writes(monkeypatch, value, display):
     assert report.GLUE_PREFIX == myst_glue.GLUE_PREFIX
 
 
+def test_a_glued_figure_is_shown_as_myst_nb_shows_it_and_closed(monkeypatch):
+    """A chapter page pastes the PNG its notebook page renders: a figure is glued shown, as its PNG
+    (what myst-nb's glue writes for it), and closed so that the kernel does not show it twice."""
+    import IPython.display
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.core.pylabtools import select_figure_formats
+    myst_glue = pytest.importorskip("myst_nb.ext.glue")
+    select_figure_formats(InteractiveShell.instance(), {"png"})  # what the inline backend sets up
+    fig, ax = plt.subplots(figsize=(2, 1))
+    ax.plot([0, 1], [1, 0])
+    theirs = _captured(monkeypatch, myst_glue, "ipy_display", lambda: myst_glue.glue("f", fig, True))
+    ours = _captured(monkeypatch, IPython.display, "display", lambda: report.glue("f", fig))
+    assert ours == theirs and "image/png" in ours[0][0]
+    assert not plt.fignum_exists(fig.number)
+    with pytest.raises(ValueError, match="glued shown"):
+        report.glue("f", plt.figure(), display=False)
+    plt.close("all")
+
+
 def test_glue_does_not_import_the_book_toolchain():
     import subprocess
     import sys

@@ -29,6 +29,26 @@ def suite(world_size):
     return launch.spawn(workers.ring_runs, world_size, NUMELS, timeout=180)
 
 
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_the_traced_ring_shows_what_arrived_where(world_size):
+    """Chapter 2's picture of the ring is drawn from these arrivals: a hook that reported the chunk
+    sent instead of the one received, or before the rank added its input, fails here."""
+    from labs.data_parallel import ring_steps
+    traces = [r["trace"] for r in suite(world_size)]
+    n = world_size
+    for r, t in enumerate(traces):
+        assert t["exact"] and len(t["steps"]) == 2 * (n - 1)
+        for s in t["steps"]:
+            assert s["bytes_sent"] == t["chunk_bytes"]
+            if s["phase"] == "reduce-scatter":
+                assert s["chunk"] == (r - 2 - s["step"]) % n
+                assert s["holds"] == sorted((r - j) % n for j in range(s["step"] + 2))
+            else:
+                assert s["chunk"] == (r - 1 - s["step"]) % n and s["holds"] == list(range(n))
+    final = ring_steps.holdings(traces)[-1]
+    assert all(held == set(range(n)) for row in final for held in row)
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
 def test_ring_and_naive_equal_the_exact_sum_and_the_formulas(world_size):

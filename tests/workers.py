@@ -198,8 +198,9 @@ def ddp_semantics(rank, world_size, head_dtype=torch.bfloat16):
 
 def ring_runs(rank, world_size, numels, naive_numel=101):
     """labs.data_parallel.ring_allreduce.run: ring for several sizes, naive and library for one, in one job (one spawn)."""
-    from labs.data_parallel import ring_allreduce as ra
-    return {"ring": [ra.run(rank, world_size, numel, "ring", 1) for numel in numels],
+    from labs.data_parallel import ring_allreduce as ra, ring_steps
+    return {"trace": ring_steps.trace(rank, world_size),
+            "ring": [ra.run(rank, world_size, numel, "ring", 1) for numel in numels],
             "naive": ra.run(rank, world_size, naive_numel, "naive", 1),
             "library": ra.run(rank, world_size, 1000, "library", 1)}
 

@@ -7,6 +7,7 @@
 - `ulysses`: DeepSpeed-Ulysses, one fused QKV all-to-all from a sequence split to a head split.
 - `allgather_cp`: all-gather context parallelism, as in Llama 3.
 - `methods`: the three against one process's attention, the contiguous and zig-zag splits, work counted.
+- `layout_figure`: the picture of the causal score matrix split contiguously and zig-zag.
 - `crossover`: the KV-head ratio k/a at which each method sends the fewest bytes.
 - `hybrid`: Ulysses inside a node and the ring across nodes (USP), bytes per link tier counted.
 - `ring_steps`: the ring's compute and wait per step and rank, contiguous against zig-zag.

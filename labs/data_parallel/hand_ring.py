@@ -13,6 +13,8 @@ Every message goes through `labs.measure.comm`, so it is counted as it is posted
 ...) run as these rings on any process group, their messages counted under the collective's name:
 that is how chapters 3 and 6 count what a sharded step sends.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -59,13 +61,15 @@ def _exchange(send_buf, dst, recv_buf, src, group=None, combine=None):
         req.wait()
 
 
-def ring_reduce_scatter(output, chunks, group=None, op=dist.ReduceOp.SUM):
+def ring_reduce_scatter(output, chunks, group=None, op=dist.ReduceOp.SUM, on_step=None):
     """Reduce ``chunks`` (any sizes, one per rank of ``group``) over the ring; chunk r's result -> ``output``.
 
     Step s = 0..N-2: rank r sends right the partial result of chunk (r - 1 - s) mod N (at s = 0
     its own input) and receives from the left chunk (r - 2 - s) mod N, to which it adds its own
     input; the last arrival is chunk r, reduced over all N ranks. Each rank sends every chunk but
     its own: (N-1)/N of the buffer. ``chunks`` are only read; ``output`` may be ``chunks[r]``.
+    ``on_step(s, k, partial)``, if given, sees after each step the chunk k that arrived, reduced
+    with this rank's input (chapter 2 draws the ring's steps from what it sees).
     """
     n, r, right, left = _ring(group)
     if output.numel() != chunks[r].numel():
@@ -80,19 +84,24 @@ def ring_reduce_scatter(output, chunks, group=None, op=dist.ReduceOp.SUM):
         own = chunks[(r - 2 - s) % n].split(SEGMENT)
         incoming = spare[s % 2][:chunks[(r - 2 - s) % n].numel()]  # the other buffer is still being sent
         _exchange(outgoing, right, incoming, left, group, combine=lambda i, seg, own=own: reduce(seg, own[i]))
+        if on_step is not None:
+            on_step(s, (r - 2 - s) % n, incoming)
         outgoing = incoming
     return output.copy_(outgoing.view(output.shape))
 
 
-def ring_all_gather_(chunks, group=None):
+def ring_all_gather_(chunks, group=None, on_step=None):
     """In place: rank r brings ``chunks[r]``; afterwards every rank holds every chunk (any sizes).
 
     Step s = 0..N-2: send chunk (r - s) mod N right, receive chunk (r - 1 - s) mod N from the left;
-    each rank sends every chunk but its right neighbour's: (N-1)/N of the buffer.
+    each rank sends every chunk but its right neighbour's: (N-1)/N of the buffer. ``on_step(s, k,
+    chunk)``, if given, sees after each step the chunk k that arrived.
     """
     n, r, right, left = _ring(group)
     for s in range(n - 1):
         _exchange(chunks[(r - s) % n], right, chunks[(r - 1 - s) % n], left, group)
+        if on_step is not None:
+            on_step(s, (r - 1 - s) % n, chunks[(r - 1 - s) % n])
     return chunks
 
 
@@ -108,19 +117,23 @@ def ring_all_gather_into(output, input, group=None):
     return output
 
 
-def ring_allreduce(tensor, group=None, op=dist.ReduceOp.SUM):
+def ring_allreduce(tensor, group=None, op=dist.ReduceOp.SUM, on_step=None):
     """Reduce ``tensor`` over the ranks of ``group``, in place: ring reduce-scatter, then ring all-gather.
 
     The N chunks are as equal as can be (the first numel mod N get one extra element), so
-    2(N-1) steps move 2(N-1)/N * M bytes per rank, whatever N is.
+    2(N-1) steps move 2(N-1)/N * M bytes per rank, whatever N is. ``on_step(phase, s, k, chunk)``,
+    if given, sees each step's arriving chunk (phase "reduce-scatter" or "all-gather").
     """
     if not tensor.is_contiguous():
         raise ValueError("the hand ring all-reduce works in place on a contiguous tensor; pass tensor.contiguous().")
     n, r, _, _ = _ring(group)
     flat = tensor.view(-1)
     chunks = list(flat.split(comm.ring_chunks(flat.numel(), n)))
-    ring_reduce_scatter(chunks[r], chunks, group, op)  # rank r's reduced chunk lands in place
-    ring_all_gather_(chunks, group)
+    watch = {phase: None if on_step is None else functools.partial(on_step, phase)
+             for phase in ("reduce-scatter", "all-gather")}
+    # rank r's reduced chunk lands in place
+    ring_reduce_scatter(chunks[r], chunks, group, op, on_step=watch["reduce-scatter"])
+    ring_all_gather_(chunks, group, on_step=watch["all-gather"])
     return tensor
 
 

@@ -53,11 +53,27 @@ def glue(name, value, display=True):
 
     The same output as ``myst_nb.glue``, written here because importing myst-nb imports Sphinx and
     docutils: a GPU box that only runs the notebooks (nbval) needs none of the book's toolchain.
+
+    A matplotlib figure is stored as its PNG, shown in the notebook, and closed (so the kernel
+    does not show it a second time). It must be shown: a chapter page pastes the image file the
+    notebook page renders (``{glue:figure}`` with ``:doc:``, tools/glue_figure.py), and nbval
+    skips a shown PNG but would compare a hidden one byte for byte, which no other machine's
+    fonts and rounding reproduce.
     """
     from IPython.core.formatters import format_display_data
     from IPython.display import display as show
 
+    figure = type(value).__module__.startswith("matplotlib.") and hasattr(value, "savefig")
+    if figure and not display:
+        raise ValueError(f"glue({name!r}, figure, display=False): a figure is glued shown, so "
+                         "that the chapter page can paste the image and nbval skips its PNG.")
     bundle, metadata = format_display_data(value)
+    if figure and "image/png" not in bundle:
+        raise ValueError(f"glue({name!r}, figure): no PNG of it; run the notebook in a Jupyter "
+                         "kernel with matplotlib's inline backend.")
     prefix = "" if display else GLUE_PREFIX
     metadata["scrapbook"] = {"name": name, "mime_prefix": prefix}
     show({prefix + mime: data for mime, data in bundle.items()}, raw=True, metadata=metadata)
+    if figure:
+        import matplotlib.pyplot as plt
+        plt.close(value)

@@ -1,0 +1,120 @@
+"""Chapter 15: one `torch.profiler` trace per rank, written and read back.
+
+    with trace.Recorder(folder, rank) as rec:
+        for i in range(steps):
+            with rec.step(i):
+                train_step()
+    rec.path, rec.steps          # folder/rank0.json.gz; each step's wall-clock seconds
+    rec.threads                  # each step's CPU and run-queue seconds of this thread (kernel)
+
+`Recorder` runs the profiler on this rank (CPU ops, and CUDA kernels on a GPU), with shapes and
+memory recorded, and marks each step with a ``record_function`` named `STEP`; the step's
+wall-clock time is measured around the same block (`labs.measure.timing.now`: the host clock, read
+after this process's queued GPU work is done), and so is the thread's time on a CPU and waiting
+for one (the kernel's schedstat), so a trace can be checked against the clock and the scheduler
+(`labs.profiling.analysis.coverage`). The trace is Chrome's JSON format, gzipped: Perfetto
+(ui.perfetto.dev) and chrome://tracing open it as it is.
+
+`load` reads a trace back into plain dicts. What torch.profiler 2.13 records for gloo on the CPU,
+read from real traces (the analysis is built on exactly this, `labs.profiling.analysis`):
+- a collective called on the rank's thread shows there as ``c10d::allreduce_`` (``_allgather_base_``,
+  ``_reduce_scatter_base_``, ``alltoall_base_``, ``barrier``...): the time to *issue* it, short
+  when ``async_op=True``;
+- the collective itself runs on one of gloo's own threads (``pt_gloo_runloop``) as
+  ``gloo:all_reduce`` (``gloo:all_gather``, ``gloo:reduce_scatter``, ``gloo:all_to_all``...): from
+  the moment that thread takes it up until it is done;
+- a point-to-point message shows on the rank's thread as ``c10d::send`` or ``c10d::recv_`` (with
+  the peer and the tag among its recorded arguments) and a span ``gloo:send`` or ``gloo:recv`` from
+  the moment it is posted until it completes, which other operators of that thread overlap;
+- ``Work.wait()`` records nothing: a rank waiting on communication leaves a gap in its thread's
+  operators while a gloo span is open. That gap, not any event, is the exposed communication.
+"""
+import gzip
+import json
+import os
+from contextlib import contextmanager
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from labs.measure import timing
+
+STEP = "labs:step"   # the record_function around each profiled step: "labs:step#3"
+
+
+def _on_gpu():
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def thread_times():
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far, from
+    the kernel's /proc/thread-self/schedstat; None where the kernel does not provide it."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, waiting = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
+class Recorder:
+    """torch.profiler around a block on this rank; the trace goes to ``folder/rank{rank}.json.gz``."""
+
+    def __init__(self, folder, rank, memory=True):
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, f"rank{rank}.json.gz")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _on_gpu() else [])
+        self.profiler = profile(activities=activities, record_shapes=True, profile_memory=memory)
+        self.steps = []   # wall-clock seconds of each step, measured around its block
+        self.threads = [] # per step, the rank thread's {"cpu_s", "delay_s"} (kernel), or None
+
+    def __enter__(self):
+        timing.sync()
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        timing.sync()
+        self.profiler.__exit__(*exc)
+        if exc[0] is None:
+            self.profiler.export_chrome_trace(self.path)
+        return False
+
+    @contextmanager
+    def step(self, i):
+        """One step: a `STEP` annotation in the trace, and its wall-clock time in ``self.steps``.
+        On a GPU the step ends when its kernels have, not when the CPU has queued them."""
+        timing.sync()
+        k0, t0 = thread_times(), timing.now()
+        with record_function(f"{STEP}#{i}"):
+            yield
+            timing.sync()
+        self.steps.append(timing.now() - t0)
+        k1 = thread_times()
+        self.threads.append({"cpu_s": k1[0] - k0[0], "delay_s": k1[1] - k0[1]} if k0 and k1 else None)
+
+
+def load(path):
+    """A trace file (``.json`` or ``.json.gz``) as {"rank", "world_size", "events": [...]}.
+
+    Only the events the analysis reads are kept: complete events ("X": an operator, an annotation,
+    a gloo span, a GPU kernel) and the profiler's memory records ("i" named ``[memory]``), each as
+    a dict with name, cat, tid, ts and dur in microseconds, and args.
+    """
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        raw = json.load(f)
+    info = raw.get("distributedInfo") or {}
+    keep = [e for e in raw["traceEvents"]
+            if e.get("ph") == "X" or (e.get("ph") == "i" and e.get("name") == "[memory]")]
+    events = [{"name": e["name"], "cat": e.get("cat", ""), "tid": e.get("tid"), "ts": float(e["ts"]),
+               "dur": float(e.get("dur", 0.0)), "args": e.get("args", {}), "ph": e["ph"]} for e in keep]
+    return {"rank": info.get("rank", 0), "world_size": info.get("world_size", 1),
+            "backend": info.get("backend"), "events": events}
+
+
+def load_folder(folder):
+    """Every ``rank*.json[.gz]`` of a folder, in rank order."""
+    names = sorted(n for n in os.listdir(folder) if n.startswith("rank") and ".json" in n)
+    traces = [load(os.path.join(folder, n)) for n in names]
+    return sorted(traces, key=lambda t: t["rank"])

@@ -1,0 +1,270 @@
+"""Chapter 15: the trace analysis on synthetic traces with known answers, and on a real one.
+
+Each synthetic trace is built so that a plausible wrong analysis gives another number: nested
+operators counted twice, the issue call taken for the wait, a wrapper that holds a wait counted as
+compute, a receive's wait for its peer counted as communication, an isend's pending span counted
+as in flight. The real trace comes from the command line (one run, module-scoped), whose contract
+and refusals are checked too.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from labs.profiling import analysis, intervals as iv, trace
+
+MAIN, GLOO = 100, 200   # thread ids: the rank's thread, one of gloo's
+
+
+def op(name, start, end, tid=MAIN, cat="cpu_op", args=None):
+    return {"name": name, "cat": cat, "tid": tid, "ts": float(start), "dur": float(end - start),
+            "args": args or {}, "ph": "X"}
+
+
+def step(i, start, end):
+    return op(f"{trace.STEP}#{i}", start, end, cat="user_annotation")
+
+
+def one(events, p2p=None):
+    rows = analysis.breakdown({"events": events}, p2p)
+    assert len(rows) == 1
+    return {k: v * 1e6 if k.endswith("_s") else v for k, v in rows[0].items()}   # microseconds
+
+
+def test_interval_arithmetic():
+    assert iv.union([(5, 9), (0, 2), (1, 3), (9, 10)]) == [(0, 3), (5, 10)]
+    assert iv.intersect([(0, 3), (5, 10)], [(2, 6)]) == [(2, 3), (5, 6)]
+    assert iv.subtract([(0, 10)], [(2, 3), (5, 6)]) == [(0, 2), (3, 5), (6, 10)]
+    assert iv.length(iv.clip([(0, 3), (5, 10)], (1, 7))) == 4
+
+
+def test_nested_operators_count_once():
+    # aten::linear holds aten::addmm: 10 us of compute, not 18
+    r = one([step(0, 0, 20), op("aten::linear", 0, 10), op("aten::addmm", 1, 9)])
+    assert r["compute_s"] == pytest.approx(10) and r["idle_s"] == pytest.approx(10)
+
+
+def test_exposed_is_the_wait_not_the_issue():
+    # issue [10, 11] on the rank thread; gloo runs it [11, 30]; the rank computes [11, 20], then
+    # waits (nothing is recorded for a wait) until 30. Exposed: the issue and [20, 30], 11 us.
+    # Counting only the issue call would give 1; counting wait events, 0.
+    r = one([step(0, 0, 40), op("aten::mm", 0, 10), op("c10d::allreduce_", 10, 11),
+             op("gloo:all_reduce", 11, 30, tid=GLOO, cat="user_annotation"), op("aten::mm", 11, 20)])
+    assert r["compute_s"] == pytest.approx(19)
+    assert r["comm_s"] == pytest.approx(20)
+    assert r["exposed_comm_s"] == pytest.approx(11)
+    assert r["idle_s"] == pytest.approx(10)
+    assert r["overlap_fraction"] == pytest.approx(9 / 20)
+
+
+def test_a_wait_starts_before_gloo_takes_the_collective_up():
+    # a synchronous all-reduce: issued [10, 11], queued until gloo's thread runs it [15, 30]; the
+    # rank thread waits from 11 to 30. Counting only time with a span open would leave 4 us idle.
+    r = one([step(0, 0, 40), op("aten::mm", 0, 10), op("c10d::allreduce_", 10, 11),
+             op("gloo:all_reduce", 15, 30, tid=GLOO, cat="user_annotation"), op("aten::mm", 30, 40)])
+    assert r["exposed_comm_s"] == pytest.approx(20) and r["idle_s"] == 0
+
+
+def test_a_gap_that_no_completion_ends_is_not_a_wait():
+    # an all-reduce in flight [5, 25] while the thread leaves a gap [10, 15] between two operators
+    # (the interpreter, or the scheduler): the all-reduce completes under compute, nothing waited.
+    # Counting all in-flight time outside operators would call those 5 us exposed.
+    r = one([step(0, 0, 30), op("aten::mm", 0, 10), op("aten::mm", 15, 30),
+             op("gloo:all_reduce", 5, 25, tid=GLOO, cat="user_annotation")])
+    assert r["exposed_comm_s"] == 0 and r["idle_s"] == pytest.approx(5)
+    assert r["overlap_fraction"] == pytest.approx(15 / 20)
+
+
+def test_a_wait_inside_a_wrapper_is_not_compute():
+    # an autograd node [0, 30] computes [0, 10] and then waits inside a hook while gloo runs [5, 30]
+    r = one([step(0, 0, 30), op("autograd::engine::evaluate_function: AddmmBackward0", 0, 30),
+             op("aten::mm", 0, 10), op("gloo:all_reduce", 5, 30, tid=GLOO, cat="user_annotation")])
+    assert r["compute_s"] == pytest.approx(10) and r["exposed_comm_s"] == pytest.approx(20)
+
+
+def test_a_communication_call_inside_an_operator_is_not_compute():
+    r = one([step(0, 0, 10), op("aten::copy_", 0, 10), op("c10d::allreduce_", 2, 6)])
+    assert r["compute_s"] == pytest.approx(6) and r["exposed_comm_s"] == pytest.approx(4)
+
+
+def _p2p_traces():
+    # rank 1 posts a receive at 0 and waits; rank 0 computes until 40, then sends (the isend's span
+    # stays open until rank 0 waits on it at 100). The receive completes at 50.
+    send_args = {"Concrete Inputs": ["", "", "1", "7"]}
+    recv_args = {"Concrete Inputs": ["", "", "0", "7"]}
+    r0 = [step(0, 0, 100), op("aten::mm", 0, 40), op("c10d::send", 40, 41, args=send_args),
+          op("gloo:send", 40.5, 100, cat="user_annotation"), op("aten::mm", 41, 100)]
+    r1 = [step(0, 0, 60), op("c10d::recv_", 0, 1, args=recv_args), op("gloo:recv", 0.5, 50, cat="user_annotation"),
+          op("aten::mm", 50, 60)]
+    return [{"events": r0}, {"events": r1}]
+
+
+def test_point_to_point_waits_for_the_peer_then_transfers():
+    traces = _p2p_traces()
+    parts = analysis.point_to_point(traces)
+    r0, r1 = (analysis.breakdown(t, p)[0] for t, p in zip(traces, parts))
+    # rank 1: from its receive call [0, 1] to the send's post at 40 it waits for rank 0's compute
+    # (the bubble, 39 us); the call and the 10 us of transfer are exposed communication
+    assert r1["peer_wait_s"] * 1e6 == pytest.approx(39) and r1["exposed_comm_s"] * 1e6 == pytest.approx(11)
+    # rank 0: the send is in flight only until the receive completed at 50, under its compute
+    assert r0["comm_s"] * 1e6 == pytest.approx(10) and r0["exposed_comm_s"] * 1e6 == pytest.approx(1)
+    # without the peer's trace the same receive is all communication: the bubble is not seen
+    alone = analysis.breakdown(traces[1])[0]
+    assert alone["peer_wait_s"] == 0 and alone["exposed_comm_s"] * 1e6 == pytest.approx(50)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_terms_add_up_to_the_step(seed):
+    import random
+    rnd = random.Random(seed)
+    events = [step(0, 0, 1000)]
+    for _ in range(40):
+        a = rnd.uniform(-50, 1000)
+        kind = rnd.choice(["aten::mm", "c10d::allreduce_", "gloo:all_reduce", "aten::linear"])
+        events.append(op(kind, a, a + rnd.uniform(1, 80), tid=GLOO if kind.startswith("gloo") else MAIN))
+    r = one(events)
+    total = r["compute_s"] + r["exposed_comm_s"] + r["peer_wait_s"] + r["idle_s"]
+    assert total == pytest.approx(1000) and min(r["compute_s"], r["exposed_comm_s"], r["idle_s"]) >= 0
+
+
+def test_a_trace_without_steps_is_refused():
+    with pytest.raises(ValueError, match="labs:step"):
+        analysis.breakdown({"events": [op("aten::mm", 0, 1)]})
+
+
+def test_coverage_catches_a_missed_wait():
+    row = {"step_s": 0.1, "compute_s": 0.06, "exposed_comm_s": 0.0, "peer_wait_s": 0.0, "input_s": 0.0,
+           "idle_s": 0.04}
+    # quiet machine: 62 ms on a CPU, no delay. 40 ms idle but only 2 ms of CPU outside operators:
+    # the thread was blocked 38 ms on something the trace does not show
+    assert analysis.coverage(row, 0.1, {"cpu_s": 0.062, "delay_s": 0.0})["holds"] is False
+    assert analysis.coverage(row, 0.1, {"cpu_s": 0.1, "delay_s": 0.0})["holds"] is True
+    assert analysis.coverage(row, 0.1, None)["holds"] is None
+
+
+# ---- a real run, from the command line ----------------------------------------------------------
+
+def _cli(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "labs.profiling", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("traces")
+    out = _cli("--lab", "hand-ddp", "--world-size", "2", "--steps", "2", "--warmup", "1", "--out", str(folder),
+               "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), folder
+
+
+def test_the_command_writes_one_trace_per_rank(real):
+    r, folder = real
+    assert sorted(os.listdir(folder)) == ["rank0.json.gz", "rank1.json.gz"]
+    assert [rk["rank"] for rk in r["ranks"]] == [0, 1]
+    for rk in r["ranks"]:
+        assert len(rk["steps"]) == 2 and len(rk["wall_s"]) == 2
+        for c in rk["coverage"]:
+            assert abs(c["window_s"]) < 0.01 * c["step_s"] + 1e-3   # annotation and clock agree
+
+
+def test_gloo_events_are_where_the_analysis_looks(real):
+    _, folder = real
+    t = trace.load(os.path.join(folder, "rank0.json.gz"))
+    windows, tid = analysis.steps(t["events"])
+    issue = [e for e in t["events"] if e["name"] == "c10d::allreduce_"]
+    spans = [e for e in t["events"] if e["name"] == "gloo:all_reduce"]
+    assert issue and all(e["tid"] == tid for e in issue)           # issued on the rank thread
+    assert spans and all(e["tid"] != tid for e in spans)           # run on gloo's thread
+    assert t["backend"] == "gloo" and t["rank"] == 0 and len(windows) == 2
+    assert analysis.memory_timeline(t)                             # the profiler's memory records
+
+
+def test_span_bytes_are_the_buckets(real):
+    # every step all-reduces each bucket once: the bytes the gloo spans record are the trainable
+    # parameters' fp32 bytes per step (the barriers between steps are outside the step windows)
+    from labs import model as tiny
+    from labs.profiling import targets
+    r, _ = real
+    params = tiny.num_params(tiny.build(targets.config())) * 4
+    assert set(r["ranks"][0]["comm_by_op"]) == {"gloo:all_reduce"}
+    row = r["ranks"][0]["comm_by_op"]["gloo:all_reduce"]
+    assert row["bytes"] == params and row["calls"] == int(row["calls"]) > 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--lab", "tp", "--world-size", "3"), "divisible"),
+    (("--lab", "3d", "--world-size", "2"), "multiple of 4"),
+    (("--lab", "1f1b", "--world-size", "3"), "8 layers"),
+    (("--lab", "ddp", "--world-size", "1"), "at least 2"),
+    (("--lab", "zero-4",), "invalid choice"),
+])
+def test_bad_input_gets_one_sentence_before_any_rank_starts(args, message, capsys):
+    from labs.launcher import cli
+    from labs.profiling import lab
+    with pytest.raises(SystemExit) as end:
+        cli.main(lambda: lab.main(list(args)))
+    err = capsys.readouterr().err
+    assert end.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+# ---- HTA reads the same events -------------------------------------------------------------------
+
+def test_hta_reads_the_same_communication_events(real):
+    from labs.profiling import hta_check
+    _, folder = real
+    seen = hta_check.parsed(str(folder))
+    assert sorted(seen) == [0, 1] and all(hta_check.agree(rows) for rows in seen.values())
+    assert hta_check.gpu_crosscheck(str(folder)) is None               # no kernels on the CPU
+    # a count that differs, or an HTA total above the lab's, is a disagreement
+    rows = {"gloo:all_reduce": {"hta": (3, 100.0), "labs": (4, 101.0)}}
+    assert not hta_check.agree(rows)
+    assert not hta_check.agree({"gloo:all_reduce": {"hta": (4, 102.0), "labs": (4, 101.0)}})
+
+
+# ---- the timing interval -------------------------------------------------------------------------
+
+def test_median_interval_order_statistics():
+    from labs.profiling import timing
+    med, lo, hi, conf = timing.median_interval(range(1, 10))       # n = 9: k = 2, 1 - 2 * 10/512
+    assert (med, lo, hi) == (5, 2, 8) and conf == pytest.approx(1 - 20 / 512)
+    assert timing.median_interval([1, 2, 3, 4, 5])[1] is None          # n = 5 reaches only 94%
+    assert timing.ratio([1] * 9, [2] * 9)["verdict"] == "a < b"
+    assert timing.ratio([3] * 9, [2] * 9)["verdict"] == "a > b"
+    mixed = timing.ratio([1, 3] * 4 + [1], [2] * 9)                    # ratios on both sides of 1
+    assert mixed["verdict"] == "not resolved on this machine"
+    assert [p for p in timing.order(4)] == [("a", "b"), ("b", "a"), ("a", "b"), ("b", "a")]
+
+
+# ---- equal results ---------------------------------------------------------------------------------
+
+@pytest.mark.numerics
+def test_the_collective_matmul_equals_the_plain_layer():
+    # 3 ranks, an odd ring; the bound is derived (Higham 3.1), a chunk written one slot off exceeds it
+    from labs.launcher import launch
+    from labs.profiling import collective_matmul
+    for r in launch.spawn(collective_matmul.check, 3, 2, 36, 64, 96, timeout=180):
+        assert r["shape"] == (2, 36, 32)
+        assert r["within_bound"] and not r["misplaced_within_bound"]
+        assert r["max_abs_error"] <= r["max_bound"]
+
+
+@pytest.mark.numerics
+def test_the_moe_schedules_equal_each_other_and_chapter_7():
+    # the same operations per micro-batch in another order: equal bit for bit
+    from labs.launcher import launch
+    from labs.profiling import moe_overlap
+    for r in launch.spawn(moe_overlap.check, 2, timeout=180):
+        assert r["overlapped_equals_sequential"] and r["equals_chapter_7"]
+
+
+def test_the_exercise_checker_accepts_the_answers_and_refuses_a_wrong_one():
+    from labs.measure import exercises
+    from labs.profiling import quiz
+    assert quiz.EXERCISES["1"]() == pytest.approx(40 / 60)              # 60 in flight, 20 exposed
+    assert quiz.EXERCISES["5"]() == 7.0
+    assert quiz.opt_params() == 1_315_753_984   # OPT-1.3B's 1,315,758,080 less 2 x 2048 positions
+    demo = exercises.demonstrate(quiz.check, quiz.EXERCISES, "1", 20 / 60, "exposed over in flight")
+    assert demo["accepted"] == list(quiz.EXERCISES) and demo["refused"]
