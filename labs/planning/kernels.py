@@ -27,6 +27,7 @@ its own: `eager_traffic_ratio` counts every non-matmul op's inputs and outputs, 
 on the tiny Llama block with a dispatch mode, against the bytes it saves.
 """
 import functools
+import math
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,10 +51,33 @@ KERNEL = {("flash2", "A100"): 0.50, ("flash2", "RTX 3090"): 0.50, ("flash2", "H1
           ("flash2", "H100 96GB 500W"): 0.35, ("flash3", "H100"): 0.75, ("flash3", "H100 96GB 500W"): 0.75}
 
 
-def attention_ratio(attention, generation):
-    """A fused attention kernel's speed over the best GEMM's on the same GPU (see above); FlashAttention-3
-    runs on Hopper only, so elsewhere a stack that asks for it runs FlashAttention-2."""
-    return min(1.0, KERNEL.get((attention, generation), KERNEL["flash2", generation]) / MAMF[generation])
+# The same kernels at shorter sequences, TFLOP/s forward on an H100 SXM5, head dim 128, 16k tokens per call
+# (batch x sequence), at sequence 512, 1k, 2k, 4k, 8k, 16k: FlashAttention-3 as pytorch/benchmark measured it
+# (commit ff65cb67, PR #2391: flash_v3, 430 to 621), FlashAttention-2 as Shah et al. 2024 print it (Figure 5,
+# head dim 128: 309 to 370). A call attends over s / cp keys at a time (a ring step of context parallelism),
+# so short chunks run below the long-sequence speed above; measured on Hopper only, so only Hopper gets it.
+BY_LENGTH = {"flash3": (430.3, 517.1, 565.5, 590.2, 614.2, 620.7), "flash2": (309, 350, 362, 368, 370, 370)}
+HOPPER = ("H100", "H100 96GB 500W")
+
+
+def length_factor(attention, generation, length):
+    """A fused attention kernel's speed at ``length`` keys per call over its speed at 16k (`BY_LENGTH`),
+    linear in log2 of the length between the measured points, 1 above them; held at the 512 point below
+    it (optimistic there); 1 off Hopper or for a kernel not measured."""
+    curve = BY_LENGTH.get(attention if generation == "H100" or attention != "flash3" else "flash2")
+    if generation not in HOPPER or curve is None or length >= 16384:
+        return 1.0
+    x = min(max(math.log2(length) - 9, 0.0), 5.0)       # 512 -> 0, 16k -> 5
+    i = min(int(x), 4)
+    return (curve[i] + (x - i) * (curve[i + 1] - curve[i])) / curve[-1]
+
+
+def attention_ratio(attention, generation, length=16384):
+    """A fused attention kernel's speed over the best GEMM's on the same GPU (see above) at ``length`` keys
+    per call (`length_factor`); FlashAttention-3 runs on Hopper only, so elsewhere a stack that asks for it
+    runs FlashAttention-2."""
+    kernel = attention if (attention, generation) in KERNEL else "flash2"
+    return min(1.0, KERNEL[kernel, generation] / MAMF[generation]) * length_factor(kernel, generation, length)
 
 
 FUSED_PASSES = 3       # write, read back, write the gradient: the least a fused stack moves
@@ -112,7 +136,7 @@ def gemm_seconds(M, N, K, flops, hbm_bw):
 
 @functools.lru_cache(maxsize=None)
 def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute, attention="flash2",
-                  permute_fused=False):
+                  permute_fused=False, cp=1):
     """Seconds one layer takes on one rank for a micro-batch of ``tokens`` (b s / cp) tokens:
     {"forward", "backward", "recompute", "gemm", "attention"} (the last two, forward and backward,
     are what the tensor- and context-parallel collectives can hide under)."""
@@ -137,7 +161,8 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
         half += t if n % 2 else 0        # torchtitan's per-op policy recomputes every other matmul
         mlp += 0 if w.name in attention_names else t
     causal = kernels != "materialized"
-    attn_flops = eta * cluster.peak_flops * (attention_ratio(attention, cluster.generation) if causal else 1.0)
+    ratio = attention_ratio(attention, cluster.generation, model.seq // cp) if causal else 1.0
+    attn_flops = eta * cluster.peak_flops * ratio
     attn_f = 4 * tokens * model.seq / (2 if causal else 1) * model.attention_width / tp / attn_flops
     attn_b = attn_f * (2.5 if causal else 2)
     passes = FUSED_PASSES if not eager else eager_traffic_ratio()

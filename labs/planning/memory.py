@@ -202,26 +202,30 @@ def logits_bytes(model, tp, cp, b):
 
 
 @functools.lru_cache(maxsize=None)
-def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer"):
+def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer", grad_bytes=BF16):
     """FSDP2's gathered bf16 unit and the next one (prefetch) with the unit's unsharded bf16 and fp32
-    gradient (chapter 3); kept gathered after forward, the stage's weights and gradients in bf16. A unit
-    is a layer (FSDP wraps each block) or, for DeepSpeed's per-module hooks, the largest weight."""
+    gradient (chapter 3); kept gathered after forward, the stage's bf16 weights and its gradients, which
+    under a pipeline accumulate unsharded over the micro-batches in the reduction's dtype (``grad_bytes``):
+    torch.distributed.pipelining turns FSDP's gradient sync off until the last backward (stage.py,
+    ``backward_maybe_with_nosync``) and FSDP2 then upcasts each unsharded gradient to its reduce dtype
+    (_fully_shard/_fsdp_param.py, ``to_accumulated_grad_if_needed``; torch 2.13). A unit is a layer
+    (FSDP wraps each block) or, for DeepSpeed's per-module hooks, the largest weight."""
     if zero != 3:
         return 0
     if not reshard:
-        return 2 * BF16 * sum(stage_params(model, tp, pp, ep, v, stage))
+        return (BF16 + (grad_bytes if pp > 1 else BF16)) * sum(stage_params(model, tp, pp, ep, v, stage))
     pick = sum if unit == "layer" else max
     size = max((pick(local_numel(w, tp, ep, model.kv_heads) for w in model.layer_weights(i))
                 for i in _kinds(model, pp, v, stage)), default=0)
     return 2 * BF16 * size + (BF16 + 4) * size
 
 
-def buffers_bytes(model, c, unit="layer"):
+def buffers_bytes(model, c, unit="layer", grad_bytes=BF16):
     """What is gathered for one layer at a time, per candidate: FSDP2's units (`fsdp_buffer_bytes`),
     sequence parallelism's all-gathered layer input (chapter 6), all-gather CP's K and V of the whole
     sequence (chapter 6)."""
-    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k, unit=unit), c["zero"], c["tp"], c["pp"], c["ep"],
-                      c["v"], c["stage"], c["reshard"])
+    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k, unit=unit, grad_bytes=grad_bytes), c["zero"],
+                      c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["reshard"])
     sp = np.where((c["tp"] > 1) & (c["sp"] == 1), BF16 * c["b"] * (model.seq // c["cp"]) * model.hidden, 0)
     kv = np.maximum(model.kv_heads // c["tp"], 1) * model.head_dim
     cp = np.where(c["cp"] > 1, 2 * BF16 * c["b"] * model.seq * kv, 0)
@@ -234,9 +238,9 @@ def _kinds(model, pp, v, stage):
     return tuple({model.is_moe_layer(i): i for i in stage_layers(model.layers, pp, v)[stage]}.values())
 
 
-def terms(model, c, recipe, kernels, unit="layer"):
+def terms(model, c, recipe, kernels, unit="layer", grad_bytes=BF16):
     """The six TERMS of every candidate in ``c`` (`grid.Columns`), each an array of bytes; ``unit``: what
-    ZeRO-3 gathers at a time (`fsdp_buffer_bytes`)."""
+    ZeRO-3 gathers at a time, ``grad_bytes``: a gradient element in its reduction (`fsdp_buffer_bytes`)."""
     shard = np.where(c["zero"] == 3, c["dp"] // c["dpr"], c["dp"]) * c["cp"]
     state = per_unique(lambda tp, pp, ep, v, st, z, g, off: state_terms(model, tp, pp, ep, v, st, z, g, recipe,
                                                                          bool(off)),
@@ -244,7 +248,7 @@ def terms(model, c, recipe, kernels, unit="layer"):
     acts = activations_bytes(model, c, kernels)
     last = c["stage"] == c["pp"] - 1
     tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b), c["tp"], c["cp"], c["b"]), 0)
-    return state + (acts, tail, buffers_bytes(model, c, unit))
+    return state + (acts, tail, buffers_bytes(model, c, unit, grad_bytes))
 
 
 def rank_memory_terms(model, plan, recipe, kernels, m, stage):

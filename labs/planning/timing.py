@@ -8,7 +8,8 @@
   NCCL's latency plus its bytes over its link tier (`links`). Exposed per phase: a collective the
   stack overlaps (`software`) costs only what the compute it hides under does not cover: tensor-
   parallel collectives under the layer's GEMMs, context parallelism's K/V under the attention, the
-  experts' all-to-alls and the pipeline's sends under the whole micro-batch; otherwise in full.
+  experts' all-to-alls and the pipeline's sends under the whole micro-batch (interleaved or zero-bubble
+  schedules only); otherwise in full.
 - bubble: chapter 5's bubble over ideal time, (p-1)/m for 1F1B, (p-1)/(v m) interleaved
   (Narayanan et al. 2021, §2.2), and (p - 1 + max(0, p - m))/(3m) for the zero-bubble schedule
   (Qi et al. 2023, Table 2, ZB-H1) (`schedules.formula`);
@@ -69,10 +70,10 @@ def micro_batch(job, eta, c, nodes):
         if not count.any():
             continue
         lay = dict(zip(("forward", "backward", "recompute", "gemm", "attention"), per_unique(
-            lambda T, tp, ep, sp, rc: tuple(kernels.layer_seconds(m, job.cluster, eta, job.fp8, job.eager, job.kernels,
-                                                                  bool(moe), T, tp, ep, bool(sp), RECOMPUTE[rc],
-                                                                  sw.attention, sw.permute_fusion).values()),
-            tokens, c["tp"], c["ep"], c["sp"], c["rc"])))
+            lambda T, tp, ep, sp, rc, cp: tuple(kernels.layer_seconds(
+                m, job.cluster, eta, job.fp8, job.eager, job.kernels, bool(moe), T, tp, ep, bool(sp), RECOMPUTE[rc],
+                sw.attention, sw.permute_fusion, cp).values()),
+            tokens, c["tp"], c["ep"], c["sp"], c["rc"], c["cp"])))
         comm = per_unique(lambda tp, tpn, cp, cpn, ep, epn, b, rc, sp: _layer_groups(job, moe, tp, tpn, cp, cpn, ep, epn,
                                                                                      b, rc, sp),
                           c["tp"], nodes["tp"], c["cp"], nodes["cp"], c["ep"], nodes["ep"], c["b"], c["rc"], c["sp"])
@@ -95,7 +96,10 @@ def micro_batch(job, eta, c, nodes):
         c["tp"], nodes["pp"], c["cp"], c["b"], c["sp"])
     out["tp"] += vocab
     out["pp"] = exposed_pp = traffic.pp_sends(c["stage"], c["pp"], c["v"]) * send
-    out["pp"] = np.maximum(0.0, exposed_pp - out["compute"] * sw.pp_overlap)
+    # Megatron-LM overlaps the sends only in the interleaved schedule: non-interleaved, "overlap_p2p_comm = False"
+    # (megatron/training/arguments.py at f2e5db40), its 1F1B waits for each send (DualPipe hides them too)
+    hidden = sw.pp_overlap * (c["sched"] != SCHEDULES.index("1f1b"))
+    out["pp"] = np.maximum(0.0, exposed_pp - out["compute"] * hidden)
     out["t_mb"] = out["compute"] + out["tp"] + out["cp"] + out["ep"] + out["pp"]
     return out
 
