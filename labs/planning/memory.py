@@ -39,7 +39,7 @@ from labs.memory_budget import activations, budget, fused_swiglu, logits
 from labs.pipeline import schedules
 from labs.pipeline.stage_balance import stage_layers
 from labs.planning.grid import Columns, per_unique
-from labs.planning.software import RECOMPUTE, SCHEDULES
+from labs.planning.software import RECOMPUTE
 from labs.zero import distributed_optimizer
 
 TERMS = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")

@@ -22,7 +22,6 @@ setting of the other knobs, so "rank" is among degree tuples.
 """
 from dataclasses import dataclass
 
-import numpy as np
 
 from labs.dims import ParallelDims
 from labs.memory_budget.model_shape import ModelShape

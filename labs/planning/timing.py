@@ -96,8 +96,8 @@ def micro_batch(job, eta, c, nodes):
         c["tp"], nodes["pp"], c["cp"], c["b"], c["sp"])
     out["tp"] += vocab
     out["pp"] = exposed_pp = traffic.pp_sends(c["stage"], c["pp"], c["v"]) * send
-    # Megatron-LM overlaps the sends only in the interleaved schedule: non-interleaved, "overlap_p2p_comm = False"
-    # (megatron/training/arguments.py at f2e5db40), its 1F1B waits for each send (DualPipe hides them too)
+    # Megatron-LM overlaps the sends only in the interleaved schedule: without it "overlap_p2p_comm =
+    # False" (megatron/training/arguments.py at f2e5db40) and 1F1B waits for each send (DualPipe hides them)
     hidden = sw.pp_overlap * (c["sched"] != SCHEDULES.index("1f1b"))
     out["pp"] = np.maximum(0.0, exposed_pp - out["compute"] * hidden)
     out["t_mb"] = out["compute"] + out["tp"] + out["cp"] + out["ep"] + out["pp"]

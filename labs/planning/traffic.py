@@ -15,7 +15,6 @@ import functools
 
 import numpy as np
 
-from labs.expert_parallel import moe_routing
 from labs.measure import costs
 from labs.pipeline.stage_balance import stage_layers
 from labs.planning import memory
