@@ -61,21 +61,25 @@ def test_one_layout_and_a_thousand_are_priced_by_the_same_formulas():
     # memory.terms on many candidates at once equals each candidate alone: a gather that mixed up rows
     # (per_unique's inverse) or a broadcast over the wrong axis would differ
     plans = [memory.Plan(ParallelDims(tp=t, pp=p, dp=64 // (t * p)), zero=z, recompute=r, micro_batch=b, v=v)
-             for t, p, z, r, b, v in [(8, 1, 1, "none", 1, 1), (4, 4, 3, "full", 2, 2), (2, 8, 0, "selective", 1, 4),
+             for t, p, z, r, b, v in [(8, 1, 1, "none", 1, 1), (4, 4, 3, "full", 2, 2), (2, 8, 0, "selective",
+                                                                                         1, 4),
                                       (8, 2, 2, "selective", 4, 1), (1, 8, 1, "full", 1, 8)]]
     ms = [JOB.sequences // (pl.dims.dp * pl.micro_batch) for pl in plans]
     cols = [Columns.one(pl, m, pl.dims.pp - 1) for pl, m in zip(plans, ms)]
     together = Columns({k: np.concatenate([c[k] for c in cols]) for k in cols[0]})
     batch = np.stack(memory.terms(L70, together, "mixed", "fused"))
-    alone = [memory.rank_memory_terms(L70, pl, "mixed", "fused", m, pl.dims.pp - 1) for pl, m in zip(plans, ms)]
+    alone = [memory.rank_memory_terms(L70, pl, "mixed", "fused", m, pl.dims.pp - 1) for pl, m in zip(plans,
+                                                                                                     ms)]
     assert batch.T.tolist() == [list(a) for a in alone]
 
 
 def test_the_activation_terms_the_issue_named():
     s, b, h, a, t = 2048, 1, 12288, 96, 8
     # full recomputation under sequence parallelism keeps the input's s/t rows (chapter 6 measures 2sbh/t)
-    assert activations.gpt3_activation_bytes_per_layer(s, b, h, a, t, sp=True, recompute="full") == 2 * s * b * h / t
-    assert activations.gpt3_activation_bytes_per_layer(s, b, h, a, t, sp=False, recompute="full") == 2 * s * b * h
+    assert activations.gpt3_activation_bytes_per_layer(s, b, h, a, t, sp=True,
+                                                       recompute="full") == 2 * s * b * h / t
+    assert activations.gpt3_activation_bytes_per_layer(s, b, h, a, t, sp=False,
+                                                       recompute="full") == 2 * s * b * h
     # a fused attention kernel keeps no s x s term: the second difference in s is 0 with it, 2 * 5ab/t without
     for attention, second in (("flash", 0), ("materialized", 2 * 5 * a * b / t)):
         f = [activations.gpt3_activation_bytes_per_layer(x, b, h, a, t, sp=True, attention=attention)
@@ -111,7 +115,8 @@ def test_an_overlap_hides_only_what_its_compute_covers():
     job = planner.Job(L70, shapes.DGX_H100, 64, 4 * 2 ** 20, software.MEGATRON_CORE)
     plan, fixed = ParallelDims(tp=8, dp=8), {"zero": 1, "recompute": "none", "micro_batch": 1}
     on = planner.published(job, plan, 0.5, fixed)["time"]
-    off = planner.published(dataclasses.replace(job, software=job.software.with_(tp_overlap=False)), plan, 0.5,
+    off = planner.published(dataclasses.replace(job, software=job.software.with_(tp_overlap=False)), plan,
+                            0.5,
                             fixed)["time"]
     assert on["compute"] == off["compute"] and 0 < on["exposed_tp"] < off["exposed_tp"]
     assert off["step"] - on["step"] == pytest.approx(off["exposed_tp"] - on["exposed_tp"])
@@ -148,7 +153,8 @@ def test_every_published_layout_fits_but_one(published):
 
 
 def test_calibration_rows_reproduce_and_predictions_stay_close(published):
-    errors = {name: c.per_token() * c.job.batch_tokens / row["time"]["step"] / c.job.gpus / 1e12 / c.tflops - 1
+    errors = {name: c.per_token() * c.job.batch_tokens / row["time"]["step"] / c.job.gpus / 1e12 / c.tflops
+              - 1
               for name, (c, row) in published.items()}
     for eta, name in checked.calibration().values():
         assert abs(errors[name]) < 1e-6, name                      # bisection to 1e-9 in eta

@@ -135,7 +135,8 @@ def gemm_seconds(M, N, K, flops, hbm_bw):
 
 
 @functools.lru_cache(maxsize=None)
-def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute, attention="flash2",
+def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute,
+                  attention="flash2",
                   permute_fused=False, cp=1):
     """Seconds one layer takes on one rank for a micro-batch of ``tokens`` (b s / cp) tokens:
     {"forward", "backward", "recompute", "gemm", "attention"} (the last two, forward and backward,
@@ -146,7 +147,8 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
     attention_names = {w.name for w in model.attention_weights()}
     for n, w in enumerate(x for x in model.layer_weights(i) if len(x.shape) == 2):
         out, inn = w.shape
-        N = {"col": -(-out // tp), "kv": out * max(model.kv_heads // tp, 1) // model.kv_heads}.get(w.split, out)
+        N = {"col": -(-out // tp), "kv": out * max(model.kv_heads // tp, 1) // model.kv_heads}.get(w.split,
+                                                                                                   out)
         K = inn // tp if w.split == "row" else inn
         if w.expert:            # each of the rank's experts gets its share of the ep group's routed tokens:
             # the tp ranks of a group hold 1/tp of each expert and all of its micro-batch's tokens (gathered
@@ -179,8 +181,8 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
 
 # Token permutation, counted from the code that runs it. Megatron-Core's (NVIDIA/Megatron-LM f2e5db40,
 # megatron/core/transformer/moe/moe_utils.py): `permute` is an index_select of the k copies of each token
-# (reads and writes T k h elements); `unpermute` zero-fills a T k h buffer, index_copy_s into it, multiplies by
-# the routing probabilities and sums over k (six passes over T k h). The alltoall dispatcher
+# (reads and writes T k h elements); `unpermute` zero-fills a T k h buffer, index_copy_s into it, multiplies
+# by the routing probabilities and sums over k (six passes over T k h). The alltoall dispatcher
 # (token_dispatcher.py) permutes before the all-to-all and again, by local expert, after it, and unpermutes
 # twice. Fused (Transformer Engine's moe_permute / moe_unpermute, `--moe-permute-fusion`): the permute reads
 # each token once and writes its k copies, (1 + k) T h; the unpermute reads the k copies and writes their

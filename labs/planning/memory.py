@@ -108,7 +108,8 @@ def rank_params(model, plan, stage):
 def stage_params(model, tp, pp, ep, v, stage):
     """(dense, expert) elements of `stage_weights`, added up by layer kind (the same sum, faster)."""
     n, n_moe = stage_layer_counts(model, pp, v, stage)
-    extra = (model.embedding_weights() if stage == 0 else []) + (model.head_weights() if stage == pp - 1 else [])
+    extra = (model.embedding_weights() if stage == 0 else []) + (model.head_weights() if stage == pp - 1
+                                                                 else [])
     if model.tied and pp > 1 and stage == pp - 1:
         extra += model.embedding_weights()[:1]
     dense = sum(local_numel(w, tp, ep, model.kv_heads) for w in extra)
@@ -147,7 +148,8 @@ def state_terms(model, tp, pp, ep, v, stage, zero, group, recipe, offload=False)
     """Weights, gradients, optimizer state: the rank's parameters times chapter 1's (or, stage 3,
     chapter 3's FSDP2) bytes per parameter over the data-parallel group (dp cp; dp cp / ep for experts)."""
     dense_n, expert_n = stage_params(model, tp, pp, ep, v, stage)
-    dense, expert = state_bytes(zero, group, recipe, offload), state_bytes(zero, max(group // ep, 1), recipe, offload)
+    dense, expert = state_bytes(zero, group, recipe, offload), state_bytes(zero, max(group // ep, 1), recipe,
+                                                                           offload)
     return tuple(dense_n * dense[t] + expert_n * expert[t] for t in ("weights", "gradients", "optimizer"))
 
 
@@ -182,15 +184,21 @@ def activations_bytes(model, c, kernels):
     """Activations each candidate's rank holds at its peak (`grid.Columns` c): chapter 5's peak chunk
     micro-batches times the layers of an average chunk, plus one layer rebuilt by recomputation."""
     n, n_moe = per_unique(lambda pp, v, st: stage_layer_counts(model, pp, v, st), c["pp"], c["v"], c["stage"])
-    chunks = per_unique(lambda s, pp, m, v, st: schedules.peak_chunks("1f1b" if s != 1 else "interleaved", pp, m, v,
-                                                                      st), c["sched"], c["pp"], c["m"], c["v"], c["stage"])
-    dense, moe = (per_unique(lambda kind, b, tp, cp, rc, sp: layer_bytes(model, kernels, bool(kind), b, tp, cp,
+    chunks = per_unique(lambda s, pp, m, v, st: schedules.peak_chunks("1f1b" if s != 1 else "interleaved", pp,
+                                                                      m, v,
+                                                                      st), c["sched"], c["pp"], c["m"],
+                        c["v"], c["stage"])
+    dense, moe = (per_unique(lambda kind, b, tp, cp, rc, sp: layer_bytes(model, kernels, bool(kind), b, tp,
+                                                                         cp,
                                                                          RECOMPUTE[rc], bool(sp)),
-                             np.full(len(c), kind), c["b"], c["tp"], c["cp"], c["rc"], c["sp"]) for kind in (0, 1))
-    whole = per_unique(lambda kind, b, tp, cp, sp: layer_bytes(model, kernels, bool(kind), b, tp, cp, "none", bool(sp)),
+                             np.full(len(c), kind), c["b"], c["tp"], c["cp"], c["rc"], c["sp"])
+                  for kind in (0, 1))
+    whole = per_unique(lambda kind, b, tp, cp, sp: layer_bytes(model, kernels, bool(kind), b, tp, cp, "none",
+                                                               bool(sp)),
                        (n_moe > 0).astype(int), c["b"], c["tp"], c["cp"], c["sp"])
     full = c["rc"] == RECOMPUTE.index("full")
-    rebuilt = np.where(full | (c["rc"] == RECOMPUTE.index("selective_ops")), whole, 0) * np.where(full, c["ckpt"], 1)
+    rebuilt = np.where(full | (c["rc"] == RECOMPUTE.index("selective_ops")), whole, 0) \
+        * np.where(full, c["ckpt"], 1)
     kept = np.where(full, -(-n // c["ckpt"]) / np.maximum(n, 1), 1.0)    # one input per k layers
     return np.where(n > 0, chunks * kept * ((n - n_moe) * dense + n_moe * moe) / c["v"] + rebuilt, 0)
 
@@ -242,12 +250,14 @@ def terms(model, c, recipe, kernels, unit="layer", grad_bytes=BF16):
     """The six TERMS of every candidate in ``c`` (`grid.Columns`), each an array of bytes; ``unit``: what
     ZeRO-3 gathers at a time, ``grad_bytes``: a gradient element in its reduction (`fsdp_buffer_bytes`)."""
     shard = np.where(c["zero"] == 3, c["dp"] // c["dpr"], c["dp"]) * c["cp"]
-    state = per_unique(lambda tp, pp, ep, v, st, z, g, off: state_terms(model, tp, pp, ep, v, st, z, g, recipe,
+    state = per_unique(lambda tp, pp, ep, v, st, z, g, off: state_terms(model, tp, pp, ep, v, st, z, g,
+                                                                        recipe,
                                                                          bool(off)),
                        c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["zero"], shard, c["offload"])
     acts = activations_bytes(model, c, kernels)
     last = c["stage"] == c["pp"] - 1
-    tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b), c["tp"], c["cp"], c["b"]), 0)
+    tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b), c["tp"], c["cp"],
+                                     c["b"]), 0)
     return state + (acts, tail, buffers_bytes(model, c, unit, grad_bytes))
 
 

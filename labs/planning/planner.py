@@ -66,7 +66,8 @@ class Job:
                                  + ("a job runs on at least one GPU." if name == "gpus" else
                                     f"a batch holds at least one {self.model.seq:,}-token sequence."))
         if self.batch_tokens % self.model.seq:
-            raise ValueError(f"a batch of {self.batch_tokens:,} tokens is not a whole number of {self.model.seq:,}-token "
+            raise ValueError(f"a batch of {self.batch_tokens:,} tokens is not a whole number of "
+                             f"{self.model.seq:,}-token "
                              f"sequences; give a multiple of the sequence length.")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
@@ -78,7 +79,8 @@ class Job:
 
 def check_eta(eta):
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 < eta <= 1:
-        raise ValueError(f"eta must be a fraction of the peak above 0 and at most 1, got {eta!r}: it is the share "
+        raise ValueError(f"eta must be a fraction of the peak above 0 and at most 1, got {eta!r}: it is the "
+                         "share "
                          "of the peak the matmuls reach (`checked.calibrate` fits it).")
 
 
@@ -110,7 +112,8 @@ def broken_rule(job, d):
     if job.sequences % d.dp:
         return f"the batch of {job.sequences:,} sequences does not split over dp = {d.dp}"
     if job.software.uniform_stages and m.layers % d.pp:
-        return f"{job.software.name} splits the layers evenly, and {m.layers} layers do not split over pp = {d.pp}"
+        return (f"{job.software.name} splits the layers evenly, and {m.layers} layers do not split over "
+                f"pp = {d.pp}")
     if d.cp > 1 and job.kernels == "materialized":   # chapter 6's methods attend block by block
         return "context parallelism needs a fused attention kernel, not scores written out"
     if d.cp > 1 and m.seq % (2 * d.cp):
@@ -163,9 +166,11 @@ def rank_of(result, row):
     number of other degree tuples estimated faster."""
     if not result["ranked"]:
         job = result["job"]
-        raise ValueError(f"no layout of {job.model.name} on {job.gpus:,} GPUs fits, so {row['dims']} has no rank "
+        raise ValueError(f"no layout of {job.model.name} on {job.gpus:,} GPUs fits, so {row['dims']} has no "
+                         "rank "
                          "among them.")
-    return 1 + sum(r["time"]["step"] < row["time"]["step"] for r in result["ranked"] if r["dims"] != row["dims"])
+    return 1 + sum(r["time"]["step"] < row["time"]["step"] for r in result["ranked"]
+                   if r["dims"] != row["dims"])
 
 
 def find(result, dims):
@@ -185,12 +190,14 @@ def tflops_per_gpu(job, row, counted="none"):
 
 
 def markdown_table(job, result, top=5):
-    """The ``top`` fastest layouts of a `plan` result as a MyST table (the site shows it; a kernel is not needed)."""
+    """The ``top`` fastest layouts of a `plan` result as a MyST table (the site shows it; a kernel is not
+    needed)."""
     head = ["| rank | tp | pp | cp | ep | dp | ZeRO | recompute | b | v | m | step (s) | TFLOP/s per GPU |",
             "|---:|---:|---:|---:|---:|---:|---:|:--|---:|---:|---:|---:|---:|"]
     body = [f"| {r['rank']} | {r['dims'].tp} | {r['dims'].pp} | {r['dims'].cp} | {r['dims'].ep} | "
             f"{r['dims'].dp}{' (HSDP)' if r['dims'].dp_replicate > 1 else ''} | {r['plan'].zero} | "
-            f"{r['plan'].recompute} | {r['plan'].micro_batch} | {r['plan'].v} | {r['m']} | {r['time']['step']:.1f} | "
+            f"{r['plan'].recompute} | {r['plan'].micro_batch} | {r['plan'].v} | {r['m']} | "
+            f"{r['time']['step']:.1f} | "
             f"{tflops_per_gpu(job, r):.0f} |" for r in result["ranked"][:top]]
     return "\n".join(head + body) if body else "no layout fits"
 

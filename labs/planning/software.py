@@ -27,7 +27,8 @@ whether tensor parallelism comes with sequence parallelism, and the dtype gradie
 """
 from dataclasses import dataclass, replace
 
-# chapter 9; "selective_ops": torchtitan's per-op policy; "mlp": Megatron-Core's recompute of the MLP/MoE module
+# chapter 9; "selective_ops": torchtitan's per-op policy; "mlp": Megatron-Core's recompute of the MLP/MoE
+# module
 RECOMPUTE = ("none", "selective", "selective_ops", "mlp", "full")
 SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
 
@@ -43,7 +44,8 @@ class Software:
     max_cp: int = 32
     hsdp: bool = False              # FSDP may shard inside dp_shard ranks and replicate across (chapter 3)
     sp: bool = True                 # sequence parallelism beside tp (chapter 6)
-    kernels: str = "fused"          # "materialized" | "flash" (FlashAttention) | "fused" (and fused elementwise ops)
+    # "materialized" | "flash" (FlashAttention) | "fused" (and fused elementwise ops)
+    kernels: str = "fused"
     recipe: str = "mixed"           # bytes per parameter (chapter 1's `recipes.RECIPES`)
     reduce_bytes: int = 2           # bytes of a gradient element in its reduction (Llama 3: fp32, 4)
     reshard_after_forward: object = True   # FSDP; "not pp": torchtitan's default (kept gathered under PP)
@@ -55,12 +57,14 @@ class Software:
     ep_overlap: bool = False
     cp_overlap: bool = False
     offload: tuple = (False,)       # optimizer state in host memory (ZeRO-Offload): `offload`
-    attention: str = "flash2"       # a fused attention kernel's generation: "flash2", "flash3" (and cuDNN's, TE)
+    # a fused attention kernel's generation: "flash2", "flash3" (and cuDNN's, TE)
+    attention: str = "flash2"
     ep_folding: bool = False        # experts folded over tp x dp, consecutive ranks (Megatron-Core, ETP = 1)
     shard_unit: str = "layer"       # what ZeRO-3 gathers at a time: a "layer" (FSDP's wrap) or a "weight"
     max_pp: int = 1024
     uniform_stages: bool = False    # Megatron-LM: L / (pp v) layers in every model chunk, nothing else
-    accumulation: bool = True       # several micro-batches per step without a pipeline (False: b = the local batch)
+    # several micro-batches per step without a pipeline (False: b = the local batch)
+    accumulation: bool = True
     permute_fusion: bool = False    # MoE token permutation in fused kernels (`kernels.permutation_bytes`)
 
     def with_(self, **changes):
@@ -76,9 +80,11 @@ _MEGATRON = "NVIDIA/Megatron-LM"
 # interleaved schedule, activation recomputation in every run, scores written out (§4.2's fused softmax),
 # no sequence parallelism and no distributed optimizer yet; the gradient all-reduce after backward.
 # Megatron-LM splits the layers evenly: "num_layers must be divisible by pipeline_model_parallel_size" and the
-# layers per stage by the virtual stages (NVIDIA/Megatron-LM fda81a21, June 2021, megatron/model/transformer.py
-# and megatron/arguments.py; the same assertions at f2e5db40, megatron/training/arguments.py, under interleaving).
-MEGATRON_2021 = Software("Megatron-LM 2021", "Narayanan et al. 2021, §4-5", zero_stages=(0,), recompute=("full",),
+# layers per stage by the virtual stages (NVIDIA/Megatron-LM fda81a21, June 2021,
+# megatron/model/transformer.py and megatron/arguments.py; the same assertions at f2e5db40,
+# megatron/training/arguments.py, under interleaving).
+MEGATRON_2021 = Software("Megatron-LM 2021", "Narayanan et al. 2021, §4-5", zero_stages=(0,),
+                         recompute=("full",),
                          max_cp=1, sp=False, kernels="materialized", uniform_stages=True)
 # Korthikanti et al. 2022 (arXiv 2205.05198), §4-6: sequence parallelism and selective recomputation, the
 # same kernels; "the gradient all-reduce is not overlapped" (§6.3).
@@ -90,12 +96,14 @@ MEGATRON_2022 = MEGATRON_2021.with_(name="Megatron-LM 2022", source="Korthikanti
 # fp32 gradients (README: 6 + 12/d bytes per parameter); Transformer Engine's fused attention.
 MEGATRON_CORE = Software("Megatron-Core r0.8.0", _MEGATRON + " f2e5db40 README", zero_stages=(0, 1),
                          recompute=("none", "selective", "full"), recipe="mixed_fp32_grads", reduce_bytes=4,
-                         overlap_grad_reduce=True, overlap_param_gather=True, tp_overlap=True, pp_overlap=True,
+                         overlap_grad_reduce=True, overlap_param_gather=True, tp_overlap=True,
+                         pp_overlap=True,
                          cp_overlap=True, attention="flash3", uniform_stages=True)
 # Nemotron-4 (Parmar et al. 2024, §2): Megatron-LM with a distributed optimizer, its overlaps of the
 # data-parallel collectives as the README of the time documents them; the tensor-parallel overlap needs
 # Transformer Engine's userbuffers, which the paper does not state, so it is off.
-NEMOTRON = MEGATRON_CORE.with_(name="Megatron-LM (Nemotron-4)", source="Parmar et al. 2024, §2", tp_overlap=False)
+NEMOTRON = MEGATRON_CORE.with_(name="Megatron-LM (Nemotron-4)", source="Parmar et al. 2024, §2",
+                               tp_overlap=False)
 # NeMo (24.07, 25.11) runs Megatron-Core with the same overlaps; 25.11 also offers Megatron FSDP. Its
 # performance scripts reduce gradients in bf16 under FP8 (NVIDIA/NeMo scripts/performance/helpers.py at
 # 02a0e6a5, set_precision_configs: "grad_reduce_in_fp32 = False"), so the gradient buffer is bf16.
@@ -111,8 +119,10 @@ NEMO_2511 = NEMO.with_(name="NeMo 25.11 (Megatron-Bridge)", uniform_stages=False
 # folded over tp x dp (its ETP column is 1: MoE parallel folding, Liu et al. 2025, arXiv 2504.14960); its
 # "+1f1b overlap" row overlaps the experts' all-to-all with another micro-batch's compute.
 # Its Qwen3-235B rows run 94 layers on PP 8 x VPP 4: uneven stages, as Megatron-Core now offers.
-MOE_ZOO = MEGATRON_CORE.with_(name="Megatron-Core MoE", source="Megatron-MoE-ModelZoo e8650517 best_practice/qwen3",
-                              zero_stages=(0, 1, 3), recompute=("none", "selective", "mlp", "full"), prefetch=True,
+MOE_ZOO = MEGATRON_CORE.with_(name="Megatron-Core MoE",
+                              source="Megatron-MoE-ModelZoo e8650517 best_practice/qwen3",
+                              zero_stages=(0, 1, 3), recompute=("none", "selective", "mlp", "full"),
+                              prefetch=True,
                               ep_folding=True, uniform_stages=False, permute_fusion=True)
 # DeepSpeed ZeRO-3 as Narayanan et al. 2021 ran it against PTD-P (§5.2, Table 2): no model parallelism,
 # each weight gathered by the hooks of its own module, with prefetching (Rajbhandari et al. 2021,
@@ -120,21 +130,26 @@ MOE_ZOO = MEGATRON_CORE.with_(name="Megatron-Core MoE", source="Megatron-MoE-Mod
 # incompatible with pipeline parallelism" (deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py, since
 # fbece50b, April 2021).
 DEEPSPEED_ZERO3 = Software("DeepSpeed ZeRO-3 (2021)", "Narayanan et al. 2021, §5.2", zero_stages=(3,),
-                           recompute=("full",), max_tp=1, max_pp=1, max_cp=1, sp=False, kernels="materialized",
+                           recompute=("full",), max_tp=1, max_pp=1, max_cp=1, sp=False,
+                           kernels="materialized",
                            schedules=("1f1b",), overlap_grad_reduce=True, prefetch=True, shard_unit="weight")
 # BLOOM (bigscience tr11-176B-ml README): Megatron-DeepSpeed, TP 4, PP 12 with DeepSpeed's 1F1B pipeline
 # engine, the BF16_Optimizer's own ZeRO-1, full recomputation, fused softmax kernels (no FlashAttention).
-MEGATRON_DEEPSPEED = Software("Megatron-DeepSpeed (BLOOM)", "bigscience tr11-176B-ml README", zero_stages=(1,),
-                              recompute=("full",), schedules=("1f1b",), max_cp=1, sp=False, kernels="materialized",
+MEGATRON_DEEPSPEED = Software("Megatron-DeepSpeed (BLOOM)", "bigscience tr11-176B-ml README", zero_stages=(1,
+                                                                                                           ),
+                              recompute=("full",), schedules=("1f1b",), max_cp=1, sp=False,
+                              kernels="materialized",
                               recipe="mixed_fp32_grads", reduce_bytes=2)
 # OPT-175B (Zhang et al. 2022, §2.4): FSDP with Megatron-LM tensor parallelism, fp16, recomputation.
-METASEQ = Software("metaseq (FSDP + Megatron TP)", "Zhang et al. 2022, §2.4", zero_stages=(3,), recompute=("full",),
+METASEQ = Software("metaseq (FSDP + Megatron TP)", "Zhang et al. 2022, §2.4", zero_stages=(3,),
+                   recompute=("full",),
                    schedules=("1f1b",), max_cp=1, sp=False, kernels="materialized", overlap_grad_reduce=True,
                    prefetch=True)
 # MegaScale (Jiang et al. 2024, §3.2-3.3): Megatron-LM with the data-, pipeline- and tensor-parallel
 # communication overlapped and fused kernels; its baseline is Megatron-LM at 285068c8 without them.
 MEGASCALE_BASELINE = MEGATRON_2022.with_(name="Megatron-LM 285068c8", source="Jiang et al. 2024, §6.1",
-                                         kernels="flash", zero_stages=(0, 1), recompute=("none", "selective", "full"))
+                                         kernels="flash", zero_stages=(0, 1), recompute=("none", "selective",
+                                                                                         "full"))
 MEGASCALE = MEGASCALE_BASELINE.with_(name="MegaScale", source="Jiang et al. 2024, §3", kernels="fused",
                                      overlap_grad_reduce=True, overlap_param_gather=True, tp_overlap=True,
                                      pp_overlap=True)
@@ -152,13 +167,16 @@ LLAMA3 = Software("Llama 3's stack", "Llama Team 2024, §3.3.2", zero_stages=(2,
 # accumulation, which came with 8570415c, June 2025); a pipeline splits it into micro-batches (by default pp).
 TORCHTITAN = Software("torchtitan 9dec370", "pytorch/torchtitan 9dec370", zero_stages=(3,),
                       recompute=("none", "selective_ops", "full"), hsdp=True, reduce_bytes=4,
-                      reshard_after_forward="not pp", overlap_grad_reduce=True, prefetch=True, accumulation=False)
-TORCHTITAN_2025 = TORCHTITAN.with_(name="torchtitan 820504e", source="pytorch/torchtitan 820504e", accumulation=True)
+                      reshard_after_forward="not pp", overlap_grad_reduce=True, prefetch=True,
+                      accumulation=False)
+TORCHTITAN_2025 = TORCHTITAN.with_(name="torchtitan 820504e", source="pytorch/torchtitan 820504e",
+                                   accumulation=True)
 # DeepSeek (V2 §3.2.3, V3 §3.2): HAI-LLM, no TP, ZeRO-1, zero-bubble pipelining (V3: DualPipe, which
 # overlaps the all-to-alls of one micro-batch with another's compute).
 # Its dispatch and combine are its own kernels (V3 §3.2.2), taken as fused.
 HAI_LLM = Software("HAI-LLM", "DeepSeek-AI 2024 (V2 §3.2.3, V3 §3.2)", zero_stages=(1,), max_tp=1,
-                   schedules=("zero_bubble",), recipe="mixed_fp32_grads", reduce_bytes=4, overlap_grad_reduce=True,
+                   schedules=("zero_bubble",), recipe="mixed_fp32_grads", reduce_bytes=4,
+                   overlap_grad_reduce=True,
                    overlap_param_gather=True, pp_overlap=True, ep_overlap=True, permute_fusion=True)
 # What a planner user gets by default: everything a current stack offers.
 ANY = Software("any current stack", "Megatron-Core and torchtitan together", zero_stages=(0, 1, 2, 3),
@@ -166,7 +184,9 @@ ANY = Software("any current stack", "Megatron-Core and torchtitan together", zer
                overlap_param_gather=True, prefetch=True, tp_overlap=True, pp_overlap=True, cp_overlap=True,
                attention="flash3", permute_fusion=True)
 # DeepSpeed with ZeRO-Offload (Ren et al. 2021): the optimizer state and its Adam step on the CPU.
-DEEPSPEED_OFFLOAD = Software("DeepSpeed ZeRO-3 + offload", "Ren et al. 2021; DeepSpeed docs", zero_stages=(3,),
-                             recompute=("none", "full"), schedules=("1f1b",), max_cp=1, sp=False, kernels="flash",
+DEEPSPEED_OFFLOAD = Software("DeepSpeed ZeRO-3 + offload", "Ren et al. 2021; DeepSpeed docs", zero_stages=(3,
+                                                                                                           ),
+                             recompute=("none", "full"), schedules=("1f1b",), max_cp=1, sp=False,
+                             kernels="flash",
                              recipe="mixed", overlap_grad_reduce=True, prefetch=True, offload=(False, True),
                              shard_unit="weight")
