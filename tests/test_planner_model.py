@@ -159,3 +159,26 @@ def test_calibration_rows_reproduce_and_predictions_stay_close(published):
     for eta, name in checked.calibration().values():
         assert abs(errors[name]) < 1e-6, name                      # bisection to 1e-9 in eta
     assert len(errors) == 112 and sum(abs(e) <= 0.15 for e in errors.values()) >= 85
+
+
+def test_eager_cross_entropy_backward_peaks_at_12_sbv():
+    # the torchtitan tail (bf16 head, F.cross_entropy on an fp32 copy, logits freed before backward),
+    # counted: a formula that forgot the gradient of the log-softmax (8 sbV) or kept the logits (14) fails
+    import torch
+    import torch.nn.functional as F
+    from labs.measure import memory as measured
+    from labs.memory_budget import logits
+    s, b, h, V = 64, 2, 32, 4096
+    head = torch.nn.Linear(h, V, bias=False).to(torch.bfloat16)
+    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, V, (b * s,))
+    with measured.PeakMemory(head, x, y) as mem:
+        pred = head(x)
+        loss = F.cross_entropy(pred.flatten(0, 1).float(), y)
+        forward = mem.peak_net
+        del pred
+        start = mem.net - 4 * s * b * V        # the tail's fp32 log-softmax is what backward starts with
+        mem.peak_net = mem.net
+        loss.backward()
+    assert forward - logits.tail_forward_peak_bytes(s, b, V, 2, target_copy=False) < 64
+    assert abs(mem.peak_net - start - logits.tail_backward_peak_bytes(s, b, V)) < 64

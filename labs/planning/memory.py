@@ -204,9 +204,13 @@ def activations_bytes(model, c, kernels):
 
 
 @functools.lru_cache(maxsize=None)
-def logits_bytes(model, tp, cp, b):
-    """The tail's forward peak on the last stage (chapter 1), vocabulary-parallel over tp (chapter 4)."""
-    return logits.tail_forward_peak_bytes(model.seq // cp, b, -(-model.vocab // tp), BF16, target_copy=False)
+def logits_bytes(model, tp, cp, b, eager_loss=False):
+    """The tail's peak on the last stage (chapter 1), vocabulary-parallel over tp (chapter 4): its forward
+    peak, or with PyTorch's cross-entropy on an fp32 copy of the logits (``eager_loss``) its higher
+    backward peak (`logits.tail_backward_peak_bytes`)."""
+    s, V = model.seq // cp, -(-model.vocab // tp)
+    forward = logits.tail_forward_peak_bytes(s, b, V, BF16, target_copy=False)
+    return max(forward, logits.tail_backward_peak_bytes(s, b, V)) if eager_loss else forward
 
 
 @functools.lru_cache(maxsize=None)
@@ -246,18 +250,18 @@ def _kinds(model, pp, v, stage):
     return tuple({model.is_moe_layer(i): i for i in stage_layers(model.layers, pp, v)[stage]}.values())
 
 
-def terms(model, c, recipe, kernels, unit="layer", grad_bytes=BF16):
+def terms(model, c, recipe, kernels, unit="layer", grad_bytes=BF16, eager_loss=False):
     """The six TERMS of every candidate in ``c`` (`grid.Columns`), each an array of bytes; ``unit``: what
-    ZeRO-3 gathers at a time, ``grad_bytes``: a gradient element in its reduction (`fsdp_buffer_bytes`)."""
+    ZeRO-3 gathers at a time, ``grad_bytes``: a gradient element in its reduction (`fsdp_buffer_bytes`),
+    ``eager_loss``: PyTorch's cross-entropy on fp32 logits (`logits_bytes`)."""
     shard = np.where(c["zero"] == 3, c["dp"] // c["dpr"], c["dp"]) * c["cp"]
     state = per_unique(lambda tp, pp, ep, v, st, z, g, off: state_terms(model, tp, pp, ep, v, st, z, g,
-                                                                        recipe,
-                                                                         bool(off)),
+                                                                        recipe, bool(off)),
                        c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["zero"], shard, c["offload"])
     acts = activations_bytes(model, c, kernels)
     last = c["stage"] == c["pp"] - 1
-    tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b), c["tp"], c["cp"],
-                                     c["b"]), 0)
+    tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b, eager_loss), c["tp"],
+                                     c["cp"], c["b"]), 0)
     return state + (acts, tail, buffers_bytes(model, c, unit, grad_bytes))
 
 

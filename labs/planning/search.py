@@ -120,8 +120,9 @@ def price(job, eta, c):
     slots[1]["stage"] = per_unique(lambda pp, v: fullest_stage(job.model, pp, v), c["pp"],
                                    c["v"]).astype(np.int64)
     slots[2]["stage"] = c["pp"] - 1
-    mem = [np.stack(memory.terms(job.model, s, job.recipe, job.kernels, job.software.shard_unit,
-                                 job.software.reduce_bytes)) for s in slots]   # (3, 6, n)
+    sw = job.software
+    mem = [np.stack(memory.terms(job.model, s, job.recipe, job.kernels, sw.shard_unit, sw.reduce_bytes,
+                                 sw.eager_loss)) for s in slots]   # (3, 6, n)
     totals = np.stack([t.sum(axis=0) for t in mem])
     fullest = totals.argmax(axis=0)
     terms = np.stack(mem)[fullest, :, np.arange(len(c))].T                                   # (6, n)

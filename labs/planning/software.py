@@ -66,6 +66,7 @@ class Software:
     # several micro-batches per step without a pipeline (False: b = the local batch)
     accumulation: bool = True
     permute_fusion: bool = False    # MoE token permutation in fused kernels (`kernels.permutation_bytes`)
+    eager_loss: bool = False        # F.cross_entropy on fp32 logits, whose backward peaks above its forward
 
     def with_(self, **changes):
         return replace(self, **changes)
@@ -165,10 +166,12 @@ LLAMA3 = Software("Llama 3's stack", "Llama Team 2024, §3.3.2", zero_stages=(2,
 # matmul's output (_save_list); torch.compile fuses the elementwise ops, eager runs them one by one. Without
 # a pipeline a step is one forward and one backward of the local batch (train.py at 9dec370: no gradient
 # accumulation, which came with 8570415c, June 2025); a pipeline splits it into micro-batches (by default pp).
+# Its loss is PyTorch's on an fp32 copy, "cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))",
+# the logits freed before backward (train.py: "del pred").
 TORCHTITAN = Software("torchtitan 9dec370", "pytorch/torchtitan 9dec370", zero_stages=(3,),
                       recompute=("none", "selective_ops", "full"), hsdp=True, reduce_bytes=4,
                       reshard_after_forward="not pp", overlap_grad_reduce=True, prefetch=True,
-                      accumulation=False)
+                      accumulation=False, eager_loss=True)
 TORCHTITAN_2025 = TORCHTITAN.with_(name="torchtitan 820504e", source="pytorch/torchtitan 820504e",
                                    accumulation=True)
 # DeepSeek (V2 §3.2.3, V3 §3.2): HAI-LLM, no TP, ZeRO-1, zero-bubble pipelining (V3: DualPipe, which
