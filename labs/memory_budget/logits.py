@@ -30,6 +30,15 @@ def tail_saved_bytes(s, b, h, V, act_bytes=2):
     return act_bytes * s * b * h + 4 * s * b * V + 8 * s * b + 4
 
 
+def tail_backward_peak_bytes(s, b, V):
+    """Bytes the tail holds at its high-water mark in backward, above the layers' saved activations, when
+    the logits are freed before backward (torchtitan's train step: ``del pred``): the fp32 log-softmax
+    kept for backward 4sbV, nll_loss's gradient of it 4sbV and the log-softmax's gradient of its input
+    4sbV, alive together in ``_log_softmax_backward_data``: 12sbV, above the forward's 10sbV (counted by
+    `memory.PeakMemory` on a bf16 head in tests/test_planner_model.py)."""
+    return 12 * s * b * V
+
+
 def tail_forward_peak_bytes(s, b, V, act_bytes=2, target_copy=True):
     """Bytes the tail allocates above what was live when the head started, at its high-water mark:
     the logits e*sbV, their fp32 copy 4sbV (none when the model is fp32 already: ``.float()`` returns
