@@ -58,16 +58,18 @@ OTHER_CPU := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=
 # the notebooks natively).
 # Then the site is built from the verified outputs with warnings as errors, and every page is
 # opened in headless Chromium with the network blocked (tools/check_site.py), at 1280 px and at a
-# phone's 390 px. Its checks of notebook code cells wider than the column and of figures too small
-# at 390 px only count and list what they find until `--enforce code-cells --enforce figures` is
-# added below, once the notebooks pass them. Chromium is checked first, so a machine without it
-# fails in seconds, not after the notebooks.
+# phone's 390 px, code cells wider than their column and figures too small to read at 390 px
+# included (--enforce). Before all of it, ruff (seconds): pyflakes and 110 columns in labs/, tools/
+# and tests/, and the notebooks formatted to their 88 columns (notebooks/ruff.toml). Chromium is
+# checked first, so a machine without it fails in seconds, not after the notebooks.
 test: $(STAMP) chromium
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/ruff check labs tools tests notebooks
+	$(BIN)/ruff format --check notebooks
+	$(BIN)/python -m pytest tests -q --durations=15
 	$(OTHER_CPU) $(BIN)/python -m pytest tests -q -m numerics
 	$(OTHER_CPU) $(NBVAL)
 	$(BIN)/python tools/build_book.py --no-execute
-	$(BIN)/python tools/check_site.py
+	$(BIN)/python tools/check_site.py --enforce code-cells --enforce figures
 
 # Only the float-sensitive checks, natively and under OTHER_CPU: what to run on another machine
 # to see whether its rounding keeps every exact comparison exact and every bound a bound.

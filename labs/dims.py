@@ -48,26 +48,29 @@ class ParallelDims:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         order = tuple(self.order)
         if "ep" not in order and self.ep == 1:   # a four-axis order: ep = 1 sits anywhere
-            order = order[:order.index("pp")] + ("ep",) + order[order.index("pp"):] if "pp" in order else order
+            order = (order[:order.index("pp")] + ("ep",) + order[order.index("pp"):] if "pp" in order
+                     else order)
         if sorted(order) != sorted(ORDER):
-            raise ValueError(f"order must list each of {', '.join(ORDER)} once (ep may be left out when ep = 1), "
-                             f"got {tuple(self.order)}.")
+            raise ValueError(f"order must list each of {', '.join(ORDER)} once (ep may be left out "
+                             f"when ep = 1), got {tuple(self.order)}.")
         object.__setattr__(self, "order", order)
         if self.dp % self.ep:
-            raise ValueError(f"ep = {self.ep} does not divide dp = {self.dp}: the experts split over ranks of "
-                             "the data-parallel group; choose an ep that divides dp.")
+            raise ValueError(f"ep = {self.ep} does not divide dp = {self.dp}: the experts split "
+                             "over ranks of the data-parallel group; choose an ep that divides dp.")
         if self.dp % self.dp_replicate:
             raise ValueError(f"dp_replicate = {self.dp_replicate} does not divide dp = {self.dp} "
                              "(HSDP: dp = dp_replicate x dp_shard); choose a divisor of dp.")
         if self.ep > 1 and self.dp_replicate > 1:
-            raise ValueError("expert parallelism inside HSDP is not modelled: give ep or dp_replicate, not both.")
+            raise ValueError("expert parallelism inside HSDP is not modelled: give ep or "
+                             "dp_replicate, not both.")
 
     @classmethod
     def build(cls, world_size, *, dp=None, **degrees):
         """The layout of ``world_size`` ranks with dp filled in (or checked, when given)."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
-        probe = cls(**{k: v for k, v in degrees.items() if k not in ("ep", "dp_replicate")})   # tp, pp, cp first
+        # tp, pp, cp first
+        probe = cls(**{k: v for k, v in degrees.items() if k not in ("ep", "dp_replicate")})
         inner = probe.tp * probe.cp * probe.pp
         names = "*".join(a for a in ("tp", "cp", "pp") if a != "cp" or probe.cp > 1)
         values = "*".join(str(getattr(probe, a)) for a in names.split("*"))
@@ -102,7 +105,8 @@ class ParallelDims:
         into shard (faster) and replicate parts."""
         slots = {"tp": [("tp", self.tp)], "cp": [("cp", self.cp)], "ep": [("ep", self.ep)],
                  "pp": [("pp", self.pp)],
-                 "dp": [("dp_shard", self.dp // (self.ep * self.dp_replicate)), ("dp_replicate", self.dp_replicate)]}
+                 "dp": [("dp_shard", self.dp // (self.ep * self.dp_replicate)),
+                        ("dp_replicate", self.dp_replicate)]}
         return [atom for axis in self.order for atom in slots[axis]]
 
     # the logical groups, as sets of atoms
@@ -134,7 +138,8 @@ class ParallelDims:
             out *= n
         wide = [f for f in found if f[1] > 1]
         if len(wide) > 1:
-            raise ValueError(f"a group of {axis!r} spans {len(wide)} axes of the grid; it has no single stride.")
+            raise ValueError(f"a group of {axis!r} spans {len(wide)} axes of the grid; it has no "
+                             "single stride.")
         return (wide or found)[0][2]
 
     def groups(self, axis):
@@ -203,7 +208,8 @@ class ParallelDims:
             from labs.launcher import launch
             device_type = launch.device().type
         dims = self.mesh_dims()
-        mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(a for a, _ in dims))
+        mesh = init_device_mesh(device_type, tuple(n for _, n in dims),
+                                mesh_dim_names=tuple(a for a, _ in dims))
         parts = tuple(a for a, _ in dims if a in ("dp_replicate", "dp_shard", "edp", "ep"))
         if len(parts) > 1:
             mesh[parts]._flatten("dp")

@@ -292,7 +292,8 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x):                                   # (B, T, h) -> (B, T, h)
         if x.size(1) > self.attn.mask.size(0):
-            raise ValueError(f"sequence of {x.size(1)} tokens is longer than seq_len={self.attn.mask.size(0)}; "
+            raise ValueError(f"sequence of {x.size(1)} tokens is longer than "
+                             f"seq_len={self.attn.mask.size(0)}; "
                              "build the block with a larger seq_len.")
         x = x + self.attn(self.attention_norm(x))
         return x + self.mlp(self.ffn_norm(x))

@@ -148,7 +148,8 @@ class _Functions(TorchFunctionMode):
             a.violation(f".numpy() of a GPU tensor {tuple(args[0].shape)}")
         device = kwargs.get("device")
         if name in ("to", "cuda") and isinstance(args[0], torch.Tensor):
-            wanted = kwargs.get("device") or next((x for x in args[1:] if isinstance(x, (str, torch.device))), None)
+            wanted = kwargs.get("device") or next((x for x in args[1:] if isinstance(x, (str, torch.device))),
+                                                  None)
             device = GPU if name == "cuda" else wanted
         factory = not _tensors((args, kwargs))
         a.factories += factory
@@ -209,7 +210,8 @@ class _Ops(TorchDispatchMode):
         if collective and _from_python_api():
             for t in a.host(tensors):
                 a.violation(f"{func} handed a CPU tensor {tuple(t.shape)}")
-        elif not collective and gpu and func not in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+        elif not collective and gpu and func not in (torch.ops.aten.copy_.default,
+                                                     torch.ops.aten._to_copy.default):
             for t in a.host(checked):
                 a.violation(f"{func} mixes a GPU tensor with a CPU tensor {tuple(t.shape)}")
         out = func(*args, **kwargs)

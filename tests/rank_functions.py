@@ -24,7 +24,8 @@ def _aliases(tree, module):
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
             for a in node.names:
                 out[a.asname or a.name] = f"{base}.{a.name}"
     return out
@@ -78,6 +79,7 @@ def rank_functions(root=ROOT):
         source = "\n".join("".join(c["source"]) for c in cells)
         source = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("!", "%")))
         tree = ast.parse(source)
-        for name, where in _calls(tree, "__main__", _aliases(tree, "__main__"), os.path.relpath(path, root)).items():
+        calls = _calls(tree, "__main__", _aliases(tree, "__main__"), os.path.relpath(path, root))
+        for name, where in calls.items():
             found.setdefault(name, where)
     return {k: v for k, v in found.items() if k.startswith("labs.")}

@@ -54,7 +54,8 @@ def _cpu_lab(rank, world_size):
     return rank
 
 
-@pytest.mark.parametrize("gpus, world_size, want", [(1, 1, "nccl"), (1, 2, "gloo"), (8, 8, "nccl"), (0, 1, "gloo")])
+@pytest.mark.parametrize("gpus, world_size, want",
+                         [(1, 1, "nccl"), (1, 2, "gloo"), (8, 8, "nccl"), (0, 1, "gloo")])
 def test_nccl_exactly_when_every_rank_has_a_gpu(monkeypatch, gpus, world_size, want):
     monkeypatch.delenv(preflight.BACKEND_ENV)
     _gpus(monkeypatch, gpus)
@@ -134,12 +135,14 @@ def _size_stride(t, dim, size, stride):
 
 
 def _cuda_accepts_blockwise(a, b, sa, sb):
-    """ScaledBlas.cpp's 1x128 x 128x128 test, in Python: a (M, K) with scale_a, b.t() (N, K) with scale_b.t()."""
+    """ScaledBlas.cpp's 1x128 x 128x128 test, in Python: a (M, K) with scale_a, b.t() (N, K) with
+    scale_b.t()."""
     m, k = a.shape
     n = b.shape[1]
     one = sa.dim() == 2 and _size_stride(sa, 0, m, 1) and _size_stride(sa, 1, -(-k // 128), m)
     t = sb.t()
-    block = t.dim() == 2 and _size_stride(t, 0, -(-n // 128), -(-k // 128)) and _size_stride(t, 1, -(-k // 128), 1)
+    block = (t.dim() == 2 and _size_stride(t, 0, -(-n // 128), -(-k // 128))
+             and _size_stride(t, 1, -(-k // 128), 1))
     return one and block
 
 
@@ -199,7 +202,8 @@ HOST_CLOCK_OK = {
     **dict.fromkeys(["labs/launcher/_rank.py", "labs/launcher/heartbeat.py", "labs/launcher/hello.py",
                      "labs/launcher/launch.py", "labs/launcher/supervise.py", "labs/launcher/torchrun.py",
                      "labs/launcher/zygote.py", "labs/checkpointing/checkpoint_faults.py",
-                     "labs/failures/elastic.py", "labs/failures/elastic_worker.py", "labs/failures/scenarios.py"],
+                     "labs/failures/elastic.py", "labs/failures/elastic_worker.py",
+                     "labs/failures/scenarios.py"],
                     "deadlines and process events, not GPU work"),
     "labs/measure/timing.py": "the helper itself",
     "labs/data_parallel/hand_ddp.py": "the bucket timeline, read by ddp.overlap_on_off, which is on_cpu",

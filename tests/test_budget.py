@@ -26,7 +26,8 @@ def test_every_column_of_zero_table1_is_reproduced(column):
     # the old single-column check still reads the 7.5B column
     if column == "7.5B":
         table = zero_paper.zero_table1()
-        assert all(zero_paper.matches_paper(table[st], zero_paper.ZERO_PAPER_TABLE1[st]) for st in (0, 1, 2, 3))
+        assert all(zero_paper.matches_paper(table[st], zero_paper.ZERO_PAPER_TABLE1[st])
+                   for st in (0, 1, 2, 3))
 
 
 def test_each_column_prints_by_its_own_rule():
@@ -39,7 +40,8 @@ def test_each_column_prints_by_its_own_rule():
     for col in ("128B", "1T"):
         assert [zero_paper.matches_paper(r[col]["computed"][st], r[col]["published"][st], "round")
                 for st in (1, 2, 3)] == [False, False, True]
-    assert zero_paper.zero_table1(128e9)[1][-1] == 513.5 and zero_paper.ZERO_PAPER_COLUMNS["128B"][1][-1] == 513
+    assert (zero_paper.zero_table1(128e9)[1][-1] == 513.5
+            and zero_paper.ZERO_PAPER_COLUMNS["128B"][1][-1] == 513)
     with pytest.raises(ValueError, match="printing must be 'round' or 'truncate'"):
         zero_paper.matches_paper([1.0], [1], "nearest")
 
@@ -47,7 +49,8 @@ def test_each_column_prints_by_its_own_rule():
 def test_a_wrong_formula_would_not_match_table1():
     twelve = [2 + 2 + 8 / dp for dp in zero_paper.ZERO_PAPER_TABLE1["dp"]]  # the notes' 12-byte ZeRO-1
     assert not zero_paper.matches_paper([x * 7.5 for x in twelve], zero_paper.ZERO_PAPER_TABLE1[1])
-    assert not zero_paper.matches_paper([x * 128 for x in twelve], zero_paper.ZERO_PAPER_COLUMNS["128B"][1], "truncate")
+    assert not zero_paper.matches_paper([x * 128 for x in twelve], zero_paper.ZERO_PAPER_COLUMNS["128B"][1],
+                                        "truncate")
 
 
 def test_llama_parameter_counts_come_out_of_the_shapes():
@@ -61,11 +64,14 @@ def test_activation_formula_parallel_variants():
     s, b, h, a = 2048, 1, 12288, 96
     full = activations.activation_bytes_per_layer(s, b, h, a)
     assert full == s * b * h * (34 + 5 * a * s / h)
-    assert activations.activation_bytes_per_layer(s, b, h, a, tp=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert (activations.activation_bytes_per_layer(s, b, h, a, tp=8) == s * b * h
+            * (10 + 24 / 8 + 5 * a * s / (h * 8)))
     assert activations.activation_bytes_per_layer(s, b, h, a, tp=8, sp=True) == pytest.approx(full / 8)
-    assert activations.activation_bytes_per_layer(s, b, h, a, tp=8, sp=True, recompute="selective") == s * b * h * 34 / 8
+    assert (activations.activation_bytes_per_layer(s, b, h, a, tp=8, sp=True, recompute="selective") == s * b
+            * h * 34 / 8)
     assert activations.activation_bytes_per_layer(s, b, h, a, recompute="full") == 2 * s * b * h
-    assert activations.activation_bytes_per_layer(s, b, h, a, dropout=False) == s * b * h * (32 + 2 * a * s / h)
+    assert (activations.activation_bytes_per_layer(s, b, h, a, dropout=False) == s * b * h
+            * (32 + 2 * a * s / h))
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -117,13 +123,14 @@ def test_llama_formula_has_the_terms_of_a_llama_block():
     assert sum(flash.values()) == sbh * (12 + 4 * kv / a) + 8 * s * b * f + sb * (8 + 4 * a)
     assert sum(mat.values()) == sbh * (16 + 2 * a * s / h) + 8 * s * b * f + 8 * sb
     # with sequence parallelism everything divides by tp (here tp = kv = 8: one KV head per rank)
-    assert sum(activations.llama_activation_terms(s, b, h, a, kv, f, tp=8, sp=True, attention="flash").values()) \
-        == pytest.approx(sum(flash.values()) / 8)
+    sp8 = activations.llama_activation_terms(s, b, h, a, kv, f, tp=8, sp=True, attention="flash")
+    assert sum(sp8.values()) == pytest.approx(sum(flash.values()) / 8)
     # without it, the norms, their statistics and the two projection inputs stay whole: 8sbh + 8sb
     tp8 = sum(activations.llama_activation_terms(s, b, h, a, kv, f, tp=8, attention="flash").values())
     assert tp8 - sum(flash.values()) / 8 == pytest.approx((8 * sbh + 8 * sb) * 7 / 8)
     # tp = 16 > 8 KV heads: each rank keeps one whole KV head
-    assert activations.llama_activation_terms(s, b, h, a, kv, f, tp=16, attention="flash")["k_v"] == 2 * 2 * sb * (h // a)
+    assert (activations.llama_activation_terms(s, b, h, a, kv, f, tp=16, attention="flash")["k_v"] == 2 * 2
+            * sb * (h // a))
     assert activations.llama_activation_terms(s, b, h, a, kv, f, recompute="full") == {"layer_input": 2 * sbh}
     with pytest.raises(ValueError, match="attention must be 'materialized' or 'flash'"):
         activations.llama_activation_terms(s, b, h, a, kv, f, attention="paged")
@@ -161,17 +168,19 @@ def test_the_lab_measures_what_the_calculator_says_on_three_ranks():
 
 
 def test_calculator_command_line_prints_json():
-    out = subprocess.run([sys.executable, "-m", "labs.memory_budget.budget", "--model", "70B", "--world-size", "64",
-                          "--tp", "8", "--zero-stage", "1", "--json"],
+    out = subprocess.run([sys.executable, "-m", "labs.memory_budget.budget", "--model", "70B", "--world-size",
+                          "64", "--tp", "8", "--zero-stage", "1", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert (r["dp"], r["tp"], r["zero_stage"]) == (8, 8, 1)
-    assert r["gb_per_device"]["total"] == pytest.approx(sum(v for k, v in r["gb_per_device"].items() if k != "total"))
+    assert r["gb_per_device"]["total"] == pytest.approx(sum(v for k, v in r["gb_per_device"].items()
+                                                            if k != "total"))
     assert r["attention"] == "materialized" and r["capacity_bytes"] == 80 * 2**30
 
 
 def test_calculator_command_line_refuses_a_bad_split():
-    proc = subprocess.run([sys.executable, "-m", "labs.memory_budget.budget", "--world-size", "12", "--tp", "8"],
+    proc = subprocess.run([sys.executable, "-m", "labs.memory_budget.budget", "--world-size", "12", "--tp",
+                           "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error: world_size 12 is not divisible")
 
@@ -188,10 +197,10 @@ def test_lowest_zero_stage_is_the_first_that_leaves_the_headroom():
 def test_fewest_gpus_for_the_notes_estimates():
     """The notes' "7B: 1-2 x A100 ... 405B: 64+" against the calculator: 7B under ZeRO-2 needs 2,
     405B's state alone under ZeRO-3 needs more than 64 GPUs; one fewer GPU never fits."""
-    for model, stage in (("7B", 2), ("405B", 3)):
-        n = budget.fewest_gpus(model, stage, activations=False)
-        state = lambda k: budget.budget(model, k, zero_stage=stage)["bytes_per_device"]
+    for name, stage in (("7B", 2), ("405B", 3)):
+        n = budget.fewest_gpus(name, stage, activations=False)
+        state = lambda k: budget.budget(name, k, zero_stage=stage)["bytes_per_device"]
         fits = lambda k: state(k)["total"] - state(k)["activations"] <= budget.GPU_GIB * budget.GIB
-        assert fits(n) and not fits(n - 1), (model, n)
+        assert fits(n) and not fits(n - 1), (name, n)
     assert budget.fewest_gpus("7B", 2, activations=False) == 2
     assert budget.fewest_gpus("405B", 3, activations=False) > 64

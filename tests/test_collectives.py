@@ -73,7 +73,8 @@ def test_reduce_scatter_then_all_gather_equals_two_other_all_reduces(world_size)
         assert r["equals_library"] and r["equals_chapter2_ring"]
         assert r["rs_rounds"] == r["ag_rounds"] == world_size - 1           # counted exchanges
         # chapter 2's ring is other code: its counted bytes are not the sum of these two tallies
-        assert r["rs_bytes"] + r["ag_bytes"] == r["chapter2_ring_bytes"] == 2 * (world_size - 1) * NUMEL * 4 // world_size
+        assert (r["rs_bytes"] + r["ag_bytes"] == r["chapter2_ring_bytes"] == 2 * (world_size - 1) * NUMEL
+                * 4 // world_size)
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +211,9 @@ def test_bad_input_is_one_sentence():
         col.check("all_gather", "ring", 4, 10)
     with pytest.raises(ValueError, match="not 'ring'"):
         col.check("broadcast", "ring", 4, 10)
-    out = subprocess.run([sys.executable, "-m", "labs.collectives.toolkit", "--world-size", "6", "--algorithm",
-                          "rabenseifner", "--numel", "6"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "labs.collectives.toolkit", "--world-size", "6",
+                          "--algorithm", "rabenseifner", "--numel", "6"], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "multiple of 4" in out.stderr
 
 

@@ -1,4 +1,5 @@
-"""labs.measure.comm: three kinds of bytes kept apart, hand rings equal to the library, gloo's wire measured."""
+"""labs.measure.comm: three kinds of bytes kept apart, hand rings equal to the library, gloo's wire
+measured."""
 import functools
 
 import pytest
@@ -49,12 +50,14 @@ def test_library_collectives_are_correct_and_recorded_as_formula_not_counted():
         torch.testing.assert_close(out["ring_p2p"], torch.full((3,), float((rank - 1) % n)))
         # a library collective's bytes are a formula, never counted messages
         assert tally["bytes_sent"] == 12 and tally["bytes_received"] == 12  # only the point-to-point pair
-        assert all(ops[op]["bytes_sent"] == 0 for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"))
+        assert all(ops[op]["bytes_sent"] == 0 for op in ("all_reduce", "all_gather", "reduce_scatter",
+                                                         "broadcast"))
         assert ops["all_reduce"]["formula_bytes_sent"] == 4 * comm.ring_allreduce_elements(numel, n, rank)
-        assert ops["all_gather"]["formula_bytes_sent"] == ops["reduce_scatter"]["formula_bytes_sent"] == (n - 1) * 16
+        assert (ops["all_gather"]["formula_bytes_sent"] == ops["reduce_scatter"]["formula_bytes_sent"]
+                == (n - 1) * 16)
         # payloads are the tensors the calls were made with
-        assert [ops[op]["payloads"] for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")] == \
-            [[numel * 4], [16], [n * 16], [20]]
+        assert ([ops[op]["payloads"] for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
+                == [[numel * 4], [16], [n * 16], [20]])
         assert ops["send"]["bytes_sent"] == 12 and ops["recv"]["bytes_received"] == 12
         assert ops["send"]["calls"] == ops["recv"]["calls"] == 1
     assert sum(r["tally"]["formula_bytes_sent"] for r in results) == \
@@ -80,17 +83,20 @@ def test_hand_rings_equal_the_library_and_count_n_minus_1_chunks(world_size):
     results = [r["hand"] for r in suite(world_size)]
     k, numel = 10, 13
     for rank, r in enumerate(results):
-        cases = [(world_size, c) for c in r["world"].values()] + ([(3, r["subgroup"])] if "subgroup" in r else [])
+        cases = [(world_size, c) for c in r["world"].values()] + ([(3, r["subgroup"])] if "subgroup" in r
+                                                                  else [])
         for n, c in cases:
             assert all(c["equal"].values()), c["equal"]
             assert c["async_done"]
             chunk = k * c["element_size"]
             # reduce-scatter and all-gather: N-1 chunks out, N-1 in; all-reduce: both phases
-            assert c["sent"] == c["received"] == {"reduce_scatter": (n - 1) * chunk, "all_gather": (n - 1) * chunk,
+            assert c["sent"] == c["received"] == {"reduce_scatter": (n - 1) * chunk,
+                                                  "all_gather": (n - 1) * chunk,
                                                   "all_reduce": 2 * (n - 1) * chunk}
             assert c["formula"] == 0  # nothing went through the library inside hand_collectives()
             assert c["payload"] == {"all_reduce": n * chunk, "reduce_scatter": n * chunk, "all_gather": chunk}
-        for n, u in [(world_size, r["uneven"])] + ([(3, r["subgroup_uneven"])] if "subgroup_uneven" in r else []):
+        for n, u in [(world_size, r["uneven"])] + ([(3, r["subgroup_uneven"])] if "subgroup_uneven" in r
+                                                   else []):
             assert u["rs_equal"] and u["ag_equal"] and u["max_equal"]
             assert u["sizes"] == comm.ring_chunks(numel, n)
         assert r["errors"][0] == (f"reduce_scatter needs the full tensor to be {world_size} times the shard: "
@@ -115,7 +121,8 @@ def test_wire_table_is_gloo_payload_plus_preambles():
     assert all(r["wire_reason"] is None for r in results)
     assert sum(measured["all_reduce"]) == wire.gloo_allreduce_all_ranks(nbytes, n)
     assert sum(measured["all_reduce"]) - sum(ring["all_reduce"]) < 0.001 * sum(ring["all_reduce"])
-    assert measured["reduce_scatter"] == measured["all_reduce"]  # gloo runs a full all-reduce for reduce-scatter
+    # gloo runs a full all-reduce for reduce-scatter
+    assert measured["reduce_scatter"] == measured["all_reduce"]
     assert sum(ring["reduce_scatter"]) * 2 == sum(ring["all_reduce"])  # twice what the ring needs
     # all-gather: (N-1) shards, each step in two halves: 2(N-1) messages sent and as many received
     assert measured["all_gather"] == [(n - 1) * nbytes // n + 3 * wire.PREAMBLE * 2 * (n - 1)] * n
@@ -124,5 +131,5 @@ def test_wire_table_is_gloo_payload_plus_preambles():
     assert measured["broadcast"] == [wire.gloo_broadcast(nbytes, n, rank) for rank in range(n)]
     assert [wire.gloo_broadcast_messages(n, rank) for rank in range(n)] == [(2, 0), (1, 1), (0, 1), (0, 1)]
     # the issue's figures, per rank: 6.0, 6.0, 3.0 and 8.0 MB
-    assert [w // 1000 for w in (measured["all_reduce"][0], measured["reduce_scatter"][0], measured["all_gather"][0],
-                                measured["broadcast"][0])] == [6001, 6001, 3000, 8000]
+    firsts = [measured[op][0] for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")]
+    assert [w // 1000 for w in firsts] == [6001, 6001, 3000, 8000]

@@ -46,7 +46,8 @@ class _Parsed(Exception):
 
 def test_the_scan_finds_the_labs_command_lines():
     modules = {m for _, m, _ in COMMANDS}
-    assert len(COMMANDS) > 30 and {"labs.launcher.hello", "labs.memory_budget.budget", "labs.precision"} <= modules
+    assert (len(COMMANDS) > 30
+            and {"labs.launcher.hello", "labs.memory_budget.budget", "labs.precision"} <= modules)
 
 
 def _refusal(module, args, monkeypatch):
@@ -65,13 +66,15 @@ def _refusal(module, args, monkeypatch):
     except ImportError as exc:
         return f"{module} does not import: {exc}"
     except SystemExit as exc:
-        return None if exc.code == 0 and "--help" in args else f"its parser refuses `{' '.join(args)}` (exit {exc.code})"
+        return (None if exc.code == 0 and "--help" in args
+                else f"its parser refuses `{' '.join(args)}` (exit {exc.code})")
     finally:
         monkeypatch.undo()
     return f"{module} ran without parsing its arguments"
 
 
-@pytest.mark.parametrize("where,module,args", COMMANDS, ids=[f"{w}:{m}:{' '.join(a)}" for w, m, a in COMMANDS])
+@pytest.mark.parametrize("where,module,args", COMMANDS,
+                         ids=[f"{w}:{m}:{' '.join(a)}" for w, m, a in COMMANDS])
 def test_each_printed_command_line_parses(where, module, args, monkeypatch):
     why = _refusal(module, args, monkeypatch)
     assert why is None, f"{where} prints `python -m {module} {' '.join(args)}`: {why}"

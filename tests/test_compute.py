@@ -19,7 +19,8 @@ def test_gpt_flops_are_6P_plus_12Lhs(cfg, batch, seq):
     assert r["forward"] + r["backward"] == r["tokens"] * per_token["total"] == r["model_flops"]
     # plausible bugs: 6 x all parameters (embeddings, norms, biases are no matmul); a causal half
     assert r["forward"] != r["tokens"] * 2 * tiny.num_params(tiny.build(cfg))
-    causal = compute.flops_per_token(compute.gpt_matmul_params(cfg), cfg.n_layer, cfg.hidden, r["seq"], causal=True)
+    causal = compute.flops_per_token(compute.gpt_matmul_params(cfg), cfg.n_layer, cfg.hidden, r["seq"],
+                                     causal=True)
     assert r["forward"] != r["tokens"] * causal["forward"]
 
 
@@ -38,7 +39,8 @@ def test_full_recomputation_counts_in_backward():
 @pytest.mark.parametrize("attention", ["sdpa", "materialized"])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 def test_llama_block_flops(attention, recompute):
-    r = compute.measure_llama_flops(tiny.LlamaConfig(attention=attention), batch=3, seq=11, recompute=recompute)
+    r = compute.measure_llama_flops(tiny.LlamaConfig(attention=attention), batch=3, seq=11,
+                                    recompute=recompute)
     assert r["forward"] == r["formula"]["forward"] and r["backward"] == r["formula"]["backward"]
     # the SDPA kernel recomputes its scores in backward: 5 attention matmuls, not 4 (HFU, not MFU)
     assert (r["recompute_flops"] > 0) == (attention == "sdpa" or recompute == "selective")
@@ -60,7 +62,8 @@ def test_llama_parameters_derived_equal_counted():
         derived = compute.llama_block_params(cfg.hidden, cfg.n_head, kv, cfg.ffn)
         assert counted == {k: v for k, v in derived.items() if k != "matmul"}, (kv, counted, derived)
     for name, arch in budget.MODELS.items():
-        assert arch.layer_params() == compute.llama_block_params(arch.hidden, arch.heads, arch.kv_heads, arch.ffn)["total"]
+        assert (arch.layer_params()
+                == compute.llama_block_params(arch.hidden, arch.heads, arch.kv_heads, arch.ffn)["total"])
     assert budget.MODELS["7B"].params() == 6_738_415_616           # Llama 2 7B as published
     a = budget.MODELS["70B"]                                          # GQA ignored would overcount 70B
     assert compute.llama_block_params(a.hidden, a.heads, a.heads, a.ffn)["total"] != a.layer_params()
@@ -72,16 +75,19 @@ def test_mfu_hfu_and_llama3_405b():
     r = compute.llama3_405b()
     for row in r["rows"]:
         assert row["mfu_consistent"], row
-        tflops = compute.mfu(row["tokens_per_s"], row["flops_per_token"], row["gpus"]) * compute.H100_BF16_DENSE
+        tflops = (compute.mfu(row["tokens_per_s"], row["flops_per_token"], row["gpus"])
+                  * compute.H100_BF16_DENSE)
         assert tflops == pytest.approx(row["tflops"] * 1e12)
-        assert compute.hfu(row["tokens_per_s"], row["flops_per_token"], 1e12, row["gpus"]) > row["mfu_computed"]
+        assert (compute.hfu(row["tokens_per_s"], row["flops_per_token"], 1e12, row["gpus"])
+                > row["mfu_computed"])
     # the sparse peak (1,979 TFLOP/s) a datasheet also prints would halve every MFU: caught
     assert not any(row["mfu_consistent"] for row in compute.llama3_405b(peak=1979e12)["rows"])
     first, second, third = r["rows"]
     assert first["degrees_product"] == first["gpus"] and second["degrees_product"] == second["gpus"]
     assert first["tokens_per_batch"] == second["tokens_per_batch"] == compute.LLAMA3_TOKENS_PER_BATCH
     # the 131K row as printed (DP = 4) multiplies to 8,192 GPUs and 8M tokens; DP = 8 gives both
-    assert third["degrees_product"] * 2 == third["gpus"] and third["tokens_per_batch"] * 2 == compute.LLAMA3_TOKENS_PER_BATCH
+    assert (third["degrees_product"] * 2 == third["gpus"]
+            and third["tokens_per_batch"] * 2 == compute.LLAMA3_TOKENS_PER_BATCH)
     assert r["six_psi_d"] == pytest.approx(r["paper_flops"], rel=0.01)      # 3.8e25 is 6 Psi D ...
     assert r["with_attention_8k"] > 1.05 * r["paper_flops"]                # ... without attention
     with pytest.raises(ValueError, match="positive"):
@@ -92,12 +98,14 @@ def test_mfu_hfu_and_llama3_405b():
 def test_logits_and_loss_memory(dtype):
     for batch, seq in ((2, None), (3, 11)):
         r = logits.measure_tail(batch=batch, seq=seq, dtype=dtype)
-        assert r["saved_bytes"] == r["saved_formula"] and r["forward_peak_bytes"] == r["forward_peak_formula"], r
+        assert r["saved_bytes"] == r["saved_formula"], r
+        assert r["forward_peak_bytes"] == r["forward_peak_formula"], r
         assert r["saved_by_dtype"]["torch.float32"] >= 4 * r["s"] * r["b"] * r["V"]  # the fp32 log-softmax
         assert r["peak_op"].startswith("aten.nll_loss")
     big = logits.at_scale("405B", seq=8192)
     assert big["log_softmax_fp32_bytes"] == 4 * 8192 * 128256 and big["forward_peak_bytes"] > 10e9
-    assert logits.at_scale("405B", seq=8192, tp=8)["log_softmax_fp32_bytes"] * 8 == big["log_softmax_fp32_bytes"]
+    assert (logits.at_scale("405B", seq=8192, tp=8)["log_softmax_fp32_bytes"] * 8
+            == big["log_softmax_fp32_bytes"])
     with pytest.raises(ValueError, match="not divisible by tp"):
         logits.at_scale("405B", tp=7)
 

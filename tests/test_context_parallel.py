@@ -69,7 +69,8 @@ def test_counted_bytes_equal_the_derivation(world_size):
 @pytest.mark.parametrize("world_size", [3])
 def test_ulysses_runs_two_all_to_alls_each_way(world_size):
     """Jacobs et al. §3.2: one all-to-all for Q, K and V together and one for the output."""
-    n, h, k = world_size, cases(world_size)["ulysses_library"]["heads"], cases(world_size)["ulysses_library"]["kv_heads"]
+    n, h, k = (world_size, cases(world_size)["ulysses_library"]["heads"],
+               cases(world_size)["ulysses_library"]["kv_heads"])
     q, kv = B * h * (T // n) * D * 4, B * k * (T // n) * D * 4
     for r in run(world_size):
         lib = r["ulysses_library"]
@@ -93,7 +94,8 @@ def test_work_per_rank_is_what_the_kernel_computes(world_size):
         assert work == cp.work_formula(world_size, order, causal, beta, kw["method"]), name
         for r in results:
             # FlopCounterMode sees every matmul the kernel runs: 2 x 2d FLOPs per score entry computed.
-            # A kernel that computed hidden tiles, or whole diagonal tiles while its tally said blocks, differs.
+            # A kernel that computed hidden tiles, or whole diagonal tiles while its tally said blocks,
+            # differs.
             res = r[name]
             assert res["flops"] == 4 * D * res["work"]["score_entries"], name
         # the masks cover exactly the causal triangle (or the square), every entry once over the ranks
@@ -116,10 +118,13 @@ def test_crossover_solves_the_derivation():
             assert crossover.crossover(m, n, a) == want, (m, n, a)
             # Ulysses loses just below the crossover and wins just above it
             eps = Fraction(1, 10**6)
-            assert crossover.bytes_per_rank("ulysses", want - eps, n, a) > crossover.bytes_per_rank(m, want - eps, n, a)
-            assert crossover.bytes_per_rank("ulysses", want + eps, n, a) < crossover.bytes_per_rank(m, want + eps, n, a)
+            assert (crossover.bytes_per_rank("ulysses", want - eps, n, a)
+                    > crossover.bytes_per_rank(m, want - eps, n, a))
+            assert (crossover.bytes_per_rank("ulysses", want + eps, n, a)
+                    < crossover.bytes_per_rank(m, want + eps, n, a))
     # cp = 4, a = 8: both closed forms lie below cp/a = 1/2, so the copies move them (9/40 -> ..., 1/3 -> 3/8)
-    assert crossover.crossover("ring", 4, 8) == Fraction(9, 40) and crossover.crossover("allgather", 4, 8) == Fraction(3, 8)
+    assert (crossover.crossover("ring", 4, 8) == Fraction(9, 40)
+            and crossover.crossover("allgather", 4, 8) == Fraction(3, 8))
 
 
 def test_ulysses_rules_for_the_heads():
@@ -142,8 +147,9 @@ def test_a_query_with_no_key_is_zero_not_nan():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.context_parallel.methods", "--world-size", "2", "--method", "ring",
-                          "--seq-len", "32", "--causal", "--order", "contiguous", "--kv-heads", "2", "--json"],
+    out = subprocess.run([sys.executable, "-m", "labs.context_parallel.methods", "--world-size", "2",
+                          "--method", "ring", "--seq-len", "32", "--causal", "--order", "contiguous",
+                          "--kv-heads", "2", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["max_abs_error"] < TOL and r["max_abs_error_grad"] < TOL
@@ -151,6 +157,7 @@ def test_command_line_contract():
     assert r["bytes_sent"] == [{"forward": 2 * kv, "backward": 6 * kv}] * 2
     # whole diagonal tiles: rank i computes i + 1 tiles of (T/cp)^2, in units of half a tile
     assert r["work_per_rank"] == [2, 4] and r["work_max_over_mean"] == 4 / 3   # max/mean 2cp/(cp + 1)
-    bad = subprocess.run([sys.executable, "-m", "labs.context_parallel.methods", "--world-size", "3", "--method", "ulysses"],
+    bad = subprocess.run([sys.executable, "-m", "labs.context_parallel.methods", "--world-size", "3",
+                          "--method", "ulysses"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "divide the query heads" in bad.stderr and "Traceback" not in bad.stderr

@@ -26,6 +26,7 @@ def test_a_grid_that_does_not_fit_is_refused():
 def test_command_line_refuses_a_grid_before_any_rank_starts():
     """The full run (`--world-size 4 --ulysses 2 --json`) is the notebook's section 8, which asserts
     every rank's tiers against the derivation: not repeated here, to keep the test time."""
-    bad = subprocess.run([sys.executable, "-m", "labs.context_parallel.hybrid", "--world-size", "4", "--ulysses", "3"],
+    bad = subprocess.run([sys.executable, "-m", "labs.context_parallel.hybrid", "--world-size", "4",
+                          "--ulysses", "3"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "must divide the 4 ranks" in bad.stderr and "Traceback" not in bad.stderr

@@ -82,7 +82,8 @@ def test_two_backwards_mixed_dtypes_frozen_and_unused_parameters_match_torch_ddp
     """
     for r in (x["semantics"] for x in suite(2)):
         assert r["fp32_vs_torch_ddp"] == 0.0 and r["bf16_vs_torch_ddp"] == 0.0
-        assert r["bucket_dtypes"] == ["torch.bfloat16", "torch.float32"]  # backward's order: the bf16 head first
+        # backward's order: the bf16 head first
+        assert r["bucket_dtypes"] == ["torch.bfloat16", "torch.float32"]
         assert r["frozen_unchanged"]
         assert r["bad_cap_error"] == "bucket_cap_bytes must be at least 1, got 0."
 
@@ -136,7 +137,8 @@ def test_timeline_orders_each_bucket():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.data_parallel.ddp", "--world-size", "2", "--steps", "2", "--json"],
+    out = subprocess.run([sys.executable, "-m", "labs.data_parallel.ddp", "--world-size", "2", "--steps", "2",
+                          "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=180, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["max_param_diff_vs_torch_ddp"] < TOL and r["max_param_diff_vs_single_process"] < TOL

@@ -84,7 +84,8 @@ AUDITED = {2: [
 # Audited only by `make test-devices` (LABS_AUDIT_ALL=1): each takes 3 s or more under the audit on a
 # busy 2-core machine, or needs 4 ranks; about 3 minutes together. The rest, one start of 2 ranks of
 # about 20 s, run with every `make test`.
-SLOW = {"labs.data_parallel.ddp.run", "labs.collectives.crossover.rank_sweep", "labs.recompute.clip_norm.rank_clip", "labs.zero.stages.run", "labs.expert_parallel.suite.run",
+SLOW = {"labs.data_parallel.ddp.run", "labs.collectives.crossover.rank_sweep",
+        "labs.recompute.clip_norm.rank_clip", "labs.zero.stages.run", "labs.expert_parallel.suite.run",
         "labs.tensor_parallel.blocks.train", "labs.zero.unseen_model.train_toy_all",
         "labs.recompute.accumulation._fsdp_no_sync", "labs.recompute.accumulation._no_sync_counts",
         "labs.zero.stages.fsdp2", "labs.data_parallel.ddp_internals.tour",
@@ -134,7 +135,8 @@ def test_every_rank_function_is_audited_marked_or_listed():
 
 
 # The audit's own check: each mistake is caught, and what the labs do right is not.
-SELF_CHECK = {"box_workers.audit_forgets_the_device_in_a_collective": "allreduce_.default handed a CPU tensor",
+SELF_CHECK = {"box_workers.audit_forgets_the_device_in_a_collective": "allreduce_.default handed "
+                                                                      "a CPU tensor",
               "box_workers.audit_mixes_devices": "mixes a GPU tensor with a CPU tensor",
               "box_workers.audit_draws_on_the_gpu_from_a_cpu_generator": "from a CPU torch.Generator",
               "box_workers.audit_clean": None}

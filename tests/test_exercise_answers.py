@@ -21,10 +21,12 @@ GPU = budget.GPU_GIB * budget.GIB   # 80 GiB in bytes
 
 CASES = [
     # chapter 1, the memory budget
-    (budget, "1", (2 + 10 / 8) * P13 / budget.GB, "12 bytes per parameter: the fp32 master copy of the weights left out"),
+    (budget, "1", (2 + 10 / 8) * P13 / budget.GB,
+     "12 bytes per parameter: the fp32 master copy of the weights left out"),
     (budget, "1", 16 * P13 / budget.GB, "ZeRO-2 forgotten: all 16 bytes per parameter on every GPU"),
     (budget, "2", math.ceil(16 * P70 / (budget.GPU_GIB * budget.GB)), "80 GB taken for 80 GiB"),
-    (budget, "2", math.ceil(12 * P70 / GPU), "12 bytes per parameter: the fp32 master copy of the weights left out"),
+    (budget, "2", math.ceil(12 * P70 / GPU),
+     "12 bytes per parameter: the fp32 master copy of the weights left out"),
     (budget, "2", math.ceil(16 * 70e9 / GPU), budget.nominal_mistake("70B")),
     (budget, "3", 34 * 2048 * 1 * 12288 / budget.GB, "sbh(34 + 5as/h) without the attention scores' 5as/h"),
     (budget, "4", budget.GPU_GIB / 16, "80 GB taken for 80 GiB"),
@@ -39,15 +41,18 @@ CASES = [
      "2 + 10/N bytes per parameter: the 12-byte recipe, without the fp32 master copy"),
     (stages, "1", (2 + 14 / 64) * 70e9 / budget.GB, budget.nominal_mistake("70B")),
     (stages, "1", budget.state_gb("70B", 64, zero_stage=1), "ZeRO-1's 4 + 12/N: the gradients left whole"),
-    (stages, "2", stages.formula_comm(0, P13, 8) / budget.GB, "DDP's bytes: ZeRO-3's extra all-gather left out"),
+    (stages, "2", stages.formula_comm(0, P13, 8) / budget.GB,
+     "DDP's bytes: ZeRO-3's extra all-gather left out"),
     (stages, "3", budget.lowest_zero_stage("13B", 8, 0.0, seq=4096, micro_batch=8, recompute="full"),
      "stage 1: it fits in 80 GiB, but with no room for buffers, logits and fragmentation"),
     # chapter 4, tensor parallel
-    (blocks, "1", blocks.layer_costs("70B", 8)["hh_weight_bytes"] / 2**20, "sized by the h x h weight, not by b s h"),
+    (blocks, "1", blocks.layer_costs("70B", 8)["hh_weight_bytes"] / 2**20,
+     "sized by the h x h weight, not by b s h"),
     (blocks, "2", blocks.layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3 / 8,
      "400 Gb/s read as 400 GB/s"),
     # chapter 5, pipeline parallel
-    (schedules, "1", schedules.formula("1f1b", 16, 48)["over_ideal"], "(p-1)/m: the bubble over the ideal time, not the total"),
+    (schedules, "1", schedules.formula("1f1b", 16, 48)["over_ideal"],
+     "(p-1)/m: the bubble over the ideal time, not the total"),
     (schedules, "2", math.ceil(15 / 0.05), "(p-1)/m <= 5 %: the bubble over the ideal time, not the total"),
     (schedules, "3", schedules.formula("1f1b", 8, 32)["over_ideal"], "the interleaving's v = 4 left out"),
     (schedules, "4", 2 * 12, "doubling m: the p - 1 idle slots stay, so the share falls to 1/9, not 1/10"),

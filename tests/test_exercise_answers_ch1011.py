@@ -20,7 +20,8 @@ SPLIT = [len(layers) for layers in stage_layers(P.LLAMA3_405B.layers, 16)]
 
 
 # each chapter's checker under the (EXERCISES, check) names chapters 1-5 use
-Chapter10 = SimpleNamespace(__name__=col.__name__, EXERCISES=col.EXERCISES, check=col.check_answer, MISTAKES=col.MISTAKES)
+Chapter10 = SimpleNamespace(__name__=col.__name__, EXERCISES=col.EXERCISES, check=col.check_answer,
+                            MISTAKES=col.MISTAKES)
 Chapter11 = SimpleNamespace(__name__=P.__name__, EXERCISES=P.ANSWERS, check=P.check, MISTAKES=P.MISTAKES)
 
 
@@ -28,9 +29,11 @@ CASES = [
     # chapter 10, the collectives toolkit
     (Chapter10, "1", M1, "the payload M for what the ring sends, 2(N-1)/N M"),
     (Chapter10, "1", 2 * M1, "2M: the ring's (N-1)/N left out"),
-    (Chapter10, "2", col.formula("all_reduce", "ring", 8, M2)[1], "the ring's 2(N-1)/N M for doubling's M lg N"),
+    (Chapter10, "2", col.formula("all_reduce", "ring", 8, M2)[1],
+     "the ring's 2(N-1)/N M for doubling's M lg N"),
     (Chapter10, "2", M2, "one swap of M: the lg N rounds left out"),
-    (Chapter10, "3", 11 * ALPHA * INV_BETA, "the rounds saved times alpha/beta, without the bytes' lg N - 2(N-1)/N"),
+    (Chapter10, "3", 11 * ALPHA * INV_BETA,
+     "the rounds saved times alpha/beta, without the bytes' lg N - 2(N-1)/N"),
     (Chapter10, "3", (8 - 1 - 3) * ALPHA * INV_BETA / (3 - 2 * 7 / 8),
      "the ring's N-1 rounds (one half) for its 2(N-1)"),
     # chapter 11, hardware and placement
@@ -39,7 +42,8 @@ CASES = [
     (Chapter11, "11.1", P.ANSWERS["11.1"]() * (P.LLAMA3_405B.layers / 16) / max(SPLIT),
      f"{P.LLAMA3_405B.layers} / 16 layers on every stage: the first and last stages' lighter load ignored"),
     (Chapter11, "11.1", P.ANSWERS["11.1"]() * 8 / 7, "2M per all-reduce: the ring's (N-1)/N left out"),
-    (Chapter11, "11.2", P.ANSWERS["11.2"]() * P.NDR_IB_BPS / P.NVLINK4_BPS, "the NVLink time, not the network's"),
+    (Chapter11, "11.2", P.ANSWERS["11.2"]() * P.NDR_IB_BPS / P.NVLINK4_BPS,
+     "the NVLink time, not the network's"),
     (Chapter11, "11.2", P.ANSWERS["11.2"]() / 8, "400 Gb/s read as 400 GB/s"),
 ]
 

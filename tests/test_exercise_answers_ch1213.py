@@ -20,14 +20,16 @@ JOB_16K = rel.job_mtbf(PER_GPU, rel.LLAMA3_GPUS)
 
 CASES = [
     # chapter 12, checkpointing
-    (cost, "1", cost.write_seconds(16 * P70, 10), "chapter 1's 16 bytes: gradients and bf16 weights saved too"),
+    (cost, "1", cost.write_seconds(16 * P70, 10),
+     "chapter 1's 16 bytes: gradients and bf16 weights saved too"),
     (cost, "1", cost.write_seconds(12 * P70, 10 / 8), "10 Gb/s read for 10 GB/s"),
     (cost, "1", cost.write_seconds(12 * 70e9, 10), budget.nominal_mistake("70B")),
     (cost, "2", math.ceil(10 / 4), "the padded shard's size, padding counted as written"),
     (cost, "3", 7 * 12, "samples consumed, not the position in the epoch"),
     (cost, "4", cost.lost_steps(9, 4, 0), "as if the save of step 8 had committed (a synchronous save)"),
     # chapter 13, failures
-    (rel, "1", rel.job_mtbf(rel.LLAMA3_DAYS * 24 / (rel.LLAMA3_UNEXPECTED + 47) * rel.LLAMA3_GPUS, 100_000) * 60,
+    (rel, "1",
+     rel.job_mtbf(rel.LLAMA3_DAYS * 24 / (rel.LLAMA3_UNEXPECTED + 47) * rel.LLAMA3_GPUS, 100_000) * 60,
      "the planned interruptions counted as failures too"),
     (rel, "1", PER_GPU * 60, "one GPU's MTBF: the 100,000 GPUs' rates not added"),
     (rel, "1", JOB_16K * 60, "the MTBF of Llama 3's 16,384-GPU job, not scaled to 100,000 GPUs"),

@@ -29,7 +29,8 @@ CASES = [
     # 1: the activations one layer keeps per rank under TP + SP, sbh(34/t + 5as/(ht))
     (sp, "1", gpt3(), "the TP-only row sbh(10 + 24/t + 5as/(ht)): the 10sbh left whole"),
     (sp, "1", S * H * (34 / T + 5 * A * S / H) / MIB, "the scores' 5as/h not divided by t"),
-    (sp, "1", activations.gpt3_activation_bytes_per_layer(S, 1, H, A) / MIB, "the unsplit layer's, not one rank's"),
+    (sp, "1", activations.gpt3_activation_bytes_per_layer(S, 1, H, A) / MIB,
+     "the unsplit layer's, not one rank's"),
     # 2: two all-gathers and two reduce-scatters of M, (t-1)/t M each
     (sp, "2", 2 * (T - 1) / T * M / MIB, "the all-gathers only: the reduce-scatters left out"),
     (sp, "2", 4 * M / MIB, "all of M per collective: the ring's (t-1)/t left out"),

@@ -29,7 +29,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("question, wrong, mistake", CASES, ids=[f"ch7-{q}-{i}" for i, (q, _, _) in enumerate(CASES)])
+@pytest.mark.parametrize("question, wrong, mistake", CASES,
+                         ids=[f"ch7-{q}-{i}" for i, (q, _, _) in enumerate(CASES)])
 def test_the_checker_refuses_the_usual_mistake(question, wrong, mistake, capsys):
     exercise_cases.refuses(mr.check, mr.EXERCISES, question, wrong, mistake, capsys)
 

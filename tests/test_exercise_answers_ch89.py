@@ -23,8 +23,10 @@ CASES = [
     (ls, "3", 7 * 2 ** 20, "the fp32 scales forgotten: one per shard"),
     (ls, "3", 7 * 2 ** 20 * 2, "the BF16 answer: two bytes per element"),
     # chapter 9, recomputation and accumulation
-    (rc, "1", (2 * A * S / H) / (32 + 2 * A * S / H), "the dropout-free count sbh(32 + 2as/h) for a layer with dropout"),
-    (rc, "2", rc.selective_at_scale()["korthikanti_flops_added"] * 100, "Korthikanti et al.'s figure, which counts "
+    (rc, "1", (2 * A * S / H) / (32 + 2 * A * S / H),
+     "the dropout-free count sbh(32 + 2as/h) for a layer with dropout"),
+    (rc, "2", rc.selective_at_scale()["korthikanti_flops_added"] * 100,
+     "Korthikanti et al.'s figure, which counts "
      "the attention products' forward and backward again"),
     (rc, "2", 100 / 3, "full recomputation's third"),
     (rc, "3", 1024 // 64, "the micro-batch of 2 left out: 1024 / dp"),

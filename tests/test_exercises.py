@@ -23,13 +23,15 @@ def test_check_accepts_within_one_percent_and_says_which_way_and_how_far_it_miss
                             "exercise 1: not yet, 8.3 % too low", "exercise 1: not yet, too low by a factor 8"
                             "; that is what this mistake gives: bits and bytes mixed up, a factor 8"]
     assert not check("1", 12.0 * 3.3) and not check("1", -12.0) and not check("1", 0)
-    assert said(capsys) == ["exercise 1: not yet, too high by a factor 3.3", "exercise 1: not yet, the wrong sign",
-                            "exercise 1: not yet, too low: zero"]
+    assert said(capsys) == ["exercise 1: not yet, too high by a factor 3.3",
+                            "exercise 1: not yet, the wrong sign", "exercise 1: not yet, too low: zero"]
 
 
 @pytest.mark.parametrize("ratio, slip", [(2.0, "a factor 2 too many"), (0.5, "a factor 2 left out"),
-                                         (2**30 / 1e9, "GiB and GB mixed up"), (1e9 / 2**30, "GiB and GB mixed up"),
-                                         (2**20 / 1e6, "MiB and MB mixed up"), (100, "a percentage and a fraction"),
+                                         (2**30 / 1e9, "GiB and GB mixed up"),
+                                         (1e9 / 2**30, "GiB and GB mixed up"),
+                                         (2**20 / 1e6, "MiB and MB mixed up"),
+                                         (100, "a percentage and a fraction"),
                                          (1e-3, "a unit prefix off by 1000")])
 def test_a_slip_any_exercise_invites_is_named(ratio, slip, capsys):
     assert not check("4", 153.04 * ratio)
@@ -58,7 +60,8 @@ def test_a_count_is_checked_exactly_and_its_miss_is_a_count(capsys):
         "exercise 3: not yet, too low by 28; that is what this mistake gives: the scales forgotten",
         "exercise 3: not yet, too high by 1; close, but the answer is a count: give it exactly",
         "exercise 3: not yet, too high by 2,659,940 (36 %)",
-        "exercise 3: not yet, too high by 7,340,060 (a factor 2); that is what this mistake gives: a factor 2 too many"]
+        "exercise 3: not yet, too high by 7,340,060 (a factor 2); that is what this mistake gives: a "
+        "factor 2 too many"]
 
 
 def test_a_number_question_is_the_same_exercise_and_a_missing_one_is_one_sentence(capsys):
@@ -70,7 +73,8 @@ def test_a_number_question_is_the_same_exercise_and_a_missing_one_is_one_sentenc
 
 @pytest.mark.parametrize("answer", ["153 GB", "12", None, True, [12.0]])
 def test_an_answer_that_is_not_a_number_is_refused_in_one_sentence(answer):
-    with pytest.raises(TypeError, match=r"^exercise 1 takes a number, e\.g\. check\('1', 153\.0\), not .*: give the "
+    with pytest.raises(TypeError,
+                       match=r"^exercise 1 takes a number, e\.g\. check\('1', 153\.0\), not .*: give the "
                                         r"value alone, in the unit the question asks for\.$"):
         check("1", answer)
     with pytest.raises(ValueError, match="takes a finite number"):

@@ -24,7 +24,8 @@ def test_every_kernel_that_runs_agrees_with_the_emulation_and_a_wrong_scale_is_c
     assert r["tensorwise"]["ran"], r["tensorwise"]     # every CPU build since 2.11 has this one
     for name, v in r.items():
         assert v["ran"] == (v["error"] is None) and (v["gap"] is None) != v["ran"], name
-        if v["ran"]:   # the same FP8 values multiplied; the bound is the device's (a GPU's accumulator is shorter)
+        # the same FP8 values multiplied; the bound is the device's (a GPU's accumulator is shorter)
+        if v["ran"]:
             assert v["gap"] < v["gap_bound"], name
         elif "Invalid scaling configuration" in v["error"]:   # kept whole: the supported list follows
             assert "- For TensorWise scaling" in v["error"], v["error"]
@@ -83,7 +84,8 @@ def test_mxfp8_scales_are_bytes_of_powers_of_two_and_the_spec_rule_saturates():
     x = fp8.activations(64, 256)
     for rounding in ("floor", "ceil"):
         q, scale, saturated = scaling.mx_quantize(x, rounding)
-        assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu and scale.element_size() == 1
+        assert (q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu
+                and scale.element_size() == 1)
         s = scale.float()
         assert torch.equal(s, torch.exp2(torch.log2(s).round()))   # E8M0 holds powers of two only
         amax = x.abs().reshape(64, 256 // 32, 32).amax(2)
@@ -97,7 +99,9 @@ def test_mxfp8_scales_are_bytes_of_powers_of_two_and_the_spec_rule_saturates():
     with pytest.raises(ValueError, match="divisible by 32"):
         scaling.mx_quantize(torch.ones(4, 48))
     r = scaling.blocks_vs_mx(M=128, K=256)["rows"]
-    assert r["1x128, fp32 scale"]["scale_bytes_per_element"] == r["1x32 MX, E8M0 (round up)"]["scale_bytes_per_element"]
+    assert r["1x128, fp32 scale"]["scale_bytes_per_element"] == r["1x32 MX, "
+                                                                  "E8M0 (round "
+                                                                  "up)"]["scale_bytes_per_element"]
     assert r["1x32 MX, E8M0 (spec: floor)"]["error"] > r["1x32 MX, E8M0 (round up)"]["error"]
     assert r["1x32 MX, E8M0 (round up)"]["flushed"] < r["1x128, fp32 scale"]["flushed"]
 

@@ -34,7 +34,8 @@ def test_two_ranks_reproduce_one_process_bit_for_bit(reference, runs):
         results = [r[scheme] for r in runs[2]]
         assert [[r["losses"][s] for r in results] for s in range(STEPS)] == ref["losses"], scheme
         for name, want in ref["params"].items():
-            torch.testing.assert_close(results[0]["params"][name], want, rtol=0, atol=0, msg=f"{scheme} {name}")
+            torch.testing.assert_close(results[0]["params"][name], want, rtol=0, atol=0,
+                                       msg=f"{scheme} {name}")
 
 
 def test_three_ranks_stay_within_adams_drift_bound(reference, runs):

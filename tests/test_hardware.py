@@ -63,7 +63,8 @@ def test_straddling_groups_are_inter_node_wherever_the_tier_is_asked():
     for degrees, g, axis in ((dict(tp=8, pp=2, dp=9), 72, "pp"), (dict(cp=3, dp=4), 4, "cp"),
                              (dict(tp=2, pp=3, dp=4), 8, "pp")):
         d = ParallelDims(**degrees)
-        assert d.tier(axis, g) == "inter" == traffic.tiers(d, g)[axis] == P.Placement(d, g).tier(axis), degrees
+        tiers = (d.tier(axis, g), traffic.tiers(d, g)[axis], P.Placement(d, g).tier(axis))
+        assert tiers == ("inter",) * 3, degrees
     assert traffic.tiers(ParallelDims(tp=8, pp=9, dp=8), 72)["pp"] == "intra"    # 8 x 9 = 72 divides 72
 
 
@@ -124,6 +125,7 @@ def test_chapters_11_and_14_count_the_same_tp_and_pp_bytes():
     run = P.LLAMA3_RUN
     calc = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS), run)
     plan = memory.Plan(P.LLAMA3_DIMS, zero=1, micro_batch=run.micro_batch, v=run.v)
-    planner = traffic.predict_bytes_per_group(P.LLAMA3_405B, plan, num_microbatches=run.micro_batches, stage=8)
+    planner = traffic.predict_bytes_per_group(P.LLAMA3_405B, plan, num_microbatches=run.micro_batches,
+                                              stage=8)
     assert planner["terms"]["tp_vocab"] == 0 and planner["tp"] == calc["tp"]["bytes_per_rank"]
     assert planner["pp"] == calc["pp"]["bytes_per_rank"]

@@ -78,7 +78,8 @@ def test_fsdp2_keeps_fp32_shards_of_params_grads_and_adam_state(run):
         got = dopt.check_fsdp2(states, run[0]["params"])
         assert got["bytes_per_param_per_rank"] == got["formula"] == 16 / d
         assert run[0][layout]["state"]["dtypes"] == {"params": "torch.float32", "grads": "torch.float32",
-                                                     "adam_moments": "torch.float32", "adam_step": "torch.float32"}
+                                                     "adam_moments": "torch.float32",
+                                                     "adam_step": "torch.float32"}
 
 
 def test_zero3_bandwidth_formula_matches_the_counted_bytes_per_parameter(run):
@@ -88,7 +89,8 @@ def test_zero3_bandwidth_formula_matches_the_counted_bytes_per_parameter(run):
     got = hsdp.zero3_bandwidth(p_pad, 6 * p_pad, 1, WORLD)
     assert got["step_bytes"] == sent
     ex = hsdp.worked_example()
-    assert ex["bandwidth"] == pytest.approx((ex["n"] - 1) / ex["n"] * ex["mfu"] * 989e12 / ex["tokens_per_rank"]
+    assert ex["bandwidth"] == pytest.approx((ex["n"] - 1) / ex["n"] * ex["mfu"]
+                                            * 989e12 / ex["tokens_per_rank"]
                                             * 6 * ex["params"] / ex["flops_per_token"], rel=1e-12)
     with pytest.raises(ValueError, match="positive"):
         hsdp.zero3_bandwidth(p_pad, 6 * p_pad, 0, WORLD)

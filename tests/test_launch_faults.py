@@ -163,8 +163,8 @@ def test_a_rank_that_cannot_start_says_why(tmp_path, monkeypatch):
     with pytest.raises(launch.RankError) as info:
         launch.spawn(unstartable.work, 2, timeout=60)
     message = str(info.value)
-    assert message.startswith(f"rank {info.value.rank} of 2 failed to start: "
-                              "ImportError: deliberately unimportable")
+    assert message.startswith(f"rank {info.value.rank} of 2 failed to start: ImportError: deliberately "
+                              "unimportable")
     assert "must import without error in a new process" in message
     assert time.monotonic() - start < START_S
     assert os.listdir(tmp_path) == []

@@ -7,11 +7,13 @@ modules; the shared packages (launcher, measure) and the top-level modules impor
 a chapter importing only shared pieces and earlier chapters; no file over 320 lines; at most three
 modules loose in labs/; a docstring in every package's __init__.py that names its chapter and
 says what each of its modules is for; one home for the degrees, the model shape, the stage split
-and the DeviceMesh (issue 35: four copies of the degrees had drifted apart). The synthetic cases at the
-end show each rule can fail.
+and the DeviceMesh (issue 35: four copies of the degrees had drifted apart); no package using another
+package's underscore names, and labs/__init__.py's table of contents listing every package with its
+chapter (issue 37). The synthetic cases at the end show each rule can fail.
 """
 import ast
 import os
+import re
 
 import pytest
 
@@ -46,6 +48,14 @@ def read_tree(root=LABS):
     return out
 
 
+def import_base(package, node):
+    """The absolute module an ``ast.ImportFrom`` reads from, inside ``package`` (relative imports too)."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    return ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+
+
 def imports(name, source, modules, is_package=False):
     """The modules of ``modules`` that ``name`` imports anywhere in ``source`` (functions included)."""
     package = name if is_package else name.rpartition(".")[0]
@@ -54,11 +64,7 @@ def imports(name, source, modules, is_package=False):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name in modules}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
+            base = import_base(package, node)
             for a in node.names:
                 if f"{base}.{a.name}" in modules:
                     found.add(f"{base}.{a.name}")
@@ -187,11 +193,109 @@ def test_package_docstring_names_its_chapter_and_every_module(package):
     assert missing == [], f"{package}/__init__.py does not say what these modules are for: {missing}"
 
 
+# ---- a name another package uses is public; the table of contents is whole (issue 37) --------------
+
+def private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def underscore_uses(sources, packages=()):
+    """(module, line, "module.name") for every use of an underscore name of a module in another package:
+    imported by name (``from labs.zero.fsdp import _x``) or read off the module (``fsdp._x``,
+    ``labs.zero.fsdp._x``). A module's own package may use its underscore names; dunders are public."""
+    found = []
+    for name, source in sources.items():
+        package = name if name in packages else name.rpartition(".")[0]
+        tree = ast.parse(source)
+        alias = {}                            # local name -> the labs module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                alias.update({a.asname: a.name for a in node.names if a.asname and a.name in sources})
+            elif isinstance(node, ast.ImportFrom):
+                base = import_base(package, node)
+                for a in node.names:
+                    if f"{base}.{a.name}" in sources:
+                        alias[a.asname or a.name] = f"{base}.{a.name}"
+                    elif base in sources and private(a.name):
+                        found.append((name, node.lineno, f"{base}.{a.name}"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private(node.attr):
+                owner = alias.get(ast.unparse(node.value), ast.unparse(node.value))
+                if owner in sources:
+                    found.append((name, node.lineno, f"{owner}.{node.attr}"))
+    return sorted(f for f in found if package_of(f[2].rpartition(".")[0]) != package_of(f[0]))
+
+
+def test_no_package_uses_another_packages_underscore_names():
+    assert underscore_uses({m: src for m, (_, src) in TREE.items()}, PACKAGES) == []
+
+
+def contents_missing(source, names):
+    """The packages and loose modules of ``names`` that the docstring of labs/__init__.py (``source``)
+    leaves out: a chapter as ``zero/  chapter 3`` (its number right), any other package as
+    ``launcher/``, a loose module as ``model.py``."""
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    missing = []
+    for m in sorted(names):
+        short = m.split(".")[1]
+        if m in CHAPTERS:
+            listed = re.search(rf"(?<![\w/]){short}/\s+chapter {CHAPTERS[m]}(?!\d)", doc)
+        else:
+            listed = re.search(rf"(?<![\w/]){short}{'/' if m in PACKAGES else '.py'}", doc)
+        if not listed:
+            missing.append(m)
+    return missing
+
+
+LISTED = (PACKAGES - {"labs"}) | set(CHAPTERS) | {m for m in TREE if m.count(".") == 1 and m not in PACKAGES}
+
+
+def test_labs_init_lists_every_package_with_its_chapter():
+    assert contents_missing(TREE["labs"][1], LISTED) == []
+
+
+UNDERSCORES = {
+    "imported by name": ({"labs.checkpointing.c": "from labs.zero.fsdp import _name\n",
+                          "labs.zero.fsdp": ""}, ["labs.zero.fsdp._name"]),
+    "read off a module": ({"labs.gpu.r": "from labs.launcher import cli\nx = cli._plain(1)\n",
+                           "labs.launcher.cli": ""}, ["labs.launcher.cli._plain"]),
+    "read off an alias": ({"labs.zero.h": "import labs.measure.wire as w\nw._wchar()\n",
+                           "labs.measure.wire": ""}, ["labs.measure.wire._wchar"]),
+    "read off the full path": ({"labs.zero.h": "import labs.measure.wire\nlabs.measure.wire._wchar()\n",
+                                "labs.measure.wire": ""}, ["labs.measure.wire._wchar"]),
+    "a relative import in a function": ({"labs.context_parallel.s": "def f():\n"
+                                         "    from ..tensor_parallel.megatron import _logs\n",
+                                         "labs.tensor_parallel.megatron": ""},
+                                        ["labs.tensor_parallel.megatron._logs"]),
+    "the module's own package": ({"labs.zero.a": "from labs.zero import b\nfrom labs.zero.b import _y\n"
+                                                 "b._x()\n", "labs.zero.b": ""}, []),
+    "dunders and other libraries": ({"labs.zero.a": "import torch.utils._pytree as pt\n"
+                                                    "from labs.zero import b\n"
+                                                    "print(b.__name__, pt._x, pt.tree_map)\n",
+                                     "labs.zero.b": ""}, []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNDERSCORES))
+def test_a_use_of_another_packages_underscore_name_is_caught(case):
+    sources, caught = UNDERSCORES[case]
+    assert [use for _, _, use in underscore_uses(sources)] == caught
+
+
+def test_a_package_left_out_of_the_table_of_contents_is_caught():
+    source = TREE["labs"][1]
+    assert contents_missing(source.replace("zero/", "zer0/"), LISTED) == ["labs.zero"]
+    assert contents_missing(source.replace("chapter 3", "chapter 33"), LISTED) == ["labs.zero"]
+    assert contents_missing(source.replace("launcher/", "launch/"), LISTED) == ["labs.launcher"]
+    assert contents_missing(source.replace("dims.py", "degrees.py"), LISTED) == ["labs.dims"]
+
+
 # ---- one home per idea (issue 35) -------------------------------------------------------------------
 
 DEGREES = {"dp", "tp", "pp", "cp", "ep"}
 HOMES = {"degrees": "labs.dims", "model shape": "labs.memory_budget.model_shape",
-         "stage split": "labs.pipeline.stage_balance", "device mesh": "labs.dims", "placement rule": "labs.dims"}
+         "stage split": "labs.pipeline.stage_balance", "device mesh": "labs.dims",
+         "placement rule": "labs.dims"}
 
 
 def second_homes(sources):
@@ -201,7 +305,8 @@ def second_homes(sources):
     found = set()
     for name, source in sources.items():
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d)
+                                                      for d in node.decorator_list):
                 fields = {t.target.id for t in node.body
                           if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
                 if len(fields & DEGREES) >= 2:
@@ -229,14 +334,15 @@ def test_the_homes_define_what_they_are_home_to():
 
 
 SECOND_HOMES = {
-    "a Plan with its own degrees": ("from dataclasses import dataclass\n@dataclass\nclass Plan:\n    dp: int\n"
-                                    "    tp: int = 1\n", ("degrees", "labs.planning.memory")),
+    "a Plan with its own degrees": ("from dataclasses import dataclass\n@dataclass\nclass Plan:\n"
+                                    "    dp: int\n    tp: int = 1\n", ("degrees", "labs.planning.memory")),
     "the older tier rule": ("def tier_of(stride, n, g):\n    return stride * n <= g\n",
                             ("placement rule", "labs.hardware.placement")),
     "a mesh built by hand": ("from torch.distributed.device_mesh import init_device_mesh\n"
                              "m = init_device_mesh('cpu', (2,))\n", ("device mesh", "labs.zero.stages")),
-    "a second model type": ("import dataclasses\n@dataclasses.dataclass(frozen=True)\nclass Arch:\n    layers: int\n"
-                            "    hidden: int\n", ("model shape", "labs.memory_budget.budget")),
+    "a second model type": ("import dataclasses\n@dataclasses.dataclass(frozen=True)\nclass Arch:\n"
+                            "    layers: int\n    hidden: int\n",
+                            ("model shape", "labs.memory_budget.budget")),
     "a second split": ("def split_counts(n, parts):\n    return [n // parts] * parts\n",
                        ("stage split", "labs.planning.memory")),
 }
@@ -254,16 +360,19 @@ SYNTHETIC = {
     "a circle": ({"labs.measure.a": "from labs.measure import b\n",
                   "labs.measure.b": "from labs.measure import a\n"}, "circle"),
     "a circle hidden in a function": ({"labs.zero.x": "from labs.zero import y\n",
-                                       "labs.zero.y": "def f():\n    from labs.zero.x import g\n    return g\n"},
+                                       "labs.zero.y": "def f():\n    from labs.zero.x import g\n"
+                                                      "    return g\n"},
                                       "circle"),
     "a circle through a third module": ({"labs.pipeline.p": "import labs.pipeline.q\n",
                                          "labs.pipeline.q": "from labs.pipeline import r\n",
                                          "labs.pipeline.r": "from . import p\n"}, "circle"),
     "chapter 2 importing chapter 8": ({"labs.data_parallel.d": "from labs.precision import fp8\n",
                                        "labs.precision.fp8": ""}, "backward"),
-    "a chapter importing itself from a later one": ({"labs.zero.s": "from labs.tensor_parallel.megatron import f\n",
+    "a chapter importing itself from a later one": ({"labs.zero.s":
+                                                     "from labs.tensor_parallel.megatron import f\n",
                                                      "labs.tensor_parallel.megatron": ""}, "backward"),
-    "measurement importing a chapter": ({"labs.measure.comm": "def f():\n    from labs.data_parallel import ring\n",
+    "measurement importing a chapter": ({"labs.measure.comm": "def f():\n"
+                                                              "    from labs.data_parallel import ring\n",
                                          "labs.data_parallel.ring": ""}, "backward"),
     "a chapter importing the GPU command": ({"labs.failures.f": "from labs.gpu import record\n",
                                              "labs.gpu.record": ""}, "backward"),

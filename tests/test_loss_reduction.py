@@ -58,4 +58,4 @@ def test_bad_sizes_raise(bad):
     with pytest.raises(ValueError, match="positive integer"):
         lr.global_batch_size(bad, 1, 1)
     with pytest.raises(ValueError, match="positive"):
-        lr.noise_scale_tradeoff(bad if bad != 1.5 else -1.5) if bad is not None else lr.noise_scale_tradeoff(0)
+        lr.noise_scale_tradeoff(0 if bad is None else -1.5 if bad == 1.5 else bad)

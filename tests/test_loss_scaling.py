@@ -12,8 +12,8 @@ def test_formats_match_the_published_maxima_and_layouts():
     f = ls.formats()
     # E4M3 448 and E5M2 57,344: Micikevicius et al. 2022, Table 1; FP16 65,504: IEEE 754 binary16.
     assert (f["fp8_e4m3"]["max"], f["fp8_e5m2"]["max"], f["fp16"]["max"]) == (448.0, 57344.0, 65504.0)
-    assert [(f[k]["exponent_bits"], f[k]["mantissa_bits"]) for k in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")] \
-        == [(5, 10), (8, 7), (4, 3), (5, 2)]
+    assert ([(f[k]["exponent_bits"], f[k]["mantissa_bits"]) for k in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")]
+            == [(5, 10), (8, 7), (4, 3), (5, 2)])
     # the notes' FP16 range starts at 6e-5, the smallest *normal*; subnormals reach 2^-24 (about 6e-8)
     assert f["fp16"]["smallest_subnormal"] == 2.0 ** -24 and f["fp16"]["smallest_normal"] == 2.0 ** -14
     assert f["bf16"]["smallest_normal"] == f["fp32"]["smallest_normal"]  # same 8-bit exponent
@@ -90,4 +90,5 @@ def test_exercise_answers_agree_with_a_cast():
     q, _ = fp8.quantize(x, "tensor")
     assert q.float()[0, 1] != 0 and q.float()[0, 2] == 0  # the flush-to-zero bound, measured
     s = ls.EXERCISES["1"]()
-    assert torch.tensor(2.0 ** -30 * s, dtype=torch.float16).item() == torch.finfo(torch.float16).smallest_normal
+    assert (torch.tensor(2.0 ** -30 * s, dtype=torch.float16).item()
+            == torch.finfo(torch.float16).smallest_normal)

@@ -38,7 +38,8 @@ def _layer_checks(results, experts):
         assert r["rows_arrived_right"]           # the right tokens' rows, in the order the splits say
         # bytes per destination, read from the payloads, against the reference's routing
         assert r["sent_to"] == r["derived_to"] and r["combine_to"] == r["derived_combine_to"]
-        assert r["splits_bytes"] == (len(results) - 1) * (experts // len(results)) * 8  # N/ep int64 counts each
+        # N/ep int64 counts each
+        assert r["splits_bytes"] == (len(results) - 1) * (experts // len(results)) * 8
         assert r["all_to_all_calls"] == 3         # splits, dispatch, combine
 
 
@@ -69,14 +70,17 @@ def test_node_deduplicating_dispatch_counted_per_tier(four):
             assert v["flat"].get(("nvlink", "dispatch"), 0) == d["flat"]["nvlink"] * row
             assert v["node"].get(("ib", "node dispatch"), 0) == d["node"]["ib"] * row
             assert v["node"].get(("nvlink", "intra dispatch"), 0) == d["node"]["nvlink"] * row
-            assert v["node"].get(("nvlink", "node dispatch"), 0) == 0 and v["node"].get(("ib", "intra dispatch"), 0) == 0
+            assert v["node"].get(("nvlink", "node dispatch"), 0) == 0
+            assert v["node"].get(("ib", "intra dispatch"), 0) == 0
             for kind in ("flat", "node"):
                 rows[k][kind][0] += d[kind]["ib"]
         # M = 1: every token reaches one node and crosses at most once (64 tokens per rank)
-        assert r["node"]["one_node"]["max_nodes_per_token"] == 1 and r["node"]["one_node"]["derived_rows"]["node"]["ib"] <= 64
+        assert (r["node"]["one_node"]["max_nodes_per_token"] == 1
+                and r["node"]["one_node"]["derived_rows"]["node"]["ib"] <= 64)
     assert rows["unlimited"]["node"][0] < 0.6 * rows["unlimited"]["flat"][0]   # once per node, not per expert
     assert rows["one_node"]["node"][0] < 0.6 * rows["unlimited"]["node"][0]    # and the cap halves it again
-    assert 0.8 < rows["one_node"]["flat"][0] / rows["unlimited"]["flat"][0] < 1.2  # flat: the cap saves nothing
+    # flat: the cap saves nothing
+    assert 0.8 < rows["one_node"]["flat"][0] / rows["unlimited"]["flat"][0] < 1.2
 
 
 def test_expert_gradients_reduce_over_the_expert_data_parallel_group_only(four):
@@ -105,7 +109,8 @@ def test_the_slowest_rank_receives_what_the_skew_predicts(four):
         assert row["routing_margin"] > router.margin_bound(8)
         assert row["worst_in_bounds"] < 1.0      # every rank's received bytes within 4 s.d. of the derivation
     by = {(r["skew"], r["placement"]): r for r in rows}
-    assert [by[(s, "contiguous")]["derived_ratio"] for s in skews] == sorted(by[(s, "contiguous")]["derived_ratio"] for s in skews)
+    assert ([by[(s, "contiguous")]["derived_ratio"] for s in skews]
+            == sorted(by[(s, "contiguous")]["derived_ratio"] for s in skews))
     assert by[(1.5, "contiguous")]["measured_ratio"] > 2 > by[(1.5, "strided")]["measured_ratio"]
     assert abs(by[(0.0, "contiguous")]["derived_ratio"] - 1) < 1e-9
 
@@ -120,7 +125,8 @@ def test_indivisible_experts_and_bad_grids_are_refused():
 
 
 def test_command_line_contract(capsys):
-    moe_check.main(["--world-size", "2", "--experts", "4", "--top-k", "1", "--capacity-factor", "1.0", "--json"])
+    moe_check.main(["--world-size", "2", "--experts", "4", "--top-k", "1", "--capacity-factor", "1.0",
+                    "--json"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["max_abs_error"] < TOL and r["rows_arrived_right"] and r["bytes_sent"] == r["derived_bytes_sent"]
     assert r["dropped_fraction"] * 64 == round(r["dropped_fraction"] * 64)  # a whole number of the 64 pairs

@@ -30,7 +30,8 @@ def test_switch_aux_loss_is_alpha_when_uniform_and_alpha_n_when_collapsed():
     idx = torch.arange(32).view(16, 2) % n  # every expert chosen 4 times
     uniform = router.Routing(torch.full((16, n), 1 / n), idx, None, None)
     assert mr.switch_aux_loss(uniform, n, k, alpha).item() == pytest.approx(alpha, rel=1e-6)
-    collapsed = router.Routing(torch.tensor([[1.0, 0, 0, 0]] * 4), torch.zeros(4, 1, dtype=torch.long), None, None)
+    collapsed = router.Routing(torch.tensor([[1.0, 0, 0, 0]] * 4), torch.zeros(4, 1, dtype=torch.long), None,
+                               None)
     assert mr.switch_aux_loss(collapsed, 4, 1, alpha).item() == pytest.approx(alpha * 4, rel=1e-6)
 
 
@@ -66,7 +67,8 @@ def test_dropless_and_capacity_buffers_equal_their_references_and_flops_follow_t
     for row in r["rows"]:
         assert row["error"] < TOL, row
     dl, cf1, cf2 = r["rows"]
-    router_flops = r["dropless_flops_counter_sees"]           # FlopCounterMode sees the router, not _grouped_mm
+    # FlopCounterMode sees the router, not _grouped_mm
+    router_flops = r["dropless_flops_counter_sees"]
     assert dl["dropped"] == 0 and dl["slots"] == r["pairs"] and cf1["dropped"] > cf2["dropped"] > 0
     # counted FLOPs of the experts scale with the slots computed, padding included
     assert (cf2["flops"] - router_flops) * dl["slots"] == (dl["flops"] - router_flops) * cf2["slots"]

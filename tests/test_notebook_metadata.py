@@ -86,7 +86,8 @@ def test_jupyterlab_and_the_site_resolve_the_chapter_link():
         import offline_site
     finally:
         sys.path.pop(0)
-    for page, href in [("notebooks/03_zero_fsdp", "../book/03-zero-fsdp.html"), ("index", "book/03-zero-fsdp.html")]:
+    for page, href in [("notebooks/03_zero_fsdp", "../book/03-zero-fsdp.html"),
+                       ("index", "book/03-zero-fsdp.html")]:
         context = {"body": '<p><a href="/static/book/03-zero-fsdp.html">3. ZeRO and FSDP</a></p>'}
         offline_site.lab_links(None, page, "page.html", context, None)
         assert context["body"] == f'<p><a href="{href}">3. ZeRO and FSDP</a></p>'
@@ -112,7 +113,8 @@ def _no_language_info(nb):
     del nb["metadata"]["language_info"]["codemirror_mode"]
 
 
-@pytest.mark.parametrize("change", [_old_kernelspec, _raw_role, _no_language_info], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("change", [_old_kernelspec, _raw_role, _no_language_info],
+                         ids=lambda f: f.__name__[1:])
 def test_the_check_fails_on_what_jupyterlab_would_change(change):
     assert problems(_variant(NOTEBOOKS[0], change)) != []
     with open(NOTEBOOKS[0], encoding="utf-8") as f:

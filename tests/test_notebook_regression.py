@@ -88,7 +88,8 @@ def test_a_glued_integer_off_by_one_element_fails(tmp_path):
     # The glued per-rank ring bytes that the chapter's prose quotes.
     nb, cell, index = _truncated("02_data_parallel.ipynb", "launch.spawn(ra.compare")
     record = "application/papermill.record/text/plain"
-    glued = [o for o in cell["outputs"] if o.get("metadata", {}).get("scrapbook", {}).get("name") == "ring_bytes_n4"]
+    glued = [o for o in cell["outputs"]
+             if o.get("metadata", {}).get("scrapbook", {}).get("name") == "ring_bytes_n4"]
     assert len(glued) == 1
     glued[0]["data"][record] = str(int(glued[0]["data"][record]) + 4)
     _assert_only_cell_fails(*_nbval(nb, tmp_path), index)
@@ -116,7 +117,8 @@ def test_no_checked_output_prints_a_float_at_full_precision(notebook):
         if cell["cell_type"] != "code" or UNCHECKED & set(cell["metadata"].get("tags", [])):
             continue
         for out in cell["outputs"]:
-            texts = [out.get("text", "")] + [out.get("data", {}).get(k, "") for k in ("text/plain", "text/markdown")]
+            texts = [out.get("text", "")] + [out.get("data", {}).get(k, "")
+                                             for k in ("text/plain", "text/markdown")]
             for text in texts:
                 text = "".join(text)
                 assert not long_float.search(text), (notebook, source[:80], long_float.search(text).group(0))
@@ -165,7 +167,9 @@ def test_widgets_stay_out_of_every_executed_path(notebook):
             continue
         source = "".join(cell["source"])
         if "ipywidgets" in source or "interact(" in source:
-            assert {"skip-execution", "nbval-skip"} <= set(cell["metadata"].get("tags", [])), (notebook, source[:80])
+            tags = set(cell["metadata"].get("tags", []))
+            assert {"skip-execution", "nbval-skip"} <= tags, (notebook, source[:80])
             assert cell["outputs"] == [], (notebook, source[:80])
         for out in cell["outputs"]:
-            assert "application/vnd.jupyter.widget-view+json" not in out.get("data", {}), (notebook, source[:80])
+            widget = "application/vnd.jupyter.widget-view+json"
+            assert widget not in out.get("data", {}), (notebook, source[:80])

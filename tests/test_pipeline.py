@@ -93,7 +93,8 @@ def test_zb_h1_bubble_with_table_1_times(costs):
     for p in (2, 3, 5):
         for m in (p, p + 1, 3 * p):
             for lists, cost, bubble in [(schedules.zb_h1(p, m), {"F": tf, "B": tb, "W": tw}, tf + tb - tw),
-                                        (schedules.one_f_one_b(p, m), {"F": tf, "B": tb + tw, "W": 0}, tf + tb + tw)]:
+                                        (schedules.one_f_one_b(p, m), {"F": tf, "B": tb + tw, "W": 0},
+                                         tf + tb + tw)]:
                 total = max(t[-1][2] for t in schedules.simulate(lists, cost))
                 assert total - m * (tf + tb + tw) == (p - 1) * bubble
 
@@ -176,7 +177,8 @@ def test_executor_gradients_bubble_and_activation_bytes(runs):
             # bytes held after each action, measured by liveness, against the bytes the list implies:
             # a B that kept the graph (retain_graph) or a store never emptied would exceed these
             split = name in schedules.SPLIT
-            assert r["activation_bytes_peak"] == [_peak_bytes(a, c, split) for a, c in zip(lists, r["piece_costs"])], case
+            want = [_peak_bytes(a, c, split) for a, c in zip(lists, r["piece_costs"])]
+            assert r["activation_bytes_peak"] == want, case
 
 
 @pytest.mark.numerics
@@ -192,11 +194,14 @@ def test_1f1b_stage_0_holds_all_layers_and_zb_h1_keeps_its_peak(runs):
         assert one["activation_bytes_peak"][0] == p * first["activation_bytes_F"]
         assert one["activation_bytes_peak"][0] == cfg.n_layer * per_layer + p * indices
         # ZB-H1 (Qi et al. §2.3): stage s holds (p - s) M_B + s M_W, below stage 0's p M_B
-        assert zb["activation_bytes_peak"] == [(p - s) * c[0]["activation_bytes_F"] + s * c[0]["activation_bytes_W"]
+        assert zb["activation_bytes_peak"] == [(p - s) * c[0]["activation_bytes_F"] + s
+                                               * c[0]["activation_bytes_W"]
                                                for s, c in enumerate(zb["piece_costs"])]
-        assert max(zb["activation_bytes_peak"]) == zb["activation_bytes_peak"][0] == one["activation_bytes_peak"][0]
+        assert (max(zb["activation_bytes_peak"]) == zb["activation_bytes_peak"][0]
+                == one["activation_bytes_peak"][0])
         # the greedy schedule holds p - 1 more micro-batches' W store on stage 0, for the same bubble
-        assert greedy["activation_bytes_peak"][0] == one["activation_bytes_peak"][0] + (p - 1) * first["activation_bytes_W"]
+        assert (greedy["activation_bytes_peak"][0] == one["activation_bytes_peak"][0] + (p - 1)
+                * first["activation_bytes_W"])
         assert greedy["bubble_fraction"] == zb["bubble_fraction"]
 
 
@@ -209,16 +214,17 @@ def test_torch_pipelining_gives_the_same_gradients():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.pipeline.executor", "--world-size", "2", "--schedule", "zb-h1",
-                          "--microbatches", "3", "--unit-ms", "5", "--json"], cwd=REPO, capture_output=True,
-                         text=True, timeout=180, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "labs.pipeline.executor", "--world-size", "2", "--schedule",
+                          "zb-h1", "--microbatches", "3", "--unit-ms", "5", "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=180, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["max_abs_error_grad"] < TOL and r["peak_inflight"] == [2, 2]
     # (p-1)/(3m) = 1/9 of ideal is 1/10 of the total
     assert r["bubble_fraction"] == pytest.approx(r["bubble_fraction_formula"]) == pytest.approx(1 / 10)
     assert r["activation_bytes_peak"][0] == 2 * r["piece_costs"][0][0]["activation_bytes_F"]
-    bad = subprocess.run([sys.executable, "-m", "labs.pipeline.executor", "--world-size", "2", "--schedule", "interleaved",
-                          "--microbatches", "5", "--chunks", "2"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([sys.executable, "-m", "labs.pipeline.executor", "--world-size", "2", "--schedule",
+                          "interleaved", "--microbatches", "5", "--chunks", "2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not a multiple of p=2" in bad.stderr and "Traceback" not in bad.stderr
 
 

@@ -1,4 +1,5 @@
-"""labs/memory_budget/calculator.py: the chapter 1 calculator behind the sliders, and its tables for the static site."""
+"""labs/memory_budget/calculator.py: the chapter 1 calculator behind the sliders, and its tables for the
+static site."""
 import pytest
 
 from labs.memory_budget import budget, calculator

@@ -27,8 +27,8 @@ def test_peak_chunks_equals_the_built_schedule(name, p, m, v):
 def test_meta_device_shards_equal_the_planner_on_every_rank():
     # dp = 3 does not divide the vocabulary's 50 rows per tp rank, nor the 16-row KV weights: FSDP2's
     # chunks are uneven, and each rank must hold what chapter 3's rows predict; a planner that split a weight
-    # wrongly, or forgot the row split of wo or the vocabulary split, would miss. Ranks (dp, stage, tp): (0, 0, 0),
-    # (2, 0, 1) with the embedding's short last chunk, (2, 1, 0) with the head's, (1, 1, 1).
+    # wrongly, or forgot the row split of wo or the vocabulary split, would miss. Ranks (dp, stage, tp): (0,
+    # 0, 0), (2, 0, 1) with the embedding's short last chunk, (2, 1, 0) with the head's, (1, 1, 1).
     plan = memory.Plan(ParallelDims(dp=3, tp=2, pp=2), zero=3)
     for rank in (0, 9, 10, 7):
         r = meta_check.measure_rank(TINY, plan, rank)
@@ -47,7 +47,8 @@ def test_rules_are_named_in_one_sentence():
         planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 48, 64 * 4096), ParallelDims(dp=48))
     gpt = planner.Job(shapes.gpt("GPT", 24, 2304, 24), shapes.SELENE, 16, 512 * 2048)
     assert planner.broken_rule(gpt, ParallelDims(tp=16))   # beyond the node first
-    assert planner.broken_rule(planner.Job(TINY, shapes.DGX_H100, 8, 64 * 16), ParallelDims(tp=8))   # 4 heads over 8
+    # 4 heads over 8
+    assert planner.broken_rule(planner.Job(TINY, shapes.DGX_H100, 8, 64 * 16), ParallelDims(tp=8))
     with pytest.raises(ValueError, match="whole number"):
         planner.plan(planner.Job(TINY, shapes.DGX_H100, 8, 100), 0.5)
 
@@ -68,7 +69,8 @@ def test_the_overflowing_term_is_the_one_that_passes_the_gpu():
 
 def test_fused_swiglu_keeps_six_not_eight_bytes_per_element():
     r = fused_swiglu.measure()
-    assert r["fused"]["measured"] == r["fused"]["formula"] and r["unfused"]["measured"] == r["unfused"]["formula"]
+    assert r["fused"]["measured"] == r["fused"]["formula"]
+    assert r["unfused"]["measured"] == r["unfused"]["formula"]
     assert r["unfused"]["measured"] - r["fused"]["measured"] == 2 * 8 * 2 * 40   # SiLU(a): s b f bf16 bytes
 
 

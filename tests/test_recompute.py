@@ -79,7 +79,8 @@ def test_the_at_scale_formulas_give_what_the_tiny_stack_counted(rows):
     cfg = rc.config()
     tiny_g = rc.selective_at_scale(h=cfg.hidden, a=cfg.n_head, s=cfg.seq_len, dropout=False)
     r = rows["default"]
-    assert tiny_g["selective_flops_added"] == pytest.approx(r["selective"]["flops_ratio_vs_none"] - 1, abs=1e-12)
+    assert tiny_g["selective_flops_added"] == pytest.approx(r["selective"]["flops_ratio_vs_none"] - 1,
+                                                            abs=1e-12)
     assert tiny_g["full_flops_added"] == pytest.approx(r["full"]["flops_ratio_vs_none"] - 1, abs=1e-12)
     g = rc.selective_at_scale()
     assert round(g["korthikanti_flops_added"] * 100, 1) == 2.7          # their Appendix A gives their 2.7 %
@@ -97,8 +98,10 @@ def test_clipping_once_after_unscaling_equals_the_full_batch_and_the_wrong_order
     r = acc.clipping(accumulation=2, batch=1)
     m = r["modes"]
     assert m["once"]["relative_difference"] < 1e-4          # fp32 sums in another order
-    assert m["per micro-batch"]["relative_difference"] > 0.1 and m["before unscaling"]["relative_difference"] > 0.1
-    assert m["before unscaling"]["norms_seen"][0] == pytest.approx(r["scale"] * r["full_batch_norm"], rel=1e-3)
+    assert m["per micro-batch"]["relative_difference"] > 0.1 and m["before "
+                                                                   "unscaling"]["relative_difference"] > 0.1
+    assert m["before unscaling"]["norms_seen"][0] == pytest.approx(r["scale"] * r["full_batch_norm"],
+                                                                   rel=1e-3)
 
 
 def test_offloading_keeps_only_the_input_and_moves_every_saved_tensor():
@@ -110,7 +113,8 @@ def test_offloading_keeps_only_the_input_and_moves_every_saved_tensor():
     assert o["hand offload"]["kept_bytes"] == 2 * cfg.seq_len * 1 * cfg.hidden   # the bf16 input only
     # the hook's copies against the saved tensors read from the autograd graph's nodes: a pack
     # that skipped a tensor, copied one twice or moved a weight would not match
-    assert o["hand offload"]["to_host_bytes"] == o["hand offload"]["to_device_bytes"] == r["saved_tensor_bytes"]
+    assert o["hand offload"]["to_host_bytes"] == o["hand "
+                                                   "offload"]["to_device_bytes"] == r["saved_tensor_bytes"]
     assert r["saved_tensor_bytes"] > o["none"]["kept_bytes"]    # a tensor saved by two ops moves twice
     assert o["hand offload"]["peak_bytes"] < o["none"]["peak_bytes"]
     assert o["torch save_on_cpu"]["kept_bytes"] == o["none"]["kept_bytes"]    # on a CPU, .cpu() moves nothing

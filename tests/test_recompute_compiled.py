@@ -16,7 +16,8 @@ def run():
     reason = cc.unavailable()
     if reason:
         pytest.skip(reason)
-    return cc.compare(policies.config(layers=1, seq=8), batch=1, budgets=BUDGETS, hand_policies=("none", "full"))
+    return cc.compare(policies.config(layers=1, seq=8), batch=1, budgets=BUDGETS,
+                      hand_policies=("none", "full"))
 
 
 def test_the_budget_trades_kept_bytes_for_recomputed_flops(run):
@@ -37,7 +38,8 @@ def test_budget_zero_recomputes_exactly_one_forward(run):
     """The extra backward FLOPs at b = 0 are the forward's, counted on the uncompiled stack: a
     partition that skipped a needed product, or recomputed one twice, is off by a product."""
     c, eager = run["compiled"], run["eager"]
-    assert c[0.0]["extra_backward_flops"] == run["eager_forward_flops"] == eager["full"]["extra_backward_flops"]
+    assert (c[0.0]["extra_backward_flops"] == run["eager_forward_flops"]
+            == eager["full"]["extra_backward_flops"])
 
 
 def test_the_autograd_node_keeps_what_the_backward_graph_takes(run):

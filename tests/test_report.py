@@ -76,5 +76,6 @@ def test_no_notebook_imports_the_book_toolchain():
     notebooks = sorted(glob.glob(os.path.join(root, "*.ipynb")))
     assert notebooks
     for path in notebooks:
-        code = "".join("".join(c["source"]) for c in json.load(open(path))["cells"] if c["cell_type"] == "code")
+        code = "".join("".join(c["source"]) for c in json.load(open(path))["cells"]
+                       if c["cell_type"] == "code")
         assert "myst_nb" not in code and "sphinx" not in code, f"{path} imports the book toolchain"

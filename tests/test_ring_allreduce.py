@@ -97,9 +97,9 @@ def test_bad_inputs_are_refused():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.data_parallel.ring_allreduce", "--world-size", "3", "--numel", "10",
-                          "--algorithm", "ring", "--json"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "labs.data_parallel.ring_allreduce", "--world-size", "3",
+                          "--numel", "10", "--algorithm", "ring", "--json"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     # chunks [4, 3, 3]: rank r sends all but chunk r (reduce-scatter) and all but chunk r+1 (all-gather)
     assert r["bytes_sent"] == [52, 56, 52] and r["max_abs_error"] < TOL and r["seconds"] > 0

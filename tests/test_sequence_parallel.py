@@ -56,8 +56,8 @@ def test_sp_block_equals_tp_and_one_process_and_keeps_table_2(job):
         table = r["table"]
         for row, v in table.items():
             assert v["measured"] == v["formula"] + v["layernorm_stats"], (row, v)
-        # written out here rather than through labs.memory_budget.activations: TP+SP with selective recompute keeps
-        # 34 bytes per token and hidden unit, split t ways; saving the gathered input would not
+        # written out here rather than through labs.memory_budget.activations: TP+SP with selective recompute
+        # keeps 34 bytes per token and hidden unit, split t ways; saving the gathered input would not
         assert table["tp_sp_selective"]["measured"] == 34 * s * b * h // t + 2 * (s * b // t) * 4
         # TP alone with the attention core recomputed: 10 bytes per token and hidden unit stay whole
         assert table["tp_selective"]["measured"] == 10 * s * b * h + 24 * s * b * h // t + 2 * (s * b) * 4

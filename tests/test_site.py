@@ -38,7 +38,8 @@ DEFERRED = {
     "code.html": ('<div class="cell_input"><pre style="white-space: pre; overflow: auto; width: 300px">'
                   + "x = " + " + ".join(["value"] * 30) + "</pre></div>", "code cells wider than the column"),
     # 2000 px at 100 dpi is a 20-inch strip: shown 374 px wide its 10-point text is 2.6 px high
-    "strip.html": ('<img src="strip.png" alt="strip" style="max-width: 100%">', "figure too small to read at 390 px"),
+    "strip.html": ('<img src="strip.png" alt="strip" style="max-width: 100%">',
+                   "figure too small to read at 390 px"),
 }
 # A 6-inch figure, 600 px at 100 dpi, shown in a phone's column: its text stays above 7 px.
 LEGIBLE = {"legible.html": '<img src="legible.png" alt="legible" style="max-width: 100%">'}
@@ -50,7 +51,8 @@ CLEAN = {
         <div class="math">\\[\\begin{aligned} a &= \\frac{b}{c} \\\\ d &= e \\end{aligned}\\]</div>
         <table><tr><th>a</th><th>b</th></tr><tr><td>1</td><td>2</td></tr></table>
         <img src="dot.png" alt="dot"> <a href="other.html#part">other</a> <a href="#top">top</a>
-        <div class="cell_input"><pre style="overflow: auto">print("| a |\\n|---|")  # prose code may show anything</pre></div>
+        <div class="cell_input">
+        <pre style="overflow: auto">print("| a |\\n|---|")  # prose code may show anything</pre></div>
         <div class="cell_output"><pre>a short output line</pre></div>""",
     "other.html": '<h1>Other</h1><section id="part"><p>The part.</p></section>',
     # a table wider than the column scrolls inside it: listed as a note, not a failure
@@ -68,13 +70,17 @@ BROKEN = {
     "glue.html": ("<p>{glue:text}`n_params`</p>", "unresolved glue"),
     "image.html": ('<img src="missing.png" alt="x">', "broken image"),
     "link.html": ('<a href="nowhere.html">a</a>', "broken link: nowhere.html (no such file)"),
-    "anchor.html": ('<a href="other.html#no-such-part">a</a>', "broken link: other.html#no-such-part (no such anchor)"),
+    "anchor.html": ('<a href="other.html#no-such-part">a</a>',
+                    "broken link: other.html#no-such-part (no such anchor)"),
     "console.html": ('<script>console.error("boom")</script>', "console error: boom"),
     "exception.html": ("<script>notDefinedAnywhere()</script>", "uncaught exception"),
-    "external.html": ('<img src="http://example.com/x.png" alt="x">', "request to another host (blocked): http://example.com/x.png"),
-    "overflow.html": ('<div class="cell_output" style="width: 300px"><pre style="white-space: pre; overflow: auto">'
+    "external.html": ('<img src="http://example.com/x.png" alt="x">',
+                      "request to another host (blocked): http://example.com/x.png"),
+    "overflow.html": ('<div class="cell_output" style="width: 300px"><pre style="white-space: pre; '
+                      'overflow: auto">'
                       + "long " * 100 + "</pre></div>", "output cut off at the right edge"),
-    "nbval.html": ('<div class="cell_input"><pre># NBVAL_IGNORE_OUTPUT\nx = 1</pre></div>', "nbval marker in a code cell"),
+    "nbval.html": ('<div class="cell_input"><pre># NBVAL_IGNORE_OUTPUT\nx = 1</pre></div>',
+                   "nbval marker in a code cell"),
     # 100 characters that cannot break: 800 px, which fits 1280 and not a phone
     "too-wide.html": ('<p>Some text, then <code style="white-space: nowrap">' + "x" * 100 + "</code></p>",
                       "page wider than a 390 px viewport (scrolls sideways by"),
@@ -111,7 +117,8 @@ def test_each_defect_fails_and_is_named(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     for page, (_, defect) in broken.items():
-        assert any(line.startswith(f"{page}: ") and defect in line for line in lines), (page, defect, r.stdout)
+        assert any(line.startswith(f"{page}: ") and defect in line for line in lines), \
+            (page, defect, r.stdout)
     assert not any(line.startswith(("clean.html", "other.html", "legible.html")) for line in lines), r.stdout
     assert not any(line.startswith("wide.html") and "note:" not in line for line in lines), r.stdout
     assert "not enforced" not in r.stdout
@@ -123,12 +130,14 @@ def test_clean_site_passes_with_math_typeset_and_the_deferred_checks_counted(tmp
     assert r.returncode == 0, r.stdout + r.stderr
     assert "6 pages at 1280 and 390 px" in r.stdout and "no defects" in r.stdout
     assert "wide.html: note: an output table scrolls sideways: wide_column_of_text" in r.stdout
-    assert "not enforced (--enforce code-cells): 1 notebook code cells wider than the column at 1280 px, on 1 pages" in r.stdout
+    assert ("not enforced (--enforce code-cells): 1 notebook code cells wider than the column at 1280 "
+            "px, on 1 pages" in r.stdout)
     assert "not enforced (--enforce figures): 1 figures too small to read at 390 px, on 1 pages" in r.stdout
-    assert "strip.html: note: figure too small to read at 390 px: its 10-point text stands 2.6 px high" in r.stdout
+    assert ("strip.html: note: figure too small to read at 390 px: its 10-point text "
+            "stands 2.6 px high" in r.stdout)
     assert sorted(os.listdir(tmp_path / "shots")) == sorted(
-        f"{page[:-5]}{suffix}.png" for page in ("clean.html", "other.html", "wide.html", "code.html", "strip.html",
-                                                "legible.html") for suffix in ("", "@390"))
+        f"{page[:-5]}{suffix}.png" for page in ("clean.html", "other.html", "wide.html", "code.html",
+                                                "strip.html", "legible.html") for suffix in ("", "@390"))
 
 
 def test_missing_browser_fails_with_the_install_command(tmp_path):

@@ -63,15 +63,18 @@ def test_dtensor_parallelize_module_matches_the_hand_split():
     results = launch.spawn(tp.dtensor_mlp, 2, timeout=120)
     for r in results:
         assert r["max_abs_error_output"] < TOL and r["max_abs_error_grad"] < TOL
-        assert r["placements"]["fc.weight"] == "(Shard(dim=0),)" and r["placements"]["proj.weight"] == "(Shard(dim=1),)"
+        assert (r["placements"]["fc.weight"] == "(Shard(dim=0),)"
+                and r["placements"]["proj.weight"] == "(Shard(dim=1),)")
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.tensor_parallel.blocks", "--world-size", "2", "--block", "attention",
-                          "--json"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "labs.tensor_parallel.blocks", "--world-size", "2", "--block",
+                          "attention", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["allreduce_forward"] == r["allreduce_backward"] == 1
-    assert r["max_abs_error_output"] < TOL and r["max_abs_error_grad"] < TOL and r["allreduce_bytes"] == 2 * 8 * 48 * 4
+    assert (r["max_abs_error_output"] < TOL and r["max_abs_error_grad"] < TOL
+            and r["allreduce_bytes"] == 2 * 8 * 48 * 4)
     bad = subprocess.run([sys.executable, "-m", "labs.tensor_parallel.blocks", "--world-size", "5"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not divisible by tp = 5" in bad.stderr and "Traceback" not in bad.stderr

@@ -64,7 +64,8 @@ def test_vocab_parallel_all_reduces_and_logits_memory(world_size):
 
 
 def test_vocab_not_divisible_by_tp_is_refused():
-    # refused, not padded: padded logits would enter the softmax and change the loss (see labs.tensor_parallel.vocab_parallel)
+    # refused, not padded: padded logits would enter the softmax and change the loss (see
+    # labs.tensor_parallel.vocab_parallel)
     with pytest.raises(ValueError, match="V = 100 is not divisible by tp = 3"):
         vp.check(0, 3, vocab=100)
     big = vp.logits_bytes_at_scale(b=1, s=8192, vocab=128256, tp=8)
@@ -100,9 +101,11 @@ def test_gqa_under_tp_equals_the_unsharded_layer(world_size):
 
 def test_gqa_layouts_and_the_divisibility_error():
     assert gqa.kv_layout(64, 8, 8)["mode"] == "split" and gqa.kv_layout(64, 8, 8)["kv_heads_per_rank"] == 1
-    assert gqa.kv_layout(64, 8, 16) | {} == {"mode": "replicate", "q_heads_per_rank": 4, "kv_heads_per_rank": 1,
-                                             "copies_per_kv_head": 2, "kv_fraction_per_rank": 1 / 8}
-    with pytest.raises(ValueError, match="^3 KV heads cannot be split or replicated over tp = 2: tp must divide"):
+    assert gqa.kv_layout(64, 8, 16) | {} == {"mode": "replicate", "q_heads_per_rank": 4,
+                                             "kv_heads_per_rank": 1, "copies_per_kv_head": 2,
+                                             "kv_fraction_per_rank": 1 / 8}
+    with pytest.raises(ValueError,
+                       match="^3 KV heads cannot be split or replicated over tp = 2: tp must divide"):
         gqa.kv_layout(12, 3, 2)
     with pytest.raises(ValueError, match="query heads = 64 is not divisible by tp = 3"):
         gqa.kv_layout(64, 8, 3)
@@ -129,7 +132,8 @@ def test_comm_compute_condition_at_scale():
                                                           c["layer_params"]), rel=1e-12)
         assert tl.ratio(8192, link["crossover_tp"], link["bandwidth"], 989e12, 4096, c["layer_params"]) == \
             pytest.approx(1)
-    assert nv["crossover_tp"] == pytest.approx(13.81, abs=0.01) and ib["crossover_tp"] == pytest.approx(2.42, abs=0.01)
+    assert (nv["crossover_tp"] == pytest.approx(13.81, abs=0.01)
+            and ib["crossover_tp"] == pytest.approx(2.42, abs=0.01))
     assert nv["first_comm_bound_tp"] == 16 and ib["first_comm_bound_tp"] == 4
     # b cancels: the messages grow with the micro-batch as fast as the FLOPs do
     big = tl.condition("70B", micro_batch=4)["links"][tl.NVLINK]["rows"]

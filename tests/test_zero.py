@@ -43,7 +43,8 @@ def test_bytes_held_and_sent_equal_the_formulas(world_size, two_ranks, three_ran
         for r in (r[key] for r in results):
             assert r["comm_kind"] == "counted messages"   # hand rings: every message counted as sent
             assert r["held"]["total"] == stages.formula_bytes(stage, padded, world_size), key
-            assert r["comm_bytes_per_step"] == stages.formula_comm(stage, padded, world_size, key == "1-allreduce"), key
+            want = stages.formula_comm(stage, padded, world_size, key == "1-allreduce")
+            assert r["comm_bytes_per_step"] == want, key
             assert r["grad_rel_error_vs_single_process"] < GRAD_TOL, key
             assert r["max_param_diff_vs_single_process"] <= r["param_bound"], key
 
@@ -160,8 +161,9 @@ def test_bad_inputs_are_refused():
 
 
 def test_command_line_contract():
-    out = subprocess.run([sys.executable, "-m", "labs.zero.stages", "--world-size", "2", "--stage", "2", "--steps", "2",
-                          "--json"], cwd=REPO, capture_output=True, text=True, timeout=180, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "labs.zero.stages", "--world-size", "2", "--stage", "2",
+                          "--steps", "2", "--json"], cwd=REPO, capture_output=True, text=True, timeout=180,
+                         check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["state_bytes"] == [r["state_bytes_formula"]] * 2
     assert r["comm_bytes_per_step"] == [r["comm_bytes_formula"]] * 2

@@ -70,8 +70,8 @@ def count_collectives(rank, world_size, numel):
         out["broadcast"] = b
         if world_size > 1:  # a ring of point-to-point messages
             send_buf, recv_buf = torch.full((3,), float(rank)), torch.empty(3)
-            reqs = [comm.isend(send_buf, (rank + 1) % world_size), comm.irecv(recv_buf,
-                                                                              (rank - 1) % world_size)]
+            reqs = [comm.isend(send_buf, (rank + 1) % world_size),
+                    comm.irecv(recv_buf, (rank - 1) % world_size)]
             for r in reqs:
                 r.wait()
             out["ring_p2p"] = recv_buf
@@ -120,9 +120,8 @@ def _hand_vs_library(rank, n, group, dtype, k):
     return {"equal": {op: torch.equal(hand[op], lib[op]) for op in lib}, "async_done": work.is_completed(),
             "sent": {op: tally.ops[op]["bytes_sent"] for op in lib},
             "received": {op: tally.ops[op]["bytes_received"] for op in lib},
-            "formula": tally.formula_bytes_sent, "payload": {op: tally.ops[op]["payload_bytes"]
-                                                             for op in lib},
-            "element_size": es}
+            "formula": tally.formula_bytes_sent,
+            "payload": {op: tally.ops[op]["payload_bytes"] for op in lib}, "element_size": es}
 
 
 def _uneven(rank, n, group, numel):
@@ -143,15 +142,15 @@ def _uneven(rank, n, group, numel):
         hand_ring.ring_allreduce(m, group=group, op=dist.ReduceOp.MAX)
     lib_max = x.clone()
     dist.all_reduce(lib_max, op=dist.ReduceOp.MAX, group=group)
-    return {"rs_equal": torch.equal(mine, exact.split(sizes)[r]), "ag_equal": torch.equal(torch.cat(chunks),
-                                                                                          exact),
-            "max_equal": torch.equal(m, lib_max), "sizes": sizes, "sent": tally.bytes_sent}
+    return {"rs_equal": torch.equal(mine, exact.split(sizes)[r]),
+            "ag_equal": torch.equal(torch.cat(chunks), exact), "max_equal": torch.equal(m, lib_max),
+            "sizes": sizes, "sent": tally.bytes_sent}
 
 
 def hand_collectives(rank, world_size, k=10, numel=13):
     """Hand rings vs library on the whole world, and on the subgroup [0, 2, 3] when there are 4 ranks."""
-    out = {"world": {str(dt): _hand_vs_library(rank, world_size, None, dt, k) for dt in (torch.float32,
-                                                                                         torch.bfloat16)},
+    out = {"world": {str(dt): _hand_vs_library(rank, world_size, None, dt, k)
+                     for dt in (torch.float32, torch.bfloat16)},
            "uneven": _uneven(rank, world_size, None, numel)}
     sub_ranks = [0, 2, 3] if world_size == 4 else None
     sub = dist.new_group(sub_ranks) if sub_ranks else None  # every rank must call new_group
@@ -178,12 +177,12 @@ def wire_checks(rank, world_size):
         comm.all_reduce(x, async_op=True).wait()
     with comm.wire_bytes() as measured:
         comm.all_reduce(x)
-    real, wire._wchar = wire._wchar, lambda: (_ for _ in ()).throw(OSError("no such file"))
+    real, wire.wchar = wire.wchar, lambda: (_ for _ in ()).throw(OSError("no such file"))
     try:
         with comm.wire_bytes() as missing:
             pass
     finally:
-        wire._wchar = real
+        wire.wchar = real
     return {"tally": tally.as_dict(), "wire": measured.bytes, "missing": missing.as_dict()}
 
 

@@ -57,7 +57,8 @@ DEFERRABLE = ("code-cells", "figures")
 TEXT_DEFECTS = [
     # the separator row; smartquotes turns its "---" into an em dash where the table did not render
     ("raw pipe table", re.compile(r"\|\s*:?(?:-{3,}|[\u2013\u2014]+-?):?\s*\|")),
-    ("raw TeX", re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\\(?:begin|end)\{|\\(?:frac|tfrac|dfrac|cdot|times|sum|prod|sqrt|mathrm|mathbf|text|left|right|lceil|rceil|lfloor|rfloor|approx|le|ge|alpha|beta)(?![A-Za-z])")),
+    ("raw TeX",
+     re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\\(?:begin|end)\{|\\(?:frac|tfrac|dfrac|cdot|times|sum|prod|sqrt|mathrm|mathbf|text|left|right|lceil|rceil|lfloor|rfloor|approx|le|ge|alpha|beta)(?![A-Za-z])")),
     ("unresolved glue", re.compile(r"\{glue")),
     ("nbval marker", re.compile(r"NBVAL_[A-Z_]+")),
 ]
@@ -77,19 +78,22 @@ async () => {
   document.querySelectorAll('details').forEach(d => { d.open = true; });  // measure what a dropdown holds
   await new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)));
   const clone = document.body.cloneNode(true);
-  clone.querySelectorAll('script, style, template, textarea, mjx-container, .cell_input').forEach(e => e.remove());
+  clone.querySelectorAll('script, style, template, textarea, mjx-container, .cell_input')
+    .forEach(e => e.remove());
   clone.querySelectorAll('pre, code').forEach(e => { if (!e.closest('.cell_output')) e.remove(); });
   const longest = pre => pre.textContent.split('\\n').reduce((a, b) => (b.length > a.length ? b : a), '');
   const wide = Array.from(document.querySelectorAll('pre'))
     .filter(pre => pre.getClientRects().length && pre.scrollWidth > pre.clientWidth + 1);
   const overflow = wide.filter(pre => pre.closest('.cell_output')).map(longest);
-  const wideCode = wide.filter(pre => !pre.closest('.cell_output') && !pre.closest('.cell_input')).map(longest);
+  const wideCode = wide.filter(pre => !pre.closest('.cell_output') && !pre.closest('.cell_input'))
+    .map(longest);
   const wideInputs = wide.filter(pre => pre.closest('.cell_input'))
     .map(pre => ({line: longest(pre), width: pre.scrollWidth, column: pre.clientWidth}));
   const texOf = new Map();
   if (window.MathJax && MathJax.startup && MathJax.startup.document)
     for (const item of MathJax.startup.document.math) texOf.set(item.typesetRoot, item.math);
-  const wideMath = Array.from(new Set(document.querySelectorAll('div.math mjx-container, mjx-container[display="true"]')))
+  const wideMath = Array.from(new Set(
+      document.querySelectorAll('div.math mjx-container, mjx-container[display="true"]')))
     .filter(c => c.getClientRects().length && c.scrollWidth > c.clientWidth + 1)
     .map(c => ({tex: (texOf.get(c) || c.textContent).trim().replace(/\s+/g, ' ').slice(0, 80),
                 width: c.scrollWidth, column: c.clientWidth}));
@@ -99,7 +103,8 @@ async () => {
   return {
     text: clone.textContent,
     wideTables: wideTables,
-    mathErrors: Array.from(document.querySelectorAll('mjx-merror'), e => e.getAttribute('data-mjx-error') || e.textContent),
+    mathErrors: Array.from(document.querySelectorAll('mjx-merror'),
+                           e => e.getAttribute('data-mjx-error') || e.textContent),
     untypeset: Array.from(document.querySelectorAll('span.math, div.math'))
       .filter(e => !e.querySelector('mjx-container')).map(e => e.textContent.trim().slice(0, 80)),
     brokenImages: imgs.filter(img => img.naturalWidth === 0).map(img => img.getAttribute('src')),
@@ -139,11 +144,14 @@ async () => {
       const own = getComputedStyle(e).overflowX === 'visible' ? e.scrollWidth : 0;
       const right = Math.max(r.right, r.left + own);  // a word that sticks out of its block
       if (r.width === 0 || right <= view + 1 || inBox(e)) continue;
-      if (!best || right > best.right + 0.5 || (right > best.right - 0.5 && best.e.contains(e))) best = {e: e, right: right};
+      if (!best || right > best.right + 0.5 || (right > best.right - 0.5 && best.e.contains(e)))
+        best = {e: e, right: right};
     }
     if (best) {
-      const cls = typeof best.e.className === 'string' && best.e.className ? '.' + best.e.className.split(' ')[0] : '';
-      culprit = `<${best.e.tagName.toLowerCase()}${cls}> ${best.e.textContent.trim().replace(/\s+/g, ' ').slice(0, 70)}`;
+      const cls = typeof best.e.className === 'string' && best.e.className
+        ? '.' + best.e.className.split(' ')[0] : '';
+      const text = best.e.textContent.trim().replace(/\s+/g, ' ').slice(0, 70);
+      culprit = `<${best.e.tagName.toLowerCase()}${cls}> ${text}`;
     }
   }
   const figures = Array.from(document.images).filter(img => img.getClientRects().length && img.naturalWidth)
@@ -305,7 +313,8 @@ async def check_page(context, site, page, shots, timeout_s):
             head = f.read(2000)
         if re.search(r'http-equiv="Refresh"', head, re.I):  # a redirect page: its target is a link
             m = re.search(r'url=([^"\']+)', head)
-            site.links.append((page, base + os.path.dirname(page) + ("/" if os.path.dirname(page) else "") + m.group(1).strip()))
+            folder = os.path.dirname(page)
+            site.links.append((page, base + folder + ("/" if folder else "") + m.group(1).strip()))
             return
         info = await asyncio.wait_for(tab.evaluate(PAGE_SCRIPT), timeout_s)
         await shoot("")
@@ -355,7 +364,8 @@ def check_desktop(site, page, info):
     if info["wideInputs"]:
         widest = max(info["wideInputs"], key=lambda c: c["width"])
         line = widest["line"].strip()
-        site.defer("code-cells", page, f"{len(info['wideInputs'])} code cells wider than the column at 1280 px; "
+        site.defer("code-cells", page,
+                   f"{len(info['wideInputs'])} code cells wider than the column at 1280 px; "
                    f"the widest, {widest['width']} px in {widest['column']} px, has a line of {len(line)} "
                    f"characters: {line[:60]}...", count=len(info["wideInputs"]))
 
@@ -363,16 +373,18 @@ def check_desktop(site, page, info):
 def check_phone(site, page, phone):
     """The defects of a page resized to a phone's width: sideways scrolling, figures too small."""
     if phone["over"] > 1:
-        site.add(page, f"page wider than a {PHONE['width']} px viewport (scrolls sideways by {phone['over']} px); "
+        site.add(page,
+                 f"page wider than a {PHONE['width']} px viewport (scrolls sideways by {phone['over']} px); "
                        f"the widest part: {phone['culprit']}")
     for fig in phone["figures"]:
         path = site.local_path(fig["url"])
         dpi = site.dpi(os.path.join(site.site, path)) if path else 96.0
         px = figure_text_px(dpi, fig["natural"], fig["width"])
         if px < MIN_FIGURE_TEXT_PX:
-            site.defer("figures", page, f"figure too small to read at {PHONE['width']} px: its {FIGURE_TEXT_PT}-point "
-                       f"text stands {px:.1f} px high (at least {MIN_FIGURE_TEXT_PX}); {fig['natural']} px at "
-                       f"{dpi:g} dpi shown {fig['width']:.0f} px wide: {fig['src']}")
+            site.defer("figures", page,
+                       f"figure too small to read at {PHONE['width']} px: its {FIGURE_TEXT_PT}-point "
+                       f"text stands {px:.1f} px high (at least {MIN_FIGURE_TEXT_PX}); "
+                       f"{fig['natural']} px at {dpi:g} dpi shown {fig['width']:.0f} px wide: {fig['src']}")
 
 
 async def run(site_dir, chromium, shots, jobs, timeout_s, enforce=()):
@@ -386,12 +398,14 @@ async def run(site_dir, chromium, shots, jobs, timeout_s, enforce=()):
             browser = await p.chromium.launch(
                 executable_path=chromium,
                 # No sandbox: CI runs as root. No name resolves: nothing reaches the network.
-                args=["--no-sandbox", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
+                args=["--no-sandbox",
+                      "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
             context = await browser.new_context(viewport=DESKTOP)
 
             async def route(r):
-                if site.local_path(r.request.url) is None and not r.request.url.startswith(("data:", "blob:")):
-                    site.add(_page_of(r.request), f"request to another host (blocked): {r.request.url[:200]}")
+                url = r.request.url
+                if site.local_path(url) is None and not url.startswith(("data:", "blob:")):
+                    site.add(_page_of(r.request), f"request to another host (blocked): {url[:200]}")
                     await r.abort("blockedbyclient")
                 else:
                     await r.continue_()
@@ -417,8 +431,10 @@ async def run(site_dir, chromium, shots, jobs, timeout_s, enforce=()):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("site", nargs="?", default=os.path.join(ROOT, "_build", "html"), help="the built site (default: _build/html)")
-    ap.add_argument("--chromium", help="the browser (default: $CHROMIUM, /usr/bin/chromium, chromium on PATH)")
+    ap.add_argument("site", nargs="?", default=os.path.join(ROOT, "_build", "html"),
+                    help="the built site (default: _build/html)")
+    ap.add_argument("--chromium",
+                    help="the browser (default: $CHROMIUM, /usr/bin/chromium, chromium on PATH)")
     ap.add_argument("--screenshots", metavar="DIR", help="save a full-page screenshot of every page into DIR")
     ap.add_argument("--jobs", type=int, default=4, help="pages open at once (default 4)")
     ap.add_argument("--timeout", type=int, default=60, help="seconds a page may take to load and settle")
@@ -428,7 +444,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     if not os.path.isfile(os.path.join(args.site, "index.html")) and not html_pages(args.site):
-        sys.exit(f"error: no built site in {args.site}; build it first (python tools/build_book.py --no-execute)")
+        sys.exit(f"error: no built site in {args.site}; build it first (python tools/build_book.py "
+                 "--no-execute)")
     chromium = find_chromium(args.chromium)
     if chromium is None:
         sys.exit(f"error: the browser check needs Chromium, which is not installed here; {INSTALL_HINT}.")

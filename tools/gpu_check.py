@@ -106,13 +106,16 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plan", action="store_true", help="print the parts, commands and limits; run nothing")
-    ap.add_argument("--dry-run", action="store_true", help="the CPU-side parts here, results to a temporary folder")
-    ap.add_argument("--out", help="folder for the results (default results/gpu, or a temporary one with --dry-run)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the CPU-side parts here, results to a temporary folder")
+    ap.add_argument("--out",
+                    help="folder for the results (default results/gpu, or a temporary one with --dry-run)")
     args = ap.parse_args(argv)
     plan = parts(args.dry_run)
     if args.plan:
         for name, cmd, limit, _ in plan:
-            what = " ".join(cmd) if cmd else "(this process)" if name == "provenance" else "(skipped: no labs.profiling)"
+            what = (" ".join(cmd) if cmd else "(this process)" if name == "provenance"
+                    else "(skipped: no labs.profiling)")
             print(f"{name:10s} {limit:4d} s  {what}")
         print(f"{'total':10s} {sum(p[2] for p in plan):4d} s of at most {BUDGET_S} s")
         return 0
@@ -125,7 +128,8 @@ def main(argv=None):
     out_dir = args.out or (tempfile.mkdtemp(prefix="gpu-check-") if args.dry_run else record.RESULTS)
     os.makedirs(out_dir, exist_ok=True)
     from labs.launcher import torchrun
-    env = torchrun.child_env(ROOT, PYTHONUNBUFFERED="1")   # the labs of this checkout, the box's packages kept
+    # the labs of this checkout, the box's packages kept
+    env = torchrun.child_env(ROOT, PYTHONUNBUFFERED="1")
     report = {"provenance": None, "budget_s": BUDGET_S, "dry_run": args.dry_run, "parts": {}}
     total = time.monotonic()
     for name, cmd, limit, kind in plan:
@@ -134,7 +138,8 @@ def main(argv=None):
             report["provenance"] = provenance(argv)
             part = {"status": "ok", "seconds": round(time.monotonic() - start, 1)}
         elif cmd is None:
-            part = {"status": "skipped: labs/profiling/opt_exercise.py is not in this checkout", "seconds": 0.0}
+            part = {"status": "skipped: labs/profiling/opt_exercise.py is not in this checkout",
+                    "seconds": 0.0}
         else:
             status, seconds, out, err = run_part(cmd, limit, env)
             part = {"status": status, "seconds": seconds, "command": " ".join(["python", *cmd[1:]])}
@@ -144,13 +149,15 @@ def main(argv=None):
                 part["stderr_tail"] = err
         part["limit_s"] = limit
         report["parts"][name] = part
-        print(f"[gpu-check] {name:10s} {part['status']:28s} {part['seconds']:6.1f} s of {limit} s", flush=True)
+        print(f"[gpu-check] {name:10s} {part['status']:28s} {part['seconds']:6.1f} s of {limit} s",
+              flush=True)
         slug = record.device_slug(report["provenance"]["device"])
         with open(os.path.join(out_dir, f"{slug}-check.json"), "w") as f:   # after every part: nothing lost
             json.dump(report, f, indent=1, sort_keys=True, default=str)
             f.write("\n")
     print(f"[gpu-check] total {time.monotonic() - total:.1f} s; results in {out_dir}", flush=True)
-    return 0 if all(p["status"] == "ok" or p["status"].startswith("skipped") for p in report["parts"].values()) else 1
+    ok = all(p["status"] == "ok" or p["status"].startswith("skipped") for p in report["parts"].values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

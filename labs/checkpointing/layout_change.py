@@ -69,7 +69,7 @@ def tp_state(index, tp_rank, saving):
         model, optim = {}, {}
         for u in hand.units:
             for places, piece, local in zip(u.where, u.pieces, u.shapes):
-                name = fsdp._name(hand.model, places[0])
+                name = fsdp.param_name(hand.model, places[0])
                 shape, idx = index[name]
                 if saving and tp_rank and idx.numel() == torch.Size(shape).numel():
                     continue                                       # replicated: one copy suffices

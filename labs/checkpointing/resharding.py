@@ -58,7 +58,7 @@ def hand_state(hand, opt):
     model, optim = {}, {}
     for u in hand.units:
         for places, piece, shape in zip(u.where, u.pieces, u.shapes):
-            name = fsdp._name(hand.model, places[0])
+            name = fsdp.param_name(hand.model, places[0])
             keep = max(0, min(piece.numel(), shape.numel() - piece.offset))
             model[name] = sc.Shard(piece.data[:keep], piece.offset, tuple(shape))
             st = opt.state[piece]

@@ -139,4 +139,5 @@ HAND = {("broadcast", "tree"): tree_broadcast, ("reduce", "tree"): tree_reduce,
         ("reduce_scatter", "ring"): ring_reduce_scatter,
         ("reduce_scatter", "recursive_halving"): halving_reduce_scatter,
         ("all_reduce", "ring"): ring_all_reduce, ("all_reduce", "recursive_doubling"): doubling_all_reduce,
-        ("all_reduce", "rabenseifner"): rabenseifner_all_reduce, ("all_to_all", "pairwise"): pairwise_all_to_all}
+        ("all_reduce", "rabenseifner"): rabenseifner_all_reduce,
+        ("all_to_all", "pairwise"): pairwise_all_to_all}

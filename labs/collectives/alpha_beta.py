@@ -15,7 +15,8 @@ with L = lg p rounds for a power of two, lg p' + 2 otherwise (p' = 2^floor(lg p)
 fold in first and unfold last). `labs.collectives.crossover` times both algorithms around n*.
 
 `bench` times the library's collectives and reports algbw and busbw with nccl-tests' definitions
-(`labs.data_parallel.bus_bandwidth`), on whatever backend `labs.launcher.launch` chose: gloo here, NCCL on a GPU box.
+(`labs.data_parallel.bus_bandwidth`), on whatever backend `labs.launcher.launch` chose: gloo here, NCCL on a
+GPU box.
 """
 import statistics
 

@@ -126,7 +126,8 @@ def main(argv=None):
     for op in algorithms.OPS:   # the hand collectives' block sizes, refused before any rank starts
         col.check(op, HAND[op], args.world_size, args.numel)
     rows = beside(args.world_size, args.numel, timeout=args.timeout)
-    lines = [f"{'collective':15s} {'counted (max)':>13s} {'wire (max)':>11s} {'model (max)':>11s} {'formula':>8s}"]
+    lines = [f"{'collective':15s} {'counted (max)':>13s} {'wire (max)':>11s} {'model (max)':>11s} "
+             f"{'formula':>8s}"]
     for op, r in rows.items():
         wire_max = "n/a" if None in r["wire"] else max(r["wire"])
         lines.append(f"{op:15s} {max(r['counted']):>13} {wire_max:>11} {max(r['wire_model']):>11} "

@@ -97,7 +97,8 @@ def _unfold(buf, i, r, rounds):
 
 
 def doubling_all_gather(out, shard, rounds, i, p):
-    """All-gather: fold (even i < 2r sends its shard to i + 1), doubling over p2, unfold (the whole output)."""
+    """All-gather: fold (even i < 2r sends its shard to i + 1), doubling over p2, unfold (the whole
+    output)."""
     p2, r = layout(p)
     flat, k = out.view(-1), shard.numel()
     flat[i * k:(i + 1) * k].copy_(shard.view(-1))

@@ -227,9 +227,11 @@ def main(argv=None):
         args = cli.parse(p, argv[1:])
         result = alpha_beta.bench(args.world_size, repeats=args.repeats, timeout=args.timeout)
         return cli.report(result, args, alpha_beta.table(result))
-    p = cli.parser("A collective built from point-to-point messages, against the library's and its cost formula.")
+    p = cli.parser("A collective built from point-to-point messages, against the library's and its "
+                   "cost formula.")
     p.add_argument("--op", choices=algorithms.OPS, default="all_reduce")
-    p.add_argument("--algorithm", choices=sorted({a for v in algorithms.CHOICES.values() for a in v} | {"tree"}),
+    p.add_argument("--algorithm",
+                   choices=sorted({a for v in algorithms.CHOICES.values() for a in v} | {"tree"}),
                    default=None, help="default: the first one the op has (ring where there is one)")
     p.add_argument("--numel", type=cli.positive_int, default=1024, help="elements of the full buffer")
     args = cli.parse(p, argv)

@@ -58,5 +58,6 @@ def sweep_cases(cp, heads=8, kv_heads=(1, 2, 4, 8), seq_len=24, head_dim=8, batc
 # ---- exercise 5 of chapter 6 -------------------------------------------------------------------
 
 EXERCISES = {
-    "5": lambda: float(crossover("allgather", 8, 64)),   # cp = 8, 64 query heads: k/a above which Ulysses wins
+    # cp = 8, 64 query heads: k/a above which Ulysses wins
+    "5": lambda: float(crossover("allgather", 8, 64)),
 }

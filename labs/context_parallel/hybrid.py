@@ -22,7 +22,6 @@ Each message is counted under its destination (`comm.Tally.sent_to`), so the tie
 
     python -m labs.context_parallel.hybrid --world-size 4 --ulysses 2 --json
 """
-import torch
 import torch.distributed as dist
 
 from labs.dims import ParallelDims
@@ -34,21 +33,23 @@ from labs.context_parallel import methods, ring_attention as ra, ulysses
 def check_grid(world_size, u, seq_len, order, heads, kv_heads):
     """Refuse a grid that cannot be made, in one sentence, before any rank starts."""
     if u < 1 or world_size % u:
-        raise ValueError(f"the Ulysses group of {u} ranks must divide the {world_size} ranks; choose a divisor "
-                         f"of {world_size}.")
+        raise ValueError(f"the Ulysses group of {u} ranks must divide the {world_size} ranks; "
+                         f"choose a divisor of {world_size}.")
     pieces = (world_size // u) * (2 if order == "zigzag" else 1) * u
     if seq_len % pieces:
-        raise ValueError(f"the hybrid {order} split cuts the sequence into {pieces} pieces: seq_len = {seq_len} "
-                         f"is not divisible by {pieces}; choose a multiple of {pieces}.")
+        raise ValueError(f"the hybrid {order} split cuts the sequence into {pieces} pieces: seq_len "
+                         f"= {seq_len} is not divisible by {pieces}; choose a multiple of {pieces}.")
     if heads % kv_heads:
-        raise ValueError(f"GQA needs the KV heads to divide the query heads: {kv_heads} does not divide {heads}.")
+        raise ValueError(f"GQA needs the KV heads to divide the query heads: {kv_heads} does not "
+                         f"divide {heads}.")
     ulysses.check_heads(heads, kv_heads, u)
 
 
 def hybrid_layout(world_size, u, seq_len, order="zigzag"):
     """Every rank's chunks: node n's ring-level chunks, each cut into u pieces, piece m to member m."""
     nodes = methods.layout(world_size // u, seq_len, order)
-    return [[(s + m * (n // u), n // u) for s, n in nodes[node]] for node in range(world_size // u) for m in range(u)]
+    return [[(s + m * (n // u), n // u) for s, n in nodes[node]] for node in range(world_size // u)
+            for m in range(u)]
 
 
 def groups(u):
@@ -65,7 +66,8 @@ def hybrid_attention(q, k, v, table, causal, ulysses_group, ring_group, work=Non
     u, n_nodes = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
     ulysses.check_heads(q.shape[1], k.shape[1], u)
     k, v = ulysses.repeat_kv(k, v, u)
-    qh, kh, vh = ulysses.seq_to_heads([q, k, v], ulysses_group)     # (B, a/u, u T/cp, d), (B, k'/u, u T/cp, d)
+    # (B, a/u, u T/cp, d), (B, k'/u, u T/cp, d)
+    qh, kh, vh = ulysses.seq_to_heads([q, k, v], ulysses_group)
     ring_table = [[c for m in range(u) for c in table[node * u + m]] for node in range(n_nodes)]
     out = ra.ring_attention(qh, kh, vh, ring_table, causal, group=ring_group, work=work, block=block)
     return ulysses.heads_to_seq(out, ulysses_group)                  # (B, a, T/cp, d)
@@ -123,7 +125,8 @@ def check(rank, world_size, u=2, seq_len=24, heads=8, kv_heads=8, head_dim=8, ba
         errors.update({g: (t.grad - r.grad[:, :, rows]).abs().max().item()
                        for g, t, r in zip(("dq", "dk", "dv"), mine, leaves)})
         nbytes = [t.numel() * t.element_size() for t in mine]
-        out[method] = {"errors": errors, "bytes_sent": sent, "tiers": tiers, "work": work, "rows": rows.tolist(),
+        out[method] = {"errors": errors, "bytes_sent": sent, "tiers": tiers, "work": work,
+                       "rows": rows.tolist(),
                        "tier_formula": tier_formula(nbytes[0], nbytes[1], world_size, u, kv_heads),
                        "shapes": {"q": list(mine[0].shape), "kv": list(mine[1].shape)}}
     return out
@@ -138,7 +141,8 @@ def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("Hybrid context parallelism: Ulysses inside each node of u ranks, the ring across nodes, "
                    "against one process, with the bytes of each link tier counted.")
-    p.add_argument("--ulysses", type=cli.positive_int, default=2, help="ranks per node, the Ulysses group (u)")
+    p.add_argument("--ulysses", type=cli.positive_int, default=2,
+                   help="ranks per node, the Ulysses group (u)")
     p.add_argument("--seq-len", type=cli.at_most(1 << 12, "tokens"), default=24)
     p.add_argument("--heads", type=cli.at_most(256, "query heads"), default=8)
     p.add_argument("--kv-heads", type=cli.positive_int, default=None, help="KV heads (default: --heads)")
@@ -152,7 +156,8 @@ def main(argv=None):
         return
     r = {m: {"max_abs_error": max(max(x[m]["errors"].values()) for x in results),
              "tiers": [x[m]["tiers"] for x in results]} for m in results[0]}
-    r.update(world_size=len(results), ulysses_ranks_per_node=args.ulysses, tier_formula=results[0]["hybrid"]["tier_formula"])
+    r.update(world_size=len(results), ulysses_ranks_per_node=args.ulysses,
+             tier_formula=results[0]["hybrid"]["tier_formula"])
     cli.report(r, args, f"hybrid CP on {len(results) // args.ulysses} nodes x {args.ulysses}: max error "
                f"{r['hybrid']['max_abs_error']:.1e}; bytes per rank inside / across nodes, forward: "
                + "; ".join(f"{m} {r[m]['tiers'][0]['forward']}" for m in results[0]))

@@ -25,7 +25,8 @@ Not used here: PyTorch's ``torch.distributed.tensor.experimental.context_paralle
 on CPU (it shards the CUDA SDPA kernels; there is no CPU SDPA sharding), so this chapter builds
 ring attention by hand and shows no library run on gloo.
 
-    python -m labs.context_parallel.methods --world-size 4 --method ring --seq-len 32 --causal --order zigzag --json
+    python -m labs.context_parallel.methods --world-size 4 --method ring --seq-len 32 --causal \\
+        --order zigzag --json
 """
 from fractions import Fraction
 
@@ -58,15 +59,16 @@ def check_config(cp, seq_len, order, method, heads, kv_heads, block=None):
         raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}.")
     pieces = cp if order == "contiguous" else 2 * cp
     if seq_len % pieces:
-        raise ValueError(f"the {order} split cuts the sequence into {pieces} equal chunks: seq_len = {seq_len} "
-                         f"is not divisible by {pieces}; choose a multiple of {pieces}.")
+        raise ValueError(f"the {order} split cuts the sequence into {pieces} equal chunks: seq_len "
+                         f"= {seq_len} is not divisible by {pieces}; choose a multiple of {pieces}.")
     if heads % kv_heads:
-        raise ValueError(f"GQA needs the KV heads to divide the query heads: {kv_heads} does not divide {heads}.")
+        raise ValueError(f"GQA needs the KV heads to divide the query heads: {kv_heads} does not "
+                         f"divide {heads}.")
     if method == "ulysses":
         ulysses.check_heads(heads, kv_heads, cp)
     if block is not None and (block < 1 or (seq_len // pieces) % block):
-        raise ValueError(f"the kernel's block of {block} tokens must divide the chunks of {seq_len // pieces} "
-                         f"tokens; choose a divisor of {seq_len // pieces}.")
+        raise ValueError(f"the kernel's block of {block} tokens must divide the chunks of "
+                         f"{seq_len // pieces} tokens; choose a divisor of {seq_len // pieces}.")
 
 
 def rows_of(chunks):
@@ -92,7 +94,8 @@ def run_method(method, q, k, v, table, causal, work, hand=True, fused=True, bloc
     if method == "ring":
         return ra.ring_attention(q, k, v, table, causal, work=work, block=block)
     if method == "ulysses":
-        return ulysses.ulysses_attention(q, k, v, table, causal, work=work, hand=hand, fused=fused, block=block)
+        return ulysses.ulysses_attention(q, k, v, table, causal, work=work, hand=hand, fused=fused,
+                                         block=block)
     return allgather_cp.allgather_attention(q, k, v, table, causal, work=work, block=block)
 
 
@@ -159,7 +162,8 @@ def cases(world_size, seq_len=24, head_dim=8, batch=2):
         "ring_zigzag_gqa": dict(method="ring", order="zigzag", heads=h, kv_heads=1, **common),
         "ring_contiguous": dict(method="ring", order="contiguous", heads=h, kv_heads=h, **common),
         "ring_full": dict(method="ring", order="contiguous", causal=False, heads=h, kv_heads=k, **common),
-        "ring_contiguous_blocked": dict(method="ring", order="contiguous", heads=h, kv_heads=h, block=1, **common),
+        "ring_contiguous_blocked": dict(method="ring", order="contiguous", heads=h, kv_heads=h, block=1,
+                                        **common),
         "ring_zigzag_blocked": dict(method="ring", order="zigzag", heads=h, kv_heads=h, block=1, **common),
         "allgather_zigzag_gqa": dict(method="allgather", order="zigzag", heads=h, kv_heads=1, **common),
         "allgather_contiguous": dict(method="allgather", order="contiguous", heads=h, kv_heads=h, **common),
@@ -220,7 +224,8 @@ def _h100_over(link, kv_fraction=1.0):
 
 EXERCISES = {
     "3": lambda: _h100_over("InfiniBand NDR (400 Gb/s)"),
-    "4": lambda: _h100_over("InfiniBand NDR (400 Gb/s)", kv_fraction=8 / 64),   # Llama 3 70B: 8 KV of 64 heads
+    # Llama 3 70B: 8 KV of 64 heads
+    "4": lambda: _h100_over("InfiniBand NDR (400 Gb/s)", kv_fraction=8 / 64),
     **crossover.EXERCISES,
 }
 
@@ -262,7 +267,8 @@ def main(argv=None):
     check_config(args.world_size, args.seq_len, args.order, args.method, args.heads, kv, args.block)
     # fp32 Q, K, V, dO, their gradients and one (T x T) score matrix per head, per rank, generously x4
     t, h, d = args.seq_len, args.heads, args.head_dim
-    preflight.check_fits(args.world_size, 4 * 4 * args.batch * h * (8 * t * d + t * t), "--seq-len or --batch")
+    preflight.check_fits(args.world_size, 4 * 4 * args.batch * h * (8 * t * d + t * t),
+                         "--seq-len or --batch")
     results = launch.launch(check, args.world_size, args.method, args.seq_len, args.causal, args.order, h, kv,
                             d, args.batch, True, True, args.block, timeout=args.timeout)
     if results is None:
@@ -270,8 +276,9 @@ def main(argv=None):
     work = [float(work_units(r, len(results), args.seq_len)) for r in results]
     r = {"max_abs_error": max(x["errors"]["output"] for x in results),
          "max_abs_error_grad": max(max(x["errors"][g] for g in ("dq", "dk", "dv")) for x in results),
-         "bytes_sent": [x["bytes_sent"] for x in results], "bytes_formula": [x["bytes_formula"] for x in results],
-         "work_per_rank": work, "work_max_over_mean": imbalance(work), "flops_forward": [x["flops"] for x in results],
+         "bytes_sent": [x["bytes_sent"] for x in results],
+         "bytes_formula": [x["bytes_formula"] for x in results], "work_per_rank": work,
+         "work_max_over_mean": imbalance(work), "flops_forward": [x["flops"] for x in results],
          "world_size": len(results), "method": args.method, "order": args.order, "causal": args.causal}
     cli.report(r, args, f"{args.method} attention on cp = {len(results)} ({args.order}, "
                f"{'causal' if args.causal else 'full'}): max error {r['max_abs_error']:.1e}, grads "

@@ -193,8 +193,9 @@ class RingAttention(torch.autograd.Function):
                 for key, value in mine.items():
                     work[key] += value
             if trace is not None:
-                trace.append({"step": step, "owner": owner, "score_entries": mine["score_entries"], "began": began,
-                              "computed": computed, "arrived": timing.now(), "compute_cpu_s": cpu})
+                trace.append({"step": step, "owner": owner, "score_entries": mine["score_entries"],
+                              "began": began, "computed": computed, "arrived": timing.now(),
+                              "compute_cpu_s": cpu})
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.table, ctx.causal, ctx.group, ctx.block = table, causal, group, block
         return out
@@ -210,7 +211,8 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             owner = (r - step) % n
             kb, vb, dk, dv = blocks
-            for qsl, ksl, mask in kernel_tiles(ctx.table[r], ctx.table[owner], ctx.causal, q.device, ctx.block):
+            for qsl, ksl, mask in kernel_tiles(ctx.table[r], ctx.table[owner], ctx.causal, q.device,
+                                               ctx.block):
                 g = tile_backward(q[:, :, qsl], kb[:, :, ksl], vb[:, :, ksl], mask, scale,
                                   do[:, :, qsl], lse[:, :, qsl], delta[:, :, qsl])
                 dq[:, :, qsl] += g[0]
@@ -233,4 +235,5 @@ def ring_bytes(kv_block_bytes, cp):
     and a last hop of dK, dV home (dK, dV have K's dtype and shape)."""
     if cp == 1:
         return {"forward": 0, "backward": 0}
-    return {"forward": 2 * (cp - 1) * kv_block_bytes, "backward": 4 * (cp - 1) * kv_block_bytes + 2 * kv_block_bytes}
+    return {"forward": 2 * (cp - 1) * kv_block_bytes,
+            "backward": 4 * (cp - 1) * kv_block_bytes + 2 * kv_block_bytes}

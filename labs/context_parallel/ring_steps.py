@@ -14,10 +14,11 @@ entries per batch and head, c = T/cp, beta = the kernel's diagonal block over c)
     zig-zag     step 0: 1 + beta; every later step 1 unit on every rank (two (c/2)^2 tiles).
 `timed` records, on every rank and every forward step, when the step began, when its compute ended
 and when the next block had arrived (`labs.measure.timing.now`: time.perf_counter, one clock for
-all the processes of a Linux machine, read after the GPU's queued work where there is one): compute and wait per step, and the compute's CPU time (time.process_time), which is what
-the step would take on a rank with a core to itself: where ranks share cores, a rank that waits
-lends its core to the others and the wall-clock compute stretches with the number of busy ranks.
-The timings are printed, never asserted; the work per step is.
+all the processes of a Linux machine, read after the GPU's queued work where there is one): compute and wait
+per step, and the compute's CPU time (time.process_time), which is what the step would take on a rank with a
+core to itself: where ranks share cores, a rank that waits lends its core to the others and the wall-clock
+compute stretches with the number of busy ranks. The timings are printed, never asserted; the work per step
+is.
 
     python -m labs.context_parallel.ring_steps --world-size 4 --json
 """
@@ -54,7 +55,8 @@ def timed(rank, world_size, seq_len=1024, heads=4, head_dim=64, batch=1, orders=
             trace = []
             dist.barrier()
             with torch.no_grad():
-                ra.ring_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], table, True, block=block, trace=trace)
+                ra.ring_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], table, True, block=block,
+                                  trace=trace)
             runs.append(trace)
         out[order] = [{"step": s["step"], "owner": s["owner"], "score_entries": s["score_entries"],
                        "compute_s": statistics.median(r[i]["computed"] - r[i]["began"] for r in runs),
@@ -71,7 +73,8 @@ def step_units(steps, batch, heads, seq_len, cp):
 
 def main(argv=None):
     from labs.launcher import cli
-    p = cli.parser("Ring attention's compute and wait per step and rank, contiguous against zig-zag (causal).")
+    p = cli.parser("Ring attention's compute and wait per step and rank, contiguous against "
+                   "zig-zag (causal).")
     p.add_argument("--seq-len", type=cli.at_most(1 << 14, "tokens"), default=1024)
     p.add_argument("--repeats", type=cli.at_most(50, "runs"), default=5)
     args = cli.parse(p, argv)
@@ -84,7 +87,8 @@ def main(argv=None):
     r = {order: {"compute_ms": [[round(1e3 * s["compute_s"], 2) for s in x[order]] for x in results],
                  "compute_cpu_ms": [[round(1e3 * s["compute_cpu_s"], 2) for s in x[order]] for x in results],
                  "wait_ms": [[round(1e3 * s["wait_s"], 2) for s in x[order]] for x in results],
-                 "work": [[float(u) for u in step_units(x[order], 1, 4, args.seq_len, len(results))] for x in results]}
+                 "work": [[float(u) for u in step_units(x[order], 1, 4, args.seq_len, len(results))]
+                          for x in results]}
          for order in methods.ORDERS}
     r["world_size"] = len(results)
     cli.report(r, args, "per rank, per step (ms): " + "; ".join(

@@ -46,15 +46,16 @@ def _run(block, x, upstream, group=None, sync=False):
     with megatron.payloads() as params:
         if sync:
             sp_layers.sync_grads(block, group)
-    return {"out": out.detach(), "input_grad": x.grad, "grads": {n: p.grad for n, p in block.named_parameters()},
-            "forward": fwd, "backward": bwd, "params": params, "tallies": (fwd_tally, bwd_tally)}
+    return {"out": out.detach(), "input_grad": x.grad,
+            "grads": {n: p.grad for n, p in block.named_parameters()}, "forward": fwd, "backward": bwd,
+            "params": params, "tallies": (fwd_tally, bwd_tally)}
 
 
 def _slice_of_full(name, grad, t, rank, cfg):
     """The part of the one-process gradient that this rank's parameter ``name`` should hold."""
     part, _, rest = name.partition(".")
     kind = {"attn": "attention", "mlp": "mlp"}.get(part)
-    return tp._slice_of_full(rest, grad, t, rank, kind, cfg) if kind else grad
+    return tp.slice_of_full(rest, grad, t, rank, kind, cfg) if kind else grad
 
 
 def _max_err(a, b):
@@ -88,7 +89,8 @@ def check_block(rank, world_size, b=2, s=12, hidden=48, regather=True, hand=True
         tpr = _run(tp_block, x, upstream)
         spr = _run(sp_block, x[:, mine], upstream[:, mine], sync=True)   # this rank's s/t tokens
     want = {n: _slice_of_full(n, full["grads"][n], t, rank, cfg) for n in spr["grads"]}
-    grads_tp = {n: v[:, mine] if n == "input" else v for n, v in dict(tpr["grads"], input=tpr["input_grad"]).items()}
+    grads_tp = {n: v[:, mine] if n == "input" else v
+                for n, v in dict(tpr["grads"], input=tpr["input_grad"]).items()}
     bytes_of = {k: [tally.bytes_sent for tally in r["tallies"]] for k, r in (("sp", spr), ("tp", tpr))}
     return {"max_abs_error": (spr["out"] - full["out"][:, mine]).abs().max().item(),
             "max_abs_error_vs_tp": (spr["out"] - tpr["out"][:, mine]).abs().max().item(),
@@ -114,7 +116,12 @@ def dtensor_plan():
     to Shard(1); local tensors between the modules, so the residual adds stay plain."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-    col, row = (lambda: ColwiseParallel(input_layouts=Shard(1))), (lambda: RowwiseParallel(output_layouts=Shard(1)))
+    def col():
+        return ColwiseParallel(input_layouts=Shard(1))
+
+    def row():
+        return RowwiseParallel(output_layouts=Shard(1))
+
     return {"ln1": SequenceParallel(use_local_output=True), "attn.qkv": col(), "attn.proj": row(),
             "ln2": SequenceParallel(use_local_output=True), "mlp.fc": col(), "mlp.proj": row()}
 
@@ -127,12 +134,14 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
     from torch.distributed.tensor.parallel import parallelize_module
     cfg, dev, t = tp.config(hidden=hidden), launch.device(), world_size
     g = torch.Generator().manual_seed(1)
-    x, upstream = (torch.randn(b, s, hidden, generator=g).to(dev)[:, sp_layers._tokens(s, t, rank)] for _ in range(2))
+    x, upstream = (torch.randn(b, s, hidden, generator=g).to(dev)[:, sp_layers._tokens(s, t, rank)]
+                   for _ in range(2))
     hand = sp_layers.parallelize_block(sp_layers._block(cfg, dev), None)
     lib = sp_layers._block(cfg, dev)
     order = torch.cat([megatron.qkv_rows(hidden, cfg.n_head, t, r) for r in range(t)])
     with torch.no_grad():
-        lib.attn.qkv.weight.copy_(lib.attn.qkv.weight[order]), lib.attn.qkv.bias.copy_(lib.attn.qkv.bias[order])
+        lib.attn.qkv.weight.copy_(lib.attn.qkv.weight[order])
+        lib.attn.qkv.bias.copy_(lib.attn.qkv.bias[order])
     lib.attn.n_head //= t
     lib = parallelize_module(lib, ParallelDims(tp=t).mesh(dev.type)["tp"], dtensor_plan())
     runs = [_run(hand, x, upstream, sync=True), _run(lib, x, upstream)]
@@ -152,7 +161,8 @@ def lab(rank, world_size, b=2, s=12, hidden=48, dtensor=False, keep_gathered=Fal
     """`check_block` (counted messages) and `sequence_parallel_activations.activation_table` in one job;
     `dtensor_block` too when ``dtensor``, and `check_block` keeping the gathered input when
     ``keep_gathered`` (starting ranks costs more than these small runs)."""
-    out = {"check": check_block(rank, world_size, b, s, hidden), "table": spa.activation_table(rank, world_size, b, s, hidden)}
+    out = {"check": check_block(rank, world_size, b, s, hidden),
+           "table": spa.activation_table(rank, world_size, b, s, hidden)}
     if dtensor:
         out["dtensor"] = dtensor_block(rank, world_size, b, s, hidden)
     if keep_gathered:
@@ -204,15 +214,16 @@ def main(argv=None):
     p = cli.parser("Megatron sequence parallelism: a TP+SP block against TP and one process, collectives "
                    "counted, activations measured against Korthikanti et al. 2022, Table 2.")
     p.add_argument("--batch", type=cli.positive_int, default=2)
-    p.add_argument("--seq", type=cli.positive_int, default=12, help="sequence length s (divisible by the world size)")
+    p.add_argument("--seq", type=cli.positive_int, default=12,
+                   help="sequence length s (divisible by the world size)")
     p.add_argument("--hidden", type=cli.positive_int, default=48, help="hidden size h (12 heads of h/12)")
     args = cli.parse(p, argv)
     if args.hidden % 12:
         raise ValueError(f"--hidden {args.hidden} is not a multiple of the 12 heads; use e.g. 48.")
     megatron.check_degree(tp.config(hidden=args.hidden), args.world_size)
     if args.seq % args.world_size or args.seq > tp.config().seq_len:
-        raise ValueError(f"--seq {args.seq} must be divisible by the world size {args.world_size} and at most "
-                         f"{tp.config().seq_len}; use e.g. 12.")
+        raise ValueError(f"--seq {args.seq} must be divisible by the world size {args.world_size} "
+                         f"and at most {tp.config().seq_len}; use e.g. 12.")
     h, bsh = args.hidden, args.batch * args.seq * args.hidden   # fp32 weights and activations, generously
     preflight.check_fits(args.world_size, 8 * 4 * (12 * h * h + 40 * bsh), "--hidden, --batch or --seq")
     results = launch.launch(lab, args.world_size, args.batch, args.seq, args.hidden, timeout=args.timeout)
@@ -220,14 +231,15 @@ def main(argv=None):
         return
     c = results[0]["check"]
     result = {k: max(r["check"][k] for r in results) for k in ("max_abs_error", "max_abs_error_grad",
-                                                                  "max_abs_error_vs_tp", "max_abs_error_grad_vs_tp")}
+                                                                  "max_abs_error_vs_tp",
+                                                               "max_abs_error_grad_vs_tp")}
     result.update({k: c[k] for k in ("forward_ops", "backward_ops", "forward_payloads", "backward_payloads",
                                      "tp_payloads", "counted_bytes_sent")}, world_size=len(results),
                   activation_bytes={row: {k: v[k] for k in ("measured", "formula", "layernorm_stats")}
                                     for row, v in results[0]["table"].items()})
     cli.report(result, args, f"TP+SP block on {len(results)} ranks: max error {result['max_abs_error']:.1e}, "
-               f"grads {result['max_abs_error_grad']:.1e}; counted bytes sent per rank {c['counted_bytes_sent']}; "
-               f"activation bytes per rank (measured): "
+               f"grads {result['max_abs_error_grad']:.1e}; counted bytes sent per rank "
+               f"{c['counted_bytes_sent']}; activation bytes per rank (measured): "
                + ", ".join(f"{k} {v['measured']}" for k, v in result["activation_bytes"].items()))
 
 

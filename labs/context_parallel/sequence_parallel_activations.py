@@ -5,8 +5,9 @@ recomputation, full recomputation.
 Table 2, bytes per layer (s tokens, b sequences, h hidden, a heads, t the tensor-parallel size;
 16-bit activations, 1-byte dropout masks): no parallelism sbh(34 + 5as/h); TP sbh(10 + 24/t +
 5as/(ht)); TP+SP sbh(34/t + 5as/(ht)); TP with selective recomputation sbh(10 + 24/t); TP+SP with
-selective recomputation sbh(34/t); full recomputation 2sbh. The per-op terms are chapter 1's (`labs.memory_budget.activations`); the tiny block
-(`labs.model.Block`) keeps exactly them, plus the LayerNorm statistics the table leaves out.
+selective recomputation sbh(34/t); full recomputation 2sbh. The per-op terms are chapter 1's
+(`labs.memory_budget.activations`); the tiny block (`labs.model.Block`) keeps exactly them, plus the LayerNorm
+statistics the table leaves out.
 """
 import math
 
@@ -48,7 +49,8 @@ def recompute_attention_core(block):
     return block
 
 
-ROWS = ("none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "tp_full", "tp_sp_full", "tp_sp_keep_gathered")
+ROWS = ("none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "tp_full", "tp_sp_full",
+        "tp_sp_keep_gathered")
 
 
 def table_formula(row, s, b, h, a, t):

@@ -20,20 +20,12 @@ from labs.measure import comm
 from labs.tensor_parallel import megatron
 
 
-def _log(op, x):
-    """Record one collective in every open `megatron.payloads()` log: the bytes of the tensor
-    handed to it (all-gather: the shard sent; reduce-scatter: the full input), read from the tensor."""
-    for log in megatron._logs:
-        log.append({"op": op, "bytes": x.numel() * x.element_size(), "numel": x.numel(),
-                    "element_size": x.element_size(), "shape": tuple(x.shape)})
-
-
 def gather_seq(x, group, op):
     """(B, s/t, H) -> (B, s, H): every rank's tokens, in rank order, through `comm.all_gather`."""
     t = dist.get_world_size(group)
     shard = x.transpose(0, 1).contiguous()                    # (s/t, B, H): sequence first, as Megatron's sbh
     full = shard.new_empty((t * shard.size(0),) + tuple(shard.shape[1:]))
-    _log(op, shard)
+    megatron.record(op, shard)   # the shard each rank sends
     comm.all_gather(full, shard, group=group)
     return full.transpose(0, 1)                               # (B, s, H)
 
@@ -43,9 +35,10 @@ def scatter_seq(x, group, op):
     t = dist.get_world_size(group)
     full = x.transpose(0, 1).contiguous()                     # (s, B, H)
     if full.size(0) % t:
-        raise ValueError(f"sequence length {full.size(0)} is not divisible by tp = {t}; choose s divisible by tp.")
+        raise ValueError(f"sequence length {full.size(0)} is not divisible by tp = {t}; choose s "
+                         "divisible by tp.")
     out = full.new_empty((full.size(0) // t,) + tuple(full.shape[1:]))
-    _log(op, full)
+    megatron.record(op, full)    # the full input
     comm.reduce_scatter(out, full, group=group)
     return out.transpose(0, 1)                                # (B, s/t, H)
 
@@ -123,7 +116,8 @@ def parallelize_block(block, group=None, regather=True):
     attn, mlp, h = block.attn, block.mlp, block.attn.proj.in_features
     megatron.check_degree(tiny.GPTConfig(hidden=h, n_head=attn.n_head), t)
     qkv = megatron.qkv_rows(h, attn.n_head, t, rank)
-    attn.qkv, attn.proj = ColumnParallelLinear(attn.qkv, group, qkv), RowParallelLinear(attn.proj, group, qkv[:h // t])
+    attn.qkv, attn.proj = (ColumnParallelLinear(attn.qkv, group, qkv),
+                           RowParallelLinear(attn.proj, group, qkv[:h // t]))
     rows = megatron.shard_rows(mlp.fc.out_features, t, rank)
     mlp.fc, mlp.proj = ColumnParallelLinear(mlp.fc, group, rows), RowParallelLinear(mlp.proj, group, rows)
     attn.n_head //= t
@@ -135,14 +129,15 @@ def parallelize_block(block, group=None, regather=True):
 def sequence_parallel_params(block):
     """Parameters that saw only this rank's tokens: the LayerNorms and the row-parallel biases."""
     mods = (block.ln1, block.ln2, block.attn.proj, block.mlp.proj)
-    return [p for m in mods for n, p in m.named_parameters() if n != "weight" or isinstance(m, torch.nn.LayerNorm)]
+    return [p for m in mods for n, p in m.named_parameters()
+            if n != "weight" or isinstance(m, torch.nn.LayerNorm)]
 
 
 def sync_grads(block, group=None):
     """All-reduce the partial gradients of `sequence_parallel_params` (Megatron does this for the
     LayerNorm weights under sequence parallelism); logged as "parameter-gradient all-reduce"."""
     for p in sequence_parallel_params(block):
-        megatron._all_reduce(p.grad, group, "parameter-gradient all-reduce")
+        megatron.logged_all_reduce(p.grad, group, "parameter-gradient all-reduce")
 
 
 def _block(cfg, dev, dropout=0.0):

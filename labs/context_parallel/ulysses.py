@@ -93,7 +93,8 @@ def seq_to_heads(tensors, group, hand=True, fused=True):
     if fused:
         got = _AllToAll.apply(torch.cat(parts, dim=2), group, hand).split([p.shape[2] for p in parts], dim=2)
     else:
-        got = [_AllToAll.apply(p, group, hand) for p in parts]       # (cp, B, H_i/cp, N/cp, d): tokens of rank j
+        # (cp, B, H_i/cp, N/cp, d): tokens of rank j
+        got = [_AllToAll.apply(p, group, hand) for p in parts]
     return [g.permute(1, 2, 0, 3, 4).reshape(g.shape[1], g.shape[2], n * g.shape[3], g.shape[4]) for g in got]
 
 
@@ -117,7 +118,8 @@ def ulysses_attention(q, k, v, table, causal=True, group=None, work=None, hand=T
     n = dist.get_world_size(group)
     check_heads(q.shape[1], k.shape[1], n)
     k, v = repeat_kv(k, v, n)                                        # (B, max(k, cp), N/cp, d)
-    qh, kh, vh = seq_to_heads([q, k, v], group, hand, fused)         # (B, a/cp, N, d), (B, max(k, cp)/cp, N, d)
+    # (B, a/cp, N, d), (B, max(k, cp)/cp, N, d)
+    qh, kh, vh = seq_to_heads([q, k, v], group, hand, fused)
     everyone = [c for chunks in table for c in chunks]              # the gathered rows, rank by rank
     out, _ = ra.attend(qh, kh, vh, everyone, everyone, causal, work, block)
     return heads_to_seq(out, group, hand)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from labs.launcher import launch, preflight
 from labs.measure import costs, timing, wire
 
-DOCUMENTED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")   # the ops doc/PERFORMANCE.md defines
+# the ops doc/PERFORMANCE.md defines
+DOCUMENTED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 KiB, MiB = 1024, 1024 ** 2
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB]
 
@@ -87,7 +88,8 @@ def sweep(world_size, sizes=SIZES, repeats=5, timeout=300.0, backend=None):
     preamble_factor (gloo's preambles per rank / S, from its source: the expected excess of
     wire_factor over factor) and wire_all_ranks_model (what all ranks together should write).
     """
-    return summarize(launch.spawn(rank_sweep, world_size, list(sizes), repeats, timeout=timeout, backend=backend))
+    return summarize(launch.spawn(rank_sweep, world_size, list(sizes), repeats, timeout=timeout,
+                                  backend=backend))
 
 
 def summarize(ranks):

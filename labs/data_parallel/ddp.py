@@ -50,7 +50,8 @@ def _single_process(cfg, steps, accumulation, batch_size, lr, world_size):
     net = tiny.build(cfg, seed=0, device=dev)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
     for step in range(steps):
-        batches = [_batch(cfg, step, m, r, batch_size, dev) for m in range(accumulation) for r in range(world_size)]
+        batches = [_batch(cfg, step, m, r, batch_size, dev) for m in range(accumulation)
+                   for r in range(world_size)]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         net(x, y).backward()
         opt.step()
@@ -100,7 +101,8 @@ class MixedNet(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
-        self.inp, self.branch, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.inp, self.branch, self.out = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 16),
+                                           torch.nn.Linear(16, 16))
         self.head = torch.nn.Linear(16, 4).to(head_dtype)
 
     def forward(self, x, use_branch=True):
@@ -117,7 +119,8 @@ def semantics(rank, world_size, head_dtype=torch.bfloat16, steps=3, lr=0.5):
     dev = launch.device()
 
     def data(step, micro, r):
-        return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + r)).to(dev)
+        g = torch.Generator().manual_seed(1000 * step + 10 * micro + r)
+        return torch.randn(4, 8, generator=g).to(dev)
 
     def used(step, r):
         return step == 0 or (step == 1 and r == 0)
@@ -139,8 +142,9 @@ def semantics(rank, world_size, head_dtype=torch.bfloat16, steps=3, lr=0.5):
     def diff(other, dtype):
         return max([(p - q).abs().max().item() for p, q in zip(hand_net.parameters(), other.parameters())
                     if p.dtype == dtype and p.requires_grad], default=None)
-    return {"fp32_vs_torch_ddp": diff(ref_net, torch.float32), "bf16_vs_torch_ddp": diff(ref_net, torch.bfloat16),
-            "fp32_vs_single": diff(single, torch.float32), "bf16_vs_single": diff(single, torch.bfloat16),
+    return {"fp32_vs_torch_ddp": diff(ref_net, torch.float32),
+            "bf16_vs_torch_ddp": diff(ref_net, torch.bfloat16), "fp32_vs_single": diff(single, torch.float32),
+            "bf16_vs_single": diff(single, torch.bfloat16),
             "bucket_dtypes": [str(b.buffer.dtype) for b in hand.buckets],
             "frozen_unchanged": torch.equal(hand_net.frozen.weight, MixedNet().frozen.weight.to(dev))
             and hand_net.frozen.weight.grad is None}
@@ -190,7 +194,8 @@ def _timed_step(net, ddp, x, y):
             "exposed_comm": exposed_comm(shifted, backward_end)}
 
 
-@launch.on_cpu("the hand DDP's bucket timeline is read on the host clock inside autograd hooks, which on a GPU would time launches")
+@launch.on_cpu("the hand DDP's bucket timeline is read on the host clock inside autograd hooks, which on a "
+               "GPU would time launches")
 def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_size=8):
     """Overlap on vs off in one run (alternating steps): exposed communication and step time.
 
@@ -225,7 +230,8 @@ def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("Data parallel by hand: same parameters as torch DDP and as one process.")
     p.add_argument("--steps", type=cli.positive_int, default=3)
-    p.add_argument("--accumulation", type=cli.positive_int, default=1, help="micro-batches per step (no_sync)")
+    p.add_argument("--accumulation", type=cli.positive_int, default=1,
+                   help="micro-batches per step (no_sync)")
     p.add_argument("--bucket-cap-bytes", type=cli.positive_int, default=16_384)
     args = cli.parse(p, argv)
     results = launch.launch(run, args.world_size, args.steps, args.accumulation,
@@ -237,12 +243,15 @@ def main(argv=None):
               "max_param_diff_vs_single_process": max(r["max_param_diff_vs_single_process"] for r in results),
               "allreduce_calls": results[0]["allreduce_calls"], "buckets": results[0]["buckets"],
               "allreduce_formula_bytes": results[0]["allreduce_formula_bytes"],
-              "allreduce_wire_bytes": [r["allreduce_wire_bytes"] for r in results], "wire_reason": results[0]["wire_reason"]}
-    cli.report(result, args, f"{result['world_size']} ranks, {args.steps} steps x {args.accumulation} micro-batches: "
-               f"max |hand - torch DDP| = {result['max_param_diff_vs_torch_ddp']:.2e}, max |hand - one process| = "
-               f"{result['max_param_diff_vs_single_process']:.2e}, {result['allreduce_calls']} all-reduces "
-               f"({result['buckets']} buckets); rank 0's all-reduce bytes: ring formula "
-               f"{result['allreduce_formula_bytes']}, wire {result['allreduce_wire_bytes'][0]}")
+              "allreduce_wire_bytes": [r["allreduce_wire_bytes"] for r in results],
+              "wire_reason": results[0]["wire_reason"]}
+    cli.report(result, args,
+               f"{result['world_size']} ranks, {args.steps} steps x {args.accumulation} micro-batches: "
+               f"max |hand - torch DDP| = {result['max_param_diff_vs_torch_ddp']:.2e}, max |hand - "
+               f"one process| = {result['max_param_diff_vs_single_process']:.2e}, "
+               f"{result['allreduce_calls']} all-reduces ({result['buckets']} buckets); rank 0's all-reduce "
+               f"bytes: ring formula {result['allreduce_formula_bytes']}, wire "
+               f"{result['allreduce_wire_bytes'][0]}")
 
 
 if __name__ == "__main__":

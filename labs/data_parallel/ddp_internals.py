@@ -229,11 +229,15 @@ def compression(rank, world_size, hook=default_hooks.bf16_compress_hook, step_me
     bound = rounding_bound(every, BF16_U if dtype == torch.bfloat16 else 2.0 ** -11)
     err = (flat["hook"] - exact).abs()
     return {"dtype": str(dtype), "bucket_numel": sizes["hook"],
-            "wire_fp32": wires["fp32"].bytes, "wire_hook": wires["hook"].bytes, "wire_reason": wires["hook"].reason,
-            "model_fp32_all_ranks": sum(wire.gloo_allreduce_all_ranks(4 * n, world_size, 4) for n in sizes["fp32"]),
-            "model_hook_all_ranks": sum(wire.gloo_allreduce_all_ranks(2 * n, world_size, 2) for n in sizes["hook"]),
-            "payload_fp32": sum(4 * n for n in sizes["fp32"]), "payload_hook": sum(2 * n for n in sizes["hook"]),
-            "hook_err": err.max().item(), "fp32_err": (flat["fp32"] - exact).abs().max().item(),
+            "wire_fp32": wires["fp32"].bytes, "wire_hook": wires["hook"].bytes,
+            "wire_reason": wires["hook"].reason,
+            "model_fp32_all_ranks": sum(wire.gloo_allreduce_all_ranks(4 * n, world_size, 4)
+                                        for n in sizes["fp32"]),
+            "model_hook_all_ranks": sum(wire.gloo_allreduce_all_ranks(2 * n, world_size, 2)
+                                        for n in sizes["hook"]),
+            "payload_fp32": sum(4 * n for n in sizes["fp32"]),
+            "payload_hook": sum(2 * n for n in sizes["hook"]), "hook_err": err.max().item(),
+            "fp32_err": (flat["fp32"] - exact).abs().max().item(),
             "hook_rel_err": (err.max() / exact.abs().max()).item(),
             "worst_err_over_bound": (err / bound.clamp_min(1e-300)).max().item(),
             "within_bound": bool((err <= bound).all()), "max_grad": exact.abs().max().item()}
@@ -241,7 +245,8 @@ def compression(rank, world_size, hook=default_hooks.bf16_compress_hook, step_me
 
 def tour(rank, world_size):
     """Everything above in one spawn (the notebook's and the tests' single run)."""
-    return {"order": bucket_order(rank, world_size), "order_find_unused": bucket_order(rank, world_size, find_unused=True),
+    return {"order": bucket_order(rank, world_size),
+            "order_find_unused": bucket_order(rank, world_size, find_unused=True),
             "view": bucket_view(rank, world_size, True), "copy": bucket_view(rank, world_size, False),
             "unused": unused(rank, world_size), "compression": compression(rank, world_size)}
 
@@ -256,9 +261,9 @@ def main(argv=None):
     r = results[0]
     c = r["compression"]
     cli.report(r, args, f"buckets step 1: {r['order']['steps'][0]}, step 2: {r['order']['steps'][1]}; "
-               f"grad storage bytes as view {r['view']['distinct_bytes']}, copied {r['copy']['distinct_bytes']}; "
-               f"wire bytes fp32 {c['wire_fp32']}, {c['dtype']} hook {c['wire_hook']}, "
-               f"hook error / bound <= {c['worst_err_over_bound']:.2f}")
+               f"grad storage bytes as view {r['view']['distinct_bytes']}, copied "
+               f"{r['copy']['distinct_bytes']}; wire bytes fp32 {c['wire_fp32']}, {c['dtype']} hook "
+               f"{c['wire_hook']}, hook error / bound <= {c['worst_err_over_bound']:.2f}")
 
 
 if __name__ == "__main__":

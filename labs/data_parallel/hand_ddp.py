@@ -24,7 +24,8 @@ class Bucket:
 
     def __init__(self, params):
         self.params = params  # all of one dtype: a bucket never changes a gradient's precision
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                  device=params[0].device)
         self.ready, self.work, self.times = 0, None, {}
 
 
@@ -51,7 +52,8 @@ class HandDDP:
         with torch.no_grad():  # replicas must start equal: everyone takes rank 0's weights
             for p in model.parameters():
                 comm.broadcast(p.data, src=0)
-        self.buckets = self._make_buckets([p for p in model.parameters() if p.requires_grad], bucket_cap_bytes)
+        self.buckets = self._make_buckets([p for p in model.parameters() if p.requires_grad],
+                                          bucket_cap_bytes)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.next, self.in_backward, self.synced, self.backward_end = 0, False, False, None
         for p in self.bucket_of:

@@ -50,7 +50,8 @@ def _exchange(send_buf, dst, recv_buf, src, group=None, combine=None):
     ``combine(i, segment)``, run as segment i arrives, overlaps the arrival of the next one.
     Both ends know every chunk's size, so both skip an empty one.
     """
-    sends = [comm.isend(seg, dst, group=group, tag=i) for i, seg in enumerate(send_buf.split(SEGMENT)) if seg.numel()]
+    sends = [comm.isend(seg, dst, group=group, tag=i) for i, seg in enumerate(send_buf.split(SEGMENT))
+             if seg.numel()]
     parts = [seg for seg in recv_buf.split(SEGMENT) if seg.numel()]
     recvs = [comm.irecv(seg, src, group=group, tag=i) for i, seg in enumerate(parts)]
     for i, (req, seg) in enumerate(zip(recvs, parts)):
@@ -73,7 +74,8 @@ def ring_reduce_scatter(output, chunks, group=None, op=dist.ReduceOp.SUM, on_ste
     """
     n, r, right, left = _ring(group)
     if output.numel() != chunks[r].numel():
-        raise ValueError(f"output has {output.numel()} elements but this rank's chunk has {chunks[r].numel()}.")
+        raise ValueError(f"output has {output.numel()} elements but this rank's chunk has "
+                         f"{chunks[r].numel()}.")
     if n == 1:
         return output.copy_(chunks[0].reshape(output.shape))
     reduce = _reducer(op)
@@ -106,9 +108,11 @@ def ring_all_gather_(chunks, group=None, on_step=None):
 
 
 def ring_all_gather_into(output, input, group=None):
-    """``all_gather_single`` by hand: ``output`` (N times ``input``) gets every rank's ``input`` in rank order."""
+    """``all_gather_single`` by hand: ``output`` (N times ``input``) gets every rank's ``input`` in
+    rank order."""
     if not output.is_contiguous():
-        raise ValueError("the hand all-gather writes into a contiguous output tensor; pass output.contiguous().")
+        raise ValueError("the hand all-gather writes into a contiguous output tensor; pass "
+                         "output.contiguous().")
     n, r, _, _ = _ring(group)
     k = input.numel()
     chunks = [output.view(-1)[i * k:(i + 1) * k] for i in range(n)]
@@ -125,7 +129,8 @@ def ring_allreduce(tensor, group=None, op=dist.ReduceOp.SUM, on_step=None):
     if given, sees each step's arriving chunk (phase "reduce-scatter" or "all-gather").
     """
     if not tensor.is_contiguous():
-        raise ValueError("the hand ring all-reduce works in place on a contiguous tensor; pass tensor.contiguous().")
+        raise ValueError("the hand ring all-reduce works in place on a contiguous tensor; pass "
+                         "tensor.contiguous().")
     n, r, _, _ = _ring(group)
     flat = tensor.view(-1)
     chunks = list(flat.split(comm.ring_chunks(flat.numel(), n)))
@@ -156,7 +161,8 @@ def naive_allreduce(tensor, root=0):
 
 
 def ring_reduce_scatter_flat(output, input, group=None, op=dist.ReduceOp.SUM):
-    """``reduce_scatter_single`` by hand: ``input`` (N times ``output``) reduced, this rank's slice in ``output``."""
+    """``reduce_scatter_single`` by hand: ``input`` (N times ``output``) reduced, this rank's slice in
+    ``output``."""
     n, k = dist.get_world_size(group), output.numel()
     flat = input.reshape(-1)
     return ring_reduce_scatter(output, [flat[i * k:(i + 1) * k] for i in range(n)], group=group, op=op)

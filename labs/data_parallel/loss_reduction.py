@@ -103,7 +103,8 @@ def rank_grads(rank, world_size, accumulation=2, micro_batch=2, seed=0, padded=T
         loss.backward()
         total += loss.item()
     out["right"] = _all_reduce(_flat_grad(net), dist.ReduceOp.SUM)
-    out["right_loss"] = float(_all_reduce(torch.tensor([total], dtype=torch.float64, device=dev), dist.ReduceOp.SUM))
+    out["right_loss"] = float(_all_reduce(torch.tensor([total], dtype=torch.float64, device=dev),
+                                          dist.ReduceOp.SUM))
     out["n_global"] = n_global
     return out
 
@@ -151,7 +152,8 @@ def compare(world_size, accumulation, micro_batch=2, seed=0, padded=True, timeou
             "right_err": max(_rel(r["right"], ref) for r in ranks),
             "naive_err": max(_rel(r["naive"], ref) for r in ranks),
             "naive_vs_formula": max(_rel(r["naive"], weighted) for r in ranks),
-            "replicas_equal": all(torch.equal(r["right"], r0["right"]) and torch.equal(r["naive"], r0["naive"])
+            "replicas_equal": all(torch.equal(r["right"], r0["right"])
+                                  and torch.equal(r["naive"], r0["naive"])
                                   for r in ranks),
             "loss_single": ref_loss, "loss_right": r0["right_loss"], "loss_naive": r0["naive_loss"],
             "loss_weighted": weighted_loss}

@@ -91,8 +91,10 @@ def library_wire_table(rank, world_size, nbytes=4_000_000):
         raise ValueError(f"nbytes must be a positive multiple of 4 * world_size = {4 * n}, got {nbytes}.")
     dev = launch.device()
     full, shard = torch.ones(nbytes // 4, device=dev), torch.ones(nbytes // 4 // n, device=dev)
-    calls = {"all_reduce": lambda: comm.all_reduce(full), "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
-             "all_gather": lambda: comm.all_gather(full, shard), "broadcast": lambda: comm.broadcast(full, src=0)}
+    calls = {"all_reduce": lambda: comm.all_reduce(full),
+             "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
+             "all_gather": lambda: comm.all_gather(full, shard),
+             "broadcast": lambda: comm.broadcast(full, src=0)}
     ops = {}
     for op, call in calls.items():
         with wire.measure() as w, comm.counting() as tally:
@@ -100,8 +102,9 @@ def library_wire_table(rank, world_size, nbytes=4_000_000):
         ops[op] = {"wire_bytes": w.bytes, "formula_bytes": tally.formula_bytes_sent,
                    "payload_bytes": tally.payload_bytes,
                    "wire_minus_formula": None if w.bytes is None else w.bytes - tally.formula_bytes_sent}
-    return {"rank": rank, "world_size": n, "nbytes": nbytes, "broadcast_role": "root" if rank == 0 else "non-root",
-            "backend": dist.get_backend(), "wire_reason": w.reason, "ops": ops}
+    return {"rank": rank, "world_size": n, "nbytes": nbytes,
+            "broadcast_role": "root" if rank == 0 else "non-root", "backend": dist.get_backend(),
+            "wire_reason": w.reason, "ops": ops}
 
 
 def compare(rank, world_size, numel):
@@ -163,7 +166,8 @@ def main(argv=None):
     args = cli.parse(p, argv)
     # per element: the input, its copy and the result in fp32, the exact sum in fp64 and its terms
     preflight.check_fits(args.world_size, 40 * args.numel, "--numel")
-    results = launch.launch(run, args.world_size, args.numel, args.algorithm, args.repeats, timeout=args.timeout)
+    results = launch.launch(run, args.world_size, args.numel, args.algorithm, args.repeats,
+                            timeout=args.timeout)
     if results is None:
         return
     n, m = len(results), args.numel * 4
@@ -177,8 +181,8 @@ def main(argv=None):
               "seconds": statistics.median(r["seconds"] for r in results)}
     cli.report(result, args, f"{args.algorithm} all-reduce of {m} bytes on {n} ranks: max error "
                f"{result['max_abs_error']:.2e}, counted bytes sent per rank {result['bytes_sent']} "
-               f"(ring formula {result['bytes_sent_formula_per_rank']:.0f}), wire bytes {result['wire_bytes']}, "
-               f"median {result['seconds'] * 1e3:.2f} ms")
+               f"(ring formula {result['bytes_sent_formula_per_rank']:.0f}), wire bytes "
+               f"{result['wire_bytes']}, median {result['seconds'] * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ def sent_bytes(rank, world_size, skews=(0.0, 0.5, 1.0, 1.5), tokens=256, hidden=
                 dest = where[r.idx.reshape(-1)]                              # (T*k,) destination of each row
                 o = torch.argsort(dest, stable=True)
                 x = torch.randn(tokens, hidden, generator=g).to(dev)               # (T, h)
-                rows = x[(torch.arange(tokens * top_k, device=dev) // top_k)[o]]    # a row per (token, choice)
+                # a row per (token, choice)
+                rows = x[(torch.arange(tokens * top_k, device=dev) // top_k)[o]]
                 send = torch.bincount(dest, minlength=world_size)
                 recv = moe.exchange(send, [1] * world_size, [1] * world_size, None, "splits").tolist()
                 with moe.payloads() as log:
@@ -89,8 +90,9 @@ def tail_table(results, skews, tokens=256, experts=8, top_k=2, batches=4):
             ratio, per_rank = derived_ratio(p, ep, top_k, placement)
             expected = [batches * (ep - 1) * tokens * q.item() * row for q in per_rank]
             worst = max(abs(g_ - e) / row / (4 * (top_k * e / row) ** 0.5) for g_, e in zip(got, expected))
-            rows.append({"skew": zeta, "placement": placement, "received": got, "measured_ratio": max(got) / (sum(got) / ep),
-                         "derived_ratio": ratio, "worst_in_bounds": worst,
+            rows.append({"skew": zeta, "placement": placement, "received": got,
+                         "measured_ratio": max(got) / (sum(got) / ep), "derived_ratio": ratio,
+                         "worst_in_bounds": worst,
                          "routing_margin": min(r[(zeta, placement)]["routing_margin"] for r in results)})
     return rows
 
@@ -108,10 +110,12 @@ def main(argv=None):
     if results is None:
         return
     rows = tail_table(results, tuple(args.skews))
-    result = {"rows": [{k: r[k] for k in ("skew", "placement", "measured_ratio", "derived_ratio")} for r in rows],
+    result = {"rows": [{k: r[k] for k in ("skew", "placement", "measured_ratio", "derived_ratio")}
+                       for r in rows],
               "world_size": len(results)}
     cli.report(result, args, "\n".join(f"s = {r['skew']:g}, {r['placement']:10s}: slowest/mean "
-                                       f"{r['measured_ratio']:.2f} measured, {r['derived_ratio']:.2f} derived" for r in rows))
+                                       f"{r['measured_ratio']:.2f} measured, {r['derived_ratio']:.2f} derived"
+                                       for r in rows))
 
 
 if __name__ == "__main__":

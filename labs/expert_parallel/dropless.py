@@ -114,7 +114,8 @@ def _flops(layer, x):
     return out, fc.get_total_flops()
 
 
-def compare(tokens=256, hidden=16, experts=8, top_k=2, ffn=32, skew=1.5, capacity_factors=(1.0, 1.25, 2.0), seed=0):
+def compare(tokens=256, hidden=16, experts=8, top_k=2, ffn=32, skew=1.5, capacity_factors=(1.0, 1.25, 2.0),
+            seed=0):
     """One batch whose tokens share an offset toward expert 0's router row (a skewed load), through:
     the loop reference without capacity (`moe.MoE`), `DroplessMoE`, and for each capacity factor the
     loop reference with capacity and `PaddedCapacityMoE`. Per variant: FLOPs counted, slots computed,
@@ -152,7 +153,8 @@ def _compare(tokens, hidden, experts, top_k, ffn, skew, capacity_factors, seed):
 def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("Dropless MoE as a grouped GEMM beside capacity buffers (one process), and with "
-                   "--world-size above 1 the expert-parallel layer running its experts grouped.", world_size_default=1)
+                   "--world-size above 1 the expert-parallel layer running its experts grouped.",
+                   world_size_default=1)
     args = cli.parse(p, argv)
     if args.world_size == 1:
         r = compare()

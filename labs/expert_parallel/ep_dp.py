@@ -35,7 +35,8 @@ def check(rank, world_size, ep=2, tokens=16, hidden=16, experts=8, top_k=2, seed
     """The layer on ep x edp ranks beside one process on all their tokens. Returns the gradient
     errors with the right groups, and with the expert gradients reduced over every rank or not at
     all (the two plausible bugs); bytes sent per rank, counted, for each reduction; the payloads."""
-    grid = groups.Groups(ParallelDims.build(world_size, ep=ep))   # ep: consecutive ranks; edp: the same experts
+    # ep: consecutive ranks; edp: the same experts
+    grid = groups.Groups(ParallelDims.build(world_size, ep=ep))
     dev, per = launch.device(), moe.check_ep(experts, ep)
     full = moe.MoE(hidden, experts, top_k, None, seed=seed).to(dev)
     g = torch.Generator().manual_seed(seed + 1)
@@ -63,8 +64,8 @@ def check(rank, world_size, ep=2, tokens=16, hidden=16, experts=8, top_k=2, seed
             "expert_error_not_reduced": (local - want).abs().max().item(),
             "router_bytes_sent": router_tally.bytes_sent, "expert_bytes_sent": expert_tally.bytes_sent,
             "router_payload": router_tally.payload_bytes, "expert_payload": expert_tally.payload_bytes,
-            "edp_group": grid.edp_ranks, "ep_group": grid.ep_ranks, "experts": list(range(first, first + per)),
-            "routing_margin": full.routing.margin}
+            "edp_group": grid.edp_ranks, "ep_group": grid.ep_ranks,
+            "experts": list(range(first, first + per)), "routing_margin": full.routing.margin}
 
 
 def ring_bytes(payload, n):
@@ -84,10 +85,12 @@ def main(argv=None):
     if results is None:
         return
     r0 = results[0]
-    result = {k: max(r[k] for r in results) for k in ("router_error", "expert_error", "expert_error_over_every_rank")}
+    result = {k: max(r[k] for r in results) for k in ("router_error", "expert_error",
+                                                      "expert_error_over_every_rank")}
     result.update(router_bytes_sent=r0["router_bytes_sent"], expert_bytes_sent=r0["expert_bytes_sent"],
                   world_size=len(results), ep=args.ep)
-    cli.report(result, args, f"router all-reduce over {len(results)} ranks: {r0['router_bytes_sent']} bytes sent per "
+    cli.report(result, args,
+               f"router all-reduce over {len(results)} ranks: {r0['router_bytes_sent']} bytes sent per "
                f"rank; experts over edp = {len(r0['edp_group'])}: {r0['expert_bytes_sent']} bytes; errors "
                f"{result['router_error']:.1e} / {result['expert_error']:.1e} (over every rank: "
                f"{result['expert_error_over_every_rank']:.1e})")

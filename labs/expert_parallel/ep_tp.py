@@ -97,12 +97,13 @@ def check(rank, world_size, tp=2, batch=2, seq=8, hidden=16, n_head=4, experts=8
             i, rest = name.split(".", 4)[3], name.split(".", 4)[4]
             want = full[f"mlp.layer.experts.{int(i) + b.mlp.layer.rank * b.mlp.layer.per}.{rest}"].grad
         elif name.startswith("attn."):
-            want = tp_blocks._slice_of_full(name[len("attn."):], full[name].grad, tp, j, "attention", cfg)
+            want = tp_blocks.slice_of_full(name[len("attn."):], full[name].grad, tp, j, "attention", cfg)
         else:
             want = full[name].grad
         errs[name] = (p.grad - want).abs().max().item()
     errs["input"] = (x.grad - x_ref.grad[rows, toks]).abs().max().item()
-    a2a = sum(bytes_ for e in ep_log if e["what"] != "splits" for dst, bytes_ in enumerate(e["to"]) if dst != rank)
+    a2a = sum(bytes_ for e in ep_log if e["what"] != "splits" for dst, bytes_ in enumerate(e["to"])
+              if dst != rank)
     return {"max_abs_error": (out - out_ref[rows, toks]).abs().max().item(), "grad_errors": errs,
             "max_abs_error_grad": max(errs.values()),
             "tp_ops": [c["op"] for c in tp_log], "tp_payloads": [c["bytes"] for c in tp_log],
@@ -110,8 +111,8 @@ def check(rank, world_size, tp=2, batch=2, seq=8, hidden=16, n_head=4, experts=8
             "a2a_payload_bytes_sent": a2a,                     # dispatch and combine, forward and backward
             "a2a_calls": tally.calls("all_to_all"),
             "dp_bytes_sent": dp_tally.bytes_sent, "every_rank_bytes_sent": all_tally.bytes_sent,
-            "tp_group": grid.tp_ranks, "dp_group": grid.dp_ranks, "tokens_dispatched": x.shape[0] * x.shape[1],
-            "routing_margin": ref.mlp.layer.routing.margin}
+            "tp_group": grid.tp_ranks, "dp_group": grid.dp_ranks,
+            "tokens_dispatched": x.shape[0] * x.shape[1], "routing_margin": ref.mlp.layer.routing.margin}
 
 
 def main(argv=None):
@@ -129,11 +130,13 @@ def main(argv=None):
     r0 = results[0]
     result = {"max_abs_error": max(r["max_abs_error"] for r in results),
               "max_abs_error_grad": max(r["max_abs_error_grad"] for r in results),
-              "tp_bytes_sent": r0["tp_bytes_sent"], "a2a_payload_bytes_sent": [r["a2a_payload_bytes_sent"] for r in results],
+              "tp_bytes_sent": r0["tp_bytes_sent"],
+              "a2a_payload_bytes_sent": [r["a2a_payload_bytes_sent"] for r in results],
               "world_size": len(results), "tp": args.tp}
     cli.report(result, args, f"folded TP{args.tp} attention + EP{len(results)} MoE: max error "
-               f"{result['max_abs_error']:.1e} (grads {result['max_abs_error_grad']:.1e}); TP bytes sent per rank "
-               f"{r0['tp_bytes_sent']} (counted), all-to-all payloads {result['a2a_payload_bytes_sent']}")
+               f"{result['max_abs_error']:.1e} (grads {result['max_abs_error_grad']:.1e}); TP bytes "
+               f"sent per rank {r0['tp_bytes_sent']} (counted), all-to-all payloads "
+               f"{result['a2a_payload_bytes_sent']}")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,8 @@ class ExpertParallelMoE(nn.Module):
         self.register_buffer("bias", full.bias.clone())
         first = self.rank * self.per
         self.experts = nn.ModuleList(copy.deepcopy(full.experts[e]) for e in range(first, first + self.per))
-        self.top_k, self.capacity_factor, self.num_experts = full.top_k, full.capacity_factor, full.num_experts
+        self.top_k, self.capacity_factor, self.num_experts = (full.top_k, full.capacity_factor,
+                                                              full.num_experts)
         self.node_limit, self.residual = full.node_limit, full.residual
 
     capacity, decide = MoE.capacity, MoE.decide

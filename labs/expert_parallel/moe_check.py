@@ -11,7 +11,8 @@ weights and tokens, and checks three things a plausible bug breaks:
 - the bytes sent to each destination, read from the tensor slices handed to the all-to-all, equal
   the rows the reference's routing sends there times h times the element size.
 
-    python -m labs.expert_parallel.moe_check --world-size 2 --experts 8 --top-k 2 --capacity-factor 1.25 --json
+    python -m labs.expert_parallel.moe_check --world-size 2 --experts 8 --top-k 2 \\
+        --capacity-factor 1.25 --json
 """
 import torch
 
@@ -73,7 +74,8 @@ def check_layer(rank, world_size, tokens=32, hidden=16, experts=8, top_k=2, capa
         routings.append(full.routing)
     ref = torch.cat(chunks)
     (ref * up).sum().backward()
-    twin = moe.MoE(hidden, experts, top_k, capacity_factor, seed=seed).to(dev)  # the same weights, fresh grads
+    # the same weights, fresh grads
+    twin = moe.MoE(hidden, experts, top_k, capacity_factor, seed=seed).to(dev)
     twin.node_limit = node_limit
     layer = (layer_cls or moe.ExpertParallelMoE)(twin)
     mine = slice(rank * tokens, (rank + 1) * tokens)
@@ -88,21 +90,25 @@ def check_layer(rank, world_size, tokens=32, hidden=16, experts=8, top_k=2, capa
     row = hidden * x.element_size()
     want = reference_dispatch(routings, per, x_all, tokens)
     expected = torch.cat([rows[dest == rank] for dest, rows in want])          # what must arrive here
-    arrived = layer.received.shape == expected.shape and torch.equal(layer.received, expected)  # copies: exact
+    # copies: exact
+    arrived = layer.received.shape == expected.shape and torch.equal(layer.received, expected)
     kept = sum(int(r.keep.sum()) for r in routings)
     loads = torch.bincount(torch.cat([r.idx.reshape(-1) for r in routings]), minlength=experts)
     derived_to = [0 if d == rank else int((want[rank][0] == d).sum()) * row for d in range(world_size)]
     derived_back = [0 if c == rank else int((want[c][0] == rank).sum()) * row for c in range(world_size)]
     return {"max_abs_error": (out - ref[mine]).abs().max().item(), "grad_errors": errs,
             "max_abs_error_grad": max(errs.values()), "rows_arrived_right": arrived,
-            "dropped_fraction": 1 - kept / (world_size * tokens * top_k), "dropped_pairs": world_size * tokens * top_k - kept,
-            "loads": loads.tolist(), "max_over_mean_load": (loads.max() / loads.float().mean()).item(),
+            "dropped_fraction": 1 - kept / (world_size * tokens * top_k),
+            "dropped_pairs": world_size * tokens * top_k - kept, "loads": loads.tolist(),
+            "max_over_mean_load": (loads.max() / loads.float().mean()).item(),
             "sent_to": _sent(forward, "dispatch", rank), "derived_to": derived_to,
             "combine_to": _sent(forward, "combine", rank), "derived_combine_to": derived_back,
             "backward_to": {w: _sent(backward, w, rank) for w in ("dispatch backward", "combine backward")},
-            "dispatch_bytes": sum(_sent(forward, "dispatch", rank)), "combine_bytes": sum(_sent(forward, "combine", rank)),
-            "splits_bytes": sum(_sent(forward, "splits", rank)), "all_to_all_calls": tally.calls("all_to_all"),
-            "row_bytes": row, "routing_margin": min(r.margin for r in routings)}
+            "dispatch_bytes": sum(_sent(forward, "dispatch", rank)),
+            "combine_bytes": sum(_sent(forward, "combine", rank)),
+            "splits_bytes": sum(_sent(forward, "splits", rank)),
+            "all_to_all_calls": tally.calls("all_to_all"), "row_bytes": row,
+            "routing_margin": min(r.margin for r in routings)}
 
 
 def main(argv=None):
@@ -117,9 +123,11 @@ def main(argv=None):
     args = cli.parse(p, argv)
     moe.check_ep(args.experts, args.world_size)
     if args.top_k > args.experts:
-        raise ValueError(f"top-k = {args.top_k} is more than the {args.experts} experts; choose k <= experts.")
+        raise ValueError(f"top-k = {args.top_k} is more than the {args.experts} experts; choose "
+                         "k <= experts.")
     t, h, n = args.tokens * args.world_size, args.hidden, args.experts
-    preflight.check_fits(args.world_size, 16 * 4 * (t * h * (2 + args.top_k) + n * 4 * h * h), "--tokens or --hidden")
+    preflight.check_fits(args.world_size, 16 * 4 * (t * h * (2 + args.top_k) + n * 4 * h * h),
+                         "--tokens or --hidden")
     results = launch.launch(check_layer, args.world_size, args.tokens, h, n, args.top_k, args.capacity_factor,
                             timeout=args.timeout)
     if results is None:
@@ -133,9 +141,10 @@ def main(argv=None):
               "derived_bytes_sent": [sum(r["derived_to"]) + sum(r["derived_combine_to"]) for r in results],
               "splits_bytes": [r["splits_bytes"] for r in results], "world_size": len(results)}
     cli.report(result, args, f"MoE over {len(results)} ranks: max error {result['max_abs_error']:.1e} "
-               f"(grads {result['max_abs_error_grad']:.1e}); rows arrived right: {result['rows_arrived_right']}; "
-               f"dropped {result['dropped_fraction']:.3f}; max/mean load {result['max_over_mean_load']:.2f}; "
-               f"dispatch+combine bytes sent per rank {result['bytes_sent']} (split sizes: {result['splits_bytes']})")
+               f"(grads {result['max_abs_error_grad']:.1e}); rows arrived right: "
+               f"{result['rows_arrived_right']}; dropped {result['dropped_fraction']:.3f}; max/mean load "
+               f"{result['max_over_mean_load']:.2f}; dispatch+combine bytes sent per rank "
+               f"{result['bytes_sent']} (split sizes: {result['splits_bytes']})")
 
 
 if __name__ == "__main__":

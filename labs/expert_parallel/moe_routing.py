@@ -93,8 +93,10 @@ def sequence_balance_loss(routing, experts, top_k, seq_len, alpha=1e-4):
     N f_i^Switch = f_i^V3 with f^Switch counted over the s k routed pairs."""
     t = routing.idx.shape[0]
     if t % seq_len:
-        raise ValueError(f"{t} tokens do not split into sequences of {seq_len}; choose a seq_len that divides them.")
-    idx, probs = routing.idx.view(t // seq_len, seq_len, top_k), routing.probs.view(t // seq_len, seq_len, experts)
+        raise ValueError(f"{t} tokens do not split into sequences of {seq_len}; choose a seq_len that "
+                         "divides them.")
+    idx, probs = (routing.idx.view(t // seq_len, seq_len, top_k),
+                  routing.probs.view(t // seq_len, seq_len, experts))
     counts = F.one_hot(idx, experts).sum((1, 2)).float()        # (sequences, N) tokens choosing i
     f = experts / (top_k * seq_len) * counts
     return alpha * (f * probs.mean(1)).sum(-1).mean()
@@ -206,7 +208,8 @@ EXERCISES = {
 # The wrong answer a careless reader (or a note) gives to each, which the checker must refuse.
 WRONG = {
     "1": (64, "T/N = 64, without the capacity factor"),
-    "2": (dispatch_bytes(4096, 8, 64, 7168) * 64 / 63 / 2**20, "every row counted, the one that stays included"),
+    "2": (dispatch_bytes(4096, 8, 64, 7168) * 64 / 63 / 2**20,
+          "every row counted, the one that stays included"),
     "3": (8 * 7168 * 2, "k rows of h bf16 values, the flat dispatch's bound"),
     "4": (dispatch_bytes(4096, 8, 64, 7168) / 2 / 2**20, "half of the bf16 bytes, the scales forgotten"),
     "5": (4 * zipf_probs(8)[0].item(), "ep p_1, the second expert on the slowest rank forgotten"),

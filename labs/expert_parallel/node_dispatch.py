@@ -22,7 +22,6 @@ single-process routing, independently.
     python -m labs.expert_parallel.node_dispatch --world-size 4 --json
 """
 import torch
-import torch.distributed as dist
 
 from labs import groups
 from labs.dims import ParallelDims
@@ -37,7 +36,8 @@ def _send(tensors, dest, n, group, what):
     send = torch.bincount(dest, minlength=n)
     recv = moe.exchange(send, [1] * n, [1] * n, group, f"{what} splits").tolist()
     send = send.tolist()
-    out = [moe.exchange(t[o], recv, send, group, w) for t, w in zip(tensors, (what, f"{what} ids", f"{what} gates"))]
+    out = [moe.exchange(t[o], recv, send, group, w)
+           for t, w in zip(tensors, (what, f"{what} ids", f"{what} gates"))]
     return out, recv, send, o
 
 
@@ -56,12 +56,15 @@ def hierarchical_forward(layer, x, ranks_per_node, node_group):
         t1.append(hit), m1.append(torch.full_like(hit, m))
     t1, m1 = torch.cat(t1), torch.cat(m1)
     ids1 = torch.where(node_of[t1] == m1[:, None], ids[t1], -1)   # only that node's experts
-    (rows1, idr1, gr1), recv1, send1, o1 = _send([x[t1], ids1, r.gates[t1].detach()], m1 * G + l, world, None, "node dispatch")
+    (rows1, idr1, gr1), recv1, send1, o1 = _send([x[t1], ids1, r.gates[t1].detach()], m1 * G + l, world, None,
+                                                 "node dispatch")
     # hop 2, inside the node: one row per (row, local rank hosting one of its experts)
     rank_of = torch.where(idr1 >= 0, idr1 // per - me * G, -1)    # (R1, k) in-node index of each expert
-    i2, j2 = (rank_of[:, None, :] == torch.arange(G, device=x.device)[None, :, None]).any(2).nonzero(as_tuple=True)
+    on_rank = rank_of[:, None, :] == torch.arange(G, device=x.device)[None, :, None]   # (T, G, k)
+    i2, j2 = on_rank.any(2).nonzero(as_tuple=True)
     ids2 = torch.where(rank_of[i2] == j2[:, None], idr1[i2], -1)
-    (rows2, idr2, gr2), recv2, send2, o2 = _send([rows1[i2], ids2, gr1[i2]], j2, G, node_group, "intra dispatch")
+    (rows2, idr2, gr2), recv2, send2, o2 = _send([rows1[i2], ids2, gr1[i2]], j2, G, node_group,
+                                                 "intra dispatch")
     # the experts: each row, the gate-weighted sum of this rank's experts it was sent to
     part = torch.zeros_like(rows2)
     for j, ex in enumerate(layer.experts):
@@ -136,7 +139,8 @@ def compare(rank, world_size, ranks_per_node=2, tokens=64, hidden=16, experts=16
                      "derived_rows": derived_rows(routings, per, ranks_per_node)[rank],
                      "error_flat": (flat - ref[rank]).abs().max().item(),
                      "error_node": (node - ref[rank]).abs().max().item(),
-                     "max_nodes_per_token": int(nodes_per_token.max()), "row_bytes": hidden * x.element_size(),
+                     "max_nodes_per_token": int(nodes_per_token.max()),
+                     "row_bytes": hidden * x.element_size(),
                      "routing_margin": min(r.margin for r in routings)}
     return out
 
@@ -149,7 +153,8 @@ def main(argv=None):
     args = cli.parse(p, argv)
     if args.world_size % args.ranks_per_node or args.world_size == args.ranks_per_node:
         raise ValueError(f"world size {args.world_size} must be a multiple of --ranks-per-node "
-                         f"{args.ranks_per_node}, with at least two nodes; choose e.g. --world-size 4 --ranks-per-node 2.")
+                         f"{args.ranks_per_node}, with at least two nodes; choose e.g. --world-size 4 "
+                         "--ranks-per-node 2.")
     moe.check_ep(16, args.world_size)
     results = launch.launch(compare, args.world_size, args.ranks_per_node, timeout=args.timeout)
     if results is None:
@@ -157,7 +162,8 @@ def main(argv=None):
     total = {k: {d: sum(b for r in results for (tier, what), b in r[k][d].items()
                         if tier == "ib" and what in ("dispatch", "node dispatch")) for d in ("flat", "node")}
              for k in ("unlimited", "one_node")}
-    worst = max(r[k][e] for r in results for k in ("unlimited", "one_node") for e in ("error_flat", "error_node"))
+    worst = max(r[k][e] for r in results for k in ("unlimited", "one_node")
+                for e in ("error_flat", "error_node"))
     result = {"dispatch_bytes_across_nodes": total, "max_abs_error": worst, "world_size": len(results)}
     cli.report(result, args, f"dispatch bytes across nodes (flat / node-deduplicated): {total}; "
                f"max error against one process {worst:.1e}")

@@ -33,13 +33,16 @@ def main(argv=None):
     results = launch.launch(run, args.world_size, timeout=args.timeout)
     if results is None:
         return
-    errors = {name: max(r[name]["max_abs_error"] for r in results) for name in ("layer", "layer_cf1", "grouped")}
+    errors = {name: max(r[name]["max_abs_error"] for r in results)
+              for name in ("layer", "layer_cf1", "grouped")}
     if len(results) == 4:
         errors["ep_tp"] = max(r["ep_tp"]["max_abs_error"] for r in results)
         errors["ep_dp"] = max(r["ep_dp"]["expert_error"] for r in results)
-        errors["node"] = max(v[e] for r in results for v in r["node"].values() for e in ("error_flat", "error_node"))
+        errors["node"] = max(v[e] for r in results for v in r["node"].values()
+                             for e in ("error_flat", "error_node"))
     result = {"max_abs_error": errors, "world_size": len(results)}
-    cli.report(result, args, "max error against one process: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    cli.report(result, args,
+               "max error against one process: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
 
 
 if __name__ == "__main__":

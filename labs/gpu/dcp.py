@@ -51,11 +51,12 @@ def checkpoint_pause(device, sizes):
     cfg = gpt_200m(sizes)
     net, opt = _trained(cfg, sizes, device)
     state = {"model": net.state_dict(), "optim": opt.state_dict()}
-    state_bytes = memory.storage_bytes(list(memory._tensors(state)))
+    state_bytes = memory.storage_bytes(list(memory.tensors_in(state)))
     tmp = tempfile.mkdtemp(prefix="labs-gpu-dcp-")
     own_group = not dist.is_initialized()
     if own_group:      # DCP coordinates through the default group: one rank, gloo, a file rendezvous
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0,
+                                world_size=1)
     try:
         sync, pause, total = _pauses(state, tmp, device)
         written = _dir_bytes(os.path.join(tmp, "sync"))

@@ -47,7 +47,7 @@ def _saved_row(cfg, device, backend=None):
     if backend is not None:
         block.attn.__class__ = SDPAAttention
     x = torch.randn(1, cfg.seq_len, cfg.hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
-    with memory.saved_for_backward(block) as saved, activations._AttentionOps() as ops:
+    with memory.saved_for_backward(block) as saved, activations.AttentionOps() as ops:
         if backend is None:
             block(x)
         else:

@@ -25,7 +25,8 @@ from labs.gpu import dcp, memory, speed
 from labs.launcher import cli
 from labs.measure import timing
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/<package>/<file>.py
+# this file is labs/<package>/<file>.py: three levels up is the repository
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "results", "gpu")
 REFUSAL = ("python -m labs.gpu measures a GPU and this machine has no CUDA device; "
            "run it on a GPU box, or pass --dry-run to check every section on the CPU at tiny sizes.")
@@ -63,7 +64,8 @@ DRY = Sizes(act_seqs=(16, 32), act_hiddens=(32, 64), head_dim=8, model_layers=2,
 
 def _run(cmd):
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=ROOT).stdout.strip() or None
+        return (subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=ROOT).stdout.strip()
+                or None)
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -72,7 +74,8 @@ def provenance(argv, device):
     """Where and how the figures were taken: device, driver, CUDA, torch, Python, date, commit, command."""
     cuda = device.type == "cuda"
     return {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-            "driver": _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if cuda else None,
+            "driver": (_run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if cuda
+                       else None),
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
             "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -128,7 +131,7 @@ def write_results(result, device):
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, device_slug(result["provenance"]["device"]) + ".json")
     with open(path, "w") as f:
-        json.dump(cli._plain(result), f, indent=1, sort_keys=True)
+        json.dump(cli.plain(result), f, indent=1, sort_keys=True)
         f.write("\n")
     return path
 
@@ -146,6 +149,6 @@ def main(argv=None):
     keep = None if args.dry_run else (lambda so_far: write_results(so_far, device))
     result = record(device, DRY if args.dry_run else Sizes(), argv, args.only, after_each=keep)
     if args.dry_run:
-        print(json.dumps(cli._plain(result), indent=1, sort_keys=True))
+        print(json.dumps(cli.plain(result), indent=1, sort_keys=True))
     else:
         print(f"wrote {write_results(result, device)}")

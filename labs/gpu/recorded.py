@@ -44,7 +44,8 @@ def _show(fig, scale=1.0, unit=None, fmt=".3g"):
 def _header(name, rec):
     p = rec.get("provenance") or {}
     commit = (p.get("git_commit") or "?")[:8]
-    return [f"{name}:"[:WIDTH], f"  {p.get('device')}, driver {p.get('driver')}, CUDA {p.get('cuda')}"[:WIDTH],
+    return [f"{name}:"[:WIDTH],
+            f"  {p.get('device')}, driver {p.get('driver')}, CUDA {p.get('cuda')}"[:WIDTH],
             f"  torch {p.get('torch')}, commit {commit}, {p.get('date')}"[:WIDTH]]
 
 
@@ -101,7 +102,8 @@ def lines(chapter, folder=RESULTS):
         return [NONE_YET]
     out = []
     for name, rec in found:
-        body = _check_lines(chapter, rec) if "parts" in rec else _record_lines(chapter, rec.get("sections") or {})
+        body = (_check_lines(chapter, rec) if "parts" in rec
+                else _record_lines(chapter, rec.get("sections") or {}))
         out += _header(name, rec)
         out += [f"  {label}: {value}"[:WIDTH] for label, value in body] or ["  nothing for this chapter"]
     return out

@@ -39,7 +39,8 @@ def run_each(rank, world_size, labs=LABS):
         try:
             result = getattr(importlib.import_module(module), fn)(rank, world_size, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001  the finding is which lab breaks, and how
-            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"}
+            out[name] = {"ok": False,
+                         "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"}
             continue
         out[name] = {"ok": True, "seconds": round(timing.now() - start, 3)}
         if name.endswith("budget.measure"):

@@ -139,14 +139,14 @@ def _fp8_one(x, w, granularity, device, repeats):
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
             reasons.append(str(exc).split("\n")[0])
             continue
-        gap = fp8._rel(y.double(), emulated.double())
+        gap = fp8.rel_error(y.double(), emulated.double())
         if gap > 2e-2:        # bf16 output rounding is ~4e-3; a wrong scale layout is off by far more
             reasons.append(f"ran with scales {tuple(sa.shape)}/{tuple(sb.shape)} "
                            f"but differs from the emulation by {gap:.3g}")
             continue
         t = seconds_per_call(lambda: _scaled(xq, wq, sa, sb), device, repeats)
         M, K = x.shape
-        return {"rel_error_vs_fp32": figure(fp8._rel(y.double(), ref.double()), "relative Frobenius"),
+        return {"rel_error_vs_fp32": figure(fp8.rel_error(y.double(), ref.double()), "relative Frobenius"),
                 "vs_emulation": gap, "seconds": t, "tflops_at_error_shape": 2 * M * K * w.size(0) / t / 1e12}
     return refused("; ".join(dict.fromkeys(reasons)))
 
@@ -160,7 +160,7 @@ def fp8_matmul(device, sizes):
     n = sizes.big_matmul
     big_x, big_w = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     out = {"shape_error": [M, K, N], "bf16": _tflops(n, n, n, device, sizes.matmul_repeats)}
-    bf16_err = fp8._rel((x.bfloat16() @ w.bfloat16().t()).double(), (x.float() @ w.float().t()).double())
+    bf16_err = fp8.rel_error((x.bfloat16() @ w.bfloat16().t()).double(), (x.float() @ w.float().t()).double())
     out["bf16"]["rel_error_vs_fp32"] = figure(bf16_err, "relative Frobenius")
     for g in ("tensor", "row", "block"):
         got = _fp8_one(x, w, g, device, sizes.matmul_repeats)
@@ -189,7 +189,8 @@ def recompute_overhead(device, sizes):
                 run(x).float().sum().backward()
             t = seconds_per_call(lambda: run(x).float().sum().backward(), device, sizes.recompute_repeats)
             f = policies.formula_flops(policy, cfg, batch * seq, seq)
-            out[policy] = {"seconds": t, "flops": mode.get_total_flops(), "formula_flops": f["forward"] + f["backward"]}
+            out[policy] = {"seconds": t, "flops": mode.get_total_flops(),
+                           "formula_flops": f["forward"] + f["backward"]}
     base = out["none"]
     for r in out.values():
         r["time_ratio"] = figure(r["seconds"] / base["seconds"], "ratio", formula="FLOPs / FLOPs(none)",
@@ -209,7 +210,8 @@ def copy_bandwidth(device, sizes):
     """Device-to-device copy; pinned and pageable host <-> device (what chapter 3's ZeRO-Offload
     figures assume of PCIe, labs.memory_budget.budget.LINKS)."""
     n = sizes.copy_bytes
-    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    src, dst = (torch.empty(n, dtype=torch.uint8, device=device),
+                torch.empty(n, dtype=torch.uint8, device=device))
     out = {"device_to_device": _bandwidth(src, dst, device, sizes.copy_repeats)}
     del src, dst
     if device.type != "cuda":

@@ -2,6 +2,7 @@
 
 - `machine`: copy bandwidth and loopback latency measured here, and a real two-node torchrun launch.
 - `latency`: why the loopback ping-pong and chapter 10's fitted alpha differ, ingredient by ingredient.
-- `placement`: the bytes each link tier carries for a layout, by chapter 11's group-by-group rule (`labs.dims`).
+- `placement`: the bytes each link tier carries for a layout, by chapter 11's group-by-group rule
+(`labs.dims`).
 - `boundary`: the bytes crossing a simulated node boundary, counted by each message's destination.
 """

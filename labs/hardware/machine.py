@@ -1,8 +1,8 @@
 """Chapter 11: the machine at hand, measured; and a real two-node launch on one machine.
 
 Measured here, with the device name: host memory copy bandwidth, gloo loopback latency (small
-ping-pong, median and fastest trip) and bandwidth (large ping-pong) between two processes; on a GPU box also device-to-
-device and pinned host-to-device copies. A two-launcher torchrun run (``--nnodes 2``, c10d
+ping-pong, median and fastest trip) and bandwidth (large ping-pong) between two processes; on a GPU box also
+device-to- device and pinned host-to-device copies. A two-launcher torchrun run (``--nnodes 2``, c10d
 rendezvous on 127.0.0.1) runs an existing lab unchanged across two "nodes" (torch.distributed
 elastic docs, "torchrun"); `two_node_commands` prints what a reader types on two real machines.
 
@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from labs.launcher import launch, torchrun
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labs/<package>/<file>.py
+# this file is labs/<package>/<file>.py: three levels up is the repository
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _median_seconds(fn, repeats):
@@ -89,9 +90,9 @@ def measure():
     return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "torch": torch.__version__,
             "host_copy": host_copy(),
-            "gloo_loopback": {"latency_s": oneway[small]["median"], "latency_fastest_s": oneway[small]["fastest"],
-                              "latency_bytes": small, "bandwidth_bytes": large,
-                              "bytes_per_s": large / oneway[large]["median"]},
+            "gloo_loopback": {"latency_s": oneway[small]["median"],
+                              "latency_fastest_s": oneway[small]["fastest"], "latency_bytes": small,
+                              "bandwidth_bytes": large, "bytes_per_s": large / oneway[large]["median"]},
             "gpu": gpu_copies()}
 
 
@@ -117,7 +118,8 @@ def launcher_gpus(launchers, nproc_per_node, visible=None):
     if visible is None:
         listed = os.environ.get("CUDA_VISIBLE_DEVICES")
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        visible = [d for d in listed.split(",") if d.strip()] if listed is not None else [str(i) for i in range(count)]
+        visible = ([d for d in listed.split(",") if d.strip()] if listed is not None
+                   else [str(i) for i in range(count)])
     if len(visible) < launchers * nproc_per_node:
         return [""] * launchers
     return [",".join(visible[i * nproc_per_node:(i + 1) * nproc_per_node]) for i in range(launchers)]
@@ -151,8 +153,9 @@ def two_node_run(module_args, nproc_per_node=2, timeout=180, single=True):
     one = subprocess.run(torchrun.command(f"--nproc-per-node={2 * nproc_per_node}", "-m", *module_args),
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
                          check=True).stdout if single else None
-    return {"two_node": [r for rep in reports for r in rep], "reports_per_launcher": [len(r) for r in reports],
-            "single": _json_line(one) if single else None, "commands": [" ".join(c) for c in cmds]}
+    return {"two_node": [r for rep in reports for r in rep],
+            "reports_per_launcher": [len(r) for r in reports], "single": _json_line(one) if single else None,
+            "commands": [" ".join(c) for c in cmds]}
 
 
 def main(argv=None):

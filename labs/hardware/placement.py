@@ -103,8 +103,10 @@ def collectives(model, p, run=LLAMA3_RUN):
     params = model.params() // (d.tp * d.pp)
     out = {"tp": [("all_reduce", act, 4 * local_layers * m)],
            "cp": [("all_gather", kv, 2 * local_layers * m)],
-           "pp": [("send", act // d.tp, 2 * v * m)],                 # a middle rank: every chunk sends both ways
-           "dp": [("all_gather", params * run.param_bytes, 1), ("reduce_scatter", params * run.grad_bytes, 1)]}
+           # a middle rank: every chunk sends both ways
+           "pp": [("send", act // d.tp, 2 * v * m)],
+           "dp": [("all_gather", params * run.param_bytes, 1),
+                  ("reduce_scatter", params * run.grad_bytes, 1)]}
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.layers))
     if moe_layers:
         tokens = model.top_k * b * model.seq * model.hidden * BF16 // (d.tp * d.cp)
@@ -120,8 +122,9 @@ def plan(model, p, run=LLAMA3_RUN):
         n, tier = p.dims.size(axis), p.tier(axis)
         parts = [(kind, m, k, costs.sent(kind, m, n) * k) for kind, m, k in calls]
         sent = sum(part[3] for part in parts)
-        rows[axis] = {"degree": n, "kind": " + ".join(part[0] for part in parts), "payload_bytes": parts[0][1],
-                      "calls": parts, "tier": tier, "bytes_per_rank": sent, "seconds": sent / p.tiers[tier]}
+        rows[axis] = {"degree": n, "kind": " + ".join(part[0] for part in parts),
+                      "payload_bytes": parts[0][1], "calls": parts, "tier": tier, "bytes_per_rank": sent,
+                      "seconds": sent / p.tiers[tier]}
     return rows
 
 
@@ -167,9 +170,11 @@ ANSWERS = {  # chapter 11's exercises, computed by the calculator above
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
-    "11.1": [(lambda: ANSWERS["11.1"]() * (LLAMA3_405B.layers // 16) / max(map(len, stage_layers(LLAMA3_405B.layers, 16))),
+    "11.1": [(lambda: ANSWERS["11.1"]()
+              * (LLAMA3_405B.layers // 16) / max(map(len, stage_layers(LLAMA3_405B.layers, 16))),
               f"{LLAMA3_405B.layers} // 16 layers on every stage"),
-             (lambda: ANSWERS["11.1"]() * (LLAMA3_405B.layers / 16) / max(map(len, stage_layers(LLAMA3_405B.layers, 16))),
+             (lambda: ANSWERS["11.1"]()
+              * (LLAMA3_405B.layers / 16) / max(map(len, stage_layers(LLAMA3_405B.layers, 16))),
               f"{LLAMA3_405B.layers} / 16 layers on every stage: "
               "the first and last stages' lighter load ignored"),
              (lambda: ANSWERS["11.1"]() * 8 / 7, "2M per all-reduce: the ring's (N-1)/N left out")],
@@ -189,7 +194,8 @@ def main(argv=None):
                    "(formula values at data-sheet speeds).", world_size_default=None)
     for axis, default in (("tp", 8), ("cp", 1), ("pp", 16), ("dp", 128)):
         p.add_argument(f"--{axis}", type=cli.positive_int, default=default)
-    p.add_argument("--v", type=cli.positive_int, default=LLAMA3_RUN.v, help="model chunks per rank (Llama 3: 8)")
+    p.add_argument("--v", type=cli.positive_int, default=LLAMA3_RUN.v,
+                   help="model chunks per rank (Llama 3: 8)")
     p.add_argument("--gpus-per-node", type=cli.positive_int, default=8)
     p.add_argument("--reversed", action="store_true", help="order [DP, PP, CP, TP] instead of Llama 3's")
     args = cli.parse(p, argv)

@@ -91,14 +91,14 @@ def main(run):
         sys.exit(1)
 
 
-def _plain(value):
+def plain(value):
     """Make a result JSON-safe: tensors and numpy scalars become numbers and lists."""
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if hasattr(value, "tolist"):  # torch.Tensor, numpy array or scalar
-        return _plain(value.tolist())
+        return plain(value.tolist())
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
@@ -109,6 +109,6 @@ def report(result, args, summary):
     if under_torchrun() and os.environ["RANK"] != "0":
         return
     if args.json:
-        print(json.dumps(_plain(result), sort_keys=True))
+        print(json.dumps(plain(result), sort_keys=True))
     else:
         print(summary)

@@ -39,16 +39,16 @@ def storage_bytes(tensors, seen=None):
     return total
 
 
-def _tensors(obj):
+def tensors_in(obj):
     """Every tensor inside nested dicts, lists and tuples (an optimizer's state, say)."""
     if torch.is_tensor(obj):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 def state_bytes(model, optimizer=None):
@@ -66,7 +66,7 @@ def state_bytes(model, optimizer=None):
     grads = [p.grad for p in params] + [getattr(p, "main_grad", None) for p in params]
     out["gradients"] = storage_bytes(grads, seen)
     state = optimizer.state_dict_tensors() if hasattr(optimizer, "state_dict_tensors") else (
-        list(_tensors(optimizer.state)) if optimizer is not None else [])
+        list(tensors_in(optimizer.state)) if optimizer is not None else [])
     out["optimizer_state"] = storage_bytes(state, seen)
     out["total"] = out["parameters"] + out["gradients"] + out["optimizer_state"]
     return out
@@ -299,8 +299,8 @@ def _tensors_of(objs):
                     yield p.grad
             yield from obj.buffers()
         elif isinstance(obj, torch.optim.Optimizer):
-            yield from _tensors(obj.state)
+            yield from tensors_in(obj.state)
         elif hasattr(obj, "state_tensors"):   # a hand optimizer that lists what it holds
             yield from obj.state_tensors()
         else:
-            yield from _tensors(obj)
+            yield from tensors_in(obj)

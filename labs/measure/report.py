@@ -32,7 +32,8 @@ def stable(value, digits, spread):
     """``value`` rounded to ``digits`` decimals, which any value within ``spread`` of it shares."""
     value = float(value)
     scaled = value * 10**digits
-    margin = abs(scaled - math.floor(scaled) - 0.5)  # distance to the rounding boundary, in units of the last digit
+    # distance to the rounding boundary, in units of the last digit
+    margin = abs(scaled - math.floor(scaled) - 0.5)
     if margin * 10**-digits <= spread:
         raise AssertionError(f"{value!r} is within {spread:g} of a rounding boundary at {digits} decimals: "
                              f"print it with fewer digits.")

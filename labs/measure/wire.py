@@ -25,7 +25,8 @@ import torch.distributed as dist
 PREAMBLE = 48  # bytes: six size_t at the head of every gloo operation
 
 
-def _wchar():
+def wchar():
+    """Bytes this process has written so far (``wchar`` in /proc/self/io: sockets, files, pipes)."""
     with open("/proc/self/io") as f:
         for line in f:
             if line.startswith("wchar:"):
@@ -40,7 +41,7 @@ def unavailable(group=None):
         return (f"the {backend} backend moves data without the process's write calls (GPU copies, "
                 "network verbs), so /proc/self/io cannot see it; only formula bytes are available")
     try:
-        _wchar()
+        wchar()
     except OSError as e:
         return f"/proc/self/io cannot be read here ({e}): not Linux, or a restricted /proc"
     return None
@@ -71,10 +72,10 @@ def measure(group=None):
     wire = Wire(unavailable(group))
     if wire.reason is None:
         dist.barrier(group=group)
-        start = _wchar()
+        start = wchar()
     yield wire
     if wire.reason is None:
-        wire.bytes = _wchar() - start
+        wire.bytes = wchar() - start
 
 
 # ---- gloo's traffic, from its source ----------------------------------------------------------

@@ -7,6 +7,7 @@
 - `logits`: the s x b x V tensors at the top of the model, formula against the measured peak.
 - `compute`: FLOPs per token (6P + 12Lhs) against the counted FLOPs, MFU and HFU, Llama 3's Table 4.
 - `zero_paper`: the ZeRO paper's Table 1, every published entry, and its communication volumes.
-- `fused_swiglu`: a fused SwiGLU keeps 6sbf bytes, not 8sbf: autograd's saved bytes against the formula (used by chapter 14).
+- `fused_swiglu`: a fused SwiGLU keeps 6sbf bytes, not 8sbf: autograd's saved bytes against the formula (used
+by chapter 14).
 - `calculator`: the slider calculator for a reader in JupyterLab, the same numbers as tables on the site.
 """

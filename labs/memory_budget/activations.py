@@ -57,8 +57,8 @@ def _check_recompute(recompute):
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}.")
 
 
-def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute="none", attention="materialized",
-                           mlp="swiglu", head_dim=None):
+def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute="none",
+                           attention="materialized", mlp="swiglu", head_dim=None):
     """Bytes one Llama block saves for backward, term by term: bf16 activations, fp32 norm statistics.
 
     What each op keeps (s tokens, b sequences, h hidden, a query heads of d = h/a, k KV heads, f the
@@ -88,7 +88,8 @@ def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute=
     parallelize_llama.py ``_save_list``): the block's input, the outputs of every other matmul (wq, wv,
     w1, w2 in a Llama block's order), the attention's output and log-sum-exp, and the reduce-scatters'
     outputs under sequence parallelism; the rest is recomputed. "mlp" reruns the MLP (or MoE) block from
-    its input (Megatron-Core's ``--recompute-modules mlp`` / ``moe``): its own terms go. Under tensor parallelism (Shoeybi et al.
+    its input (Megatron-Core's ``--recompute-modules mlp`` / ``moe``): its own terms go. Under tensor
+    parallelism (Shoeybi et al.
     2019) heads and f split over tp; the norms, their statistics and the projections' inputs are
     replicated unless sequence parallelism (sp) splits them too; KV heads are replicated when tp exceeds
     them. Heads wider than h/a (``head_dim``: Qwen3) make q, k, v and the attention output a d wide.
@@ -129,7 +130,8 @@ def llama_activation_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute=
 def llama_activation_bytes_per_layer(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute="none",
                                      attention="materialized", **shape):
     """The sum of `llama_activation_terms` (``shape``: its ``mlp`` and ``head_dim``)."""
-    return sum(llama_activation_terms(s, b, h, a, kv_heads, ffn, tp, sp, recompute, attention, **shape).values())
+    terms = llama_activation_terms(s, b, h, a, kv_heads, ffn, tp, sp, recompute, attention, **shape)
+    return sum(terms.values())
 
 
 # --- the lab: bytes autograd saves, measured -----------------------------------------------------
@@ -174,7 +176,7 @@ def rmsnorm_saved_bytes(h=8, dtype=torch.bfloat16, device="cpu"):
     return out
 
 
-class _AttentionOps(TorchDispatchMode):
+class AttentionOps(TorchDispatchMode):
     """Names the aten attention ops that run: which kernel F.scaled_dot_product_attention picked."""
 
     def __enter__(self):
@@ -213,7 +215,7 @@ def measure_llama_activations(cfg, shapes, recompute="none", dtype=torch.bfloat1
         if recompute == "selective":
             recompute_attention_core(block)
         x = torch.randn(b, s, cfg.hidden, dtype=dtype, device=device, requires_grad=True)
-        with memory.saved_for_backward(block) as saved, _AttentionOps() as ops:
+        with memory.saved_for_backward(block) as saved, AttentionOps() as ops:
             checkpoint(block, x, use_reentrant=True) if recompute == "full" else block(x)
         terms = llama_activation_terms(s, b, cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.ffn,
                                        recompute=recompute, attention=attention)
@@ -225,7 +227,8 @@ def measure_llama_activations(cfg, shapes, recompute="none", dtype=torch.bfloat1
 def measure_llama(shapes=((1, 8), (2, 5), (2, 16)), device="cpu"):
     """Every attention kind and recomputation mode on the tiny Llama block (GQA: 4 query heads, 2 KV
     heads, RoPE on): {"sdpa/none": rows, ...}."""
-    return {f"{attention}/{mode}": measure_llama_activations(tiny.LlamaConfig(attention=attention), shapes, mode,
+    return {f"{attention}/{mode}": measure_llama_activations(tiny.LlamaConfig(attention=attention), shapes,
+                                                             mode,
                                                               device=device)
             for attention in ("sdpa", "materialized") for mode in ("none", "selective", "full")}
 
@@ -254,7 +257,8 @@ def attention_core_saved(s_values=(4, 8, 12, 16), b=2, cfg=None, dtype=torch.bfl
         attn = tiny.LlamaAttention(tiny.LlamaConfig(**{**cfg.__dict__, "attention": attention})).to(device)
         rows = []
         for s in s_values:
-            q, k, v = (torch.randn(b, n, s, d, dtype=dtype, device=device, requires_grad=True) for n in (a, kv, kv))
+            q, k, v = (torch.randn(b, n, s, d, dtype=dtype, device=device, requires_grad=True)
+                       for n in (a, kv, kv))
             with memory.saved_for_backward(attn) as saved:
                 attn.core(q, k, v)
             h = q.size(1) * q.size(-1)            # sizes from the tensors the core ran on
@@ -263,7 +267,8 @@ def attention_core_saved(s_values=(4, 8, 12, 16), b=2, cfg=None, dtype=torch.bfl
             rows.append({"s": s, "measured": saved.bytes, "formula": formula})
         f = [r["measured"] for r in rows]
         second = {(f[i + 2] - 2 * f[i + 1] + f[i]) / (2 * step ** 2) for i in range(len(f) - 2)}
-        out[attention] = {"rows": rows, "s2_coefficient": second.pop() if len(second) == 1 else sorted(second),
+        out[attention] = {"rows": rows,
+                          "s2_coefficient": second.pop() if len(second) == 1 else sorted(second),
                           "s2_formula": 2 * a * b if attention == "materialized" else 0}
     return out
 

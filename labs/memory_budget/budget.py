@@ -46,11 +46,14 @@ GPU_GIB = 80      # an H100 SXM "80GB": 80 GiB = 85.9e9 bytes
 # Published shapes: Touvron et al. 2023 (Llama 2, Table 1: 4,096-token context) and Llama Team 2024
 # (arXiv 2407.21783, Table 3; 405B pre-trained at 8,192 tokens, Table 4)
 MODELS = {
-    "7B": ModelShape("Llama 2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, seq=4096),
-    "13B": ModelShape("Llama 2 13B", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, seq=4096),
-    "70B": ModelShape("Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, seq=4096),
-    "405B": ModelShape("Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256,
-                       seq=8192),
+    "7B": ModelShape("Llama 2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000,
+                     seq=4096),
+    "13B": ModelShape("Llama 2 13B", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000,
+                      seq=4096),
+    "70B": ModelShape("Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000,
+                      seq=4096),
+    "405B": ModelShape("Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248,
+                       vocab=128256, seq=8192),
 }
 
 
@@ -66,7 +69,8 @@ def state_bytes_per_param(zero_stage=0, dp=1, recipe="mixed"):
     return out
 
 
-def model_activations(model="7B", seq=4096, micro_batch=1, tp=1, sp=False, recompute="none", attention="materialized"):
+def model_activations(model="7B", seq=4096, micro_batch=1, tp=1, sp=False, recompute="none",
+                      attention="materialized"):
     """One MODELS entry's activations: per layer (with its terms) and for all L layers, in bytes.
 
     L layers' worth is also what 1F1B's first stage holds whatever pp is: p micro-batches of L/p layers.
@@ -97,13 +101,15 @@ def budget(model="7B", world_size=8, tp=1, pp=1, zero_stage=0, recipe="mixed", s
     arch = _arch(model)
     dp = ParallelDims.build(world_size, tp=tp, pp=pp).dp       # the degrees, checked once
     if arch.layers % pp or arch.heads % tp or arch.ffn % tp or (arch.kv_heads % tp and tp % arch.kv_heads):
-        raise ValueError(f"{model} has {arch.layers} layers, {arch.heads} heads, {arch.kv_heads} KV heads and "
-                         f"MLP width {arch.ffn}: pp must divide the layers and tp the heads and the width "
-                         f"(and divide or be a multiple of the KV heads) (got pp={pp}, tp={tp}).")
+        raise ValueError(f"{model} has {arch.layers} layers, {arch.heads} heads, {arch.kv_heads} "
+                         f"KV heads and MLP width {arch.ffn}: pp must divide the layers and tp the heads "
+                         "and the width (and divide or be a multiple of the KV heads) (got "
+                         f"pp={pp}, tp={tp}).")
     psi = arch.params()
     per_param = state_bytes_per_param(zero_stage, dp, recipe)
     dev = {k: v * psi / (tp * pp) for k, v in per_param.items() if k != "total"}
-    dev["activations"] = model_activations(model, seq, micro_batch, tp, sp, recompute, attention)["total_bytes"]
+    acts = model_activations(model, seq, micro_batch, tp, sp, recompute, attention)
+    dev["activations"] = acts["total_bytes"]
     dev["total"] = sum(dev.values())
     capacity = gpu_gib * GIB
     return {"model": model, "params": psi, "world_size": world_size, "dp": dp, "tp": tp, "pp": pp,
@@ -121,14 +127,17 @@ def flash_at_scale(models=("7B", "70B"), seq=4096, micro_batch=1):
     the log-sum-exp)."""
     out = {}
     for name in models:
-        m, f = (model_activations(name, seq, micro_batch, attention=k)["total_bytes"] for k in ("materialized", "flash"))
+        m, f = (model_activations(name, seq, micro_batch, attention=k)["total_bytes"]
+                for k in ("materialized", "flash"))
         arch = MODELS[name]
-        out[name] = {"materialized_bytes": m, "flash_bytes": f, "removed_bytes": m - f, "removed_fraction": (m - f) / m,
+        out[name] = {"materialized_bytes": m, "flash_bytes": f, "removed_bytes": m - f,
+                     "removed_fraction": (m - f) / m,
                      "scores_bytes": arch.layers * 2 * arch.heads * seq * seq * micro_batch}
     return out
 
 
-def fit_grid(model="7B", world_size=8, zero_stage=1, seq=4096, micro_batch=1, tp=1, pp=1, sp=False, gpu_gib=GPU_GIB):
+def fit_grid(model="7B", world_size=8, zero_stage=1, seq=4096, micro_batch=1, tp=1, pp=1, sp=False,
+             gpu_gib=GPU_GIB):
     """Does it fit, under each recomputation and attention kind? E.g. ZeRO-1 on 8 GPUs, 7B, s=4096, b=1.
 
     One row per (recompute, attention): state, activations and total in GiB, the headroom left in
@@ -168,8 +177,8 @@ def fewest_gpus(model, zero_stage, activations=True, limit=1024, gpu_gib=GPU_GIB
     return None
 
 
-# Link speeds, one direction, from the vendors' specifications (bytes per second).
-LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVMe drive (PCIe 4.0 x4)": 7e9,  # NVMe: a fast drive's read rate
+# Link speeds, one direction, from vendors' specifications (bytes/s; NVMe: a fast drive's read rate).
+LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVMe drive (PCIe 4.0 x4)": 7e9,
          "NVLink 4 (H100)": 450e9, "InfiniBand NDR (400 Gb/s)": 50e9}
 PEAK_FLOPS = {"H100 SXM, bf16 dense": 989e12}
 
@@ -194,7 +203,8 @@ def data_parallel_step(cfg, recipe, rank, batch_size):
     psi = tiny.num_params(net)
     checksum = sum(p.double().sum().item() for p in net.parameters())
     return {"numel": psi, "held": held, "bytes_per_param": held["total"] / psi,
-            "formula": mixed_precision.recipe(recipe).bytes_per_param(), "allreduce_payload_bytes": tally.payload_bytes,
+            "formula": mixed_precision.recipe(recipe).bytes_per_param(),
+            "allreduce_payload_bytes": tally.payload_bytes,
             "allreduce_formula_bytes": tally.formula_bytes_sent, "allreduce_calls": tally.calls("all_reduce"),
             "allreduce_wire_bytes": tally.wire_bytes_sent if not tally.wire_missing else None,
             "param_checksum": checksum, "cuda_peak_bytes": memory.cuda_peak_bytes()}
@@ -264,7 +274,8 @@ def main(argv=None):
     p.add_argument("--model", default="7B", choices=list(MODELS))
     p.add_argument("--tp", type=cli.positive_int, default=1)
     p.add_argument("--pp", type=cli.positive_int, default=1)
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="0 = plain data parallel, 1, 2 or 3")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="0 = plain data parallel, 1, 2 or 3")
     p.add_argument("--recipe", default="mixed", choices=list(mixed_precision.RECIPES))
     p.add_argument("--seq", type=cli.positive_int, default=4096)
     p.add_argument("--micro-batch", type=cli.positive_int, default=1)
@@ -272,7 +283,8 @@ def main(argv=None):
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--attention", default="materialized", choices=["materialized", "flash"],
                    help="attention scores written out, or a fused kernel (FlashAttention, SDPA)")
-    p.add_argument("--gpu-gib", type=cli.positive_float, default=GPU_GIB, help="memory per GPU in GiB (default 80: an H100)")
+    p.add_argument("--gpu-gib", type=cli.positive_float, default=GPU_GIB,
+                   help="memory per GPU in GiB (default 80: an H100)")
     args = cli.parse(p, argv)
     if args.world_size is None:
         args.world_size = 2 if args.measure else 8
@@ -281,7 +293,8 @@ def main(argv=None):
         if results is None:
             return
         r0 = results[0]["recipes"]
-        result = {"world_size": len(results), "bytes_per_param": {k: v["bytes_per_param"] for k, v in r0.items()},
+        result = {"world_size": len(results),
+                  "bytes_per_param": {k: v["bytes_per_param"] for k, v in r0.items()},
                   "formula": {k: v["formula"]["total"] for k, v in r0.items()},
                   "replicas_equal": all(r["recipes"] == results[0]["recipes"] for r in results),
                   "activations": results[0]["activations"],
@@ -295,8 +308,9 @@ def main(argv=None):
                args.micro_batch, args.recompute, args.sequence_parallel, args.attention, args.gpu_gib)
     g = r["gib_per_device"]
     summary = (f"{args.model} ({r['params'] / 1e9:.2f}B params) on {args.world_size} GPUs "
-               f"(dp={r['dp']}, tp={args.tp}, pp={args.pp}, ZeRO-{args.zero_stage}, {args.attention} attention, "
-               f"recompute {args.recompute}): " + ", ".join(f"{k} {v:.1f} GiB" for k, v in g.items())
+               f"(dp={r['dp']}, tp={args.tp}, pp={args.pp}, ZeRO-{args.zero_stage}, "
+               f"{args.attention} attention, recompute {args.recompute}): "
+               + ", ".join(f"{k} {v:.1f} GiB" for k, v in g.items())
                + f" -> {'fits' if r['fits'] else 'does not fit'} in {args.gpu_gib:g} GiB")
     cli.report(r, args, summary)
 

@@ -1,11 +1,12 @@
 """Chapter 1, the memory calculator for a reader: sliders in JupyterLab, the same numbers on the site.
 
 `show` is what the notebook's sliders call (ipywidgets' `interact`, which needs a running kernel).
-`grid` and `markdown_table` evaluate the same `calculate`, that is `labs.memory_budget.budget.budget`, over the
-sliders' values, so the static site, which runs no kernel and loads no widget script, shows the
+`grid` and `markdown_table` evaluate the same `calculate`, that is `labs.memory_budget.budget.budget`, over
+the sliders' values, so the static site, which runs no kernel and loads no widget script, shows the
 calculator as precomputed tables and plots instead.
 
-    python -m labs.memory_budget.budget --model 70B --world-size 64 --tp 8 --zero-stage 1   # one setting, from a shell
+    # one setting, from a shell
+    python -m labs.memory_budget.budget --model 70B --world-size 64 --tp 8 --zero-stage 1
 """
 import itertools
 import textwrap
@@ -27,11 +28,13 @@ def calculate(**settings):
     give {"error": the reason} instead of raising, so a grid can show them."""
     unknown = set(settings) - set(SLIDERS)
     if unknown:
-        raise ValueError(f"no slider named {', '.join(sorted(unknown))}; the sliders are {', '.join(SLIDERS)}.")
+        raise ValueError(f"no slider named {', '.join(sorted(unknown))}; the sliders are "
+                         f"{', '.join(SLIDERS)}.")
     s = {**DEFAULTS, **settings}
     try:
-        return budget.budget(s["model"], s["world_size"], s["tp"], s["pp"], s["zero_stage"], "mixed", s["seq"],
-                             s["micro_batch"], s["recompute"], sp=s["tp"] > 1, attention=s["attention"])
+        return budget.budget(s["model"], s["world_size"], s["tp"], s["pp"], s["zero_stage"], "mixed",
+                             s["seq"], s["micro_batch"], s["recompute"], sp=s["tp"] > 1,
+                             attention=s["attention"])
     except ValueError as exc:
         return {"error": str(exc)}
 

@@ -1,5 +1,5 @@
-"""Chapter 1, compute: FLOPs per token, derived and counted (`labs.measure.flops`: torch's FlopCounterMode), and
-the utilization of a real run (MFU and HFU).
+"""Chapter 1, compute: FLOPs per token, derived and counted (`labs.measure.flops`: torch's FlopCounterMode),
+and the utilization of a real run (MFU and HFU).
 
 The model (Kaplan et al. 2020, arXiv 2001.08361, §2.1; Chowdhery et al. 2022, PaLM, arXiv
 2204.02311, Appendix B). A matmul of a token's activations with a weight of P elements costs 2P
@@ -64,7 +64,8 @@ def gpt_matmul_params(cfg):
 
 
 def arch_matmul_params(arch):
-    """A `labs.memory_budget.budget.MODELS` entry's matmul weights: L blocks and the untied LM head (not the embedding)."""
+    """A `labs.memory_budget.budget.MODELS` entry's matmul weights: L blocks and the untied LM head
+    (not the embedding)."""
     block = llama_block_params(arch.hidden, arch.heads, arch.kv_heads, arch.ffn)["matmul"]
     return arch.layers * block + arch.hidden * arch.vocab
 
@@ -179,9 +180,12 @@ def hfu(tokens_per_s, flops_per_token, recompute_per_token, n_gpus, peak=H100_BF
 
 # Llama 3 405B pre-training, Table 4 of Llama Team 2024 (arXiv 2407.21783, §3.3.2), as printed.
 LLAMA3_405B_TABLE4 = (
-    {"gpus": 8192, "tp": 8, "cp": 1, "pp": 16, "dp": 64, "seq": 8192, "batch_per_dp": 32, "tflops": 430, "mfu_pct": 43},
-    {"gpus": 16384, "tp": 8, "cp": 1, "pp": 16, "dp": 128, "seq": 8192, "batch_per_dp": 16, "tflops": 400, "mfu_pct": 41},
-    {"gpus": 16384, "tp": 8, "cp": 16, "pp": 16, "dp": 4, "seq": 131072, "batch_per_dp": 16, "tflops": 380, "mfu_pct": 38},
+    {"gpus": 8192, "tp": 8, "cp": 1, "pp": 16, "dp": 64, "seq": 8192, "batch_per_dp": 32, "tflops": 430,
+     "mfu_pct": 43},
+    {"gpus": 16384, "tp": 8, "cp": 1, "pp": 16, "dp": 128, "seq": 8192, "batch_per_dp": 16, "tflops": 400,
+     "mfu_pct": 41},
+    {"gpus": 16384, "tp": 8, "cp": 16, "pp": 16, "dp": 4, "seq": 131072, "batch_per_dp": 16, "tflops": 380,
+     "mfu_pct": 38},
 )
 LLAMA3_TOKENS_PER_BATCH = 16 * 2 ** 20   # "16M"
 LLAMA3_TOKENS, LLAMA3_FLOPS = 15.6e12, 3.8e25   # §3.1 and §1: 15.6T tokens, 3.8 x 10^25 FLOPs
@@ -201,11 +205,13 @@ def llama3_405b(peak=H100_BF16_DENSE):
         tokens_per_s = r["gpus"] * r["tflops"] * 1e12 / per_token
         rows.append({**r, "mfu_computed": r["tflops"] * 1e12 / peak,
                      "mfu_consistent": lo <= r["mfu_pct"] + 0.5 and hi >= r["mfu_pct"] - 0.5,
-                     "flops_per_token": per_token, "attention_share": 12 * arch.layers * arch.hidden * r["seq"] / per_token,
+                     "flops_per_token": per_token,
+                     "attention_share": 12 * arch.layers * arch.hidden * r["seq"] / per_token,
                      "tokens_per_s": tokens_per_s, "step_s": LLAMA3_TOKENS_PER_BATCH / tokens_per_s,
                      "degrees_product": r["tp"] * r["cp"] * r["pp"] * r["dp"],
                      "tokens_per_batch": r["dp"] * r["batch_per_dp"] * r["seq"]})
     psi = arch.params()
     return {"params": psi, "matmul_params": p_mm, "rows": rows,
             "six_psi_d": 6 * psi * LLAMA3_TOKENS, "paper_flops": LLAMA3_FLOPS,
-            "with_attention_8k": flops_per_token(p_mm, arch.layers, arch.hidden, 8192)["total"] * LLAMA3_TOKENS}
+            "with_attention_8k": flops_per_token(p_mm, arch.layers, arch.hidden, 8192)["total"]
+            * LLAMA3_TOKENS}

@@ -51,7 +51,8 @@ def measure(s=8, b=2, h=16, ffn=40, dtype=torch.bfloat16, seed=0):
     """Saved-for-backward bytes of the MLP w2(SwiGLU(x w1, x w3)), fused and op by op, beside
     2sbh (x) + `swiglu_saved_bytes`; and the input gradient of both, which must agree."""
     torch.manual_seed(seed)
-    mlp = torch.nn.ModuleDict({"w1": torch.nn.Linear(h, ffn, bias=False), "w3": torch.nn.Linear(h, ffn, bias=False),
+    mlp = torch.nn.ModuleDict({"w1": torch.nn.Linear(h, ffn, bias=False),
+                               "w3": torch.nn.Linear(h, ffn, bias=False),
                                "w2": torch.nn.Linear(ffn, h, bias=False)}).to(dtype)
     x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
     out = {}
@@ -60,7 +61,8 @@ def measure(s=8, b=2, h=16, ffn=40, dtype=torch.bfloat16, seed=0):
             y = mlp["w2"](act(mlp["w1"](x), mlp["w3"](x)))
         (dx,) = torch.autograd.grad(y.float().sum(), x)
         out[name] = {"measured": saved.bytes, "dx": dx,
-                     "formula": x.element_size() * s * b * h + swiglu_saved_bytes(s, b, ffn, fused=name == "fused",
+                     "formula": x.element_size() * s * b * h
+                     + swiglu_saved_bytes(s, b, ffn, fused=name == "fused",
                                                                                  act_bytes=x.element_size())}
     return out
 

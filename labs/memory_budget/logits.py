@@ -30,6 +30,15 @@ def tail_saved_bytes(s, b, h, V, act_bytes=2):
     return act_bytes * s * b * h + 4 * s * b * V + 8 * s * b + 4
 
 
+def tail_backward_peak_bytes(s, b, V):
+    """Bytes the tail holds at its high-water mark in backward, above the layers' saved activations, when
+    the logits are freed before backward (torchtitan's train step: ``del pred``): the fp32 log-softmax
+    kept for backward 4sbV, nll_loss's gradient of it 4sbV and the log-softmax's gradient of its input
+    4sbV, alive together in ``_log_softmax_backward_data``: 12sbV, above the forward's 10sbV (counted by
+    `memory.PeakMemory` on a bf16 head in tests/test_planner_model.py)."""
+    return 12 * s * b * V
+
+
 def tail_forward_peak_bytes(s, b, V, act_bytes=2, target_copy=True):
     """Bytes the tail allocates above what was live when the head started, at its high-water mark:
     the logits e*sbV, their fp32 copy 4sbV (none when the model is fp32 already: ``.float()`` returns
@@ -42,7 +51,8 @@ class _Armed:
     """Saved-tensor recorder armed by a forward pre-hook on the head: records the tail only."""
 
     def __init__(self, net, mem):
-        self.record = memory.SavedTensors(exclude={(t.untyped_storage().device, t.untyped_storage().data_ptr())
+        self.record = memory.SavedTensors(exclude={(t.untyped_storage().device,
+                                                    t.untyped_storage().data_ptr())
                                                    for t in list(net.parameters()) + list(net.buffers())})
         self.armed, self.mem, self.live_at_head = False, mem, None
 
@@ -103,5 +113,6 @@ def at_scale(model="405B", seq=8192, micro_batch=1, vocab=None, tp=1):
     saved = tail_saved_bytes(s, b, arch.hidden, v_local)
     return {"model": model, "seq": s, "micro_batch": b, "vocab": V, "tp": tp,
             "logits_bf16_bytes": 2 * s * b * v_local, "log_softmax_fp32_bytes": 4 * s * b * v_local,
-            "saved_bytes": saved, "forward_peak_bytes": tail_forward_peak_bytes(s, b, v_local, target_copy=False),
+            "saved_bytes": saved,
+            "forward_peak_bytes": tail_forward_peak_bytes(s, b, v_local, target_copy=False),
             "layer_flash_bytes": layer, "saved_in_layers": saved / layer}

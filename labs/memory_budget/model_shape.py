@@ -3,10 +3,10 @@
 A model is its published shapes: layers L, hidden h, heads a, KV heads, MLP width, vocabulary V and
 the sequence s it is trained at; a head width other than h/a where the model has one (Qwen3: 64 heads
 of 128 on h = 4,096), the MLP's kind (SwiGLU's three matrices, or two: GeLU, ReLU, squared ReLU),
-biases, and for a mixture of experts the routed and shared experts. `ModelShape.layer_weights` lists every weight a layer, the
-embedding and the head hold, with the way tensor parallelism splits it (Shoeybi et al. 2019, §3: q,
-k, v and the first MLP matrix by columns, the output projections by rows, the vocabulary by rows of
-the embedding and of the head); the parameter count, the matmul weights a token meets (chapter 1's
+biases, and for a mixture of experts the routed and shared experts. `ModelShape.layer_weights` lists every
+weight a layer, the embedding and the head hold, with the way tensor parallelism splits it (Shoeybi et al.
+2019, §3: q, k, v and the first MLP matrix by columns, the output projections by rows, the vocabulary by rows
+of the embedding and of the head); the parameter count, the matmul weights a token meets (chapter 1's
 FLOPs) and what one rank of a layout holds (chapter 14's planner) are read from that list, and
 nothing else counts parameters. A Llama block's list agrees with `compute.llama_block_params`
 (checked in tests/test_planning.py); a GPT block is 12h^2 + 13h (Narayanan et al. 2021, eq. 2).
@@ -47,7 +47,8 @@ class ModelShape:
     ffn: int             # MLP width: 4h for GPT's GeLU, f for SwiGLU
     vocab: int           # V
     seq: int             # s
-    mlp: str = "swiglu"  # "swiglu" (3 matrices) or two: "gelu" (Megatron's GPT: fused qkv), "relu", "squared_relu"
+    # "swiglu" (3 matrices) or two: "gelu" (Megatron's GPT: fused qkv), "relu", "squared_relu"
+    mlp: str = "swiglu"
     tied: bool = False   # embedding shared with the output layer
     positions: bool = False   # a learned position table (s x h)
     experts: int = 0     # routed experts per MoE layer (0: dense model)
@@ -66,7 +67,8 @@ class ModelShape:
             object.__setattr__(self, "bias", self.mlp == "gelu")
 
     def __hash__(self):   # the planner's caches key on the model: hash its name and main shapes only
-        return hash((self.name, self.layers, self.hidden, self.vocab, self.seq, self.experts, self.head_width))
+        return hash((self.name, self.layers, self.hidden, self.vocab, self.seq, self.experts,
+                     self.head_width))
 
     @property
     def moe(self):
@@ -97,17 +99,19 @@ class ModelShape:
         h, a, d = self.hidden, self.heads, self.head_dim
         if self.mla:   # DeepSeek-V2 §2.1.2 / V3 §2.1.1: down-projections whole, up-projections by heads
             d_c, d_q, d, d_r = self.mla
-            return [Weight("wq_a", (d_q, h)), Weight("q_norm", (d_q,)), Weight("wq_b", (a * (d + d_r), d_q), "col"),
-                    Weight("wkv_a", (d_c + d_r, h)), Weight("kv_norm", (d_c,)),
-                    Weight("wkv_b", (a * 2 * d, d_c), "col"), Weight("wo", (h, a * d), "row")]
+            return [Weight("wq_a", (d_q, h)), Weight("q_norm", (d_q,)),
+                    Weight("wq_b", (a * (d + d_r), d_q), "col"), Weight("wkv_a", (d_c + d_r, h)),
+                    Weight("kv_norm", (d_c,)), Weight("wkv_b", (a * 2 * d, d_c), "col"),
+                    Weight("wo", (h, a * d), "row")]
         if self.mlp == "gelu" and self.kv_heads == a:   # the tiny GPT's and Megatron's fused qkv
             out = [Weight("qkv", (3 * h, h), "col"), Weight("proj", (h, h), "row")]
-            return out + ([Weight("qkv_bias", (3 * h,), "col"), Weight("proj_bias", (h,))] if self.bias else [])
+            biases = [Weight("qkv_bias", (3 * h,), "col"), Weight("proj_bias", (h,))]
+            return out + (biases if self.bias else [])
         kv = self.kv_heads * d
         out = [Weight("wq", (a * d, h), "col"), Weight("wk", (kv, h), "kv"), Weight("wv", (kv, h), "kv"),
                Weight("wo", (h, a * d), "row")]
-        return out + ([Weight("q_bias", (a * d,), "col"), Weight("k_bias", (kv,), "kv"), Weight("v_bias", (kv,), "kv"),
-                       Weight("o_bias", (h,))] if self.bias else [])
+        return out + ([Weight("q_bias", (a * d,), "col"), Weight("k_bias", (kv,), "kv"),
+                       Weight("v_bias", (kv,), "kv"), Weight("o_bias", (h,))] if self.bias else [])
 
     def mlp_weights(self, width, expert=False, prefix="", copies=1):
         h = self.hidden
@@ -125,7 +129,8 @@ class ModelShape:
         """Layer ``i``'s weights (the routed experts as one entry per matrix, ``copies`` = experts);
         a tuple, cached: the planner asks for it for every layout."""
         h = self.hidden
-        norms = ([Weight("ln1", (h,)), Weight("ln1_bias", (h,)), Weight("ln2", (h,)), Weight("ln2_bias", (h,))]
+        norms = ([Weight("ln1", (h,)), Weight("ln1_bias", (h,)), Weight("ln2", (h,)),
+                  Weight("ln2_bias", (h,))]
                  if self.bias else [Weight("attention_norm", (h,)), Weight("ffn_norm", (h,))])
         out = norms + self.attention_weights()
         if not self.is_moe_layer(i):
@@ -133,7 +138,8 @@ class ModelShape:
         out.append(Weight("router", (self.experts, h)))
         if self.shared_experts:
             out += self.mlp_weights(self.shared_experts * self.expert_ffn, prefix="shared_")
-        return tuple(out + self.mlp_weights(self.expert_ffn, expert=True, prefix="experts_", copies=self.experts))
+        return tuple(out + self.mlp_weights(self.expert_ffn, expert=True, prefix="experts_",
+                                            copies=self.experts))
 
     def embedding_weights(self):
         out = [Weight("embedding", (self.vocab, self.hidden), "vocab")]
@@ -150,7 +156,8 @@ class ModelShape:
         it is not sent to (k of the ``experts``) and the vectors (norms, biases)."""
         ws = [w for w in self.layer_weights(i) if len(w.shape) == 2]
         routed = sum(w.numel for w in ws if w.expert)
-        return sum(w.numel for w in ws if not w.expert) + (routed // self.experts * self.top_k if routed else 0)
+        active = routed // self.experts * self.top_k if routed else 0
+        return sum(w.numel for w in ws if not w.expert) + active
 
     def layer_params(self, i=0):
         """Parameters of layer ``i`` (every routed expert included)."""

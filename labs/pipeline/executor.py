@@ -193,7 +193,8 @@ def reference_grads(cfg, data):
     return {n: p.grad for n, p in net.named_parameters()}
 
 
-@launch.on_cpu('the executor pads every action to a wall-clock time per work unit and sends its logical clock inside each message: a CPU emulation')
+@launch.on_cpu('the executor pads every action to a wall-clock time per work unit and sends its logical '
+               'clock inside each message: a CPU emulation')
 def run(rank, world_size, schedule="1f1b", m=4, v=1, unit_seconds=0.05, batch_size=2):
     """Execute one schedule; compare gradients with one process; measure both bubbles."""
     p, cfg = world_size, config()
@@ -241,11 +242,13 @@ def summarize(results, schedule, m, v):
             "peak_inflight": [r["peak_inflight"] for r in results],
             "message_bytes": results[0]["message_bytes"],
             "activation_bytes_peak": [r["activation_bytes_peak"] for r in results],
-            "activation_layers_peak": [r["activation_bytes_peak"] / layer["activation_bytes_F"] for r in results],
+            "activation_layers_peak": [r["activation_bytes_peak"] / layer["activation_bytes_F"]
+                                       for r in results],
             "layer": layer, "piece_costs": [r["piece_costs"] for r in results]}
 
 
-@launch.on_cpu('the executor pads every action to a wall-clock time per work unit and sends its logical clock inside each message: a CPU emulation')
+@launch.on_cpu('the executor pads every action to a wall-clock time per work unit and sends its logical '
+               'clock inside each message: a CPU emulation')
 def sweep(rank, world_size, configs, unit_seconds=0.0):
     """`run` for several (schedule, m, v) in one job; returns the summaries on every rank, each with
     ``events``: per stage, one dict per action (action, start, end in work units, wall_start,
@@ -264,14 +267,18 @@ def main(argv=None):
     parser = cli.parser("Pipeline parallelism: run a schedule, check the gradients, measure the bubble.")
     parser.add_argument("--schedule", choices=schedules.SCHEDULES, default="1f1b")
     parser.add_argument("--microbatches", type=cli.positive_int, default=8)
-    parser.add_argument("--chunks", type=cli.positive_int, default=1, help="model chunks per rank (interleaved)")
-    parser.add_argument("--unit-ms", type=cli.positive_float, default=50.0, help="wall-clock milliseconds per work unit")
+    parser.add_argument("--chunks", type=cli.positive_int, default=1,
+                        help="model chunks per rank (interleaved)")
+    parser.add_argument("--unit-ms", type=cli.positive_float, default=50.0,
+                        help="wall-clock milliseconds per work unit")
     args = cli.parse(parser, argv)
     schedules.build(args.schedule, args.world_size, args.microbatches, args.chunks)  # refuse bad input here
-    least = 3 * args.microbatches * args.unit_ms / 1e3  # every stage runs m forwards (1 unit) and backwards (2)
+    # every stage runs m forwards (1 unit) and backwards (2)
+    least = 3 * args.microbatches * args.unit_ms / 1e3
     if least > args.timeout:
-        raise ValueError(f"{args.microbatches} micro-batches at --unit-ms {args.unit_ms:g} take at least {least:,.0f} s, "
-                         f"above --timeout {args.timeout:g}; lower --microbatches or --unit-ms, or raise --timeout.")
+        raise ValueError(f"{args.microbatches} micro-batches at --unit-ms {args.unit_ms:g} take at least "
+                         f"{least:,.0f} s, above --timeout {args.timeout:g}; lower --microbatches or "
+                         "--unit-ms, or raise --timeout.")
     if config().n_layer % (args.world_size * args.chunks):
         split(tiny.build(config()), args.world_size * args.chunks)
     results = launch.launch(run, args.world_size, args.schedule, args.microbatches, args.chunks,
@@ -279,10 +286,11 @@ def main(argv=None):
     if results is None:
         return
     r = summarize(results, args.schedule, args.microbatches, args.chunks)
-    cli.report(r, args, f"{args.schedule} p={r['world_size']} m={args.microbatches} v={args.chunks}: max grad error "
+    cli.report(r, args,
+               f"{args.schedule} p={r['world_size']} m={args.microbatches} v={args.chunks}: max grad error "
                f"{r['max_abs_error_grad']:.1e}; bubble {r['bubble_fraction']:.3f} in work units, "
-               f"{r['bubble_fraction_wallclock']:.3f} wall-clock, formula {r['bubble_fraction_formula']:.3f}; "
-               f"peak in flight per stage {r['peak_inflight']}, "
+               f"{r['bubble_fraction_wallclock']:.3f} wall-clock, formula "
+               f"{r['bubble_fraction_formula']:.3f}; peak in flight per stage {r['peak_inflight']}, "
                f"peak activation bytes per stage {r['activation_bytes_peak']}")
 
 

@@ -109,6 +109,7 @@ def global_batch(row=None, micro_batch=1, target=0.05):
             "table_batch_per_dp": r["batch_per_dp"], "micro_batch": micro_batch, "m": m,
             "global_batch_sequences": m * micro_batch * r["dp"],
             "bubble_1f1b": schedules.formula("1f1b", p, m)["over_total"],
-            "bubble_interleaved": {v: schedules.formula("interleaved", p, m, v)["over_total"] for v in (2, 4, 8)},
+            "bubble_interleaved": {v: schedules.formula("interleaved", p, m, v)["over_total"]
+                                   for v in (2, 4, 8)},
             "target": target, "m_for_target": need,
             "tokens_for_target": need * micro_batch * r["dp"] * r["seq"]}

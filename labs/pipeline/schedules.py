@@ -127,8 +127,9 @@ def build(name, p, m, v=1):
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"stages, micro-batches and chunks must be at least 1 (got p={p}, m={m}, v={v}).")
     if 3 * p * m * v > MAX_ACTIONS:  # a schedule is a list of F, B and W actions per stage and chunk
-        raise ValueError(f"p={p} stages x m={m:,} micro-batches x v={v} chunks make {3 * p * m * v:,} actions, "
-                         f"above the {MAX_ACTIONS:,} this lab builds in memory; lower the micro-batches.")
+        raise ValueError(f"p={p} stages x m={m:,} micro-batches x v={v} chunks make "
+                         f"{3 * p * m * v:,} actions, above the {MAX_ACTIONS:,} this lab builds in memory; "
+                         "lower the micro-batches.")
     if name == "interleaved":
         return interleaved(p, m, v)
     if v != 1:
@@ -156,14 +157,16 @@ def depends_on(a, s, p, v):
     if a.kind == "F":
         return None if k == 0 else ((k - 1) % p, Action("F", a.mb, (k - 1) // p))
     if a.kind == "B":
-        return (s, Action("F", a.mb, a.chunk)) if k == last else ((k + 1) % p, Action("B", a.mb, (k + 1) // p))
+        return (s, Action("F", a.mb, a.chunk)) if k == last else ((k + 1) % p,
+                                                                  Action("B", a.mb, (k + 1) // p))
     return (s, Action("B", a.mb, a.chunk))   # W needs this stage's own B
 
 
 def simulate(lists, cost, v=1, latency=0.0):
     """Start and end of every action when each waits for its own stage and its message
     (``latency`` is added to every message between stages). ``cost``: work per kind, one dict
-    for every stage or a list of one dict per stage (stages of unequal cost, `labs.pipeline.stage_balance`)."""
+    for every stage or a list of one dict per stage (stages of unequal cost,
+    `labs.pipeline.stage_balance`)."""
     p = len(lists)
     end, pos, clock, timeline = {}, [0] * p, [0.0] * p, [[] for _ in range(p)]
     while any(pos[s] < len(lists[s]) for s in range(p)):
@@ -176,7 +179,8 @@ def simulate(lists, cost, v=1, latency=0.0):
                     break
                 arrival = end[dep] + (latency if dep[0] != s else 0.0) if dep else 0.0
                 start = max(clock[s], arrival)
-                clock[s] = end[(s, a)] = start + (cost[s] if isinstance(cost, (list, tuple)) else cost)[a.kind]
+                clock[s] = end[(s, a)] = (start
+                                          + (cost[s] if isinstance(cost, (list, tuple)) else cost)[a.kind])
                 timeline[s].append((a, start, clock[s]))
                 pos[s] += 1
                 progressed = True

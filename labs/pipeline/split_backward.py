@@ -121,7 +121,8 @@ class Activations:
 
     def held_bytes(self, stores=()):
         self.holders = [h for h in self.holders if h() is not None]
-        tensors = [h().t for h in self.holders] + [t for store in stores for _, x, dy in store for t in (x, dy)]
+        tensors = [h().t for h in self.holders] + [t for store in stores for _, x, dy in store
+                                                   for t in (x, dy)]
         return memory.storage_bytes(tensors, seen=set(self.params))
 
 
@@ -175,8 +176,11 @@ def costs(cfg, batch_size=2):
     x = torch.randn(b, s, h, requires_grad=True)                       # a layer's input, (B, T, H)
     layer = measure(net.blocks[0], (x,), torch.randn_like(x))
     model = measure(net, tiny.synthetic_batch(cfg, batch_size, seed=0))
-    table_1 = {"flops_forward": s * b * h * (24 * h + 4 * s), "flops_backward_input": s * b * h * (24 * h + 8 * s),
+    table_1 = {"flops_forward": s * b * h * (24 * h + 4 * s),
+               "flops_backward_input": s * b * h * (24 * h + 8 * s),
                "flops_backward_weight": s * b * h * 24 * h,
-               "activation_bytes_W": 32 * s * b * h * 2}  # 32sbh bytes in 16-bit: 16 values per token and h; fp32 here
+               # 32sbh bytes in 16-bit: 16 values per token and h; fp32 here
+               "activation_bytes_W": 32 * s * b * h * 2}
     error = abs(model["flops_backward_input"] + model["flops_backward_weight"] - model["flops_backward_full"])
-    return {"layer": layer, "model": model, "table_1": table_1, "flops_split_error": error / model["flops_backward_full"]}
+    return {"layer": layer, "model": model, "table_1": table_1,
+            "flops_split_error": error / model["flops_backward_full"]}

@@ -1,8 +1,8 @@
 """Chapter 5: stage imbalance. The first stage also embeds, the last also runs the LM head and the loss.
 
 With a real vocabulary V the head is no small extra: per token it costs 2hV FLOPs forward (a matmul
-with an h x V weight) against a block's 2 P_block + 4hs (`labs.memory_budget.compute`, PaLM Appendix B), and the
-last stage also holds the (b, s, V) log-probabilities for backward. Splitting the layers equally
+with an h x V weight) against a block's 2 P_block + 4hs (`labs.memory_budget.compute`, PaLM Appendix B), and
+the last stage also holds the (b, s, V) log-probabilities for backward. Splitting the layers equally
 makes the last stage the slowest, and in a pipeline the slowest stage sets the pace.
 
 Measured here, in one process, on the tiny GPT with V = 32,000: per stage, parameter bytes (from
@@ -183,7 +183,8 @@ def llama3_405b(m=16, p=16):
     head = seq * 3 * 2 * arch.hidden * arch.vocab
     splits = {"equal_128": [8] * p,                              # the 16 x 8 the paper takes one from
               "even_126": [8] * (p - 2) + [7, 7],                # as even as possible, short stages last
-              "llama3_126": [len(s) for s in stage_layers(arch.layers, p)]}   # §3.3.2: one fewer, first and last
+              # §3.3.2: one fewer, first and last
+              "llama3_126": [len(s) for s in stage_layers(arch.layers, p)]}
     out = {"layer_flops": layer, "head_flops": head, "head_in_layers": head / layer, "m": m, "p": p,
            "splits": {}}
     for name, counts in splits.items():
@@ -193,9 +194,11 @@ def llama3_405b(m=16, p=16):
             return max(e for tl in schedules.simulate(build(p, mm), costs) for _, _, e in tl)
         total = step(m)
         weights = [c * params["total"] + (arch.vocab * arch.hidden if s == 0 else 0)
-                   + (arch.vocab * arch.hidden + arch.hidden if s == p - 1 else 0) for s, c in enumerate(counts)]
-        out["splits"][name] = {"layers": counts, "stage_flops": t, "stage_params": weights, "max_stage": max(t), "step": total,
-                               "bound": sum(t) + (m - 1) * max(t), "pace": step(m + 1) - total, "step_gpipe": step(m, schedules.gpipe),
+                   + (arch.vocab * arch.hidden + arch.hidden if s == p - 1 else 0)
+                   for s, c in enumerate(counts)]
+        out["splits"][name] = {"layers": counts, "stage_flops": t, "stage_params": weights,
+                               "max_stage": max(t), "step": total, "bound": sum(t) + (m - 1) * max(t),
+                               "pace": step(m + 1) - total, "step_gpipe": step(m, schedules.gpipe),
                                "busy_fraction": m * sum(t) / (p * total),
                                "slowest": [s for s in range(p) if t[s] == max(t)]}
     return out

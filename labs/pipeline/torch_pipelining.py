@@ -26,7 +26,8 @@ def library(rank, world_size, schedule="1f1b", m=4, v=1, batch_size=2):
     p, cfg = world_size, config()
     pieces = split(tiny.build(cfg, seed=0), p * v)
     mine = [pieces[c * p + rank] for c in range(v)]
-    stages = [pipelining.PipelineStage(piece, c * p + rank, p * v, launch.device()) for c, piece in zip(range(v), mine)]
+    stages = [pipelining.PipelineStage(piece, c * p + rank, p * v, launch.device())
+              for c, piece in zip(range(v), mine)]
     cls = getattr(pipelining, LIBRARY[schedule])
     # gradients are scaled by 1/m by the schedule, as the hand executor's loss is
     sched = cls(stages[0] if v == 1 and schedule in ("gpipe", "1f1b") else stages, n_microbatches=m,

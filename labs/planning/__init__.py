@@ -1,7 +1,8 @@
 """Chapter 14, planning a real layout: a planner built from the earlier chapters' formulas, checked
 against published runs; then the layouts composed, trained and held to one process.
 
-- `shapes`: the models the planner is checked on (chapter 1's `ModelShape`) and a cluster as its links, peaks and memory.
+- `shapes`: the models the planner is checked on (chapter 1's `ModelShape`) and a cluster as its links, peaks
+and memory.
 - `software`: what a training stack offers and which collectives it overlaps, each switch from its source.
 - `grid`: the planner's candidates as columns, so one scalar formula prices thousands of layouts at once.
 - `memory`: a layout (`Plan`: a `ParallelDims` and its settings) and what one rank holds, six terms.
@@ -13,16 +14,23 @@ against published runs; then the layouts composed, trained and held to one proce
 - `search`: every setting of each layout priced on three stages; the fastest that fits, or what overflows.
 - `planner`: every layout of a job, the rule or memory term that rejects it, the rest ranked by step time.
 - `cases`: Megatron-LM's Table 1, Llama 3's Table 4, DeepSeek-V3 and the notes' questions, as planner cases.
-- `published_tables`, `published_runs`: more published runs (A100, H100, H800; dense and MoE), as printed and as rows.
-- `checked`: the 112 published rows as planner jobs, the calibration (one eta per generation and precision), the verdicts.
+- `published_tables`, `published_runs`: more published runs (A100, H100, H800; dense and MoE), as printed and
+  as rows; `published_counts`: the FLOP count each source divides by, and the models its rows name.
+- `checked`: the 112 published rows as planner jobs, the calibration (one eta per generation and precision),
+the verdicts.
 - `scorecard`: the checked set's figures, its rows by source, and each miss with the term that explains it.
 - `notes`: the notes' three recipes, their interview questions and the stacks' layouts, through the planner.
-- `meta_check`: one rank of a full-size layout built by PyTorch on the meta device (fake process group) holds what the planner counts.
+- `meta_check`: one rank of a full-size layout built by PyTorch on the meta device (fake process group) holds
+what the planner counts.
 - `flop_count`: DeepSeek-V3's TFLOP/s per GPU derived from its GPU hours, its FLOPs per token term by term.
-- `quiz`: the notes' readiness quiz, each question with a number answered by the planner or a chapter, and its checker.
-- `layout3d`: the degrees a 3D run (dp, tp, pp, cp) accepts, its data, one process's run, the bytes per group predicted.
-- `train3d`: the tiny GPT on dp x tp x pp and dp x cp x tp ranks from chapters 3-6's hand pieces, bytes counted per group.
-- `torch3d`: the same 3D layout with DeviceMesh, parallelize_module, fully_shard and pipelining, its bytes audited.
+- `quiz`: the notes' readiness quiz, each question with a number answered by the planner or a chapter, and its
+checker.
+- `layout3d`: the degrees a 3D run (dp, tp, pp, cp) accepts, its data, one process's run, the bytes per group
+predicted.
+- `train3d`: the tiny GPT on dp x tp x pp and dp x cp x tp ranks from chapters 3-6's hand pieces, bytes
+counted per group.
+- `torch3d`: the same 3D layout with DeviceMesh, parallelize_module, fully_shard and pipelining, its bytes
+audited.
 - `rounding`: the first-order rounding bound of reordered sums, op by op, on one process's step.
 - `drift`: the loss bound a correct layout stays within, and broken layouts that leave it.
 """

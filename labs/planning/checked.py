@@ -19,7 +19,7 @@ import dataclasses
 import functools
 
 from labs.dims import ParallelDims
-from labs.planning import cases, planner, published_runs, shapes, software as sw
+from labs.planning import cases, planner, published_counts, published_runs, shapes, software as sw
 
 CLUSTERS = {"A100 80GB": shapes.SELENE, "H100 80GB": shapes.DGX_H100, "H800 80GB": shapes.H800_CLUSTER,
             "H100 96GB HBM2e, 500 W": shapes.GRAND_TETON}
@@ -61,7 +61,10 @@ def stack(run):
     if f.startswith("Megatron-LM 285068c8"):
         return sw.MEGASCALE_BASELINE
     if f.startswith("torchtitan"):
-        return sw.TORCHTITAN.with_(tp_overlap="AsyncTP" in run.name or "async TP" in run.name)
+        base = sw.TORCHTITAN if f.startswith("torchtitan 9dec370") else sw.TORCHTITAN_2025
+        return base.with_(tp_overlap="AsyncTP" in run.name or "async TP" in run.name)
+    if f.startswith("NeMo 25.11"):
+        return sw.NEMO_2511
     if f.startswith("NeMo"):
         return sw.NEMO
     if f.startswith("Megatron-Core ("):
@@ -75,7 +78,8 @@ def fixed_settings(run, d):
     if RECOMPUTE.get(run.recompute):   # torchtitan's "selective" is its per-op policy
         titan = run.framework.startswith("torchtitan") and run.recompute == "selective"
         out["recompute"] = "selective_ops" if titan else RECOMPUTE[run.recompute]
-    sharding = {"ZeRO-1": 1, "ZeRO-3": 3, "FSDP": 3, "distributed optimizer": 1, "DDP": None}.get(run.sharding)
+    sharding = {"ZeRO-1": 1, "ZeRO-3": 3, "FSDP": 3, "distributed optimizer": 1,
+                "DDP": None}.get(run.sharding)
     if sharding is not None:
         out["zero"] = sharding
     if run.framework.startswith("torchtitan") and d.pp > 1:   # microbatches default to pp (pipeline_llama.py)
@@ -99,9 +103,12 @@ def run_case(run):
     job = planner.Job(run.model, CLUSTERS[run.gpu], gpus, batch * run.seq, stack(run), precision,
                       eager=run.framework.startswith("torchtitan 9dec") and "compile" not in run.name)
     per_token = run.tflops * 1e12 / run.tokens_per_gpu_s if run.tokens_per_gpu_s else None
-    if per_token is None and "Megatron-LM's count" in run.flops_rule + run.framework or "dropless" in run.flops_rule:
-        per_token = published_runs.palm(run.model, run.seq, causal=True)   # Megatron-Core's count halves causal attention
-    return cases.Case(run.name, run.source, job, d, fixed_settings(run, d), run.tflops, run.counted, per_token,
+    megatron = "Megatron-LM's count" in run.flops_rule + run.framework
+    if per_token is None and megatron or "dropless" in run.flops_rule:
+        # Megatron-Core's count halves causal attention
+        per_token = published_counts.palm(run.model, run.seq, causal=True)
+    return cases.Case(run.name, run.source, job, d, fixed_settings(run, d), run.tflops, run.counted,
+                      per_token,
                       run.memory_gib, run.notes)
 
 
@@ -142,4 +149,5 @@ def evaluate_all(checked=None, table=None):
 
 def with_software(case, **changes):
     """The case on a stack with ``changes`` (a switch turned off to see what it is worth)."""
-    return dataclasses.replace(case, job=dataclasses.replace(case.job, software=case.job.software.with_(**changes)))
+    return dataclasses.replace(case, job=dataclasses.replace(case.job,
+                                                             software=case.job.software.with_(**changes)))

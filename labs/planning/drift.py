@@ -95,7 +95,8 @@ def weight_drift(grads, deltas, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0
     """
     b1, b2 = betas
     names = grads[0].keys()
-    m, v, M, D, dw = ({n: torch.zeros_like(grads[0][n], dtype=torch.float64) for n in names} for _ in range(5))
+    m, v, M, D, dw = ({n: torch.zeros_like(grads[0][n], dtype=torch.float64) for n in names}
+                      for _ in range(5))
     free = {n: torch.zeros_like(grads[0][n], dtype=torch.bool) for n in names}
     out = []
     for s, (g_s, d_s) in enumerate(zip(grads, deltas), start=1):
@@ -143,7 +144,8 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
               for g, d in ((step_g[n], step_d[n]) for n in step_g)]
     ratios = torch.cat([r.reshape(-1) for r in ratios]) if ratios else torch.empty(0)
     return {"losses": ref["losses"], "bound": [f + a for f, a in zip(forward, adam)], "forward": forward,
-            "adam": adam, "flippable": [0] + [sum(d[1].values()) for d in drift[:steps - 1]], "kinds": sorted(kinds),
+            "adam": adam, "flippable": [0] + [sum(d[1].values()) for d in drift[:steps - 1]],
+            "kinds": sorted(kinds),
             "free_by_param": {n: c for n, c in drift[steps - 2][1].items() if c} if steps > 1 else {},
             "margin": ratios.min().item() if ratios.numel() else float("inf"), "u": u,
             "grad_norm": [sum(g.double().pow(2).sum().item() for g in step.values()) ** 0.5

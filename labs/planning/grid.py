@@ -14,7 +14,8 @@ import numpy as np
 
 from labs.planning.software import RECOMPUTE, SCHEDULES
 
-FIELDS = ("tp", "pp", "cp", "ep", "dp", "dpr", "zero", "rc", "b", "v", "m", "sched", "offload", "reshard", "sp",
+FIELDS = ("tp", "pp", "cp", "ep", "dp", "dpr", "zero", "rc", "b", "v", "m", "sched", "offload", "reshard",
+          "sp",
           "ckpt", "stage")
 
 
@@ -36,7 +37,8 @@ class Columns(dict):
         d = plan.dims
         return cls.of(tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, dp=d.dp, dpr=d.dp_replicate, zero=plan.zero,
                       rc=RECOMPUTE.index(plan.recompute), b=plan.micro_batch, v=plan.v, m=m,
-                      sched=SCHEDULES.index(plan.schedule), offload=int(plan.offload), reshard=int(plan.reshard),
+                      sched=SCHEDULES.index(plan.schedule), offload=int(plan.offload),
+                      reshard=int(plan.reshard),
                       sp=int(plan.sp), ckpt=plan.checkpoint_every, stage=stage)
 
     def take(self, index):

@@ -16,6 +16,9 @@ times that backward (a fused kernel recomputes the scores: chapter 1 counts five
 the forward's two), at eta times its kernel's speed relative to a GEMM's (`attention_ratio`, from
 published utilizations, not fitted); scores written out cost the whole s and twice the forward, at eta.
 
+A mixture of experts also permutes its tokens to their experts and back (`permutation_bytes`: the
+bytes Megatron-Core's permute and unpermute move, counted from its code), at the memory's bandwidth.
+
 The rest of the layer (norms, activation functions, residual adds, RoPE, softmax) is memory-bound:
 its time is the bytes it moves over BW_HBM. A fused stack (Transformer Engine, torch.compile) moves
 at least three times the bytes the layer saves for backward (chapter 1's formulas): each saved tensor
@@ -24,6 +27,7 @@ its own: `eager_traffic_ratio` counts every non-matmul op's inputs and outputs, 
 on the tiny Llama block with a dispatch mode, against the bytes it saves.
 """
 import functools
+import math
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -47,10 +51,33 @@ KERNEL = {("flash2", "A100"): 0.50, ("flash2", "RTX 3090"): 0.50, ("flash2", "H1
           ("flash2", "H100 96GB 500W"): 0.35, ("flash3", "H100"): 0.75, ("flash3", "H100 96GB 500W"): 0.75}
 
 
-def attention_ratio(attention, generation):
-    """A fused attention kernel's speed over the best GEMM's on the same GPU (see above); FlashAttention-3
-    runs on Hopper only, so elsewhere a stack that asks for it runs FlashAttention-2."""
-    return min(1.0, KERNEL.get((attention, generation), KERNEL["flash2", generation]) / MAMF[generation])
+# The same kernels at shorter sequences, TFLOP/s forward on an H100 SXM5, head dim 128, 16k tokens per call
+# (batch x sequence), at sequence 512, 1k, 2k, 4k, 8k, 16k: FlashAttention-3 as pytorch/benchmark measured it
+# (commit ff65cb67, PR #2391: flash_v3, 430 to 621), FlashAttention-2 as Shah et al. 2024 print it (Figure 5,
+# head dim 128: 309 to 370). A call attends over s / cp keys at a time (a ring step of context parallelism),
+# so short chunks run below the long-sequence speed above; measured on Hopper only, so only Hopper gets it.
+BY_LENGTH = {"flash3": (430.3, 517.1, 565.5, 590.2, 614.2, 620.7), "flash2": (309, 350, 362, 368, 370, 370)}
+HOPPER = ("H100", "H100 96GB 500W")
+
+
+def length_factor(attention, generation, length):
+    """A fused attention kernel's speed at ``length`` keys per call over its speed at 16k (`BY_LENGTH`),
+    linear in log2 of the length between the measured points, 1 above them; held at the 512 point below
+    it (optimistic there); 1 off Hopper or for a kernel not measured."""
+    curve = BY_LENGTH.get(attention if generation == "H100" or attention != "flash3" else "flash2")
+    if generation not in HOPPER or curve is None or length >= 16384:
+        return 1.0
+    x = min(max(math.log2(length) - 9, 0.0), 5.0)       # 512 -> 0, 16k -> 5
+    i = min(int(x), 4)
+    return (curve[i] + (x - i) * (curve[i + 1] - curve[i])) / curve[-1]
+
+
+def attention_ratio(attention, generation, length=16384):
+    """A fused attention kernel's speed over the best GEMM's on the same GPU (see above) at ``length`` keys
+    per call (`length_factor`); FlashAttention-3 runs on Hopper only, so elsewhere a stack that asks for it
+    runs FlashAttention-2."""
+    kernel = attention if (attention, generation) in KERNEL else "flash2"
+    return min(1.0, KERNEL[kernel, generation] / MAMF[generation]) * length_factor(kernel, generation, length)
 
 
 FUSED_PASSES = 3       # write, read back, write the gradient: the least a fused stack moves
@@ -108,7 +135,9 @@ def gemm_seconds(M, N, K, flops, hbm_bw):
 
 
 @functools.lru_cache(maxsize=None)
-def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute, attention="flash2"):
+def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute,
+                  attention="flash2",
+                  permute_fused=False, cp=1):
     """Seconds one layer takes on one rank for a micro-batch of ``tokens`` (b s / cp) tokens:
     {"forward", "backward", "recompute", "gemm", "attention"} (the last two, forward and backward,
     are what the tensor- and context-parallel collectives can hide under)."""
@@ -118,10 +147,14 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
     attention_names = {w.name for w in model.attention_weights()}
     for n, w in enumerate(x for x in model.layer_weights(i) if len(x.shape) == 2):
         out, inn = w.shape
-        N = {"col": -(-out // tp), "kv": out * max(model.kv_heads // tp, 1) // model.kv_heads}.get(w.split, out)
+        N = {"col": -(-out // tp), "kv": out * max(model.kv_heads // tp, 1) // model.kv_heads}.get(w.split,
+                                                                                                   out)
         K = inn // tp if w.split == "row" else inn
-        if w.expert:            # each of the rank's experts gets its share of the ep group's routed tokens
-            per_expert = tokens // (tp if sp else 1) * model.top_k * ep / model.experts
+        if w.expert:            # each of the rank's experts gets its share of the ep group's routed tokens:
+            # the tp ranks of a group hold 1/tp of each expert and all of its micro-batch's tokens (gathered
+            # after the dispatch under sequence parallelism; with experts folded over tp x dp each rank holds
+            # whole experts and the same M), so a rank does 1/tp of its group's expert FLOPs
+            per_expert = tokens * model.top_k * ep / model.experts
             t = w.copies / ep * gemm_seconds(max(per_expert, 1), N, K, mm_flops, cluster.hbm_bw)
         else:
             M = tokens // tp if (w.split == "rep" and sp and tp > 1) else tokens
@@ -130,17 +163,37 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
         half += t if n % 2 else 0        # torchtitan's per-op policy recomputes every other matmul
         mlp += 0 if w.name in attention_names else t
     causal = kernels != "materialized"
-    attn_flops = eta * cluster.peak_flops * (attention_ratio(attention, cluster.generation) if causal else 1.0)
+    ratio = attention_ratio(attention, cluster.generation, model.seq // cp) if causal else 1.0
+    attn_flops = eta * cluster.peak_flops * ratio
     attn_f = 4 * tokens * model.seq / (2 if causal else 1) * model.attention_width / tp / attn_flops
     attn_b = attn_f * (2.5 if causal else 2)
     passes = FUSED_PASSES if not eager else eager_traffic_ratio()
     saved = memory.layer_bytes(model, kernels, moe_layer, 1, tp, 1, "none", sp) * tokens / model.seq
     ew = passes * saved / cluster.hbm_bw
-    forward = gemm_f + attn_f + ew / 3
-    redo = {"none": 0.0, "selective": attn_f, "selective_ops": half + ew / 3, "mlp": mlp + ew / 6,
+    perm = permutation_bytes(model, tokens // (tp if sp else 1), ep, permute_fused) / cluster.hbm_bw \
+        if moe_layer else 0.0
+    forward = gemm_f + attn_f + ew / 3 + perm
+    redo = {"none": 0.0, "selective": attn_f, "selective_ops": half + ew / 3, "mlp": mlp + ew / 6 + perm,
             "full": forward}[recompute]
-    return {"forward": forward, "backward": 2 * gemm_f + attn_b + 2 * ew / 3, "recompute": redo,
+    return {"forward": forward, "backward": 2 * gemm_f + attn_b + 2 * ew / 3 + perm, "recompute": redo,
             "gemm": 3 * gemm_f, "attention": attn_f + attn_b}
+
+
+# Token permutation, counted from the code that runs it. Megatron-Core's (NVIDIA/Megatron-LM f2e5db40,
+# megatron/core/transformer/moe/moe_utils.py): `permute` is an index_select of the k copies of each token
+# (reads and writes T k h elements); `unpermute` zero-fills a T k h buffer, index_copy_s into it, multiplies
+# by the routing probabilities and sums over k (six passes over T k h). The alltoall dispatcher
+# (token_dispatcher.py) permutes before the all-to-all and again, by local expert, after it, and unpermutes
+# twice. Fused (Transformer Engine's moe_permute / moe_unpermute, `--moe-permute-fusion`): the permute reads
+# each token once and writes its k copies, (1 + k) T h; the unpermute reads the k copies and writes their
+# weighted sum, (k + 1) T h; the sort by local expert reads and writes T k h each way.
+def permutation_bytes(model, routed, ep, fused=False):
+    """Bytes one MoE layer's token permutation moves in forward (backward moves as many), for ``routed``
+    tokens routed on the rank (its sequence-parallel share): memory-bound, at the HBM's bandwidth. The
+    sort by local expert runs only when a rank holds more than one expert."""
+    k, local = model.top_k, model.experts // ep > 1
+    elements = (2 * (1 + k) + (4 * k if local else 0)) if fused else (8 * k + (8 * k if local else 0))
+    return elements * routed * model.hidden * E
 
 
 @functools.lru_cache(maxsize=None)

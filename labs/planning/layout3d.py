@@ -62,7 +62,8 @@ def check(cfg, dims, micro_batch=2, num_microbatches=4):
                          "choose a pp that divides the layer count.")
     if cfg.seq_len % (2 * dims.cp):
         raise ValueError(f"the zig-zag split cuts each sequence into 2 cp = {2 * dims.cp} chunks: seq_len = "
-                         f"{cfg.seq_len} is not divisible by {2 * dims.cp}; choose a cp with 2 cp dividing it.")
+                         f"{cfg.seq_len} is not divisible by {2 * dims.cp}; choose a cp with 2 cp dividing "
+                         "it.")
     return dims
 
 

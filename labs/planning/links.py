@@ -68,7 +68,8 @@ def collective_time(op, payload, n, nodes, cluster):
     if op != "all_to_all":
         return a + sent / cluster.inter_bw
     near = n // nodes - 1                     # peers on the rank's own node, of the n - 1
-    return a + max(sent * (n - 1 - near) / (n - 1) / cluster.inter_bw, sent * near / (n - 1) / cluster.intra_bw)
+    return a + max(sent * (n - 1 - near) / (n - 1) / cluster.inter_bw, sent * near / (n - 1)
+                   / cluster.intra_bw)
 
 
 @functools.lru_cache(maxsize=None)

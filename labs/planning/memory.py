@@ -39,7 +39,7 @@ from labs.memory_budget import activations, budget, fused_swiglu, logits
 from labs.pipeline import schedules
 from labs.pipeline.stage_balance import stage_layers
 from labs.planning.grid import Columns, per_unique
-from labs.planning.software import RECOMPUTE, SCHEDULES
+from labs.planning.software import RECOMPUTE
 from labs.zero import distributed_optimizer
 
 TERMS = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
@@ -108,7 +108,8 @@ def rank_params(model, plan, stage):
 def stage_params(model, tp, pp, ep, v, stage):
     """(dense, expert) elements of `stage_weights`, added up by layer kind (the same sum, faster)."""
     n, n_moe = stage_layer_counts(model, pp, v, stage)
-    extra = (model.embedding_weights() if stage == 0 else []) + (model.head_weights() if stage == pp - 1 else [])
+    extra = (model.embedding_weights() if stage == 0 else []) + (model.head_weights() if stage == pp - 1
+                                                                 else [])
     if model.tied and pp > 1 and stage == pp - 1:
         extra += model.embedding_weights()[:1]
     dense = sum(local_numel(w, tp, ep, model.kv_heads) for w in extra)
@@ -147,7 +148,8 @@ def state_terms(model, tp, pp, ep, v, stage, zero, group, recipe, offload=False)
     """Weights, gradients, optimizer state: the rank's parameters times chapter 1's (or, stage 3,
     chapter 3's FSDP2) bytes per parameter over the data-parallel group (dp cp; dp cp / ep for experts)."""
     dense_n, expert_n = stage_params(model, tp, pp, ep, v, stage)
-    dense, expert = state_bytes(zero, group, recipe, offload), state_bytes(zero, max(group // ep, 1), recipe, offload)
+    dense, expert = state_bytes(zero, group, recipe, offload), state_bytes(zero, max(group // ep, 1), recipe,
+                                                                           offload)
     return tuple(dense_n * dense[t] + expert_n * expert[t] for t in ("weights", "gradients", "optimizer"))
 
 
@@ -182,46 +184,60 @@ def activations_bytes(model, c, kernels):
     """Activations each candidate's rank holds at its peak (`grid.Columns` c): chapter 5's peak chunk
     micro-batches times the layers of an average chunk, plus one layer rebuilt by recomputation."""
     n, n_moe = per_unique(lambda pp, v, st: stage_layer_counts(model, pp, v, st), c["pp"], c["v"], c["stage"])
-    chunks = per_unique(lambda s, pp, m, v, st: schedules.peak_chunks("1f1b" if s != 1 else "interleaved", pp, m, v,
-                                                                      st), c["sched"], c["pp"], c["m"], c["v"], c["stage"])
-    dense, moe = (per_unique(lambda kind, b, tp, cp, rc, sp: layer_bytes(model, kernels, bool(kind), b, tp, cp,
+    chunks = per_unique(lambda s, pp, m, v, st: schedules.peak_chunks("1f1b" if s != 1 else "interleaved", pp,
+                                                                      m, v,
+                                                                      st), c["sched"], c["pp"], c["m"],
+                        c["v"], c["stage"])
+    dense, moe = (per_unique(lambda kind, b, tp, cp, rc, sp: layer_bytes(model, kernels, bool(kind), b, tp,
+                                                                         cp,
                                                                          RECOMPUTE[rc], bool(sp)),
-                             np.full(len(c), kind), c["b"], c["tp"], c["cp"], c["rc"], c["sp"]) for kind in (0, 1))
-    whole = per_unique(lambda kind, b, tp, cp, sp: layer_bytes(model, kernels, bool(kind), b, tp, cp, "none", bool(sp)),
+                             np.full(len(c), kind), c["b"], c["tp"], c["cp"], c["rc"], c["sp"])
+                  for kind in (0, 1))
+    whole = per_unique(lambda kind, b, tp, cp, sp: layer_bytes(model, kernels, bool(kind), b, tp, cp, "none",
+                                                               bool(sp)),
                        (n_moe > 0).astype(int), c["b"], c["tp"], c["cp"], c["sp"])
     full = c["rc"] == RECOMPUTE.index("full")
-    rebuilt = np.where(full | (c["rc"] == RECOMPUTE.index("selective_ops")), whole, 0) * np.where(full, c["ckpt"], 1)
+    rebuilt = np.where(full | (c["rc"] == RECOMPUTE.index("selective_ops")), whole, 0) \
+        * np.where(full, c["ckpt"], 1)
     kept = np.where(full, -(-n // c["ckpt"]) / np.maximum(n, 1), 1.0)    # one input per k layers
     return np.where(n > 0, chunks * kept * ((n - n_moe) * dense + n_moe * moe) / c["v"] + rebuilt, 0)
 
 
 @functools.lru_cache(maxsize=None)
-def logits_bytes(model, tp, cp, b):
-    """The tail's forward peak on the last stage (chapter 1), vocabulary-parallel over tp (chapter 4)."""
-    return logits.tail_forward_peak_bytes(model.seq // cp, b, -(-model.vocab // tp), BF16, target_copy=False)
+def logits_bytes(model, tp, cp, b, eager_loss=False):
+    """The tail's peak on the last stage (chapter 1), vocabulary-parallel over tp (chapter 4): its forward
+    peak, or with PyTorch's cross-entropy on an fp32 copy of the logits (``eager_loss``) its higher
+    backward peak (`logits.tail_backward_peak_bytes`)."""
+    s, V = model.seq // cp, -(-model.vocab // tp)
+    forward = logits.tail_forward_peak_bytes(s, b, V, BF16, target_copy=False)
+    return max(forward, logits.tail_backward_peak_bytes(s, b, V)) if eager_loss else forward
 
 
 @functools.lru_cache(maxsize=None)
-def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer"):
+def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer", grad_bytes=BF16):
     """FSDP2's gathered bf16 unit and the next one (prefetch) with the unit's unsharded bf16 and fp32
-    gradient (chapter 3); kept gathered after forward, the stage's weights and gradients in bf16. A unit
-    is a layer (FSDP wraps each block) or, for DeepSpeed's per-module hooks, the largest weight."""
+    gradient (chapter 3); kept gathered after forward, the stage's bf16 weights and its gradients, which
+    under a pipeline accumulate unsharded over the micro-batches in the reduction's dtype (``grad_bytes``):
+    torch.distributed.pipelining turns FSDP's gradient sync off until the last backward (stage.py,
+    ``backward_maybe_with_nosync``) and FSDP2 then upcasts each unsharded gradient to its reduce dtype
+    (_fully_shard/_fsdp_param.py, ``to_accumulated_grad_if_needed``; torch 2.13). A unit is a layer
+    (FSDP wraps each block) or, for DeepSpeed's per-module hooks, the largest weight."""
     if zero != 3:
         return 0
     if not reshard:
-        return 2 * BF16 * sum(stage_params(model, tp, pp, ep, v, stage))
+        return (BF16 + (grad_bytes if pp > 1 else BF16)) * sum(stage_params(model, tp, pp, ep, v, stage))
     pick = sum if unit == "layer" else max
     size = max((pick(local_numel(w, tp, ep, model.kv_heads) for w in model.layer_weights(i))
                 for i in _kinds(model, pp, v, stage)), default=0)
     return 2 * BF16 * size + (BF16 + 4) * size
 
 
-def buffers_bytes(model, c, unit="layer"):
+def buffers_bytes(model, c, unit="layer", grad_bytes=BF16):
     """What is gathered for one layer at a time, per candidate: FSDP2's units (`fsdp_buffer_bytes`),
     sequence parallelism's all-gathered layer input (chapter 6), all-gather CP's K and V of the whole
     sequence (chapter 6)."""
-    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k, unit=unit), c["zero"], c["tp"], c["pp"], c["ep"],
-                      c["v"], c["stage"], c["reshard"])
+    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k, unit=unit, grad_bytes=grad_bytes), c["zero"],
+                      c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["reshard"])
     sp = np.where((c["tp"] > 1) & (c["sp"] == 1), BF16 * c["b"] * (model.seq // c["cp"]) * model.hidden, 0)
     kv = np.maximum(model.kv_heads // c["tp"], 1) * model.head_dim
     cp = np.where(c["cp"] > 1, 2 * BF16 * c["b"] * model.seq * kv, 0)
@@ -234,17 +250,19 @@ def _kinds(model, pp, v, stage):
     return tuple({model.is_moe_layer(i): i for i in stage_layers(model.layers, pp, v)[stage]}.values())
 
 
-def terms(model, c, recipe, kernels, unit="layer"):
+def terms(model, c, recipe, kernels, unit="layer", grad_bytes=BF16, eager_loss=False):
     """The six TERMS of every candidate in ``c`` (`grid.Columns`), each an array of bytes; ``unit``: what
-    ZeRO-3 gathers at a time (`fsdp_buffer_bytes`)."""
+    ZeRO-3 gathers at a time, ``grad_bytes``: a gradient element in its reduction (`fsdp_buffer_bytes`),
+    ``eager_loss``: PyTorch's cross-entropy on fp32 logits (`logits_bytes`)."""
     shard = np.where(c["zero"] == 3, c["dp"] // c["dpr"], c["dp"]) * c["cp"]
-    state = per_unique(lambda tp, pp, ep, v, st, z, g, off: state_terms(model, tp, pp, ep, v, st, z, g, recipe,
-                                                                         bool(off)),
+    state = per_unique(lambda tp, pp, ep, v, st, z, g, off: state_terms(model, tp, pp, ep, v, st, z, g,
+                                                                        recipe, bool(off)),
                        c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["zero"], shard, c["offload"])
     acts = activations_bytes(model, c, kernels)
     last = c["stage"] == c["pp"] - 1
-    tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b), c["tp"], c["cp"], c["b"]), 0)
-    return state + (acts, tail, buffers_bytes(model, c, unit))
+    tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b, eager_loss), c["tp"],
+                                     c["cp"], c["b"]), 0)
+    return state + (acts, tail, buffers_bytes(model, c, unit, grad_bytes))
 
 
 def rank_memory_terms(model, plan, recipe, kernels, m, stage):

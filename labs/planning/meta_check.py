@@ -51,8 +51,10 @@ def _tp_plan(part):
     style = {"col": ColwiseParallel, "kv": ColwiseParallel, "row": RowwiseParallel}
     out = {}
     for name, split in part.splits.items():
-        if split == "vocab":   # the embedding by rows of V (RowwiseParallel on nn.Embedding), the head by columns
-            out[name] = RowwiseParallel() if isinstance(getattr(part, name), nn.Embedding) else ColwiseParallel()
+        # the embedding by rows of V (RowwiseParallel on nn.Embedding), the head by columns
+        if split == "vocab":
+            out[name] = RowwiseParallel() if isinstance(getattr(part, name),
+                                                        nn.Embedding) else ColwiseParallel()
         elif split in style and isinstance(getattr(part, name), nn.Linear):
             out[name] = style[split]()
     return out
@@ -78,7 +80,8 @@ def build_rank(model, plan, rank):
     for part in parts:
         if d.tp > 1:
             parallelize_module(part, mesh["tp"], _tp_plan(part))
-        fully_shard(part, mesh=mesh["dp"])   # one FSDP2 unit per layer, as chapter 3 (the list holds no weight)
+        # one FSDP2 unit per layer, as chapter 3 (the list holds no weight)
+        fully_shard(part, mesh=mesh["dp"])
     return root, stage, dp_i, tp_i
 
 
@@ -87,7 +90,8 @@ def measure_rank(model, plan, rank):
     beside the planner's P_r / dp, and both as weights / gradients / optimizer bytes."""
     d = plan.dims
     if d.cp != 1 or d.ep != 1 or d.dp_replicate != 1 or plan.v != 1 or model.moe or model.mlp != "swiglu":
-        raise ValueError("the meta-device check builds dense Llama-shaped dp x pp x tp layouts with v = 1 only.")
+        raise ValueError("the meta-device check builds dense Llama-shaped dp x pp x tp layouts with v = 1 "
+                         "only.")
     world = d.world_size
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not one of the {world:,} ranks of the layout.")
@@ -136,7 +140,8 @@ def main(argv=None):
                          "drop it or change the degrees.")
     model = shapes.LLAMA3_405B if args.model == "405B" else shapes.LLAMA2_70B
     r = measure_rank(model, plan, args.rank)
-    cli.report(r, args, f"rank {r['rank']} of {r['world_size']:,} (stage {r['stage']}): {r['local_elements']:,} "
+    cli.report(r, args,
+               f"rank {r['rank']} of {r['world_size']:,} (stage {r['stage']}): {r['local_elements']:,} "
                         f"elements held, the planner counts {r['planner_elements']:,.0f}")
 
 

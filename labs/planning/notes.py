@@ -21,11 +21,13 @@ GIB = 2 ** 30
 HF_FSDP = sw.Software("Hugging Face Trainer + FSDP", "the note's torchrun command (source 004, §27.1)",
                       zero_stages=(2, 3), recompute=("none", "full"), schedules=("1f1b",), max_tp=1, max_cp=1,
                       sp=False, kernels="flash", overlap_grad_reduce=True, prefetch=True)
-TEN_B = ModelShape("a 10B Llama", layers=32, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, seq=2048)
+TEN_B = ModelShape("a 10B Llama", layers=32, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000,
+                   seq=2048)
 ASSUMED = {"seq": "2,048 tokens for recipes 1 and 3 (recipe 1's; recipe 3 gives none)",
            "a100": "A100 80GB (the note says A100)",
            "ten_b": "Llama 2 13B's widths with 32 layers: 10.5B parameters (the note gives only '10B')",
-           "host": "256 GiB of host memory and dual-channel DDR4-3200 (51.2 GB/s) in the RTX 3090 workstation"}
+           "host": "256 GiB of host memory and dual-channel DDR4-3200 (51.2 GB/s) in the RTX 3090 "
+                   "workstation"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +40,21 @@ class Recipe:
 
 
 def recipes():
-    l7 = dataclasses.replace(shapes.LLAMA2_70B, name="Llama 2 7B", layers=32, hidden=4096, heads=32, kv_heads=32,
+    l7 = dataclasses.replace(shapes.LLAMA2_70B, name="Llama 2 7B", layers=32, hidden=4096, heads=32,
+                             kv_heads=32,
                              ffn=11008, seq=2048)
     stack70 = sw.TORCHTITAN.with_(recompute=("none", "selective_ops", "full"))
     offload = sw.DEEPSPEED_OFFLOAD
     return [
-        Recipe("7B fine-tune on 4 A100s", planner.Job(l7, shapes.DGX_A100_4, 4, 32 * 2048, HF_FSDP, eager=True),
+        Recipe("7B fine-tune on 4 A100s", planner.Job(l7, shapes.DGX_A100_4, 4, 32 * 2048, HF_FSDP,
+                                                      eager=True),
                ParallelDims(dp=4), {"zero": 2, "recompute": "full", "micro_batch": 8},
                "FSDP SHARD_GRAD_OP (ZeRO-2), bf16, gradient checkpointing, FlashAttention-2, 8 per GPU"),
-        Recipe("70B pre-training on 64 H100s", planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 64, 2048 * 4096,
+        Recipe("70B pre-training on 64 H100s", planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 64, 2048
+                                                           * 4096,
                                                            stack70),
-               ParallelDims(tp=8, dp=8), {"zero": 3, "recompute": "full", "micro_batch": 64, "checkpoint_every": 4},
+               ParallelDims(tp=8, dp=8), {"zero": 3, "recompute": "full", "micro_batch": 64,
+                                          "checkpoint_every": 4},
                "TP 8 x FSDP FULL_SHARD 8, 4 accumulation steps, checkpointing every 4 layers; '~2-3 "
                "tokens/sec/GPU'"),
         Recipe("10B on two RTX 3090s", planner.Job(TEN_B, shapes.workstation_3090(), 2, 32 * 2048, offload),
@@ -59,7 +65,8 @@ def recipes():
     ]
 
 
-NOTE_SPEEDS = {"70B pre-training on 64 H100s": (2, 3), "10B on two RTX 3090s": (0.1, 0.2)}   # tokens/s per GPU
+# tokens/s per GPU
+NOTE_SPEEDS = {"70B pre-training on 64 H100s": (2, 3), "10B on two RTX 3090s": (0.1, 0.2)}
 
 
 def eta_for(job, table=None):
@@ -78,8 +85,10 @@ def evaluate_recipe(recipe, table=None):
     eta = eta_for(recipe.job, table)
     row = planner.published(recipe.job, recipe.layout, eta, recipe.fixed)
     result = planner.plan(recipe.job, eta)
-    out = {"recipe": recipe, "row": row, "fits": row["fits"], "tokens_per_gpu_s": tokens_per_gpu_s(recipe.job, row),
-           "memory_gib": sum(row["memory"].values()) / GIB, "best": result["ranked"][:3], "of": len(result["ranked"])}
+    out = {"recipe": recipe, "row": row, "fits": row["fits"], "tokens_per_gpu_s": tokens_per_gpu_s(recipe.job,
+                                                                                                   row),
+           "memory_gib": sum(row["memory"].values()) / GIB, "best": result["ranked"][:3],
+           "of": len(result["ranked"])}
     if row["plan"].offload:                     # the 16-bit weights are 2 bytes per parameter of the shard
         need = offload.host_bytes(row["memory"]["weights"] / 2, recipe.job.cluster.gpus_per_node)
         out["host_gib"], out["host_fits"] = need / GIB, need <= recipe.job.cluster.host_bytes
@@ -110,7 +119,8 @@ def answer(question, table=None):
     result = planner.plan(job, eta)
     row = planner.published(job, layout, eta, fixed)
     return {"question": question, "job": job, "best": result["ranked"][:3], "of": len(result["ranked"]),
-            "note": row, "note_fits": row["fits"], "note_rank": planner.rank_of(result, row) if row["fits"] else None}
+            "note": row, "note_fits": row["fits"], "note_rank": planner.rank_of(result, row) if row["fits"]
+            else None}
 
 
 # Which of the planner's layouts and settings each stack implements, from its own repository at the
@@ -126,15 +136,19 @@ FRAMEWORKS = (
     ("HSDP (dp_replicate)", "ZeRO++ hierarchical partitioning", "HSDP: FSDP2 on a 2-D mesh", "-"),
     ("tp, with sp", "AutoTP (Hugging Face models, 2025)", "DTensor TP with sequence parallel, async TP",
      "TP with sequence parallel, --tp-comm-overlap"),
-    ("pp, v", "pipeline engine, 1F1B (TrainSchedule)", "torch.distributed.pipelining: 1F1B, interleaved, ZBV, "
+    ("pp, v", "pipeline engine, 1F1B (TrainSchedule)",
+     "torch.distributed.pipelining: 1F1B, interleaved, ZBV, "
                                                         "DualPipeV", "1F1B and interleaved (virtual stages)"),
     ("cp", "Ulysses (all-to-all of heads)", "ring context parallel", "--cp-comm-type p2p, a2a, a2a+p2p"),
-    ("ep", "DeepSpeed-MoE, AutoEP", "expert parallel for its MoE models", "expert parallel, folded over TP x DP"),
-    ("offload", "ZeRO-Offload and ZeRO-Infinity", "CPUOffloadPolicy (enable_cpu_offload)", "--optimizer-cpu-offload"),
+    ("ep", "DeepSpeed-MoE, AutoEP", "expert parallel for its MoE models",
+     "expert parallel, folded over TP x DP"),
+    ("offload", "ZeRO-Offload and ZeRO-Infinity", "CPUOffloadPolicy (enable_cpu_offload)",
+     "--optimizer-cpu-offload"),
 )
 
 
 def framework_table():
     """`FRAMEWORKS` as a MyST table."""
-    rows = ["| the planner's | DeepSpeed 0.19.6 | FSDP2 / torchtitan | Megatron-Core 0.20.0 |", "|:--|:--|:--|:--|"]
+    rows = ["| the planner's | DeepSpeed 0.19.6 | FSDP2 / torchtitan | Megatron-Core 0.20.0 |",
+            "|:--|:--|:--|:--|"]
     return "\n".join(rows + [f"| {' | '.join(r)} |" for r in FRAMEWORKS])

@@ -32,7 +32,8 @@ def optimizer_seconds(cluster, params_per_rank):
     partition: the PCIe copies (each way at once, the slower of the two) and the CPU's Adam, whose
     memory bandwidth the node's ranks share."""
     if not cluster.host_mem_bw:
-        raise ValueError(f"{cluster.name} states no host memory bandwidth; offloading needs one (Cluster.host_mem_bw).")
+        raise ValueError(f"{cluster.name} states no host memory bandwidth; offloading needs one "
+                         "(Cluster.host_mem_bw).")
     pcie = PCIE_BYTES * params_per_rank / cluster.host_bw
     adam = ADAM_BYTES * params_per_rank * cluster.gpus_per_node / cluster.host_mem_bw
     return pcie + adam

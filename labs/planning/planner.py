@@ -13,6 +13,8 @@ and virtual stages v the stack offers (`search`). A layout is refused for the fi
   schedule whose m is not a multiple of p (chapter 5's `schedules.interleaved`);
 - context parallelism with attention scores written out (chapter 6's methods attend block by block),
   or a sequence that does not split into 2 cp chunks (chapter 6's zig-zag order);
+- layers that do not split evenly over the pipeline's stages, on a stack that splits them evenly
+  (Megatron-LM; `software.Software.uniform_stages`);
 
 and otherwise for the first memory term that overflows the GPU (`memory.terms`), or, offloaded, the
 host. The layouts that fit are ranked by `timing.step`; each degree tuple is shown at its fastest
@@ -20,7 +22,6 @@ setting of the other knobs, so "rank" is among degree tuples.
 """
 from dataclasses import dataclass
 
-import numpy as np
 
 from labs.dims import ParallelDims
 from labs.memory_budget.model_shape import ModelShape
@@ -65,7 +66,8 @@ class Job:
                                  + ("a job runs on at least one GPU." if name == "gpus" else
                                     f"a batch holds at least one {self.model.seq:,}-token sequence."))
         if self.batch_tokens % self.model.seq:
-            raise ValueError(f"a batch of {self.batch_tokens:,} tokens is not a whole number of {self.model.seq:,}-token "
+            raise ValueError(f"a batch of {self.batch_tokens:,} tokens is not a whole number of "
+                             f"{self.model.seq:,}-token "
                              f"sequences; give a multiple of the sequence length.")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
@@ -77,7 +79,8 @@ class Job:
 
 def check_eta(eta):
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 < eta <= 1:
-        raise ValueError(f"eta must be a fraction of the peak above 0 and at most 1, got {eta!r}: it is the share "
+        raise ValueError(f"eta must be a fraction of the peak above 0 and at most 1, got {eta!r}: it is the "
+                         "share "
                          "of the peak the matmuls reach (`checked.calibrate` fits it).")
 
 
@@ -85,7 +88,7 @@ def degree_tuples(job):
     """Every `ParallelDims` whose tp pp cp dp is the GPUs (ep divides dp; HSDP's replicas where offered)."""
     m, n, sw = job.model, job.gpus, job.software
     for tp in [t for t in (1, 2, 4, 8, 16, 32, 64) if n % t == 0 and t <= sw.max_tp]:
-        for pp in [p for p in range(1, min(n // tp, m.layers) + 1) if (n // tp) % p == 0]:
+        for pp in [p for p in range(1, min(n // tp, m.layers, sw.max_pp) + 1) if (n // tp) % p == 0]:
             for cp in [c for c in (1, 2, 4, 8, 16, 32) if (n // (tp * pp)) % c == 0 and c <= sw.max_cp]:
                 dp = n // (tp * pp * cp)
                 for ep in ([e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if dp % e == 0 and e <= m.experts]
@@ -108,6 +111,9 @@ def broken_rule(job, d):
         return str(exc).rstrip(".")
     if job.sequences % d.dp:
         return f"the batch of {job.sequences:,} sequences does not split over dp = {d.dp}"
+    if job.software.uniform_stages and m.layers % d.pp:
+        return (f"{job.software.name} splits the layers evenly, and {m.layers} layers do not split over "
+                f"pp = {d.pp}")
     if d.cp > 1 and job.kernels == "materialized":   # chapter 6's methods attend block by block
         return "context parallelism needs a fused attention kernel, not scores written out"
     if d.cp > 1 and m.seq % (2 * d.cp):
@@ -160,9 +166,11 @@ def rank_of(result, row):
     number of other degree tuples estimated faster."""
     if not result["ranked"]:
         job = result["job"]
-        raise ValueError(f"no layout of {job.model.name} on {job.gpus:,} GPUs fits, so {row['dims']} has no rank "
+        raise ValueError(f"no layout of {job.model.name} on {job.gpus:,} GPUs fits, so {row['dims']} has no "
+                         "rank "
                          "among them.")
-    return 1 + sum(r["time"]["step"] < row["time"]["step"] for r in result["ranked"] if r["dims"] != row["dims"])
+    return 1 + sum(r["time"]["step"] < row["time"]["step"] for r in result["ranked"]
+                   if r["dims"] != row["dims"])
 
 
 def find(result, dims):
@@ -182,12 +190,14 @@ def tflops_per_gpu(job, row, counted="none"):
 
 
 def markdown_table(job, result, top=5):
-    """The ``top`` fastest layouts of a `plan` result as a MyST table (the site shows it; a kernel is not needed)."""
+    """The ``top`` fastest layouts of a `plan` result as a MyST table (the site shows it; a kernel is not
+    needed)."""
     head = ["| rank | tp | pp | cp | ep | dp | ZeRO | recompute | b | v | m | step (s) | TFLOP/s per GPU |",
             "|---:|---:|---:|---:|---:|---:|---:|:--|---:|---:|---:|---:|---:|"]
     body = [f"| {r['rank']} | {r['dims'].tp} | {r['dims'].pp} | {r['dims'].cp} | {r['dims'].ep} | "
             f"{r['dims'].dp}{' (HSDP)' if r['dims'].dp_replicate > 1 else ''} | {r['plan'].zero} | "
-            f"{r['plan'].recompute} | {r['plan'].micro_batch} | {r['plan'].v} | {r['m']} | {r['time']['step']:.1f} | "
+            f"{r['plan'].recompute} | {r['plan'].micro_batch} | {r['plan'].v} | {r['m']} | "
+            f"{r['time']['step']:.1f} | "
             f"{tflops_per_gpu(job, r):.0f} |" for r in result["ranked"][:top]]
     return "\n".join(head + body) if body else "no layout fits"
 

@@ -1,8 +1,8 @@
 """Chapter 14: published training runs, each table as its source prints it (`published_runs` reads them).
 
 Numbers are typed as printed (a table's rounding kept), and the models' shapes as their configurations
-print them (chapter 1's `ModelShape`); nothing here is computed. Each table names its source: repository, path and commit, or paper,
-table and the text it was read from.
+print them (chapter 1's `ModelShape`); nothing here is computed. Each table names its source: repository, path
+and commit, or paper, table and the text it was read from.
 """
 from labs.memory_budget.model_shape import ModelShape
 
@@ -11,7 +11,8 @@ from labs.memory_budget.model_shape import ModelShape
 # commit f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4 (2024-07-15, "New scaling figures on H100 GPUs"). The README
 # beside it: GPT models, vocabulary 131,072, sequence 4,096, up to 6,144 H100s, --overlap-grad-reduce
 # --overlap-param-gather --tp-comm-overlap, end-to-end throughput; the scaling plots say Megatron-Core r0.8.0.
-# (size, heads, hidden, layers, TP, PP, DP, GPUs, batch in sequences, TFLOP/s per GPU, MFU %, aggregate PFLOP/s)
+# (size, heads, hidden, layers, TP, PP, DP, GPUs, batch in sequences, TFLOP/s per GPU, MFU %, aggregate
+# PFLOP/s)
 MEGATRON_H100_2024 = (
     ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 41, 19.6),
     ("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9, 47, 44.7),
@@ -71,11 +72,11 @@ NARAYANAN_TABLE2 = (
 # (iteration, s per iteration, global batch, samples per second, TFLOPs as logged)
 BLOOM_LOG = (85376, 104.70, 2048, 19.561, 149.77)
 
-# MegaScale (Jiang et al. 2024, arXiv 2402.15627), §6.1, Tables 1 and 2: the 175B model (96 layers, h = 12,288,
-# 128 heads, TP 8, PP 8, six interleaved stages), s = 2048, V = 64,000, on up to 12,288 "NVIDIA Ampere GPUs";
-# Megatron-LM at commit 285068c8 against MegaScale (parallel transformer block, sliding-window attention,
-# LAMB, overlapped 3D communication). Read from a text transcription of the arXiv PDF (search index file
-# 61225413316). (method, batch, GPUs, s per iteration, tokens/s, MFU %, aggregate PFLOP/s)
+# MegaScale (Jiang et al. 2024, arXiv 2402.15627), §6.1, Tables 1 and 2: the 175B model (96 layers, h =
+# 12,288, 128 heads, TP 8, PP 8, six interleaved stages), s = 2048, V = 64,000, on up to 12,288 "NVIDIA Ampere
+# GPUs"; Megatron-LM at commit 285068c8 against MegaScale (parallel transformer block, sliding-window
+# attention, LAMB, overlapped 3D communication). Read from a text transcription of the arXiv PDF (search index
+# file 61225413316). (method, batch, GPUs, s per iteration, tokens/s, MFU %, aggregate PFLOP/s)
 MEGASCALE_TABLE2 = (
     ("Megatron-LM", 768, 256, 40.0, 39.3e3, 53.0, 43.3),
     ("Megatron-LM", 768, 512, 21.2, 74.1e3, 49.9, 77.6),
@@ -89,7 +90,8 @@ MEGASCALE_TABLE2 = (
     ("MegaScale", 6144, 12288, 6.34, 1984.0e3, 55.2, 2166.3),
 )
 # rows whose aggregate is not MFU x 312 TFLOP/s x GPUs in the transcription (the others agree to 0.1)
-MEGASCALE_AGGREGATE_MISMATCH = {("Megatron-LM", 256): 43.3, ("Megatron-LM", 512): 77.6, ("Megatron-LM", 1024): 131.9,
+MEGASCALE_AGGREGATE_MISMATCH = {("Megatron-LM", 256): 43.3, ("Megatron-LM", 512): 77.6, ("Megatron-LM",
+                                                                                         1024): 131.9,
                                 ("MegaScale", 12288): 2166.3}
 
 # torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (pytorch/torchtitan, last changed in commit
@@ -151,11 +153,11 @@ NEMO_24_07_H100_FP8 = (
     ("LLAMA3-70B", 64, 128, 1, 8192, 4, 4, 2, 5, 1524, 734),
 )
 
-# NeMo 25.11 container, pre-training on DGX-H100: NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md
-# at commit 067f987df03b8355b03192d88d70f1709fedf51a, "25.11 NeMo Container", "System: DGX-H100" (FSDP: 0
-# means DDP; "n/a" VP printed as None). (model, GPUs, precision, GBS, MBS, seq, FSDP, TP, PP, CP, VP, EP,
-# GA, tokens/s per GPU, model TFLOP/s per GPU). Left out: GPT OSS 120B (its shape is not in a file read
-# here; its GA of 2 is not GBS / (MBS x DP) = 8).
+# NeMo 25.11 container, pre-training on DGX-H100: NVIDIA-NeMo/Megatron-Bridge
+# docs/performance-summary-archive.md at commit 067f987df03b8355b03192d88d70f1709fedf51a, "25.11 NeMo
+# Container", "System: DGX-H100" (FSDP: 0 means DDP; "n/a" VP printed as None). (model, GPUs, precision, GBS,
+# MBS, seq, FSDP, TP, PP, CP, VP, EP, GA, tokens/s per GPU, model TFLOP/s per GPU). Left out: GPT OSS 120B
+# (its shape is not in a file read here; its GA of 2 is not GBS / (MBS x DP) = 8).
 NEMO_25_11_H100 = (
     ("LLAMA3_8B", 8, "FP8-CS", 128, 1, 8192, 8, 1, 1, 1, None, 1, 16, 14451, 744),
     ("LLAMA3_70B", 64, "FP8-CS", 128, 1, 8192, 0, 4, 8, 1, 5, 1, 64, 1602, 719),
@@ -166,7 +168,8 @@ NEMO_25_11_H100 = (
 
 # Megatron-MoE-ModelZoo (yanring/Megatron-MoE-ModelZoo), best_practice/qwen3/readme.md at commit
 # e8650517d60d71ab73fc6b3b0388cac4ba435181: Qwen3-235B-A22B, 256 H100s, BF16, sequence 4,096, GBS 2,048.
-# (dispatcher, TP, CP, EP, PP, EDP, ETP, VPP, DP, FSDP, MBS, GA, recompute, s per step, TFLOP/s per GPU, notes)
+# (dispatcher, TP, CP, EP, PP, EDP, ETP, VPP, DP, FSDP, MBS, GA, recompute, s per step, TFLOP/s per GPU,
+# notes)
 MOE_ZOO_QWEN3_235B_H100 = (
     ("DeepEP", 2, 1, 32, 8, 1, 1, 4, 16, False, 1, 128, "norm, act", 19.7, 245, ""),
     ("DeepEP", 2, 1, 32, 8, 1, 1, 4, 16, False, 1, 128, "norm, act", 17.6, 276, "+1f1b overlap"),
@@ -236,10 +239,12 @@ MODEL_SHAPES = {
                            positions=True, bias=True),
     "qwen3-235b": ModelShape("Qwen3-235B-A22B", 94, 4096, 64, 4, 12288, 151_936, 4096, head_width=128,
                              experts=128, top_k=8, expert_ffn=1536, dense_layers=0, **_LLAMA),
-    "qwen3-30b": ModelShape("Qwen3-30B-A3B", 48, 2048, 32, 4, 6144, 151_936, 4096, head_width=128, experts=128,
+    "qwen3-30b": ModelShape("Qwen3-30B-A3B", 48, 2048, 32, 4, 6144, 151_936, 4096, head_width=128,
+                            experts=128,
                             top_k=8, expert_ffn=768, **_LLAMA),
     "deepseek-v2": ModelShape("DeepSeek-V2", 60, 5120, 128, 128, 12288, 102_400, 4096, experts=160, top_k=6,
-                              expert_ffn=1536, shared_experts=2, dense_layers=1, mla=(512, 1536, 128, 64), **_LLAMA),
+                              expert_ffn=1536, shared_experts=2, dense_layers=1, mla=(512, 1536, 128, 64),
+                              **_LLAMA),
 }
 MODEL_SOURCES = {
     "llama3-8b": _TT + _L3.format("Llama3Config8B"),
@@ -254,22 +259,28 @@ MODEL_SOURCES = {
     "nemotron-8b": _N + "nemotron.py Nemotron3Config8B" + _NV,
     "nemotron-22b": _N + "nemotron.py Nemotron4Config22B" + _NV,
     "nemotron-340b": _N + "nemotron.py Nemotron4Config340B" + _NV,
-    "nemotron4-15b": "Parmar et al. 2024, Table 1 and §2 (squared ReLU, untied, RoPE, GQA, no biases); ffn from "
+    "nemotron4-15b": "Parmar et al. 2024, Table 1 and §2 (squared ReLU, untied, RoPE, GQA, no biases); ffn "
+                     "from "
                      + _N + "nemotron.py Nemotron4Config15B",
-    "bloom": "bigscience 9e64edec train/tr11-176B-ml/README.md: NHIDDEN, NLAYERS, NHEADS, the 250,880-row embedding, "
+    "bloom": "bigscience 9e64edec train/tr11-176B-ml/README.md: NHIDDEN, NLAYERS, NHEADS, the 250,880-row "
+             "embedding, "
              "12h^2 + 13h per layer (so a 4h GeLU MLP with biases), v*h counted once (tied); ALiBi",
-    "opt-175b": "Zhang et al. 2022, Table 1, §2.1-2.2 (ReLU, s 2048, 'largely follow Brown et al.': inferred 4h MLP "
+    "opt-175b": "Zhang et al. 2022, Table 1, §2.1-2.2 (ReLU, s 2048, 'largely follow Brown et al.': inferred "
+                "4h MLP "
                 "with biases, learned positions, tied); vocabulary: the 50,265 entries of metaseq f7ffa5fd "
                 "projects/OPT/assets/gpt2-vocab.json (the embedding may be padded)",
     "qwen3-235b": _ZOO + "Qwen3-235B-A22B.yaml (every layer MoE, no shared expert, heads of 128); vocabulary "
                   "inferred: the tokenizer's padded to a multiple of 1,187 (--make-vocab-size-divisible-by)",
     "qwen3-30b": _ZOO + "Qwen3-30B-A3B.yaml; vocabulary inferred as for Qwen3-235B-A22B",
-    "deepseek-v2": "DeepSeek-V2 §3.1.2 (60 layers, h 5120, 128 heads, MLA 512/1536/128/64, 2 shared + 160 routed "
-                   "experts of 1536, 6 routed, first layer dense); dense ffn and vocabulary (100K padded to a "
+    "deepseek-v2": "DeepSeek-V2 §3.1.2 (60 layers, h 5120, 128 heads, MLA 512/1536/128/64, 2 shared + 160 "
+                   "routed "
+                   "experts of 1536, 6 routed, first layer dense); dense ffn and vocabulary (100K padded to "
+                   "a "
                    "multiple of 3,200) from " + _ZOO + "DeepSeek-V2.yaml",
 }
 # the `MODEL_SHAPES` key of each NeMo table's model name
-NEMO_MODEL_KEYS = {"GPT3-5B": "gpt3-5b", "GPT3-20B": "gpt3-20b", "GPT3-175B": "gpt3-175b", "LLAMA2-7B": "llama2-7b",
+NEMO_MODEL_KEYS = {"GPT3-5B": "gpt3-5b", "GPT3-20B": "gpt3-20b", "GPT3-175B": "gpt3-175b",
+                   "LLAMA2-7B": "llama2-7b",
              "LLAMA2-13B": "llama2-13b", "LLAMA2-70B": "llama2-70b", "Nemotron-8B": "nemotron-8b",
              "Nemotron-22B": "nemotron-22b", "Nemotron-340B": "nemotron-340b", "LLAMA3-8B": "llama3-8b",
              "LLAMA3-70B": "llama3-70b", "LLAMA3_8B": "llama3-8b", "LLAMA3_70B": "llama3-70b",

@@ -97,7 +97,8 @@ def q16_selective_over_full():
 
 
 ANSWERS = {"1": q1_state_gb, "2": q2_least_bubble, "3": q3_fsdp_over_ddp, "4": q4_tp_mb_per_layer,
-           "5": q5_bubble_share, "7": q7_dp_gb_per_rank, "11": q11_bytes_per_param, "16": q16_selective_over_full}
+           "5": q5_bubble_share, "7": q7_dp_gb_per_rank, "11": q11_bytes_per_param,
+           "16": q16_selective_over_full}
 # What source 001's answers give for the same quantities (the note's own words in the chapter):
 NOTE = {"1": 3 * 17.5,            # "bf16 weights ~17.5 GB + grads ~17.5 GB + optimizer state ~17.5 GB"
         "2": 0.05,                # "enough to keep bubble < 5%" (no batch stated)

@@ -88,7 +88,8 @@ class Rounding(TorchFunctionMode):
     def _matmul(self, out, a, b):
         bound = a.detach().abs() @ b.detach().abs()
         g = 2 * gamma(a.shape[-1], self.u)
-        out.register_hook(lambda grad: self._count("attention", g * (grad.detach().abs() * bound).sum().item()))
+        out.register_hook(lambda grad: self._count("attention", g * (grad.detach().abs()
+                                                                     * bound).sum().item()))
 
     def _softmax(self, p):
         g, kept = 2 * gamma(p.shape[-1], self.u), p.detach()

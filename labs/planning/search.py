@@ -28,12 +28,16 @@ def schedules_for(job, d, m, fixed):
     L, sw, v_fixed = job.model.layers, job.software, fixed.get("v")
     if d.pp == 1:
         if v_fixed not in (None, 1):
-            raise ValueError(f"v = {v_fixed} model chunks per stage needs a pipeline; this layout has pp = 1.")
+            raise ValueError(f"v = {v_fixed} model chunks per stage needs a pipeline; this layout has "
+                             "pp = 1.")
         return [("1f1b", 1)]
     flat = [(s, 1) for s in ("1f1b", "zero_bubble") if s in sw.schedules] or [("1f1b", 1)]
     if v_fixed is None:
-        return flat + ([("interleaved", v) for v in V_CHOICES if d.pp * v <= L + 2 and m % d.pp == 0]
-                       if "interleaved" in sw.schedules else [])
+        # an even split offers every v that divides the layers of a stage (Megatron-LM); otherwise `V_CHOICES`
+        vs = [v for v in range(2, L // d.pp + 1) if L % (d.pp * v) == 0] if sw.uniform_stages else \
+            [v for v in V_CHOICES if d.pp * v <= L + 2]
+        return flat + ([("interleaved", v) for v in vs if m % d.pp == 0] if "interleaved" in sw.schedules
+                       else [])
     most = (L + 2) // d.pp
     if not 1 <= v_fixed <= most:
         raise ValueError(f"v = {v_fixed} model chunks per stage is outside 1..{most}: pp = {d.pp} stages of "
@@ -41,7 +45,8 @@ def schedules_for(job, d, m, fixed):
     if v_fixed == 1:
         return flat
     if m % d.pp:
-        raise ValueError(f"interleaved 1F1B with v = {v_fixed} needs the m = {m} micro-batches per step to be a "
+        raise ValueError(f"interleaved 1F1B with v = {v_fixed} needs the m = {m} micro-batches per step to "
+                         "be a "
                          f"multiple of pp = {d.pp}.")
     return [("interleaved", v_fixed)]
 
@@ -53,12 +58,16 @@ def settings(job, d, fixed):
     sw, seqs = job.software, job.sequences // d.dp
     for key, offered in (("zero", sw.zero_stages), ("recompute", sw.recompute), ("offload", sw.offload)):
         if key in fixed and fixed[key] not in offered:
-            raise ValueError(f"{key} = {fixed[key]!r} is not one {sw.name} offers ({', '.join(map(str, offered))}).")
+            raise ValueError(f"{key} = {fixed[key]!r} is not one {sw.name} offers "
+                             f"({', '.join(map(str, offered))}).")
     b_fixed = fixed.get("micro_batch")
     if b_fixed is not None and (b_fixed < 1 or seqs % b_fixed):
-        raise ValueError(f"b = {b_fixed} sequences per micro-batch does not divide the {seqs:,} sequences each of "
+        raise ValueError(f"b = {b_fixed} sequences per micro-batch does not divide the {seqs:,} sequences "
+                         "each of "
                          f"the dp = {d.dp} replicas takes per step.")
     bs = [b_fixed] if b_fixed else [b for b in MICRO_BATCHES if seqs % b == 0]
+    if not sw.accumulation and d.pp == 1 and not b_fixed:   # one forward and backward of the local batch
+        bs = [seqs]
     if fixed.get("v", 1) > 1 and not b_fixed:     # interleaving needs m = seqs / b to be a multiple of pp
         bs = [b for b in bs if (seqs // b) % d.pp == 0] or bs[:1]
     zeros = [fixed["zero"]] if "zero" in fixed else sw.zero_stages
@@ -69,9 +78,11 @@ def settings(job, d, fixed):
                              f"the settings allow ZeRO-{fixed.get('zero')}.")
     rest = np.array(list(itertools.product(
         zeros,
-        [RECOMPUTE.index(fixed["recompute"])] if "recompute" in fixed else [RECOMPUTE.index(r) for r in sw.recompute],
+        [RECOMPUTE.index(fixed["recompute"])] if "recompute" in fixed else [RECOMPUTE.index(r)
+                                                                            for r in sw.recompute],
         [int(fixed["offload"])] if "offload" in fixed else [int(o) for o in sw.offload])), dtype=np.int64)
-    pipe = np.array([(b, SCHEDULES.index(s), v) for b in bs for s, v in schedules_for(job, d, seqs // b, fixed)],
+    pipe = np.array([(b, SCHEDULES.index(s), v) for b in bs for s, v in schedules_for(job, d, seqs // b,
+                                                                                      fixed)],
                     dtype=np.int64)
     both = np.concatenate([np.repeat(pipe, len(rest), axis=0), np.tile(rest, (len(pipe), 1))], axis=1)
     return both[:, [3, 4, 0, 1, 2, 5]]               # zero, recompute, b, schedule, v, offload
@@ -82,12 +93,14 @@ def candidates(job, layouts, fixed):
     blocks, index = [], []
     for i, d in enumerate(layouts):
         s = settings(job, d, fixed)
-        const = [d.tp, d.pp, d.cp, d.ep, d.dp, d.dp_replicate, int(job.software.reshards(d.pp)), int(job.software.sp),
+        const = [d.tp, d.pp, d.cp, d.ep, d.dp, d.dp_replicate, int(job.software.reshards(d.pp)),
+                 int(job.software.sp),
                  fixed.get("checkpoint_every", 1)]
         blocks.append(np.concatenate([np.tile(np.array(const, dtype=np.int64), (len(s), 1)), s], axis=1))
         index.append(np.full(len(s), i))
     cols = np.concatenate(blocks)
-    names = ("tp", "pp", "cp", "ep", "dp", "dpr", "reshard", "sp", "ckpt", "zero", "rc", "b", "sched", "v", "offload")
+    names = ("tp", "pp", "cp", "ep", "dp", "dpr", "reshard", "sp", "ckpt", "zero", "rc", "b", "sched", "v",
+             "offload")
     c = Columns.of(**{k: cols[:, j] for j, k in enumerate(names)}, m=0, stage=0)
     c["m"] = job.sequences // (c["dp"] * c["b"])
     return c, np.concatenate(index)
@@ -104,10 +117,12 @@ def fullest_stage(model, pp, v):
 def price(job, eta, c):
     """Memory (the fullest of three stages) and time of every candidate: (terms, fits, step parts)."""
     slots = [c.take(slice(None)) for _ in range(3)]
-    slots[1]["stage"] = per_unique(lambda pp, v: fullest_stage(job.model, pp, v), c["pp"], c["v"]).astype(np.int64)
+    slots[1]["stage"] = per_unique(lambda pp, v: fullest_stage(job.model, pp, v), c["pp"],
+                                   c["v"]).astype(np.int64)
     slots[2]["stage"] = c["pp"] - 1
-    mem = [np.stack(memory.terms(job.model, s, job.recipe, job.kernels, job.software.shard_unit))
-           for s in slots]                                                                    # (3, 6, n)
+    sw = job.software
+    mem = [np.stack(memory.terms(job.model, s, job.recipe, job.kernels, sw.shard_unit, sw.reduce_bytes,
+                                 sw.eager_loss)) for s in slots]   # (3, 6, n)
     totals = np.stack([t.sum(axis=0) for t in mem])
     fullest = totals.argmax(axis=0)
     terms = np.stack(mem)[fullest, :, np.arange(len(c))].T                                   # (6, n)
@@ -123,7 +138,8 @@ def price(job, eta, c):
     host_ok = np.ones(len(c), dtype=bool)
     if c["offload"].any():
         params = np.array([_shard_params(job, c, i) for i in range(len(c))])
-        host_ok = (c["offload"] == 0) | (offload.host_bytes(params, job.cluster.gpus_per_node) <= job.cluster.host_bytes)
+        host_ok = (c["offload"] == 0) | (offload.host_bytes(params, job.cluster.gpus_per_node)
+                                         <= job.cluster.host_bytes)
     return terms, fits & host_ok, host_ok, time
 
 
@@ -152,7 +168,8 @@ def best_per_layout(job, eta, layouts, fixed=None, closest=False):
         if ok.size:
             out.append(_row(job, d, c, ok[np.argmin(time["step"][ok])], terms, time))
             continue
-        k = mine[np.argmin(total[mine] + np.where(host_ok[mine], 0, np.inf))] if host_ok[mine].any() else mine[0]
+        k = mine[np.argmin(total[mine] + np.where(host_ok[mine], 0,
+                                                  np.inf))] if host_ok[mine].any() else mine[0]
         first = memory.first_overflow(terms[:, [k]], job.cluster.hbm_bytes)[0]
         term = memory.TERMS[first] if first < len(memory.TERMS) else "host memory"
         row = _row(job, d, c, k, terms, time)
@@ -168,9 +185,11 @@ def best_per_layout(job, eta, layouts, fixed=None, closest=False):
 
 def _row(job, d, c, k, terms, time):
     plan = memory.Plan(d, zero=int(c["zero"][k]), recompute=RECOMPUTE[c["rc"][k]], micro_batch=int(c["b"][k]),
-                       v=int(c["v"][k]), sp=bool(c["sp"][k]), zero_bubble=SCHEDULES[c["sched"][k]] == "zero_bubble",
+                       v=int(c["v"][k]), sp=bool(c["sp"][k]), zero_bubble=SCHEDULES[c["sched"][k]]
+                       == "zero_bubble",
                        offload=bool(c["offload"][k]), reshard=bool(c["reshard"][k]),
                        checkpoint_every=int(c["ckpt"][k]))
-    return {"dims": d, "plan": plan, "m": int(c["m"][k]), "memory": dict(zip(memory.TERMS, terms[:, k].tolist())),
+    return {"dims": d, "plan": plan, "m": int(c["m"][k]), "memory": dict(zip(memory.TERMS, terms[:,
+                                                                                                 k].tolist())),
             "memory_stage": int(time["memory_stage"][k]),
             "time": {key: float(v[k]) for key, v in time.items()}}

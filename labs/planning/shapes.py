@@ -31,13 +31,15 @@ def gpt(name, layers, hidden, heads, vocab=51_200, seq=2048, tied=True):
 
 def from_gpt_config(cfg):
     """The book's tiny GPT (`labs.model.GPTConfig`): untied head without bias, learned positions."""
-    return ModelShape("tiny GPT", cfg.n_layer, cfg.hidden, cfg.n_head, cfg.n_head, 4 * cfg.hidden, cfg.vocab_size,
+    return ModelShape("tiny GPT", cfg.n_layer, cfg.hidden, cfg.n_head, cfg.n_head, 4 * cfg.hidden,
+                      cfg.vocab_size,
                       cfg.seq_len, mlp="gelu", tied=False, positions=True)
 
 
 LLAMA2_70B = budget.MODELS["70B"]
 LLAMA3_405B = budget.MODELS["405B"]
-DEEPSEEK_V3 = ModelShape("DeepSeek-V3", layers=61, hidden=7168, heads=128, kv_heads=128, ffn=18432, vocab=129_280,
+DEEPSEEK_V3 = ModelShape("DeepSeek-V3", layers=61, hidden=7168, heads=128, kv_heads=128, ffn=18432,
+                         vocab=129_280,
                          seq=4096, experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
                          mla=(512, 1536, 128, 64))
 
@@ -78,18 +80,21 @@ A100_NVLINK = 235e9
 # links x 25 GB/s = 300 GB/s per direction: NVIDIA A100 whitepaper's 600 GB/s both ways), eight
 # 200 Gb/s HDR InfiniBand adapters per node (one per GPU: 25 GB/s), peak 312 TFLOP/s in 16 bits,
 # HBM2e at 2,039 GB/s (A100 80GB SXM datasheet), PCIe 4.0 x16 to the host.
-SELENE = Cluster("Selene, DGX A100 80GB", "A100", 8, 80 * GIB, A100_NVLINK, 200e9 / 8 * NET_EFFICIENCY, 312e12,
+SELENE = Cluster("Selene, DGX A100 80GB", "A100", 8, 80 * GIB, A100_NVLINK, 200e9 / 8 * NET_EFFICIENCY,
+                 312e12,
                  2.039e12, host_bw=32e9, host_bytes=2e12)
 # H100 SXM 80GB (NVIDIA H100 datasheet): 989 TFLOP/s dense BF16 (chapter 1), 1,979 dense FP8, HBM3 at
 # 3.35 TB/s, PCIe 5.0 x16. Llama 3 (Llama Team 2024, §3.3.1): 8 per server on NVLink (chapter 11's
 # 450 GB/s per direction), RoCE at 400 Gb/s per GPU. A DGX H100 has 2 TB of host memory.
 H100_SXM = dict(hbm_bw=3.35e12, fp8_flops=1979e12, host_bw=64e9, host_bytes=2e12)
 NVLINK, NDR = placement.NCCL_NVLINK_BPS, placement.NCCL_NDR_BPS[0]
-LLAMA3_CLUSTER = Cluster("Llama 3, H100 80GB", "H100", 8, 80 * GIB, NVLINK, NDR, compute.H100_BF16_DENSE, **H100_SXM)
+LLAMA3_CLUSTER = Cluster("Llama 3, H100 80GB", "H100", 8, 80 * GIB, NVLINK, NDR, compute.H100_BF16_DENSE,
+                         **H100_SXM)
 DGX_H100 = Cluster("DGX H100", "H100", 8, 80 * GIB, NVLINK, NDR, compute.H100_BF16_DENSE, **H100_SXM)
 # DeepSeek-V3 (§3.1, §3.2.2): 8 x H800 per node, NVLink 160 GB/s and InfiniBand 50 GB/s as the report
 # gives them; the H800 is the H100's chip with fewer NVLinks, so its peaks are taken to be the H100's.
-H800_CLUSTER = Cluster("DeepSeek-V3, H800", "H100", 8, 80 * GIB, 160e9, 50e9 * NET_EFFICIENCY, compute.H100_BF16_DENSE,
+H800_CLUSTER = Cluster("DeepSeek-V3, H800", "H100", 8, 80 * GIB, 160e9, 50e9 * NET_EFFICIENCY,
+                       compute.H100_BF16_DENSE,
                        **H100_SXM)
 # torchtitan's benchmarks (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md): Grand Teton
 # hosts of 8 H100 "96GB HBM2e with 2.4 TB/sec", NVLink, 400 Gb/s RDMA per GPU, a 500 W power limit; "the
@@ -107,5 +112,6 @@ DGX_A100_4 = Cluster("DGX A100, 4 GPUs", "A100", 4, 80 * GIB, A100_NVLINK, 200e9
 def workstation_3090(host_gib=256, host_mem_bw=51.2e9):
     """Two RTX 3090s on PCIe 4.0 (32 GB/s per direction, the only link between them) in a host with
     ``host_gib`` GiB of memory at ``host_mem_bw`` (dual-channel DDR4-3200: 51.2 GB/s)."""
-    return Cluster("2 x RTX 3090, PCIe", "RTX 3090", 2, 24 * GIB, 32e9, 32e9, 71e12, 936e9, link="PCI", host_bw=32e9,
+    return Cluster("2 x RTX 3090, PCIe", "RTX 3090", 2, 24 * GIB, 32e9, 32e9, 71e12, 936e9, link="PCI",
+                   host_bw=32e9,
                    host_bytes=host_gib * GIB, host_mem_bw=host_mem_bw)

@@ -103,7 +103,8 @@ def build_stage(cfg, mesh):
     net = tiny.build(cfg, seed=0)
     rows = torch.cat([megatron.qkv_rows(cfg.hidden, cfg.n_head, tp, r) for r in range(tp)])
     with torch.no_grad():
-        for block in net.blocks:           # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: Colwise's block r is rank r's heads
+        # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: Colwise's block r is rank r's heads
+        for block in net.blocks:
             block.attn.qkv.weight.copy_(block.attn.qkv.weight[rows])
             block.attn.qkv.bias.copy_(block.attn.qkv.bias[rows])
     piece = split(net, pp)[mesh.get_local_rank("pp")]
@@ -172,30 +173,37 @@ def check(dims, micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICR
 def run(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
         num_microbatches=layout3d.MICROBATCHES, timeout=300):
     check(dims, micro_batch, num_microbatches)
-    results = launch.spawn(train, dims.world_size, dims, steps, lr, micro_batch, num_microbatches, timeout=timeout)
+    results = launch.spawn(train, dims.world_size, dims, steps, lr, micro_batch, num_microbatches,
+                           timeout=timeout)
     return summarize(results)
 
 
 def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("The 3D layout with DeviceMesh, parallelize_module, fully_shard and pipelining's 1F1B: "
-                   "losses beside one process's, bytes per group beside the prediction.", world_size_default=None)
+                   "losses beside one process's, bytes per group beside the prediction.",
+                   world_size_default=None)
     for axis in ("dp", "tp", "pp", "cp"):
         p.add_argument(f"--{axis}", type=cli.positive_int, default=1, help=f"{axis} degree (default 1)")
     p.add_argument("--steps", type=cli.at_most(20, "steps of a tiny model"), default=layout3d.STEPS)
-    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"), default=layout3d.MICROBATCHES)
-    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"), default=layout3d.MICRO_BATCH)
+    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"),
+                   default=layout3d.MICROBATCHES)
+    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"),
+                   default=layout3d.MICRO_BATCH)
     args = cli.parse(p, argv)
     d = ParallelDims(**{a: getattr(args, a) for a in ("dp", "tp", "pp", "cp")})
     check(d, args.micro_batch, args.microbatches)
     if args.world_size not in (None, d.world_size):
-        raise ValueError(f"--world-size {args.world_size} is not dp*tp*pp = {d.world_size}; drop --world-size.")
-    results = launch.launch(train, d.world_size, d, args.steps, layout3d.LR, args.micro_batch, args.microbatches,
+        raise ValueError(f"--world-size {args.world_size} is not dp*tp*pp = {d.world_size}; drop "
+                         "--world-size.")
+    results = launch.launch(train, d.world_size, d, args.steps, layout3d.LR, args.micro_batch,
+                            args.microbatches,
                             timeout=args.timeout)
     if results is None:
         return
     r, cfg = summarize(results), layout3d.config()
-    ref = layout3d.reference(cfg, d.dp, args.microbatches, args.micro_batch, args.steps, layout3d.LR)["losses"]
+    ref = layout3d.reference(cfg, d.dp, args.microbatches, args.micro_batch, args.steps,
+                             layout3d.LR)["losses"]
     predicted = [layout3d.predict_bytes_per_group(cfg, d, args.micro_batch, args.microbatches, cfg.seq_len, s)
                  for s in r["stages"]]
     result = {"degrees": d.degrees(), "losses": r["losses"], "reference_losses": ref,

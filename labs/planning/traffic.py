@@ -15,7 +15,6 @@ import functools
 
 import numpy as np
 
-from labs.expert_parallel import moe_routing
 from labs.measure import costs
 from labs.pipeline.stage_balance import stage_layers
 from labs.planning import memory
@@ -102,17 +101,21 @@ def sent_bytes(calls, sizes):
 
 
 @functools.lru_cache(maxsize=None)
-def micro_batch_bytes(model, t, p, c, ep, v, b, recompute, stage, s, e, vocab_parallel=True, sequence_parallel_pp=None):
+def micro_batch_bytes(model, t, p, c, ep, v, b, recompute, stage, s, e, vocab_parallel=True,
+                      sequence_parallel_pp=None):
     """The TP, PP, CP and EP bytes of one micro-batch on rank ``stage``: {"tp_layers", "tp_vocab",
     "pp_activations", "cp", "ep"}."""
     layers = stage_layers(model.layers, p, v)[stage]
     sizes = {"tp": t, "cp": c, "ep": ep, "pp": 2}
-    per_layer = {kind: sent_bytes(layer_calls(model, t, c, ep, b, s, e, recompute, kind), sizes) for kind in (0, 1)}
+    per_layer = {kind: sent_bytes(layer_calls(model, t, c, ep, b, s, e, recompute, kind), sizes)
+                 for kind in (0, 1)}
     n_moe = sum(model.is_moe_layer(i) for i in layers)
     total = {g: (len(layers) - n_moe) * per_layer[0].get(g, 0) + n_moe * per_layer[1].get(g, 0)
              for g in ("tp", "cp", "ep")}
-    outside = sent_bytes(stage_calls(model, t, c, b, s, e, stage, p, v, vocab_parallel, sequence_parallel_pp), sizes)
-    return {"tp_layers": total["tp"], "tp_vocab": outside.get("tp", 0), "pp_activations": outside.get("pp", 0),
+    outside = sent_bytes(stage_calls(model, t, c, b, s, e, stage, p, v, vocab_parallel, sequence_parallel_pp),
+                         sizes)
+    return {"tp_layers": total["tp"], "tp_vocab": outside.get("tp", 0), "pp_activations": outside.get("pp",
+                                                                                                      0),
             "cp": total["cp"], "ep": total["ep"]}
 
 
@@ -132,11 +135,14 @@ def predict_bytes_per_group(model, layout, micro_batch=None, num_microbatches=1,
     p, t = d.pp, d.tp
     tied = model.tied and p > 1 and stage in (0, p - 1)
     e_g = grad_bytes or e
-    terms["pp_tied_embedding"] = _ring("all_reduce", -(-model.vocab // t) * model.hidden * e_g, 2) if tied else 0
+    terms["pp_tied_embedding"] = _ring("all_reduce", -(-model.vocab // t) * model.hidden * e_g,
+                                       2) if tied else 0
     calls = dp_calls(model, layout, stage, e, e_g)
-    terms["dp"] = {0: calls["reduce"], 1: calls["reduce"] + calls["gather"], 2: m * calls["reduce"] + calls["gather"],
+    terms["dp"] = {0: calls["reduce"], 1: calls["reduce"] + calls["gather"], 2: m * calls["reduce"]
+                   + calls["gather"],
                    3: m * (calls["reduce"] + 2 * calls["gather"])}[layout.zero]
-    return {"tp": terms["tp_layers"] + terms["tp_vocab"], "pp": terms["pp_activations"] + terms["pp_tied_embedding"],
+    return {"tp": terms["tp_layers"] + terms["tp_vocab"], "pp": terms["pp_activations"]
+            + terms["pp_tied_embedding"],
             "dp": terms["dp"], "cp": terms["cp"], "ep": terms["ep"], "terms": terms}
 
 
@@ -151,7 +157,8 @@ def dp_calls(model, layout, stage, dtype_bytes=2, grad_bytes=None):
 
 
 @functools.lru_cache(maxsize=None)
-def dp_bytes(model, tp, pp, ep, v, stage, zero, n_dense, n_expert, replicas=1, dtype_bytes=2, grad_bytes=None):
+def dp_bytes(model, tp, pp, ep, v, stage, zero, n_dense, n_expert, replicas=1, dtype_bytes=2,
+             grad_bytes=None):
     """`dp_calls` from the group sizes: n_dense ranks hold the same dense weights, n_expert the same
     experts; ``replicas``: HSDP's replicas of each shard group."""
     params = dict(zip(("dense", "expert"), memory.stage_params(model, tp, pp, ep, v, stage)))

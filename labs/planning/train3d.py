@@ -110,7 +110,8 @@ def build_rank(cfg, g, bugs=()):
     piece = executor.split(tiny.build(cfg, seed=0), lay.pp)[c["pp"]]
     megatron.apply_tensor_parallel(piece, g.tp)
     if lay.cp > 1:
-        apply_context_parallel(piece, g.cp, cfg.seq_len, gather=_bug_gather() if "cp_backward" in bugs else None)
+        apply_context_parallel(piece, g.cp, cfg.seq_len, gather=_bug_gather() if "cp_backward" in bugs
+                               else None)
     if "tp_backward" in bugs:
         _drop_f_backward(piece)
     return piece
@@ -133,8 +134,9 @@ def train(rank, world_size, dims, variants=((),), steps=layout3d.STEPS, lr=layou
           micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
     """Train ``steps`` steps once per variant (a tuple of deliberate bugs, () for the correct layout,
     and "weight_decay" for Adam with coupled weight decay `layout3d.WEIGHT_DECAY`), in one job. Per
-    variant and step: the losses of this rank's micro-batches (last stage only), the counted bytes it sent per group in forward and backward ("passes") and in the optimizer step
-    ("update": ZeRO-1's reduce-scatter and all-gather), and the bytes it sent to another node."""
+    variant and step: the losses of this rank's micro-batches (last stage only), the counted bytes it sent per
+    group in forward and backward ("passes") and in the optimizer step ("update": ZeRO-1's reduce-scatter and
+    all-gather), and the bytes it sent to another node."""
     g, nodes = groups.Groups(dims), _nodes()
     return [_train(g, layout3d.config(), steps, lr, micro_batch, num_microbatches, bugs, nodes)
             for bugs in variants]
@@ -161,7 +163,8 @@ def _train(g, cfg, steps, lr, b, m, bugs, nodes):
                 opt.zero_grad()
             away = {peer for peer, node in enumerate(nodes) if node != nodes[rank]}
             out["losses"].append(ex.losses)
-            out["sent"].append({"passes": bytes_by_group(passes, lay, rank), "update": bytes_by_group(update, lay, rank)})
+            out["sent"].append({"passes": bytes_by_group(passes, lay, rank),
+                                "update": bytes_by_group(update, lay, rank)})
             out["crossing"].append({"passes": bytes_by_group(passes, lay, rank, away),
                                     "update": bytes_by_group(update, lay, rank, away)})
     out["nodes"] = nodes
@@ -219,7 +222,8 @@ def summarize(results, variant=0):
     runs = [r[variant] for r in results]
     last = [r for r in runs if r["last"] and r["coords"]["tp"] == 0]
     steps = len(last[0]["losses"])
-    losses = [sum(sum(r["losses"][t]) for r in last) / sum(len(r["losses"][t]) for r in last) for t in range(steps)]
+    losses = [sum(sum(r["losses"][t]) for r in last) / sum(len(r["losses"][t]) for r in last)
+              for t in range(steps)]
     return {"losses": losses, "sent": [[_per_group(s) for s in r["sent"]] for r in runs],
             "crossing": [[_per_group(s) for s in r["crossing"]] for r in runs],
             "coords": [r["coords"] for r in runs], "nodes": runs[0]["nodes"]}
@@ -250,8 +254,10 @@ def main(argv=None):
     for axis in layout3d.AXES:
         p.add_argument(f"--{axis}", type=cli.positive_int, default=1, help=f"{axis} degree (default 1)")
     p.add_argument("--steps", type=cli.at_most(20, "steps of a tiny model"), default=layout3d.STEPS)
-    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"), default=layout3d.MICROBATCHES)
-    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"), default=layout3d.MICRO_BATCH)
+    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"),
+                   default=layout3d.MICROBATCHES)
+    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"),
+                   default=layout3d.MICRO_BATCH)
     p.add_argument("--lr", type=cli.positive_float, default=layout3d.LR)
     args = cli.parse(p, argv)
     cfg, degrees = layout3d.config(), {a: getattr(args, a) for a in layout3d.AXES}
@@ -269,9 +275,11 @@ def main(argv=None):
     shape = (cfg, d, args.micro_batch, args.microbatches, cfg.seq_len)
     predicted = [layout3d.predict_bytes_per_group(*shape, c["pp"]) for c in r["coords"]]
     per_node = r["nodes"].count(r["nodes"][0])      # ranks fill torchrun's nodes in order
-    result = {"degrees": d.degrees(), "world_size": d.world_size, "losses": r["losses"], "reference_losses": ref,
+    result = {"degrees": d.degrees(), "world_size": d.world_size, "losses": r["losses"],
+              "reference_losses": ref,
               "max_abs_loss_diff": max(abs(a - b) for a, b in zip(r["losses"], ref)),
-              "sent_per_rank": [s[-1] for s in r["sent"]], "predicted_per_rank": predicted, "nodes": r["nodes"],
+              "sent_per_rank": [s[-1] for s in r["sent"]], "predicted_per_rank": predicted,
+              "nodes": r["nodes"],
               "crossing_per_rank": [c[-1] for c in r["crossing"]],
               "crossing_predicted_per_rank": [layout3d.crossing_bytes(*shape, rank, per_node)
                                               for rank in range(d.world_size)]}

@@ -78,7 +78,8 @@ def dequantize(q, scale):
     return q.float() / scale
 
 
-def _rel(y, ref):
+def rel_error(y, ref):
+    """Relative Frobenius error of ``y`` against ``ref``: ||y - ref|| / ||ref||."""
     return ((y - ref).norm() / ref.norm()).item()
 
 
@@ -100,7 +101,7 @@ def matmul_error(M=256, K=512, N=256, outliers=4, outlier_gain=1000.0, seed=0, f
     for name, (gx, gw) in pairs.items():
         xq = quantize(x, gx, fmt)
         y = dequantize(*xq) @ dequantize(*quantize(w, gw, fmt)).t()
-        errors[name] = _rel(y.double(), ref)
+        errors[name] = rel_error(y.double(), ref)
         zeros[name] = (xq[0].float() == 0).double().mean().item()
     return {"errors": errors, "x_zero_fraction": zeros, "shape": [M, K, N], "outliers": outliers}
 

@@ -102,7 +102,8 @@ def try_kernels(M=256, K=512, N=256, seed=0, device=None):
             y = _call(a.to(device), b.to(device), sa.to(device), sb.to(device), kinds).cpu()
         except Exception as exc:  # noqa: BLE001 -- any refusal is the finding, recorded word for word
             # whole: past its first line the message lists the configurations the kernel does take
-            out[recipe] = {"ran": False, "error": f"{type(exc).__name__}: {str(exc).strip()}", "gap": None, "gap_bound": bound}
+            out[recipe] = {"ran": False, "error": f"{type(exc).__name__}: {str(exc).strip()}", "gap": None,
+                           "gap_bound": bound}
             continue
         gap = ((y.double() - ref).norm() / ref.norm()).item()
         out[recipe] = {"ran": True, "error": None, "gap": gap, "gap_bound": bound}
@@ -145,7 +146,8 @@ def cuda_gap_bound(A, B):
 
 def _kernels(args):
     r = try_kernels()
-    return r, "\n".join(f"{k}: " + (f"ran, gap to the emulation {v['gap']:.1e}" if v["ran"] else f"refused: {v['error']}")
+    return r, "\n".join(f"{k}: " + (f"ran, gap to the emulation {v['gap']:.1e}" if v["ran"]
+                                    else f"refused: {v['error']}")
                         for k, v in r["kernels"].items())
 
 

@@ -77,7 +77,8 @@ class DynamicScaler:
     """
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        self.s, self.growth, self.backoff, self.interval = init_scale, growth_factor, backoff_factor, growth_interval
+        self.s, self.growth, self.backoff, self.interval = (init_scale, growth_factor, backoff_factor,
+                                                            growth_interval)
         self.clean, self.found_inf = 0, False
 
     def get_scale(self):
@@ -131,7 +132,8 @@ def _run_scaler(scaler, steps, init_seed=0):
         scale = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
-        trace.append({"step": step, "scale": scale, "skipped": bool(torch.equal(before, net.weight.detach()))})
+        trace.append({"step": step, "scale": scale,
+                      "skipped": bool(torch.equal(before, net.weight.detach()))})
     return trace, [p.detach().clone() for p in net.parameters()]
 
 
@@ -211,7 +213,8 @@ def weight_invisible(mode, steps=6, loss_weight=2.0 ** -24):
 
 def _underflow(args):
     r = underflow()
-    lines = [f"{row['format']} x{row['scale']:>9,}: zero {row['zero']:.3f}, inf {row['inf']:.5f}" for row in r["rows"]]
+    lines = [f"{row['format']} x{row['scale']:>9,}: zero {row['zero']:.3f}, inf {row['inf']:.5f}"
+             for row in r["rows"]]
     return {"formats": formats(), **r}, "\n".join(lines)
 
 
@@ -237,7 +240,8 @@ def _e4m3_flush_below(amax):
 
 
 EXERCISES = {
-    "1": lambda: formats()["fp16"]["smallest_normal"] / 2.0 ** -30,  # S lifting 2^-30 to FP16's smallest normal
+    # S lifting 2^-30 to FP16's smallest normal
+    "1": lambda: formats()["fp16"]["smallest_normal"] / 2.0 ** -30,
     "2": lambda: _e4m3_flush_below(1792.0),
     # ring all-gather on 8 ranks: each rank sends 7 shards of 2^20 FP8 elements, each with its fp32 scale
     "3": lambda: 7 * (2 ** 20 * formats()["fp8_e4m3"]["bits"] // 8 + formats()["fp32"]["bits"] // 8),

@@ -119,12 +119,14 @@ def dot_accumulation(Ks=(64, 256, 1024, 4096), rows=64, seed=0):
 
 def _lost(args):
     r = lost_updates()
-    return r, "\n".join(f"{k}: distance to the FP32 master run {v:.4f}" for k, v in r["distance_to_fp32"].items())
+    return r, "\n".join(f"{k}: distance to the FP32 master run {v:.4f}"
+                        for k, v in r["distance_to_fp32"].items())
 
 
 def _dot(args):
     r = dot_accumulation()
-    return r, "\n".join(f"K={k}: bf16 accumulator {a:.2e}, fp32 accumulator {b:.2e}, torch bf16 matmul {c:.2e}"
+    return r, "\n".join(f"K={k}: bf16 accumulator {a:.2e}, fp32 accumulator {b:.2e}, torch bf16 "
+                        f"matmul {c:.2e}"
                         for k, a, b, c in zip(r["K"], r["bf16"], r["fp32"], r["torch_matmul"]))
 
 

@@ -96,7 +96,8 @@ def blocks_vs_mx(M=256, K=512, outliers=4, outlier_gain=1000.0, seed=0):
     x, chosen = fp8.activations(M, K, outliers, outlier_gain, seed=seed, channels=True)  # (M, K)
     ordinary = torch.ones(K, dtype=torch.bool)
     ordinary[chosen] = False
-    runs = {"1x128, fp32 scale": lambda: tile_quantize(x), "1x128, power-of-two scale": lambda: tile_quantize(x, True),
+    runs = {"1x128, fp32 scale": lambda: tile_quantize(x),
+            "1x128, power-of-two scale": lambda: tile_quantize(x, True),
             "1x32 MX, E8M0 (spec: floor)": lambda: mx_quantize(x, "floor"),
             "1x32 MX, E8M0 (round up)": lambda: mx_quantize(x, "ceil")}
     out = {}
@@ -158,14 +159,16 @@ def drift(history=16, margin=0, **activation):
     return {"history": history, "margin": margin, "amax": amaxes, "steps": steps,
             "saturating_steps_predicted": predicted,
             "saturating_steps": [t for t, s in enumerate(steps["delayed"]) if s["saturated"]],
-            "totals": {k: {"saturated": sum(s["saturated"] for s in v), "flushed": sum(s["flushed"] for s in v)}
+            "totals": {k: {"saturated": sum(s["saturated"] for s in v),
+                           "flushed": sum(s["flushed"] for s in v)}
                        for k, v in steps.items()}}
 
 
 def _mx(args):
     r = blocks_vs_mx()
     return r, "\n".join(f"{k}: error {v['error']:.4f}, saturated {v['saturated']}, "
-                        f"{v['scale_bytes_per_element']:.4f} B of scale per element" for k, v in r["rows"].items())
+                        f"{v['scale_bytes_per_element']:.4f} B of scale per element"
+                        for k, v in r["rows"].items())
 
 
 def _drift(args):

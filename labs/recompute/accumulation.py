@@ -86,7 +86,8 @@ def _one_step(kind, sync_each, rank, world_size, cfg, accumulation, batch, lr):
         peak = mem.peak_net
     full = fsdp.HandFSDP.full_parameters(wrapped) if kind == "hand" else \
         {n: p.full_tensor() for n, p in net.named_parameters()}
-    return {"per_micro_batch": per_micro, "bytes_per_step": sum(e["bytes_sent"] for m in per_micro for e in m.values())
+    return {"per_micro_batch": per_micro,
+            "bytes_per_step": sum(e["bytes_sent"] for m in per_micro for e in m.values())
             + step_tally.bytes_sent, "held_after_micro_batch": held, "peak_bytes": peak,
             "params": {n: t.detach().clone() for n, t in full.items()}}
 
@@ -107,7 +108,8 @@ def _fsdp_no_sync(rank, world_size, accumulation, batch, lr):
     for kind in ("hand", "fsdp2"):
         for sync_each in (True, False):
             r = _one_step(kind, sync_each, rank, world_size, cfg, accumulation, batch, lr)
-            r["max_param_diff_vs_one_process"] = max((r["params"][n] - p).abs().max().item() for n, p in ref.items())
+            r["max_param_diff_vs_one_process"] = max((r["params"][n] - p).abs().max().item()
+                                                     for n, p in ref.items())
             del r["params"]
             out[f"{kind}, {'sync every micro-batch' if sync_each else 'no sync until the last'}"] = r
     dist.barrier()
@@ -134,7 +136,8 @@ def sync_switches(world_size=2, accumulation=4, batch=2, lr=0.1, timeout=240.0):
     results = launch.spawn(_sync_switches, world_size, accumulation, batch, lr, timeout=timeout)
     fsdp_runs = [r["fsdp"] for r in results]
     return {"ddp": results[0]["ddp"],
-            "fsdp": {"world_size": world_size, "accumulation": accumulation, "ranks": fsdp_runs, **fsdp_runs[0]}}
+            "fsdp": {"world_size": world_size, "accumulation": accumulation, "ranks": fsdp_runs,
+                     **fsdp_runs[0]}}
 
 
 # --- clipping and the loss scale under accumulation ---------------------------------------------
@@ -199,12 +202,14 @@ def clipping(accumulation=4, batch=2, clip_fraction=0.5, scale=2.0 ** 10, lr=0.1
 
 def main(argv=None):
     from labs.launcher import cli
-    p = cli.parser("Gradient accumulation under FSDP: the reduce-scatter per micro-batch or once, bytes and peak.")
+    p = cli.parser("Gradient accumulation under FSDP: the reduce-scatter per micro-batch or once, "
+                   "bytes and peak.")
     p.add_argument("--accumulation", type=cli.at_most(16, "micro-batches per step"), default=4)
     args = cli.parse(p, argv)
     r = fsdp_no_sync(args.world_size or 2, args.accumulation, timeout=args.timeout)
     del r["ranks"]
-    cli.report(r, args, "\n".join(f"{k}: {v['bytes_per_step']} bytes sent per step (counted), peak {v['peak_bytes']} B"
+    cli.report(r, args,
+               "\n".join(f"{k}: {v['bytes_per_step']} bytes sent per step (counted), peak {v['peak_bytes']} B"
                                   for k, v in r.items() if isinstance(v, dict)))
 
 

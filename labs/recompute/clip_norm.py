@@ -26,7 +26,6 @@ gradients clipped with the library's norm are compared with one process clipping
 
     python -m labs.recompute.clip_norm --json
 """
-import math
 
 import torch
 import torch.distributed as dist
@@ -185,7 +184,8 @@ def rank_clip(rank, world_size):
         raise ValueError(f"the clipping lab runs dp (or pp) = 2 by tp = 2: world size 4, not {world_size}.")
     norm, grads = reference()
     out = {"reference": norm}
-    for name, run, dims in (("fsdp_tp", fsdp_tp, ParallelDims(dp=2, tp=2)), ("pp_tp", pp_tp, ParallelDims(pp=2, tp=2))):
+    for name, run, dims in (("fsdp_tp", fsdp_tp, ParallelDims(dp=2, tp=2)),
+                            ("pp_tp", pp_tp, ParallelDims(pp=2, tp=2))):
         r = run(rank, dims.mesh())
         r["max_grad_err"] = _max_err(r.pop("grads"), grads)
         out[name] = r

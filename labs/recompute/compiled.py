@@ -215,7 +215,8 @@ def compare(cfg=None, batch=2, budgets=(1.0, 0.5, 0.0), hand_policies=("none", "
     for r in [*eager.values(), *compiled.values()]:
         r["extra_backward_flops"] = r["backward_flops"] - base["backward_flops"]
         by_op, ref = r["backward_by_op"], base["backward_by_op"]
-        r["recomputed_flops_by_op"] = {op: n - ref.get(op, 0) for op, n in by_op.items() if n != ref.get(op, 0)}
+        r["recomputed_flops_by_op"] = {op: n - ref.get(op, 0) for op, n in by_op.items()
+                                       if n != ref.get(op, 0)}
         r["max_rel_grad_diff_vs_eager"] = max_relative_grad_diff(r["grads"], base["grads"])
         r["grads_equal_eager"] = all(torch.equal(g, g0) for g, g0 in zip(r["grads"], base["grads"]))
         r["loss_diff_vs_eager"] = abs(r["loss"] - base["loss"])

@@ -114,13 +114,15 @@ def graph_saved_bytes(loss, pool):
 
 def main(argv=None):
     from labs.launcher import cli
-    p = cli.parser("Activation offloading, simulated on a CPU: bytes kept, peak, bytes moved.", world_size_default=1)
+    p = cli.parser("Activation offloading, simulated on a CPU: bytes kept, peak, bytes moved.",
+                   world_size_default=1)
     args = cli.parse(p, argv)
     if args.world_size not in (None, 1):
         raise ValueError(f"offloading runs in one process; drop --world-size {args.world_size} or pass 1.")
     r = compare()
     cli.report(r, args, "\n".join(f"{m}: kept {v['kept_bytes']} B, peak {v['peak_bytes']} B, to host "
-                                  f"{v['to_host_bytes']} B, back {v['to_device_bytes']} B" for m, v in r["rows"].items()))
+                                  f"{v['to_host_bytes']} B, back {v['to_device_bytes']} B"
+                                  for m, v in r["rows"].items()))
 
 
 if __name__ == "__main__":

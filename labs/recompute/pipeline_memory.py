@@ -5,7 +5,8 @@ before its first backward, so it holds the activations of up to p - s micro-batc
 of L/p layers: stage 0 holds p micro-batches of L/p layers, L layers' worth whatever p is. A
 recomputation policy multiplies what each micro-batch leaves behind, so the two multiply:
 
-    held by stage s = (p - s) micro-batches x (activation bytes of one micro-batch on stage s under the policy)
+    held by stage s = (p - s) micro-batches x (activation bytes of one micro-batch on stage s under the
+    policy)
 
 `run_policy` runs 1F1B on chapter 5's executor (`labs.pipeline.executor`, real sends and receives,
 held bytes measured after every action by saved-tensor hooks) with every block of every stage
@@ -96,7 +97,8 @@ def run_policy(world_size=3, m=6, layers_per_stage=2, batch=2, timeout=180.0):
 
 def main(argv=None):
     from labs.launcher import cli
-    p = cli.parser("Recomputation under 1F1B: activation bytes held per stage, measured.", world_size_default=3)
+    p = cli.parser("Recomputation under 1F1B: activation bytes held per stage, measured.",
+                   world_size_default=3)
     p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches"), default=6)
     args = cli.parse(p, argv)
     r = run_policy(args.world_size or 3, args.microbatches, timeout=args.timeout)

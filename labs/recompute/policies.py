@@ -40,7 +40,8 @@ POLICIES = ("none", "full", "selective", "every-k")
 aten = torch.ops.aten
 # The ops whose outputs the selective policy keeps: the expensive ones (matmuls with weights) and
 # those whose outputs backward needs and whose recomputation would drag the matmuls along.
-SAVED_OPS = frozenset({aten.addmm.default, aten.mm.default, aten.native_layer_norm.default, aten.gelu.default})
+SAVED_OPS = frozenset({aten.addmm.default, aten.mm.default, aten.native_layer_norm.default,
+                       aten.gelu.default})
 
 
 def selective_policy(ctx, op, *args, **kwargs):
@@ -85,7 +86,8 @@ def formula_bytes(policy, cfg, batch, k=2, dtype=torch.bfloat16):
     s, b, h, a, L = cfg.seq_len, batch, cfg.hidden, cfg.n_head, cfg.n_layer
     if policy in ("full", "every-k"):
         units = L if policy == "full" else L // k
-        return units * activations.gpt3_activation_bytes_per_layer(s, b, h, a, recompute="full", dropout=False)
+        return units * activations.gpt3_activation_bytes_per_layer(s, b, h, a, recompute="full",
+                                                                   dropout=False)
     mode = "selective" if policy == "selective" else "none"
     per_layer = activations.gpt3_activation_bytes_per_layer(s, b, h, a, recompute=mode, dropout=False)
     stats = 2 * s * b * activations.layernorm_stat_bytes(h, dtype)
@@ -140,8 +142,8 @@ def measure(policy, cfg=None, batch=2, k=2, dtype=torch.bfloat16):
 
 
 def compare(cfg=None, batch=2, k=2, dtype=torch.bfloat16, policies=POLICIES):
-    """Each policy (always with "none"), with ratios to "none": bytes kept (measured and derived), FLOPs (measured and
-    derived), and the largest gradient difference from "none"'s."""
+    """Each policy (always with "none"), with ratios to "none": bytes kept (measured and derived), FLOPs
+    (measured and derived), and the largest gradient difference from "none"'s."""
     rows = {p: measure(p, cfg, batch, k, dtype) for p in dict.fromkeys(("none", *policies))}
     base = rows["none"]
     total = lambda r: r["forward_flops"] + r["backward_flops"]                       # noqa: E731
@@ -152,7 +154,8 @@ def compare(cfg=None, batch=2, k=2, dtype=torch.bfloat16, policies=POLICIES):
         r["formula_flops_ratio_vs_none"] = ftotal(r) / ftotal(base)
         r["bytes_ratio_vs_none"] = r["activation_bytes"] / base["activation_bytes"]
         r["formula_bytes_ratio_vs_none"] = r["formula_bytes"] / base["formula_bytes"]
-        r["max_grad_diff_vs_none"] = max(float((g - g0).abs().max()) for g, g0 in zip(r["grads"], base["grads"]))
+        r["max_grad_diff_vs_none"] = max(float((g - g0).abs().max())
+                                         for g, g0 in zip(r["grads"], base["grads"]))
     for r in rows.values():
         del r["grads"]
     return rows
@@ -227,11 +230,13 @@ def selective_at_scale(h=12288, a=96, s=2048, layers=96, vocab=51200, dropout=Tr
     if h % a:
         raise ValueError(f"h={h} is not divisible by a={a}; pick a head count that divides h.")
     none = activations.gpt3_activation_bytes_per_layer(s, 1, h, a, dropout=dropout)
-    selective = activations.gpt3_activation_bytes_per_layer(s, 1, h, a, recompute="selective", dropout=dropout)
+    selective = activations.gpt3_activation_bytes_per_layer(s, 1, h, a, recompute="selective",
+                                                            dropout=dropout)
     step = compute.flops_per_token(12 * h * h, 1, h, s)["total"]
     model = 1 + s / (6 * h) + vocab / (12 * h * layers)                  # Korthikanti et al., Appendix A
     return {"memory_removed": 1 - selective / none, "scores_term": (5 if dropout else 2) * a * s / h,
-            "selective_flops_added": compute.recompute_flops_per_token(12 * h * h, 1, h, s, "selective") / step,
+            "selective_flops_added": compute.recompute_flops_per_token(12 * h * h, 1, h, s, "selective")
+            / step,
             "full_flops_added": compute.recompute_flops_per_token(12 * h * h, 1, h, s, "full") / step,
             "korthikanti_flops_added": (model + s / (6 * h)) / model - 1}
 
@@ -262,7 +267,8 @@ def check(question, answer, rel=0.01):
 
 def main(argv=None):
     from labs.launcher import cli
-    p = cli.parser("Activation recomputation: bytes kept for backward and FLOPs, measured beside the formulas.",
+    p = cli.parser("Activation recomputation: bytes kept for backward and FLOPs, measured beside "
+                   "the formulas.",
                    world_size_default=1)
     p.add_argument("--policy", choices=POLICIES, default="full")
     p.add_argument("--layers", type=cli.at_most(64, "layers of the tiny stack"), default=4)
@@ -279,7 +285,8 @@ def main(argv=None):
                                                   "formula_flops_ratio_vs_none", "bytes_ratio_vs_none",
                                                   "max_grad_diff_vs_none")}
     cli.report(r, args, f"{args.policy}: {r['activation_bytes']} bytes kept for backward (formula "
-               f"{r['formula_bytes']}), {r['flops']} FLOPs, {r['flops_ratio_vs_none']:.3f}x the FLOPs of none")
+               f"{r['formula_bytes']}), {r['flops']} FLOPs, {r['flops_ratio_vs_none']:.3f}x the "
+               "FLOPs of none")
 
 
 if __name__ == "__main__":

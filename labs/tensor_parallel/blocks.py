@@ -28,12 +28,13 @@ def _full_block(kind, cfg):
     return tiny.MLP(cfg) if kind == "mlp" else tiny.CausalSelfAttention(cfg)
 
 
-def _slice_of_full(name, full_grad, tp, rank, kind, cfg):
+def slice_of_full(name, full_grad, tp, rank, kind, cfg):
     """The part of the unsharded gradient that rank ``rank`` should hold for parameter ``name``."""
     hidden = cfg.hidden
     if kind == "mlp":
         rows = megatron.shard_rows(4 * hidden, tp, rank)
-        pick = {"fc.weight": lambda g: g[rows], "fc.bias": lambda g: g[rows], "proj.weight": lambda g: g[:, rows]}
+        pick = {"fc.weight": lambda g: g[rows], "fc.bias": lambda g: g[rows],
+                "proj.weight": lambda g: g[:, rows]}
     else:
         rows = megatron.qkv_rows(hidden, cfg.n_head, tp, rank)
         pick = {"qkv.weight": lambda g: g[rows], "qkv.bias": lambda g: g[rows],
@@ -67,7 +68,7 @@ def check_block(rank, world_size, kind="mlp", b=2, s=8, hidden=48):
         out = block(x_tp)
     with megatron.payloads() as backward:
         (out * upstream).sum().backward()
-    grads = {name: (p.grad - _slice_of_full(name, dict(full.named_parameters())[name].grad, world_size, rank,
+    grads = {name: (p.grad - slice_of_full(name, dict(full.named_parameters())[name].grad, world_size, rank,
                                             kind, cfg)).abs().max().item()
              for name, p in block.named_parameters()}
     grads["input"] = (x_tp.grad - x_ref.grad).abs().max().item()
@@ -75,7 +76,8 @@ def check_block(rank, world_size, kind="mlp", b=2, s=8, hidden=48):
     return {"max_abs_error_output": (out - ref_out).abs().max().item(),
             "max_abs_error_grad": max(grads.values()), "grad_errors": grads,
             "allreduce_forward": len(forward), "allreduce_backward": len(backward),
-            "allreduce_payloads": {"forward": [c["bytes"] for c in forward], "backward": [c["bytes"] for c in backward]},
+            "allreduce_payloads": {"forward": [c["bytes"] for c in forward],
+                                   "backward": [c["bytes"] for c in backward]},
             "allreduce_ops": [c["op"] for c in calls],
             "allreduce_bytes": forward[0]["bytes"] if forward else 0,  # g's tensor: this rank's partial sum
             "allreduce_bytes_sent": sum(_ring_bytes(c, world_size, rank) for c in calls),
@@ -134,9 +136,11 @@ def dtensor_mlp(rank, world_size, b=2, s=8):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     cfg, dev = config(), launch.device()
     g = torch.Generator().manual_seed(1)
-    x, upstream = torch.randn(b, s, cfg.hidden, generator=g).to(dev), torch.randn(b, s, cfg.hidden, generator=g).to(dev)
+    x, upstream = (torch.randn(b, s, cfg.hidden, generator=g).to(dev),
+                   torch.randn(b, s, cfg.hidden, generator=g).to(dev))
     hand = megatron.parallelize_mlp(_full_block("mlp", cfg).to(dev), None)
-    lib = parallelize_module(_full_block("mlp", cfg).to(dev), ParallelDims(tp=world_size).mesh(dev.type)["tp"],
+    lib = parallelize_module(_full_block("mlp", cfg).to(dev),
+                             ParallelDims(tp=world_size).mesh(dev.type)["tp"],
                              {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
     outs, grads = [], []
     for block in (hand, lib):
@@ -144,7 +148,8 @@ def dtensor_mlp(rank, world_size, b=2, s=8):
         out = block(xi)
         (out * upstream).sum().backward()
         outs.append(out.detach())
-        local = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for n, p in block.named_parameters()}
+        local = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+                 for n, p in block.named_parameters()}
         grads.append(dict(local, input=xi.grad))
     placements = {n: str(p.placements) for n, p in lib.named_parameters()}
     return {"max_abs_error_output": (outs[0] - outs[1]).abs().max().item(),
@@ -176,7 +181,8 @@ def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100
     flops = matmul_flops + attention_flops
     return {"message_bytes": message, "sent_bytes": sent, "comm_s": sent / budget.LINKS[link],
             "matmul_flops": matmul_flops, "attention_flops": attention_flops, "flops": flops,
-            "compute_s": flops / budget.PEAK_FLOPS[device], "hh_weight_bytes": arch.hidden ** 2 * bytes_per_elem}
+            "compute_s": flops / budget.PEAK_FLOPS[device],
+            "hh_weight_bytes": arch.hidden ** 2 * bytes_per_elem}
 
 
 # Chapter 4's exercises: the answers are computed here, so the book never types them.

@@ -24,17 +24,17 @@ from labs.tensor_parallel import megatron
 def kv_layout(n_head, n_kv_head, tp):
     """How a query heads and k KV heads sit on tp ranks: "split" or "replicate", per-rank counts."""
     if n_head % tp:
-        raise ValueError(f"the number of query heads = {n_head} is not divisible by tp = {tp}; choose a tp that "
-                         f"divides it.")
+        raise ValueError(f"the number of query heads = {n_head} is not divisible by tp = {tp}; "
+                         f"choose a tp that divides it.")
     if n_kv_head % tp == 0:
         mode, local, copies = "split", n_kv_head // tp, 1
     elif tp % n_kv_head == 0:
         mode, local, copies = "replicate", 1, tp // n_kv_head
     else:
-        raise ValueError(f"{n_kv_head} KV heads cannot be split or replicated over tp = {tp}: tp must divide the "
-                         f"KV heads or be a multiple of them.")
-    return {"mode": mode, "q_heads_per_rank": n_head // tp, "kv_heads_per_rank": local, "copies_per_kv_head": copies,
-            "kv_fraction_per_rank": local / n_kv_head}
+        raise ValueError(f"{n_kv_head} KV heads cannot be split or replicated over tp = {tp}: tp "
+                         f"must divide the KV heads or be a multiple of them.")
+    return {"mode": mode, "q_heads_per_rank": n_head // tp, "kv_heads_per_rank": local,
+            "copies_per_kv_head": copies, "kv_fraction_per_rank": local / n_kv_head}
 
 
 def kv_heads_of(rank, n_kv_head, tp):
@@ -79,7 +79,8 @@ def parallelize_gqa(attn, group=None):
 
 def copy_groups(n_kv_head, tp):
     """One process group per KV head: the ranks holding its copies (call on every rank, same order)."""
-    return [dist.new_group([r for r in range(tp) if kv_heads_of(r, n_kv_head, tp) == [j]]) for j in range(n_kv_head)]
+    return [dist.new_group([r for r in range(tp) if kv_heads_of(r, n_kv_head, tp) == [j]])
+            for j in range(n_kv_head)]
 
 
 def sum_replicated_kv_grads(module, n_kv_head, groups):
@@ -127,12 +128,14 @@ def check(rank, world_size, n_kv_head=1, n_head=12, hidden=48, b=2, s=8):
         if groups is not None:
             sum_replicated_kv_grads(module, n_kv_head, groups)
     errors = {k: (mine[k].weight.grad - ref[k]).abs().max().item() for k in mine}
-    errors.update(output=(out - out_ref).abs().max().item(), input=(x_tp.grad - x_ref.grad).abs().max().item())
+    errors.update(output=(out - out_ref).abs().max().item(),
+                  input=(x_tp.grad - x_ref.grad).abs().max().item())
     return {"layout": lay, "errors": errors, "kv_grad_error_unsummed": unsummed,
             "kv_params": {"per_rank": mine["wk"].weight.numel() + mine["wv"].weight.numel(),
                           "unsharded": full.wk.weight.numel() + full.wv.weight.numel()},
             "allreduce_payloads": {name: t.ops["all_reduce"]["payloads"] if t.calls("all_reduce") else []
-                                   for name, t in (("forward", fwd), ("backward", bwd), ("kv_grad_sum", kv_sum))}}
+                                   for name, t in (("forward", fwd), ("backward", bwd),
+                                                   ("kv_grad_sum", kv_sum))}}
 
 
 def check_many(rank, world_size, kv_heads=(1,), **kwargs):
@@ -148,8 +151,9 @@ def main(argv=None):
     args = cli.parse(p, argv)
     kv_layout(args.heads, args.kv_heads, args.world_size)
     if args.heads % args.kv_heads or 48 % args.heads or (48 // args.heads) % 2:
-        raise ValueError(f"--heads {args.heads} and --kv-heads {args.kv_heads} do not fit h = 48: the KV heads "
-                         f"must divide the heads, and the heads 48 into an even head size (e.g. 12 heads).")
+        raise ValueError(f"--heads {args.heads} and --kv-heads {args.kv_heads} do not fit h = 48: "
+                         "the KV heads must divide the heads, and the heads 48 into an even head size "
+                         "(e.g. 12 heads).")
     results = launch.launch(check, args.world_size, args.kv_heads, args.heads, timeout=args.timeout)
     if results is None:
         return

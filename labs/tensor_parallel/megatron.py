@@ -39,10 +39,17 @@ def payloads():
         _logs.remove(log)
 
 
-def _all_reduce(x, group, op):
+def record(op, x):
+    """Record one collective in every open `payloads()` log: the bytes of the tensor handed to it,
+    read from the tensor."""
     for log in _logs:
         log.append({"op": op, "bytes": x.numel() * x.element_size(), "numel": x.numel(),
                     "element_size": x.element_size(), "shape": tuple(x.shape)})
+
+
+def logged_all_reduce(x, group, op):
+    """``comm.all_reduce`` of ``x`` over ``group``, recorded under ``op`` in every open log."""
+    record(op, x)
     comm.all_reduce(x, group=group)
 
 
@@ -57,7 +64,7 @@ class _F(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        _all_reduce(grad, ctx.group, "f backward")
+        logged_all_reduce(grad, ctx.group, "f backward")
         return grad, None
 
 
@@ -67,7 +74,7 @@ class _G(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous().clone()
-        _all_reduce(x, group, "g forward")
+        logged_all_reduce(x, group, "g forward")
         return x
 
     @staticmethod

@@ -72,7 +72,8 @@ def condition(model="70B", links=(NVLINK, INFINIBAND), tps=(1, 2, 4, 8, 16, 32, 
                          "ratio_step": r * 2 / 3})
         args = (arch.hidden, budget.LINKS[link], budget.PEAK_FLOPS[device], seq, arch.layer_params())
         out["links"][link] = {"bandwidth": budget.LINKS[link], "rows": rows,
-                              "crossover_tp": crossover_tp(*args), "crossover_tp_step": crossover_tp(*args, step=True),
+                              "crossover_tp": crossover_tp(*args),
+                              "crossover_tp_step": crossover_tp(*args, step=True),
                               "first_comm_bound_tp": next((r["tp"] for r in rows if r["ratio"] >= 1), None)}
     return out
 
@@ -80,8 +81,8 @@ def condition(model="70B", links=(NVLINK, INFINIBAND), tps=(1, 2, 4, 8, 16, 32, 
 def crossover_table(models=("7B", "13B", "70B", "405B"), links=(NVLINK, INFINIBAND), seq=4096, device=DEVICE):
     """tp* for each model and link: how h moves the crossover (it grows about as 3 h W / F)."""
     return [{"model": m, "hidden": budget.MODELS[m].hidden,
-             **{link: crossover_tp(budget.MODELS[m].hidden, budget.LINKS[link], budget.PEAK_FLOPS[device], seq,
-                                   budget.MODELS[m].layer_params()) for link in links}} for m in models]
+             **{link: crossover_tp(budget.MODELS[m].hidden, budget.LINKS[link], budget.PEAK_FLOPS[device],
+                                   seq, budget.MODELS[m].layer_params()) for link in links}} for m in models]
 
 
 def measure_layer(rank, world_size, b=2, s=8, hidden=48, link=NVLINK, device=DEVICE):
@@ -105,7 +106,8 @@ def measure_layer(rank, world_size, b=2, s=8, hidden=48, link=NVLINK, device=DEV
     sent = sum(comm.ring_allreduce_elements(c["numel"], world_size, rank) * c["element_size"] for c in log)
     bw, peak = budget.LINKS[link], budget.PEAK_FLOPS[device]
     matmul_weights = 12 * hidden * hidden                            # qkv 3h^2, proj h^2, fc 4h^2, proj 4h^2
-    return {"flops": measured, "flops_formula": (2 * matmul_weights * b * s + 4 * b * s * s * hidden) // world_size,
+    return {"flops": measured,
+            "flops_formula": (2 * matmul_weights * b * s + 4 * b * s * s * hidden) // world_size,
             "payloads": [c["bytes"] for c in log], "sent_bytes": sent, "element_size": x.element_size(),
             "ratio_measured": (sent / bw) / (measured / peak),
             "ratio_formula": ratio(hidden, world_size, bw, peak, s, matmul_weights, x.element_size())}

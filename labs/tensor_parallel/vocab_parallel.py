@@ -2,8 +2,9 @@
 
 Shoeybi et al. 2019 (arXiv 1909.08053), §3: the input embedding E is split along the vocabulary,
 E = [E_1, E_2], shared with the output layer, and the parallel GEMM's output is fused with the
-cross-entropy so that only b x s numbers cross ranks, never the b x s x V logits. Megatron-LM's VocabParallelEmbedding and _VocabParallelCrossEntropy
-(megatron/core/tensor_parallel/layers.py, cross_entropy.py) are the reference implementation.
+cross-entropy so that only b x s numbers cross ranks, never the b x s x V logits. Megatron-LM's
+VocabParallelEmbedding and _VocabParallelCrossEntropy (megatron/core/tensor_parallel/layers.py,
+cross_entropy.py) are the reference implementation.
 
 Rank i holds rows [i V/tp, (i+1) V/tp) of the embedding E (V x h) and of the head W (V x h):
 - embedding: a token outside the rank's range looks up row 0 and its output is zeroed (masked);
@@ -34,8 +35,9 @@ from labs.tensor_parallel import megatron
 def check_vocab(vocab, tp):
     """Refuse a tp that does not divide V, before any process starts."""
     if vocab % tp:
-        raise ValueError(f"the vocabulary V = {vocab} is not divisible by tp = {tp}; choose a tp that divides V "
-                         f"(padding V, as Megatron does, would put padded logits in the softmax).")
+        raise ValueError(f"the vocabulary V = {vocab} is not divisible by tp = {tp}; choose a tp "
+                         "that divides V (padding V, as Megatron does, would put padded logits in "
+                         "the softmax).")
     return vocab // tp
 
 
@@ -139,7 +141,8 @@ def check(rank, world_size, b=2, s=8, hidden=16, vocab=96):
 
     start, end = vocab_range(vocab, world_size, rank)
     emb = VocabParallelEmbedding(emb_full, None)
-    head = megatron.ColumnParallelLinear(head_full, None, torch.arange(start, end))  # f: all-reduce in backward
+    # f: all-reduce in backward
+    head = megatron.ColumnParallelLinear(head_full, None, torch.arange(start, end))
     with comm.counting() as count_emb:
         x = emb(ids)                                          # (b, s, h), the full lookup on every rank
     logits = head(x)                                          # (b, s, V/tp)
@@ -182,8 +185,10 @@ def main(argv=None):
         return
     r = results[0]
     out = {"loss": r["loss"].item(), "loss_ref": r["loss_ref"].item(), "world_size": len(results),
-           "allreduce_calls": {k: v["calls"] for k, v in r["counts"].items()}, "logits_bytes": r["logits_bytes"]}
-    cli.report(out, args, f"vocab-parallel loss {out['loss']:.6f} vs unsharded {out['loss_ref']:.6f}; all-reduces "
+           "allreduce_calls": {k: v["calls"] for k, v in r["counts"].items()},
+           "logits_bytes": r["logits_bytes"]}
+    cli.report(out, args,
+               f"vocab-parallel loss {out['loss']:.6f} vs unsharded {out['loss_ref']:.6f}; all-reduces "
                f"{out['allreduce_calls']}; logits {r['logits_bytes']['per_rank']} bytes per rank vs "
                f"{r['logits_bytes']['unsharded']} unsharded")
 

@@ -39,7 +39,8 @@ def adam_largest_step(t, history="worst", numel=1000, seed=0, betas=(0.9, 0.999)
         if history == "worst":
             w.grad = torch.full_like(w, (betas[1] / betas[0]) ** i)
         else:
-            w.grad = torch.randn(numel, generator=g, dtype=torch.float64) * torch.rand(numel, generator=g) ** 4
+            w.grad = (torch.randn(numel, generator=g, dtype=torch.float64)
+                      * torch.rand(numel, generator=g) ** 4)
         before = w.detach().clone()
         opt.step()
     return (w.detach() - before).abs().max().item()

@@ -80,7 +80,8 @@ class Unit:
         # the full weights in the compute dtype: one buffer, freed (0 bytes) whenever not in use
         self.compute_dtype = compute_dtype or dtype
         self.full = torch.empty(self.padded, dtype=self.compute_dtype, device=device)
-        self.unsharded = [torch.nn.Parameter(self.full[s:s + p.numel()].view(p.shape), requires_grad=p.requires_grad)
+        self.unsharded = [torch.nn.Parameter(self.full[s:s + p.numel()].view(p.shape),
+                                             requires_grad=p.requires_grad)
                           for p, s in zip(params, self.start)]
         self.full.untyped_storage().resize_(0)
         self.gathered, self.in_backward, self.done = False, False, False
@@ -115,7 +116,8 @@ class Unit:
         self._swap(self.unsharded)
         flat, spec = tree_flatten((args, kwargs))
         if self.compute_dtype != self.dtype:  # as FSDP2's cast_forward_inputs
-            flat = [t.to(self.compute_dtype) if torch.is_tensor(t) and t.is_floating_point() else t for t in flat]
+            flat = [t.to(self.compute_dtype) if torch.is_tensor(t) and t.is_floating_point() else t
+                    for t in flat]
         idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
         if idx and torch.is_grad_enabled():
             for i, t in zip(idx, _PostBackward.apply(self, *(flat[i] for i in idx))):
@@ -240,11 +242,12 @@ class HandFSDP:
             flat = u.flat_shard.new_empty(u.padded)
             comm.all_gather_single(flat, u.flat_shard, group=self.group)
             for shape, s, places in zip(u.shapes, u.start, u.where):
-                out[_name(self.model, places[0])] = flat[s:s + shape.numel()].view(shape).clone()
+                out[param_name(self.model, places[0])] = flat[s:s + shape.numel()].view(shape).clone()
         return out
 
 
-def _name(model, place):
+def param_name(model, place):
+    """The dotted name in ``model`` of the parameter at ``place``, a (module, attribute name) pair."""
     module, name = place
     prefix = next(n for n, m in model.named_modules() if m is module)
     return f"{prefix}.{name}" if prefix else name
@@ -262,7 +265,8 @@ def fully_shard_units(net, units, mesh, param_dtype=None, cpu_offload=False, han
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
     if cpu_offload:
         policy["offload_policy"] = CPUOffloadPolicy()
-    for unit in list(units) + [net]:  # one unit each: gathered just before it runs, freed after; the root last
+    # one unit each: gathered just before it runs, freed after; the root last
+    for unit in list(units) + [net]:
         fully_shard(unit, **policy)
         if hand_comm:
             unit.set_custom_all_gather(CommAllGather())
@@ -271,7 +275,8 @@ def fully_shard_units(net, units, mesh, param_dtype=None, cpu_offload=False, han
 
 
 class CommAllGather:
-    """FSDP2's all-gather (its ``AllGather`` interface: ``allocate`` and a call) through `labs.measure.comm`."""
+    """FSDP2's all-gather (its ``AllGather`` interface: ``allocate`` and a call) through
+    `labs.measure.comm`."""
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)

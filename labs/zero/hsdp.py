@@ -71,11 +71,11 @@ class GroupBytes(TorchDispatchMode):
         reason = wire.unavailable(pg)
         if reason is None:
             dist.barrier(group=pg)   # the window: nothing else in flight on this group
-            start = wire._wchar()
+            start = wire.wchar()
         out = func(*args, **kwargs)
         if reason is None:
             torch._C._distributed_c10d.Work.unbox(out[1]).wait()   # the data has gone
-            wire_bytes = wire._wchar() - start
+            wire_bytes = wire.wchar() - start
         self.records.append({"op": op, "group": self.labels[pg.group_name], "n": n, "payload": payload,
                              "formula_sent": formula, "wire_sent": None if reason else wire_bytes,
                              "element_size": (args[0][0] if op == "all_reduce" else args[1]).element_size()})
@@ -83,13 +83,15 @@ class GroupBytes(TorchDispatchMode):
 
     def by_group(self):
         """{group: {op: {calls, payload, formula_sent, wire_sent}}}."""
-        out = defaultdict(lambda: defaultdict(lambda: {"calls": 0, "payload": 0, "formula_sent": 0, "wire_sent": 0}))
+        out = defaultdict(lambda: defaultdict(lambda: {"calls": 0, "payload": 0, "formula_sent": 0,
+                                                       "wire_sent": 0}))
         for r in self.records:
             e = out[r["group"]][r["op"]]
             e["calls"] += 1
             for k in ("payload", "formula_sent"):
                 e[k] += r[k]
-            e["wire_sent"] = None if r["wire_sent"] is None or e["wire_sent"] is None else e["wire_sent"] + r["wire_sent"]
+            e["wire_sent"] = (None if r["wire_sent"] is None or e["wire_sent"] is None
+                              else e["wire_sent"] + r["wire_sent"])
         return {g: dict(ops) for g, ops in out.items()}
 
 
@@ -191,11 +193,12 @@ def hsdp_vs_full(rank, world_size, shard=2, steps=2, lr=1e-3):
     meshes = {"hsdp": hsdp, "full": ParallelDims(dp=world_size).mesh(dev)["dp"]}
     labels = {hsdp.get_group(f"dp_{d}").group_name: d for d in ("replicate", "shard")}
     labels[meshes["full"].get_group().group_name] = "all"
-    out = {"ranks": {d: dist.get_process_group_ranks(hsdp.get_group(f"dp_{d}")) for d in ("replicate", "shard")}}
+    out = {"ranks": {d: dist.get_process_group_ranks(hsdp.get_group(f"dp_{d}"))
+                     for d in ("replicate", "shard")}}
     for name, mesh in meshes.items():
         mode = GroupBytes(labels)
-        _, state = _train(shard_model(tiny.build(device=launch.device()), mesh, torch.bfloat16), rank, world_size,
-                          1, lr, mode)
+        _, state = _train(shard_model(tiny.build(device=launch.device()), mesh, torch.bfloat16), rank,
+                          world_size, 1, lr, mode)
         net = shard_model(tiny.build(device=launch.device()), mesh)
         losses, _ = _train(net, rank, world_size, steps, lr)
         params = {k: v.full_tensor().detach().cpu() for k, v in net.named_parameters()}
@@ -224,7 +227,8 @@ def zero3_bandwidth(params, flops_per_token, tokens_per_rank, n, mfu=0.4, peak=H
     Returns bytes per step, seconds of compute, the bandwidth needed, and the T at which a
     ``nic`` suffices (``tokens_at_nic``)."""
     if min(params, flops_per_token, tokens_per_rank, mfu, peak) <= 0 or n < 2:
-        raise ValueError("params, flops_per_token, tokens_per_rank, mfu and peak must be positive and n >= 2.")
+        raise ValueError("params, flops_per_token, tokens_per_rank, mfu and peak must be "
+                         "positive and n >= 2.")
     model = elem * params
     step_bytes = float(2 * costs.sent("all_gather", model, n) + costs.sent("reduce_scatter", model, n))
     compute_s = flops_per_token * tokens_per_rank / (mfu * peak)
@@ -235,8 +239,8 @@ def zero3_bandwidth(params, flops_per_token, tokens_per_rank, n, mfu=0.4, peak=H
 
 def worked_example(model="70B", seq=4096, micro_batch=2, n=64, mfu=0.4, node=8):
     """`zero3_bandwidth` for a published shape (`labs.memory_budget.budget.MODELS`), its FLOPs per token from
-    chapter 1 (`labs.memory_budget.compute.flops_per_token`, attention included); beside it HSDP with a node of
-    ``node`` GPUs as the shard group: only 2 (r-1)/r elem P / node bytes per rank cross nodes."""
+    chapter 1 (`labs.memory_budget.compute.flops_per_token`, attention included); beside it HSDP with a node
+    of ``node`` GPUs as the shard group: only 2 (r-1)/r elem P / node bytes per rank cross nodes."""
     from labs.memory_budget.budget import MODELS
     from labs.memory_budget.compute import arch_matmul_params, flops_per_token
     arch = MODELS[model]
@@ -246,4 +250,5 @@ def worked_example(model="70B", seq=4096, micro_batch=2, n=64, mfu=0.4, node=8):
     out["hsdp_cross_bytes"] = 2 * (r - 1) * BF16 * arch.params() / (r * node)
     out["hsdp_bandwidth"] = out["hsdp_cross_bytes"] / out["compute_s"]
     return {**out, "model": model, "params": arch.params(), "flops_per_token": per_token, "seq": seq,
-            "micro_batch": micro_batch, "n": n, "mfu": mfu, "node": node, "tokens_per_rank": seq * micro_batch}
+            "micro_batch": micro_batch, "n": n, "mfu": mfu, "node": node,
+            "tokens_per_rank": seq * micro_batch}

@@ -137,7 +137,8 @@ class ShardedOptimizer:
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.buckets = [Bucket(b, self.n, self.rank, stage) for b in groups if b]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.optimizer = optimizer_class([piece for b in self.buckets for _, piece, _, _ in b.pieces], **defaults)
+        self.optimizer = optimizer_class([piece for b in self.buckets for _, piece, _, _ in b.pieces],
+                                         **defaults)
         self.got_grad, self._reduced, self._queued = set(), None, False
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._grad_ready)

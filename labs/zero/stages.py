@@ -36,6 +36,7 @@ from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
 
 STAGES = (0, 1, 2, 3)
 BF16 = 2
+_REFERENCES = {}  # single_process's results, per process
 
 
 def formula_bytes(stage, padded, n):
@@ -61,10 +62,11 @@ def build(stage, cfg, lr=1e-3, zero1_allreduce=False, units="blocks", device="cp
     the whole model gathered at once) and torch.optim.Adam on the shards."""
     net = tiny.build(cfg, seed=0, device=device).to(torch.bfloat16)  # bf16-representable start
     if stage == 3:
-        hand = fsdp.HandFSDP(net.float(), list(net.blocks) if units == "blocks" else [], compute_dtype=torch.bfloat16)
+        hand = fsdp.HandFSDP(net.float(), list(net.blocks) if units == "blocks" else [],
+                             compute_dtype=torch.bfloat16)
         return net, torch.optim.Adam(net.parameters(), lr=lr), hand
-    return net, ShardedOptimizer(net.parameters(), torch.optim.Adam, stage=stage, buckets=unit_buckets(net, net.blocks),
-                                 zero1_allreduce=zero1_allreduce, lr=lr), None
+    return net, ShardedOptimizer(net.parameters(), torch.optim.Adam, stage=stage, lr=lr,
+                                 buckets=unit_buckets(net, net.blocks), zero1_allreduce=zero1_allreduce), None
 
 
 def held_bytes(net, opt):
@@ -75,7 +77,8 @@ def held_bytes(net, opt):
     parameter, where the ZeRO paper splits the same 16/N as 2/N + 2/N + 12/N."""
     inner = opt.optimizer if isinstance(opt, ShardedOptimizer) else opt
     state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
-    grads = opt.gradient_tensors() if isinstance(opt, ShardedOptimizer) else [p.grad for p in net.parameters()]
+    grads = (opt.gradient_tensors() if isinstance(opt, ShardedOptimizer)
+             else [p.grad for p in net.parameters()])
     masters = [b.master for b in opt.buckets] if isinstance(opt, ShardedOptimizer) else []
     seen = set()
     out = {"parameters": memory.storage_bytes(net.parameters(), seen),
@@ -92,7 +95,8 @@ def _shard_grads(net, opt):
         names = {p: n for n, p in net.named_parameters()}
         return [(names[p], b.lo + first - b.start[p], g[first:last].clone())
                 for b, g in zip(opt.buckets, opt.reduce_grads()) for p, _, first, last in b.pieces]
-    return [(n, p.offset, p.grad.clone()) for n, p in net.named_parameters() if p.grad is not None and p.numel()]
+    return [(n, p.offset, p.grad.clone()) for n, p in net.named_parameters()
+            if p.grad is not None and p.numel()]
 
 
 def _grad_error(pieces, ref):
@@ -113,9 +117,6 @@ def single_process(cfg, steps, batch_size, world_size, lr=1e-3):
     if key not in _REFERENCES:
         _REFERENCES[key] = _single_process(cfg, steps, batch_size, world_size, lr)
     return _REFERENCES[key]
-
-
-_REFERENCES = {}
 
 
 def _single_process(cfg, steps, batch_size, world_size, lr):
@@ -142,7 +143,7 @@ COMM_KINDS = {"hand": "counted messages", "library": "formula bytes"}
 
 def _collectives(kind):
     """"hand": every collective in the block is a ring of counted point-to-point messages (chapter 2);
-    "library": torch.distributed's collectives, whose bytes `labs.measure.comm` can only give as the formula's."""
+    "library": torch.distributed's collectives, whose bytes `labs.measure.comm` gives as the formula's."""
     if kind not in COMM_KINDS:
         raise ValueError(f"collectives must be one of {', '.join(COMM_KINDS)}, got {kind!r}.")
     return hand_ring.hand_collectives() if kind == "hand" else contextlib.nullcontext()
@@ -179,8 +180,8 @@ def _train(net, opt, cfg, steps, rank, batch_size, dev, collectives, after_first
     return losses, tally, window
 
 
-def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, lr=1e-3, units="blocks", cfg=None,
-        collectives="hand"):
+def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, lr=1e-3, units="blocks",
+        cfg=None, collectives="hand"):
     """Train with one stage; report bytes held between steps, the peak during the last step, bytes
     sent per step, and the distance to one process.
 
@@ -198,18 +199,16 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
     first = []  # the first step's gradients, taken between backward and the optimizer step
     losses, tally, window = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives,
                                    after_first_backward=lambda: first.append(_shard_grads(net, opt)))
-    first_grad = first[0]
     held = held_bytes(net, opt)
     params = _working_weights(net, hand, cfg)
     reference, ref_grad = single_process(cfg, steps, batch_size, world_size, lr)
-    numel = tiny.num_params(tiny.GPT(cfg))
     padded = sum(b.padded for b in (opt.buckets if hand is None else hand.units))
-    return {"numel": numel, "padded": padded, "held": held, "peak": window.result(),
+    return {"numel": tiny.num_params(tiny.GPT(cfg)), "padded": padded, "held": held, "peak": window.result(),
             "comm_bytes_per_step": _bytes_sent(tally, collectives), "comm_kind": COMM_KINDS[collectives],
             "comm_ops_per_step": tally.as_dict()["ops"], "losses": losses, "params": params,
             "max_param_diff_vs_single_process": (params - reference).abs().max().item(),
             "param_bound": adam_drift.param_bound(reference, steps, lr),
-            "grad_rel_error_vs_single_process": _grad_error(first_grad, ref_grad)}
+            "grad_rel_error_vs_single_process": _grad_error(first[0], ref_grad)}
 
 
 def all_stages(rank, world_size, steps=2, batch_size=2):
@@ -231,7 +230,8 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, c
     # fp32 masters that start from the bf16-rounded weights, exactly as the hand recipe's do
     net = tiny.build(cfg, seed=0, device=dev).to(torch.bfloat16).float()
     mesh = ParallelDims(dp=world_size).mesh(dev.type)["dp"]
-    fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload, hand_comm=collectives == "hand")
+    fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload,
+                           hand_comm=collectives == "hand")
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses, tally, window = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives)
     shards = {name: {"placements": str(p.placements), "full_shape": tuple(p.shape),
@@ -265,7 +265,8 @@ def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None
                     x, y = _batch(cfg, micro, rank, batch_size, dev)
                     (net(x, y) / a).backward()
                 opt.step()
-            out[str(stage)][str(a)] = {"bytes_sent": _bytes_sent(tally, collectives), "ops": tally.as_dict()["ops"]}
+            out[str(stage)][str(a)] = {"bytes_sent": _bytes_sent(tally, collectives),
+                                       "ops": tally.as_dict()["ops"]}
     return out
 
 
@@ -275,7 +276,7 @@ EXERCISES = {"1": lambda: budget.state_gb("70B", 64, zero_stage=2),
              "3": lambda: budget.lowest_zero_stage("13B", 8, 0.1, seq=4096, micro_batch=8, recompute="full")}
 MISTAKES = {"1": [(lambda: budget.state_gb("70B", 64, 2, "bf16_no_master"),
                    "2 + 10/N bytes per parameter: the 12-byte recipe, without the fp32 master copy"),
-                  (lambda: budget.state_gb("70B", 64, zero_stage=1), "ZeRO-1's 4 + 12/N: the gradients left whole"),
+                  (lambda: budget.state_gb("70B", 64, 1), "ZeRO-1's 4 + 12/N: the gradients left whole"),
                   budget.nominal("70B", EXERCISES["1"])],
             "2": [(lambda: formula_comm(0, budget.MODELS["13B"].params(), 8) / budget.GB,
                    "DDP's bytes: ZeRO-3's extra all-gather left out")],
@@ -293,25 +294,24 @@ def main(argv=None):
                    help="stage 1 with an all-reduce of the gradients instead of a reduce-scatter")
     p.add_argument("--whole", action="store_true", help="stage 3 gathering the whole model at once")
     args = cli.parse(p, argv)
-    results = launch.launch(run, args.world_size, args.stage, args.steps, zero1_allreduce=args.zero1_allreduce,
-                            units="whole" if args.whole else "blocks", timeout=args.timeout)
+    results = launch.launch(run, args.world_size, args.stage, args.steps, timeout=args.timeout,
+                            zero1_allreduce=args.zero1_allreduce, units="whole" if args.whole else "blocks")
     if results is None:
         return
     n, r0 = len(results), results[0]
     result = {"world_size": n, "stage": args.stage, "numel": r0["numel"], "padded": r0["padded"],
               "state_bytes": [r["held"]["total"] for r in results],
               "state_bytes_formula": formula_bytes(args.stage, r0["padded"], n),
-              "peak_bytes": [r["peak"]["peak_bytes"] for r in results],
+              "peak_bytes": [r["peak"]["peak_bytes"] for r in results], "param_bound": r0["param_bound"],
               "comm_bytes_per_step": [r["comm_bytes_per_step"] for r in results],
               "comm_bytes_formula": formula_comm(args.stage, r0["padded"], n, args.zero1_allreduce),
               "max_param_diff_vs_single_process": max(r["max_param_diff_vs_single_process"] for r in results),
-              "param_bound": r0["param_bound"],
               "grad_rel_error_vs_single_process": max(r["grad_rel_error_vs_single_process"] for r in results)}
     cli.report(result, args, f"ZeRO-{args.stage} on {n} ranks, Psi = {r0['numel']} (padded {r0['padded']}): "
                f"{result['state_bytes'][0] / r0['numel']:.3f} bytes/param held per rank (formula "
-               f"{result['state_bytes_formula'] / r0['numel']:.3f}), peak during a step {result['peak_bytes'][0]} "
-               f"bytes, {result['comm_bytes_per_step'][0]} bytes sent per step ({r0['comm_kind']}; formula "
-               f"{result['comm_bytes_formula']}), max |w - one process| "
+               f"{result['state_bytes_formula'] / r0['numel']:.3f}), peak during a step "
+               f"{result['peak_bytes'][0]} bytes, {result['comm_bytes_per_step'][0]} bytes sent per step "
+               f"({r0['comm_kind']}; formula {result['comm_bytes_formula']}), max |w - one process| "
                f"{result['max_param_diff_vs_single_process']:.4f} (bound {r0['param_bound']:.4f})")
 
 

@@ -26,8 +26,9 @@ class ToyLM(torch.nn.Module):
         nn = torch.nn
         self.emb = nn.Embedding(vocab, hidden)
         self.frozen = nn.Linear(hidden, hidden).requires_grad_(False)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(),
-                                                  nn.Linear(2 * hidden, hidden)) for _ in range(depth))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden),
+                                                  nn.GELU(), nn.Linear(2 * hidden, hidden))
+                                    for _ in range(depth))
         self.aux = nn.Linear(hidden, hidden)       # no gradient in the steps that skip it
         self.head = nn.Linear(hidden, vocab, bias=False)
         self.head.weight = self.emb.weight         # tied: one Parameter, two uses
