@@ -141,8 +141,9 @@ def main(argv=None):
              + (" (more ranks than cores: times are not a timing claim)" if r["oversubscribed"] else "")]
     for rk in r["ranks"]:
         t = rk["totals"]
-        lines.append(f"rank {rk['rank']}: step {t['step_s'] * 1e3:.1f} ms = compute {t['compute_s'] * 1e3:.1f} + "
-                     f"exposed comm {t['exposed_comm_s'] * 1e3:.1f} + peer wait {t['peer_wait_s'] * 1e3:.1f} + "
+        lines.append(f"rank {rk['rank']}: step {t['step_s'] * 1e3:.1f} ms = "
+                     f"compute {t['compute_s'] * 1e3:.1f} + exposed comm {t['exposed_comm_s'] * 1e3:.1f} + "
+                     f"peer wait {t['peer_wait_s'] * 1e3:.1f} + "
                      f"idle {t['idle_s'] * 1e3:.1f}; comm in flight {t['comm_s'] * 1e3:.1f} ms, overlap "
                      + ("-" if t["overlap_fraction"] is None else f"{t['overlap_fraction']:.2f}"))
     cli.report(r, args, "\n".join(lines))
