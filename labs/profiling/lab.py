@@ -79,7 +79,7 @@ def run(lab, world_size, steps=3, warmup=2, folder=None, timeout=300, memory=Tru
                 oversubscribed=world_size > (os.cpu_count() or 1) and launch.device().type == "cpu")
 
 
-def run_many(runs, world_size, folder=None, steps=1, warmup=1, timeout=600, memory=("ddp",)):
+def run_many(runs, world_size, folder=None, steps=1, warmup=2, timeout=600, memory=("ddp",)):
     """Several labs in one job per backend: ``runs`` is {name: (lab, options)}; the traces of each go
     to ``folder``/<name> (default: a fresh temporary folder). Starting the ranks once for all of them
     saves a job start per lab. ``memory``: the names recorded with memory events. Returns {name:

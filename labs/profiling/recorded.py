@@ -2,7 +2,8 @@
 
     python -m labs.profiling.recorded --out notebooks/traces/15
 
-One step of each lab of `RUNS` on 2 ranks after one unrecorded warm-up step, written to
+One step of each lab of `RUNS` on 2 ranks after two unrecorded warm-up steps (DDP rebuilds its
+buckets after the first step and broadcasts their layout in the second), written to
 ``--out``/<name>/rank<r>.json.gz (gzipped Chrome JSON; open it in Perfetto or chrome://tracing).
 The notebook runs the same labs into a temporary folder and only reads these files, so executing
 it never rewrites a committed trace.
@@ -21,7 +22,7 @@ LARGEST = 2**20            # bytes: a linked trace stays small enough to commit
 
 def record(out, world_size=2, timeout=600):
     """`RUNS` into ``out``; refuses a trace over `LARGEST` bytes. Returns {name: `lab.run`'s result}."""
-    runs = lab.run_many(RUNS, world_size, out, steps=1, warmup=1, timeout=timeout, memory=MEMORY)
+    runs = lab.run_many(RUNS, world_size, out, steps=1, warmup=2, timeout=timeout, memory=MEMORY)
     for name, r in (runs or {}).items():
         for rk in r["ranks"]:
             if os.path.getsize(rk["path"]) > LARGEST:
