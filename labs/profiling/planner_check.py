@@ -163,6 +163,11 @@ def compare(name, results, cal):
     if any(pred["peer_wait_s"]):    # the bubble as a share of compute: (p - 1)/m, whatever the rate
         mean["bubble_share"] = [w / c for w, c in zip(mean["peer_wait_s"], mean["compute_s"])]
         pred["bubble_share"] = [w / c for w, c in zip(pred["peer_wait_s"], pred["compute_s"])]
+        # a receive is peer wait until the peer posts its send, communication after: both are waiting
+        mean["wait_share"] = [(w + x) / c for w, x, c in zip(mean["peer_wait_s"], mean["exposed_comm_s"],
+                                                             mean["compute_s"])]
+        pred["wait_share"] = [(w + x) / c for w, x, c in zip(pred["peer_wait_s"], pred["exposed_comm_s"],
+                                                             pred["compute_s"])]
     rows = {}
     for k, values in mean.items():
         med, lo, hi, conf = timing.median_interval(values)
