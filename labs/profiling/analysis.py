@@ -29,6 +29,7 @@ same quantities come from kernels: compute kernels, NCCL kernels (``nccl`` in th
 step's window on the GPU timeline (its ``gpu_user_annotation``), as HTA computes them.
 """
 import bisect
+import sys
 from collections import defaultdict
 
 from labs.profiling import intervals as iv
@@ -271,16 +272,19 @@ def coverage(row, wall_s, thread):
     idle is interpreter time (on a CPU, at most the CPU time not spent in operators) plus delay;
     operators, which do not block on the CPU, hold at most their own CPU time plus D. So
 
-        idle <= (cpu - compute) + 2 D.
+        idle <= (cpu - compute) + 2 D + s.
 
-    A wait the trace missed (blocked on something no event records) breaks the bound by its length, less
-    the slack (CPU time spent while communication was in flight). ``window_s``: the trace's step
-    window minus the wall clock's, the cost of entering and leaving the annotation.
+    s, the stated margin: one hand-off of Python's GIL (``sys.getswitchinterval()``, 5 ms), the one
+    block no event records that the lab's own threads cause (gloo's and the profiler's threads take
+    the GIL between operators). A wait the trace missed (blocked on something no event records)
+    breaks the bound by its length, less the margin and the slack (CPU time spent while communication
+    was in flight). ``window_s``: the trace's step window minus the wall clock's, the cost of
+    entering and leaving the annotation.
     """
     out = {"step_s": wall_s, "window_s": row["step_s"] - wall_s, "idle_s": row["idle_s"],
            "covered_s": row["compute_s"] + row["exposed_comm_s"] + row["peer_wait_s"] + row["input_s"]}
     if thread is None:
         return dict(out, bound_s=None, holds=None, why="the kernel gives no per-thread schedstat here")
-    bound = thread["cpu_s"] - row["compute_s"] + 2 * thread["delay_s"]
+    bound = thread["cpu_s"] - row["compute_s"] + 2 * thread["delay_s"] + sys.getswitchinterval()
     return dict(out, bound_s=bound, cpu_s=thread["cpu_s"], delay_s=thread["delay_s"],
-                holds=row["idle_s"] <= bound)
+                margin_s=sys.getswitchinterval(), holds=row["idle_s"] <= bound)
