@@ -72,6 +72,8 @@ AUDITED = {2: [
     # mode is left out: the audit flags DDP's C++ reducer copying a gradient into a bucket in backward
     # (aten.mul.out), a bucket whose device it cannot see (device_audit's docstring)
     ("labs.profiling.opt_exercise.run_modes", (["fsdp2+ac"], 32, os.path.join(TRACES, "opt")), {"steps": 1}),
+    ("labs.profiling.lab.record_many", ([("tp", os.path.join(TRACES, "many"), {}, False)],),
+     {"steps": 1, "warmup": 0}),
 ], 4: [
     ("labs.zero.hsdp.hsdp_vs_full", (2,), {"steps": 1}),
     ("labs.recompute.clip_norm.rank_clip", (), {}),
@@ -93,7 +95,8 @@ SLOW = {"labs.data_parallel.ddp.run", "labs.collectives.crossover.rank_sweep",
         "labs.memory_budget.budget.measure", "labs.zero.stages.all_stages", "labs.zero.hsdp.hsdp_vs_full",
         "labs.context_parallel.hybrid.check", "labs.expert_parallel.node_dispatch.compare",
         "labs.expert_parallel.ep_dp.check", "labs.expert_parallel.moe_check.check_layer",
-        "labs.profiling.lab.record", "labs.profiling.overlap.record", "labs.profiling.opt_exercise.run_modes"}
+        "labs.profiling.lab.record", "labs.profiling.overlap.record", "labs.profiling.opt_exercise.run_modes",
+        "labs.profiling.lab.record_many"}
 ALL = os.environ.get("LABS_AUDIT_ALL") == "1"
 
 # Started by the labs but not audited here, each with the reason.

@@ -96,8 +96,8 @@ def _p2p_traces():
     recv_args = {"Concrete Inputs": ["", "", "0", "7"]}
     r0 = [step(0, 0, 100), op("aten::mm", 0, 40), op("c10d::send", 40, 41, args=send_args),
           op("gloo:send", 40.5, 100, cat="user_annotation"), op("aten::mm", 41, 100)]
-    r1 = [step(0, 0, 60), op("c10d::recv_", 0, 1, args=recv_args), op("gloo:recv", 0.5, 50, cat="user_annotation"),
-          op("aten::mm", 50, 60)]
+    r1 = [step(0, 0, 60), op("c10d::recv_", 0, 1, args=recv_args),
+          op("gloo:recv", 0.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
     return [{"events": r0}, {"events": r1}]
 
 
@@ -154,8 +154,8 @@ def _cli(*args, timeout=240):
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
     folder = tmp_path_factory.mktemp("traces")
-    out = _cli("--lab", "hand-ddp", "--world-size", "2", "--steps", "2", "--warmup", "1", "--out", str(folder),
-               "--json")
+    out = _cli("--lab", "hand-ddp", "--world-size", "2", "--steps", "2", "--warmup", "1",
+               "--out", str(folder), "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), folder
 

@@ -5,7 +5,7 @@
 - `analysis`: per rank and step, compute, communication in flight and exposed, peer wait, input,
   idle; the communication per operation; the memory record; whether the trace covers the step.
 - `targets`: the book's training labs (DDP, FSDP, FSDP2, TP, 1F1B, GPipe, 3D) as one step each.
-- `lab`: a training lab under the profiler on every rank, its traces analysed together.
+- `lab`: a training lab (or several, in one job) under the profiler on every rank, traces analysed together.
 - `__main__`: ``python -m labs.profiling --lab ddp --world-size 2 --json``, `lab`'s command.
 - `figures`: per-rank timelines (compute, exposed, waiting, in flight) drawn from the analysis.
 - `timing`: a ratio of interleaved repeats with a distribution-free interval; a winner only outside 1.
@@ -16,4 +16,6 @@
 - `hta_check`: Holistic Trace Analysis on the same traces: what it reads on the CPU, its GPU breakdowns.
 - `quiz`: the chapter's exercises, each answer computed by the chapter's code, and their checker.
 - `opt_exercise`: OPT-1.3B's shapes under DDP, FSDP2 and FSDP2 + checkpointing: memory, communication.
+- `recorded`: the traces the chapter links, recorded on purpose by one command (the notebook only reads them).
+- `planner_check`: chapter 14's time model calibrated here (FLOP/s, alpha, beta), predicted beside traced.
 """

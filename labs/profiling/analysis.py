@@ -13,7 +13,8 @@ Per rank and per step (the `trace.STEP` annotation's window), on the CPU with gl
   the communication completes: so, the issue calls, and each gap between the rank thread's
   operators from its start up to the last completion inside it (`waited`). A gap that no
   completion ends is the interpreter or the scheduler, not a wait: on a CPU the rank thread can be
-  off its core while gloo works, which a GPU's compute kernels never are. (Holistic Trace Analysis's definition for GPU kernels, communication time
+  off its core while gloo works, which a GPU's compute kernels never are. (Holistic Trace
+  Analysis's definition for GPU kernels, communication time
   not overlapped by compute kernels, is what `_gpu_breakdown` uses.)
 - peer wait: the part of a receive before its peer had even posted the matching send (the send
   is found in the peer's trace by source, destination and tag, in order): the rank waits for the
@@ -28,6 +29,7 @@ same quantities come from kernels: compute kernels, NCCL kernels (``nccl`` in th
 step's window on the GPU timeline (its ``gpu_user_annotation``), as HTA computes them.
 """
 import bisect
+import sys
 from collections import defaultdict
 
 from labs.profiling import intervals as iv
@@ -73,11 +75,12 @@ def messages(trace):
             continue
         args = e["args"].get("Concrete Inputs") or []
         kind = "send" if e["name"] == "c10d::send" else "recv"
-        span = next((s for s in spans if s["name"] == "gloo:" + kind and e["ts"] <= s["ts"] <= e["ts"] + e["dur"]),
-                    None)
+        span = next((s for s in spans
+                     if s["name"] == "gloo:" + kind and e["ts"] <= s["ts"] <= e["ts"] + e["dur"]), None)
         out.append({"kind": kind, "peer": int(args[2]) if len(args) > 3 else None,
                     "tag": int(args[3]) if len(args) > 3 else None, "post": e["ts"],
-                    "span": (span["ts"], span["ts"] + span["dur"]) if span else (e["ts"], e["ts"] + e["dur"])})
+                    "span": (span["ts"], span["ts"] + span["dur"]) if span
+                    else (e["ts"], e["ts"] + e["dur"])})
     return out
 
 
@@ -147,10 +150,11 @@ def breakdown(trace, p2p=None):
     ends += [b for _, b in p2p["transfer"]]              # a collective's, or a message's, completion
     waits = iv.subtract(iv.subtract(p2p["wait"], compute_all), issue)
     exposed_all = iv.subtract(waited(compute_all, issue, comm_all, ends), waits)
-    loader = iv.union((e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == tid and e["name"].startswith(LOADER))
+    loader = iv.union((e["ts"], e["ts"] + e["dur"]) for e in events
+                      if e["tid"] == tid and e["name"].startswith(LOADER))
     loader = iv.subtract(iv.subtract(loader, iv.union(compute_all + exposed_all)), waits)
-    return [_terms(i, (a, b), *(iv.clip(x, (a, b)) for x in (compute_all, comm_all, waits, loader, exposed_all)))
-            for i, a, b in windows]
+    parts = (compute_all, comm_all, waits, loader, exposed_all)
+    return [_terms(i, (a, b), *(iv.clip(x, (a, b)) for x in parts)) for i, a, b in windows]
 
 
 def waited(compute, issue, comm, ends):
@@ -227,7 +231,8 @@ def comm_by_op(trace, per_step=True):
     windows, _ = steps(trace["events"])
     out = {}
     for e in trace["events"]:
-        if e["ph"] != "X" or not e["name"].startswith(SPANS) or not any(a <= e["ts"] < b for _, a, b in windows):
+        if e["ph"] != "X" or not e["name"].startswith(SPANS) or \
+                not any(a <= e["ts"] < b for _, a, b in windows):
             continue
         row = out.setdefault(e["name"], {"calls": 0, "bytes": 0, "intervals": []})
         row["calls"] += 1
@@ -267,15 +272,19 @@ def coverage(row, wall_s, thread):
     idle is interpreter time (on a CPU, at most the CPU time not spent in operators) plus delay;
     operators, which do not block on the CPU, hold at most their own CPU time plus D. So
 
-        idle <= (cpu - compute) + 2 D.
+        idle <= (cpu - compute) + 2 D + s.
 
-    A wait the trace missed (blocked on something no event records) breaks the bound by its length, less
-    the slack (CPU time spent while communication was in flight). ``window_s``: the trace's step
-    window minus the wall clock's, the cost of entering and leaving the annotation.
+    s, the stated margin: one hand-off of Python's GIL (``sys.getswitchinterval()``, 5 ms), the one
+    block no event records that the lab's own threads cause (gloo's and the profiler's threads take
+    the GIL between operators). A wait the trace missed (blocked on something no event records)
+    breaks the bound by its length, less the margin and the slack (CPU time spent while communication
+    was in flight). ``window_s``: the trace's step window minus the wall clock's, the cost of
+    entering and leaving the annotation.
     """
     out = {"step_s": wall_s, "window_s": row["step_s"] - wall_s, "idle_s": row["idle_s"],
            "covered_s": row["compute_s"] + row["exposed_comm_s"] + row["peer_wait_s"] + row["input_s"]}
     if thread is None:
         return dict(out, bound_s=None, holds=None, why="the kernel gives no per-thread schedstat here")
-    bound = thread["cpu_s"] - row["compute_s"] + 2 * thread["delay_s"]
-    return dict(out, bound_s=bound, cpu_s=thread["cpu_s"], delay_s=thread["delay_s"], holds=row["idle_s"] <= bound)
+    bound = thread["cpu_s"] - row["compute_s"] + 2 * thread["delay_s"] + sys.getswitchinterval()
+    return dict(out, bound_s=bound, cpu_s=thread["cpu_s"], delay_s=thread["delay_s"],
+                margin_s=sys.getswitchinterval(), holds=row["idle_s"] <= bound)

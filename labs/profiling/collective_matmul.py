@@ -56,7 +56,8 @@ def layers(hidden, out_features, group=None, seed=0):
     t, i = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(seed)
     full = nn.Linear(hidden, out_features)
-    plain = sp_layers.ColumnParallelLinear(full, group, megatron.shard_rows(out_features, t, i)).to(launch.device())
+    rows = megatron.shard_rows(out_features, t, i)
+    plain = sp_layers.ColumnParallelLinear(full, group, rows).to(launch.device())
     plain.regather = False        # forward only: keep the plain all-gather then matmul
     return plain
 
@@ -86,7 +87,8 @@ def check(rank, world_size, batch=2, seq=64, hidden=128, out_features=64, seed=0
     err = (got.double() - want.double()).abs()
     rolled = got.roll(rows, dims=1)                     # a ring that writes each chunk one slot off
     return {"max_abs_error": err.max().item(), "max_bound": limit.max().item(),
-            "within_bound": bool((err <= limit).all()), "bitwise_equal_fraction": (got == want).float().mean().item(),
+            "within_bound": bool((err <= limit).all()),
+            "bitwise_equal_fraction": (got == want).float().mean().item(),
             "misplaced_within_bound": bool(((rolled.double() - want.double()).abs() <= limit).all()),
             "shape": tuple(got.shape)}
 
@@ -95,7 +97,8 @@ def steps(rank, world_size, calls=4, batch=4, seq=256, hidden=1024, out_features
     """The two forward passes as profiled steps ("a": the ring, "b": the plain layer), ``calls``
     layer calls each: a transfer of (s/t) x B x H floats against a matmul of the same rows."""
     plain = layers(hidden, out_features, seed=seed)
-    x = torch.randn(batch, seq // world_size, hidden, generator=torch.Generator().manual_seed(rank)).to(launch.device())
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, seq // world_size, hidden, generator=gen).to(launch.device())
 
     def ring():
         with torch.no_grad():

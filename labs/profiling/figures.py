@@ -42,7 +42,7 @@ def draw(ax, per_rank, step=0, title=None, t0=None):
     return used
 
 
-def figure(panels, step=0, width=7.0):
+def figure(panels, step=0, width=6.5):
     """Stacked timelines: ``panels`` is a list of (title, per_rank) drawn one under the other."""
     heights = [0.55 * len(per_rank) + 0.45 for _, per_rank in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(width, sum(heights) + 0.9),

@@ -78,5 +78,6 @@ def gpu_crosscheck(folder):
         out[rank] = {"hta_compute_us": float(t["compute_time(us)"]), "hta_idle_us": float(t["idle_time(us)"]),
                      "hta_overlap_pct": float(o["comp_comm_overlap_pctg"]),
                      "labs_compute_us": mine["compute_s"] * 1e6, "labs_idle_us": mine["idle_s"] * 1e6,
-                     "labs_overlap_pct": None if mine["overlap_fraction"] is None else 100 * mine["overlap_fraction"]}
+                     "labs_overlap_pct": None if mine["overlap_fraction"] is None
+                     else 100 * mine["overlap_fraction"]}
     return out

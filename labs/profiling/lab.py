@@ -37,6 +37,12 @@ def record(rank, world_size, lab, folder, steps=3, warmup=2, options=None, memor
             "trace": trace.load(rec.path)}
 
 
+def record_many(rank, world_size, runs, steps=3, warmup=2):
+    """On one rank: `record` for each (lab, folder, options, memory) of ``runs`` in turn."""
+    return [record(rank, world_size, which, folder, steps, warmup, options, memory)
+            for which, folder, options, memory in runs]
+
+
 def summarize(results, skip=0):
     """Per rank: the terms of `analysis.totals` over the recorded steps, per-step rows, the
     communication per operation, the profiler's memory peak, the steps' wall-clock times and the
@@ -71,6 +77,32 @@ def run(lab, world_size, steps=3, warmup=2, folder=None, timeout=300, memory=Tru
         return None
     return dict(summarize(results), lab=lab, folder=os.path.abspath(folder),
                 oversubscribed=world_size > (os.cpu_count() or 1) and launch.device().type == "cpu")
+
+
+def run_many(runs, world_size, folder=None, steps=1, warmup=2, timeout=600, memory=("ddp",)):
+    """Several labs in one job per backend: ``runs`` is {name: (lab, options)}; the traces of each go
+    to ``folder``/<name> (default: a fresh temporary folder). Starting the ranks once for all of them
+    saves a job start per lab. ``memory``: the names recorded with memory events. Returns {name:
+    `run`'s result}."""
+    for which, options in runs.values():
+        targets.check(which, world_size, options.get("microbatches", 4))
+    folder = os.path.abspath(folder or tempfile.mkdtemp(prefix="labs-profiles-"))
+    by_backend = {}
+    gpu = launch.device().type == "cuda"
+    for name, (which, options) in runs.items():   # on a CPU every lab runs on gloo: one job for all
+        by_backend.setdefault(targets.BACKEND.get(which) if gpu else "gloo", []).append(name)
+    out = {}
+    over = world_size > (os.cpu_count() or 1) and launch.device().type == "cpu"
+    for backend, names in by_backend.items():
+        jobs = [(runs[n][0], os.path.join(folder, n), runs[n][1], n in memory) for n in names]
+        results = launch.launch(record_many, world_size, jobs, steps, warmup, timeout=timeout,
+                                backend=backend)
+        if results is None:          # a torchrun rank other than 0
+            return None
+        for i, n in enumerate(names):
+            out[n] = dict(summarize([r[i] for r in results]), lab=runs[n][0],
+                          folder=os.path.join(folder, n), oversubscribed=over)
+    return out
 
 
 def longer_timeout(parser, seconds):
@@ -109,8 +141,9 @@ def main(argv=None):
              + (" (more ranks than cores: times are not a timing claim)" if r["oversubscribed"] else "")]
     for rk in r["ranks"]:
         t = rk["totals"]
-        lines.append(f"rank {rk['rank']}: step {t['step_s'] * 1e3:.1f} ms = compute {t['compute_s'] * 1e3:.1f} + "
-                     f"exposed comm {t['exposed_comm_s'] * 1e3:.1f} + peer wait {t['peer_wait_s'] * 1e3:.1f} + "
+        lines.append(f"rank {rk['rank']}: step {t['step_s'] * 1e3:.1f} ms = "
+                     f"compute {t['compute_s'] * 1e3:.1f} + exposed comm {t['exposed_comm_s'] * 1e3:.1f} + "
+                     f"peer wait {t['peer_wait_s'] * 1e3:.1f} + "
                      f"idle {t['idle_s'] * 1e3:.1f}; comm in flight {t['comm_s'] * 1e3:.1f} ms, overlap "
                      + ("-" if t["overlap_fraction"] is None else f"{t['overlap_fraction']:.2f}"))
     cli.report(r, args, "\n".join(lines))

@@ -56,7 +56,8 @@ class Layer(nn.Module):
         """Wait for the dispatch, run the local experts, issue the combine."""
         moe = self.moe
         s["work"].wait()
-        local = torch.repeat_interleave(torch.arange(moe.per, device=s["recv"].device).repeat(moe.ep), s["recv"])
+        experts = torch.arange(moe.per, device=s["recv"].device).repeat(moe.ep)
+        local = torch.repeat_interleave(experts, s["recv"])
         y = moe.run_experts(s["rows"], local)
         s["back"] = y.new_empty((sum(s["send"]), y.size(1)))
         s["work"] = comm.all_to_all(s["back"], y, group=moe.group, async_op=True,

@@ -46,11 +46,12 @@ def config(scale=1):
     s = OPT_1_3B
     for name in ("hidden", "n_head", "vocab_size", "seq_len"):
         if s[name] % scale and name != "vocab_size":
-            raise ValueError(f"scale {scale} does not divide OPT-1.3B's {name} = {s[name]}; use a power of 2 up to 32.")
+            raise ValueError(f"scale {scale} does not divide OPT-1.3B's {name} = {s[name]}; "
+                             "use a power of 2 up to 32.")
     if scale < 1 or s["n_head"] % scale:
         raise ValueError(f"scale must be a power of 2 from 1 to 32, got {scale}.")
-    cfg = tiny.GPTConfig(vocab_size=s["vocab_size"] // scale, seq_len=s["seq_len"] // scale, n_layer=s["n_layer"],
-                         n_head=s["n_head"] // scale, hidden=s["hidden"] // scale)
+    cfg = tiny.GPTConfig(vocab_size=s["vocab_size"] // scale, seq_len=s["seq_len"] // scale,
+                         n_layer=s["n_layer"], n_head=s["n_head"] // scale, hidden=s["hidden"] // scale)
     assert 4 * cfg.hidden == s["ffn"] // scale   # the tiny GPT's MLP is 4h: OPT's FFN
     return cfg
 
@@ -135,7 +136,8 @@ def summarize(results, modes):
         out[mode] = {"peak_bytes": [r["peak"]["peak_bytes"] for r in runs],
                      "cuda_peak_bytes": [r["peak"]["cuda_peak_bytes"] for r in runs],
                      "held_bytes": [r["held"]["total"] for r in runs], "held": runs[0]["held"],
-                     "params": runs[0]["params"], "comm_by_op": comm, "steps": len(totals[0]) and totals[0]["steps"],
+                     "params": runs[0]["params"], "comm_by_op": comm,
+                     "steps": len(totals[0]) and totals[0]["steps"],
                      "exposed_comm_s": sum(t["exposed_comm_s"] for t in totals) / len(totals),
                      "comm_s": sum(t["comm_s"] for t in totals) / len(totals),
                      "step_s": sum(t["step_s"] for t in totals) / len(totals),

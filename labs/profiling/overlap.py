@@ -114,15 +114,18 @@ def fsdp2(rank, world_size, batch_size=2):
         fully_shard_units(net, net.blocks, mesh)
         if prefetch:
             targets.prefetch_one_ahead(net, list(net.blocks))
-        steps[name] = _step(net, torch.optim.SGD(net.parameters(), lr=0.01), targets.stream(cfg, rank, batch_size))
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        steps[name] = _step(net, opt, targets.stream(cfg, rank, batch_size))
     return steps
 
 
 # which: (the two variants' steps, their names, the term compared)
 PAIRS = {"ddp": (ddp, ("overlap on", "overlap off"), "exposed_comm_s"),
          "fsdp2": (fsdp2, ("prefetch one unit ahead", "no prefetch"), "exposed_comm_s"),
-         "matmul": (collective_matmul.steps, ("collective matmul", "all-gather, then matmul"), "exposed_comm_s"),
-         "moe": (moe_overlap.steps, ("two micro-batches overlapped", "one after the other"), "exposed_comm_s"),
+         "matmul": (collective_matmul.steps, ("collective matmul", "all-gather, then matmul"),
+                    "exposed_comm_s"),
+         "moe": (moe_overlap.steps, ("two micro-batches overlapped", "one after the other"),
+                 "exposed_comm_s"),
          "input": (input_pipeline.steps, ("prefetching workers", "loading in the loop"), "input_s")}
 
 

@@ -27,7 +27,8 @@ def overlap_of(step_ms, compute_ms, comm_ms, exposed_ms):
     start = compute_ms - (comm_ms - exposed_ms)
 
     def ev(name, a, b, tid, cat):
-        return {"name": name, "cat": cat, "tid": tid, "ts": a * us, "dur": (b - a) * us, "args": {}, "ph": "X"}
+        return {"name": name, "cat": cat, "tid": tid, "ts": a * us, "dur": (b - a) * us, "args": {},
+                "ph": "X"}
     events = [ev(f"{STEP}#0", 0, step_ms, 1, "user_annotation"), ev("aten::mm", 0, compute_ms, 1, "cpu_op"),
               ev("gloo:all_reduce", start, start + comm_ms, 2, "user_annotation")]
     return analysis.breakdown({"events": events})[0]["overlap_fraction"]

@@ -158,7 +158,7 @@ def _pipeline(schedule):
 
 
 def _three_d(rank, world_size, batch_size, microbatches, **_):
-    lay = groups.layout(world_size, tp=2, pp=2, dp=world_size // 4)
+    lay = ParallelDims(tp=2, pp=2, dp=world_size // 4)
     g, cfg = groups.Groups(lay), layout3d.config()
     piece = train3d.build_rank(cfg, g)
     opt = ShardedOptimizer(piece.parameters(), torch.optim.Adam, stage=1, group=g.dp, lr=layout3d.LR)

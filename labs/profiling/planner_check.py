@@ -1,0 +1,199 @@
+"""Chapter 15, section 4: chapter 14's time model calibrated to this machine, its step-time terms
+predicted for small layouts and measured from their traces, term by term, in one run.
+
+    r = planner_check.run(steps=6)        # dp 2, tp 2, pp 2 (1F1B, 4 micro-batches), 2 ranks
+
+In one job both ranks calibrate (`calibrate`): chapter 10's alpha and beta fitted
+(`alpha_beta.fit_line`) to the fastest of timed exchanges between the two ranks (chapter 11's
+`latency.rank_times`), checked against the median exchange at every size before use. Per layout,
+each rank counts one step's FLOPs (`FlopCounterMode`) and records ``steps`` steps under the
+profiler, each just after timing the model's MLP matmul on its own thread (`gemm_rate`): the
+FLOP/s that step is predicted with, taken at the same moment and load, both ranks at once.
+
+`predict` is chapter 14's step (`labs.planning.timing.step`) with these constants, written out for
+one small layout: compute = FLOPs / FLOP/s; a collective costs chapter 10's ring, R alpha + b n
+beta (`alpha_beta.costs`), per call and byte the trace records; data parallelism's all-reduces hide
+under backward as the planner's buckets do (`timing.exposed`, one bucket's fill left over) and its
+buffer broadcast does not; tensor parallelism's all-reduces are all exposed (no chunked GEMMs); a
+pipeline's sends are waited for, and its bubble is chapter 5's (p - 1)/m of the ideal compute
+(`schedules.formula`, the planner's). ``matmul_s``: the trace's time in the planner's GEMM
+operators (`kernels.MATMULS`), the part of compute its FLOP count prices; ``comm_s``: the
+communication in flight, the collectives' cost before any of it is hidden.
+"""
+import os
+import statistics
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+from labs.collectives import alpha_beta
+from labs.hardware import latency
+from labs.launcher import launch
+from labs.measure import timing as clock
+from labs.pipeline import schedules
+from labs.planning import kernels, timing as planner_timing
+from labs.profiling import analysis, intervals as iv, lab, targets, timing, trace
+
+# name: (the chapter 15 lab that runs the layout, its options)
+LAYOUTS = {"dp 2": ("ddp", {}), "tp 2": ("tp", {}), "pp 2": ("1f1b", {"microbatches": 4})}
+SIZES = [4, 16 * 1024, 256 * 1024, 1024 * 1024]      # bytes of the calibration exchanges
+GEMM = (512, 512, 128)                                 # M, N, K: the MLP's first matmul, b s = 512
+TERMS = ("compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "idle_s", "step_s")
+MATMUL_OPS = tuple("aten::" + n for n in kernels.MATMULS)
+
+
+def gemm_rate(a, b, reps=5):
+    """FLOP/s of ``reps`` products a @ b on this rank's thread, timed together."""
+    t0 = clock.now()
+    for _ in range(reps):
+        a @ b
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] * reps / (clock.now() - t0)
+
+
+def calibrate(rank, world_size, repeats=7):
+    """alpha and beta between the two ranks, fitted to the fastest exchange per size of the slower
+    rank and checked against the medians; the GEMM's operands for `gemm_rate`."""
+    m, n, k = GEMM
+    a, b = torch.randn(m, k, device=launch.device()), torch.randn(k, n, device=launch.device())
+    rates = [gemm_rate(a, b) for _ in range(repeats)]
+    mine = latency.rank_times(rank, world_size, SIZES, repeats)
+    every = [None] * world_size
+    dist.all_gather_object(every, {s: mine[f"exchange/barrier/{s}"] for s in SIZES})
+    slowest = {s: [max(r[s][i] for r in every) for i in range(repeats)] for s in SIZES}
+    fit = alpha_beta.fit_line(SIZES, [min(slowest[s]) for s in SIZES])
+    median = [statistics.median(slowest[s]) for s in SIZES]
+    # the direct check: positive constants whose line lies under 1.5 times the median at every size
+    ok = fit["alpha"] > 0 and fit["beta"] > 0 and all(p <= 1.5 * t for p, t in zip(fit["predicted"], median))
+    return {"flops": statistics.median(rates), "flops_spread": (min(rates), max(rates)),
+            "threads": torch.get_num_threads(), "alpha": fit["alpha"], "beta": fit["beta"],
+            "median_s": dict(zip(SIZES, median)), "fitted_s": dict(zip(SIZES, fit["predicted"])),
+            "checked": ok, "operands": (a, b)}
+
+
+@launch.on_cpu("it calibrates the planner to one CPU thread's matmuls and gloo's alpha and beta between "
+               "two processes; a GPU box's constants are chapter 14's eta and NCCL's alpha, not these")
+def rank_run(rank, world_size, layouts, folder, steps=6, warmup=1):
+    """One rank: calibrate, then per layout count one step's FLOPs and record ``steps`` steps, each
+    just after timing the GEMM again (the FLOP/s that step's prediction uses: same moment, same load)."""
+    cal = calibrate(rank, world_size)
+    a, b = cal.pop("operands")
+    out = []
+    for name in layouts:
+        which, options = LAYOUTS[name]
+        step = targets.build(which, rank, world_size, **options)
+        with FlopCounterMode(display=False) as counter:
+            step()
+        for _ in range(warmup):
+            step()
+        rates = []
+        with trace.Recorder(f"{folder}/{name.replace(' ', '')}", rank, memory=False) as rec:
+            for i in range(steps):
+                rates.append(gemm_rate(a, b))
+                dist.barrier()
+                with rec.step(i):
+                    step()
+        dist.barrier()
+        out.append({"rank": rank, "path": rec.path, "wall_s": rec.steps, "threads": rec.threads,
+                    "trace": trace.load(rec.path), "flops": counter.get_total_flops(), "rates": rates})
+    return {"calibration": cal, "layouts": out}
+
+
+def matmul_seconds(t):
+    """Per step of one trace: the seconds the rank thread spent in the planner's GEMM operators."""
+    windows, tid = analysis.steps(t["events"])
+    mm = iv.union((e["ts"], e["ts"] + e["dur"]) for e in t["events"]
+                  if e["tid"] == tid and e["name"] in MATMUL_OPS)
+    return [iv.length(iv.clip(mm, (a, b))) / 1e6 for _, a, b in windows]
+
+
+def collective_s(op, calls, nbytes, cal, p=2):
+    """Chapter 10's time of ``calls`` calls moving ``nbytes`` in all: R alpha per call + b n beta."""
+    rounds, per_byte = alpha_beta.costs(p)["ring"] if op == "all_reduce" else (1, 1.0)
+    return calls * rounds * cal["alpha"] + per_byte * nbytes * cal["beta"]
+
+
+def predict(name, flops, comm, cal, world_size=2):
+    """The planner's terms for one rank of ``name``: compute, exposed communication by group,
+    bubble, in seconds; ``comm``: the trace's `analysis.comm_by_op` (calls and bytes per step)."""
+    def cost(op):
+        c = comm.get(f"gloo:{op}") or comm.get(f"nccl:{op}") or {"calls": 0, "bytes": 0}
+        return collective_s(op, c["calls"], c["bytes"], cal, world_size)
+    compute = flops / cal["flops"]
+    out = {"compute_s": compute, "exposed_comm_s": 0.0, "peer_wait_s": 0.0, "groups": {}}
+    if name.startswith("dp"):
+        calls = (comm.get("gloo:all_reduce") or {"calls": 1})["calls"]
+        hidden = float(planner_timing.exposed(cost("all_reduce"), 2 / 3 * compute, max(calls, 1)))
+        out["groups"] = {"dp all-reduce": hidden, "dp broadcast": cost("broadcast")}
+    elif name.startswith("tp"):
+        out["groups"] = {"tp all-reduce": cost("all_reduce")}
+    else:
+        out["groups"] = {"pp send": cost("send")}
+        _, opts = LAYOUTS[name]
+        bubble = schedules.formula("1f1b", world_size, opts["microbatches"])["over_ideal"]
+        out["peer_wait_s"] = bubble * compute
+    out["exposed_comm_s"] = sum(out["groups"].values())
+    out["comm_s"] = out["exposed_comm_s"] + (cost("all_reduce") - out["groups"]["dp all-reduce"]
+                                             if name.startswith("dp") else 0.0)
+    out["step_s"] = out["compute_s"] + out["exposed_comm_s"] + out["peer_wait_s"]
+    return out
+
+
+def compare(name, results, cal):
+    """Predicted beside measured, per term: each step's measured term (mean over ranks) over that
+    step's prediction (the FLOP/s timed just before it, the median of the ranks'), their median and
+    its distribution-free interval over the steps (`timing`)."""
+    s = lab.summarize(results)
+    per_rank = s["per_rank"]
+    n = len(per_rank[0])
+    mean = {k: [sum(rows[i][k] for rows in per_rank) / len(per_rank) for i in range(n)] for k in TERMS}
+    mm = [matmul_seconds(r["trace"]) for r in results]
+    mean["matmul_s"] = [sum(x[i] for x in mm) / len(mm) for i in range(n)]
+    keys = ("compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "step_s")
+    pred = {k: [] for k in keys}
+    for i in range(n):
+        rate = statistics.median(r["rates"][i] for r in results)
+        preds = [predict(name, r["flops"], rk["comm_by_op"], dict(cal, flops=rate))
+                 for r, rk in zip(results, s["ranks"])]
+        for k in keys:
+            pred[k].append(sum(p[k] for p in preds) / len(preds))
+    pred["matmul_s"] = pred["compute_s"]
+    groups = {g: sum(p["groups"][g] for p in preds) / len(preds) for g in preds[0]["groups"]}
+    if any(pred["peer_wait_s"]):    # the bubble as a share of compute: (p - 1)/m, whatever the rate
+        mean["bubble_share"] = [w / c for w, c in zip(mean["peer_wait_s"], mean["compute_s"])]
+        pred["bubble_share"] = [w / c for w, c in zip(pred["peer_wait_s"], pred["compute_s"])]
+        # a receive is peer wait until the peer posts its send, communication after: both are waiting
+        mean["wait_share"] = [(w + x) / c for w, x, c in zip(mean["peer_wait_s"], mean["exposed_comm_s"],
+                                                             mean["compute_s"])]
+        pred["wait_share"] = [(w + x) / c for w, x, c in zip(pred["peer_wait_s"], pred["exposed_comm_s"],
+                                                             pred["compute_s"])]
+    rows = {}
+    for k, values in mean.items():
+        med, lo, hi, conf = timing.median_interval(values)
+        p = pred.get(k)
+        r = timing.median_interval([v / q for v, q in zip(values, p)]) if p and all(p) else (None,) * 4
+        rows[k] = {"measured_s": med, "low_s": lo, "high_s": hi,
+                   "predicted_s": statistics.median(p) if p else None,
+                   "ratio": r[0], "ratio_low": r[1], "ratio_high": r[2], "confidence": r[3] or conf}
+    return {"layout": name, "lab": LAYOUTS[name][0], "terms": rows, "groups": groups,
+            "flops": [r["flops"] for r in results], "steps": n, "per_rank": per_rank,
+            "paths": [r["path"] for r in results]}
+
+
+def run(layouts=tuple(LAYOUTS), steps=6, warmup=1, folder=None, timeout=600):
+    """Spawn 2 ranks (gloo, on the CPU on every machine) once for all ``layouts``; per layout,
+    `compare`'s rows, and the job's calibration (the FLOP/s: the median of the two ranks')."""
+    for name in layouts:
+        if name not in LAYOUTS:
+            raise ValueError(f"unknown layout {name!r}; choose from {', '.join(LAYOUTS)}.")
+    if steps < 6:
+        raise ValueError(f"an interval of the median at 95% needs at least 6 steps, got {steps}.")
+    folder = os.path.abspath(folder or tempfile.mkdtemp(prefix="labs-planner-check-"))
+    res = launch.launch(rank_run, 2, list(layouts), folder, steps, warmup, timeout=timeout)
+    if res is None:
+        return None
+    cal = dict(res[0]["calibration"], flops=statistics.median(r["calibration"]["flops"] for r in res))
+    return {"calibration": cal, "oversubscribed": 2 > (os.cpu_count() or 1),
+            "layouts": {name: compare(name, [r["layouts"][i] for r in res], cal)
+                        for i, name in enumerate(layouts)}}

@@ -1,0 +1,55 @@
+"""Chapter 15, section 4: the planner's terms for the small layouts, from the calibrated constants.
+
+The prediction is arithmetic on the calibration and on the calls and bytes a trace records; these
+tests hold it to the formulas it composes (chapter 10's ring, the planner's bucket overlap,
+chapter 5's bubble), each with a wrong variant it would miss. The runs themselves are checked by
+notebook 15 under nbval, and `labs.profiling.planner_check.rank_run` is marked on_cpu.
+"""
+import pytest
+
+from labs.profiling import planner_check as pc
+
+CAL = {"flops": 1e10, "alpha": 1e-4, "beta": 1e-9}
+MB = 1 << 20
+
+
+def comm(**ops):
+    return {f"gloo:{op}": {"calls": calls, "bytes": nbytes} for op, (calls, nbytes) in ops.items()}
+
+
+def test_a_ring_all_reduce_on_two_ranks_costs_two_alphas_per_call_and_its_bytes_once():
+    # 2(p-1) = 2 rounds of alpha, 2(p-1)/p = 1 times the bytes (Patarasuk & Yuan): not p alphas
+    assert pc.collective_s("all_reduce", 4, 4 * MB, CAL) == pytest.approx(8e-4 + 4 * MB * 1e-9)
+    assert pc.collective_s("send", 4, 4 * MB, CAL) == pytest.approx(4e-4 + 4 * MB * 1e-9)
+
+
+def test_data_parallel_hides_the_all_reduce_under_backward_but_one_bucket():
+    c = comm(all_reduce=(4, 4 * MB), broadcast=(1, 64 * 1024))
+    p = pc.predict("dp 2", 3e9, c, CAL)          # compute 0.3 s, backward 0.2 s: the wire fits under it
+    reduce = pc.collective_s("all_reduce", 4, 4 * MB, CAL)
+    assert p["compute_s"] == pytest.approx(0.3)
+    assert p["groups"]["dp all-reduce"] == pytest.approx(reduce / 4)      # the last bucket's share
+    assert p["groups"]["dp broadcast"] == pytest.approx(1e-4 + 64 * 1024 * 1e-9)   # before forward
+    assert p["comm_s"] == pytest.approx(reduce + p["groups"]["dp broadcast"])      # in flight: all
+    assert p["peer_wait_s"] == 0
+    slow = dict(CAL, beta=1e-7)                                     # a wire slower than backward
+    wire = pc.collective_s("all_reduce", 4, 4 * MB, slow)
+    got = pc.predict("dp 2", 3e9, c, slow)["groups"]["dp all-reduce"]
+    assert got == pytest.approx(wire - 0.2 + 0.2 / 4)       # what backward cannot cover, one bucket
+
+
+def test_tensor_parallel_exposes_every_all_reduce_and_a_pipeline_its_bubble():
+    tp = pc.predict("tp 2", 1e9, comm(all_reduce=(16, 16 * 262144)), CAL)
+    assert tp["exposed_comm_s"] == pytest.approx(pc.collective_s("all_reduce", 16, 16 * 262144, CAL))
+    pp = pc.predict("pp 2", 2e9, comm(send=(8, 8 * 32768), recv=(8, 8 * 32768)), CAL)
+    m = pc.LAYOUTS["pp 2"][1]["microbatches"]
+    assert pp["peer_wait_s"] == pytest.approx(pp["compute_s"] / m)       # (p - 1)/m, p = 2
+    assert pp["exposed_comm_s"] == pytest.approx(pc.collective_s("send", 8, 8 * 32768, CAL))
+    assert pp["step_s"] == pytest.approx(pp["compute_s"] + pp["exposed_comm_s"] + pp["peer_wait_s"])
+
+
+def test_bad_layouts_and_too_few_steps_are_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="unknown layout"):
+        pc.run(layouts=("dp 3",))
+    with pytest.raises(ValueError, match="at least 6 steps"):
+        pc.run(steps=5)
