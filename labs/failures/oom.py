@@ -24,12 +24,13 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from labs import model as tiny
 from labs.launcher import launch
 from labs.measure import memory
 from labs.checkpointing import resharding
+from labs.failures import fault_training
+from labs.recompute.pipeline_memory import Checkpointed
 
 CFG = tiny.GPTConfig()
 SEQ, LONG_SEQ = 8, 16       # tokens per sequence: every step, and rank 1's long batch
@@ -54,17 +55,6 @@ class MemoryLimit(memory.PeakMemory):
                 f"{self.baseline_bytes + self.net:,} bytes would be live, the limit is {self.limit:,}")
 
 
-class Recomputed(torch.nn.Module):
-    """A block whose activations are recomputed in backward instead of kept (chapter 9)."""
-
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return checkpoint(self.block, x, use_reentrant=False)
-
-
 def batch(step, rank, long_at):
     T = LONG_SEQ if (step == long_at and rank == 1) else SEQ
     return tiny.synthetic_batch(CFG, BATCH, seed=1000 * step + rank, seq_len=T)
@@ -73,7 +63,7 @@ def batch(step, rank, long_at):
 def build(recompute):
     model = tiny.build(CFG, seed=0)
     if recompute:
-        model.blocks = torch.nn.ModuleList(Recomputed(b) for b in model.blocks)
+        model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
@@ -90,13 +80,7 @@ def step(model, opt, x, y, micro, world_size, limit=None):
             part.backward()
             loss += part.detach()
     flat = torch.cat([p.grad.flatten() for p in model.parameters()])   # (P,)
-    dist.all_reduce(flat)
-    flat /= world_size
-    at = 0
-    for p in model.parameters():
-        p.grad.copy_(flat[at:at + p.numel()].view_as(p))
-        at += p.numel()
-    opt.step()
+    fault_training.apply(model, opt, fault_training.average(flat, world_size))
     dist.all_reduce(loss)
     return (loss / world_size).item(), (guard.forward_peak, guard.peak_bytes)
 

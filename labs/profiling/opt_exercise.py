@@ -26,14 +26,13 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from labs import model as tiny
 from labs.dims import ParallelDims
 from labs.launcher import launch
 from labs.measure import memory
 from labs.profiling import analysis, lab, trace
+from labs.recompute.pipeline_memory import Checkpointed   # chapter 9's "full" policy, one block at a time
 from labs.zero.fsdp import fully_shard_units
 
 OPT_1_3B = {"n_layer": 24, "hidden": 2048, "n_head": 32, "ffn": 8192, "vocab_size": 50272, "seq_len": 2048}
@@ -63,18 +62,6 @@ def build(cfg, device):
     return net
 
 
-class Checkpointed(nn.Module):
-    """A block whose activations are recomputed in backward (chapter 9's "full" policy): only its
-    input is kept. Wrapped before ``fully_shard``, so FSDP2 gathers its weights for the recompute."""
-
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return checkpoint(self.block, x, use_reentrant=False)
-
-
 def wrap(mode, net, world_size):
     """The model under ``mode``; returns what the training loop calls."""
     dev = launch.device()
@@ -83,6 +70,7 @@ def wrap(mode, net, world_size):
         return DistributedDataParallel(net)
     if mode == "fsdp2+ac":
         for i, block in enumerate(net.blocks):
+            # wrapped before fully_shard, so FSDP2 gathers the block's weights again for the recompute
             net.blocks[i] = Checkpointed(block)
     # FULL_SHARD: each unit's weights gathered for its forward and again for its backward
     fully_shard_units(net, net.blocks, ParallelDims(dp=world_size).mesh(dev.type)["dp"])
