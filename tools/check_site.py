@@ -19,8 +19,8 @@ reported), and each page is checked once its math is typeset and its fonts and i
 - at a phone's 390 x 844 (the same tab, resized after the checks above): a page wider than the
   viewport, which scrolls sideways (the widest element that sticks out is named).
 
-Two checks are listed as notes unless asked for with --enforce, because the notebooks do not pass
-them yet (the count is printed either way):
+Two checks are notes unless asked for with --enforce (the count is printed either way); `make test`
+enforces both, so a notebook that breaks them fails the tests:
 - `--enforce code-cells`: notebook code cells wider than their column at 1280 px;
 - `--enforce figures`: figures too small to read at 390 px. The rule: matplotlib draws its labels
   and ticks at 10 pt, 10/72 inch, which is 10/72 x dpi pixels of the image (dpi from the PNG's
