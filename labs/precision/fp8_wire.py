@@ -40,13 +40,15 @@ def allgather_worker(rank, world_size, numel=4096):
         full = torch.empty(world_size * numel, dtype=torch.bfloat16)
         comm.all_gather(full, shard)
     q, scale = fp8.quantize(shard.float().reshape(1, -1), "tensor")  # (1, numel) e4m3, (1, 1) fp32
-    refused = _gloo_refuses_fp8(q.reshape(-1)) if dist.get_backend() == "gloo" else None
     with comm.counting(wire=True) as data_tally:
         raw = torch.empty(world_size * numel, dtype=torch.uint8)
         comm.all_gather(raw, q.reshape(-1).view(torch.uint8))  # the FP8 bits, as bytes
     with comm.counting(wire=True) as scale_tally:
         scales = torch.empty(world_size, dtype=torch.float32)
         comm.all_gather(scales, scale.reshape(1).float())
+    # last: gloo's refusal can surface at the next collective's wait instead of its own, so no
+    # measured collective may follow it
+    refused = _gloo_refuses_fp8(q.reshape(-1)) if dist.get_backend() == "gloo" else None
     gathered = raw.view(torch.float8_e4m3fn).float().reshape(world_size, numel) / scales.reshape(-1, 1)
     tallies = {"bf16": bf16_tally, "fp8": data_tally, "scale": scale_tally}
     return {"payload": {k: t.payload_bytes for k, t in tallies.items()},
