@@ -17,6 +17,12 @@ group of a dense weight is the ep ranks times the dp/ep beyond pp (``edp``, the 
 experts: Megatron Core's expert-data-parallel group). HSDP (chapter 3) splits dp into ``dp_replicate``
 (slowest) x ``dp_shard``.
 
+``fold_ep``: Megatron-Core's MoE parallel folding (Liu et al. 2025, arXiv 2504.14960; the ETP = 1 column of
+the Megatron-MoE-ModelZoo tables): the expert layers get a grid of their own over the same ranks. A stage's
+tp x cp x dp ranks, in grid order, are cut into runs of ep consecutive ranks (an expert group; the
+experts are not split by tp) and ``edp`` is the ranks at the same place in every run. ep then divides
+tp x cp x dp rather than dp, so EP 32 runs beside TP 2 and DP 16, and EP 8 beside CP 8 with DP 1.
+
 The placement rule (chapter 11): a group sits inside one node of G GPUs exactly when its first and
 last rank do; a synchronous step waits for its slowest group, so one straddling group puts the axis
 on the slow tier. The group-by-group count (`group_nodes`) decides; "Delta N <= G" does not (tp = 1,
@@ -40,6 +46,7 @@ class ParallelDims:
     ep: int = 1                # expert parallelism, carved out of dp
     dp_replicate: int = 1      # HSDP: dp = dp_replicate x dp_shard
     order: tuple = ORDER
+    fold_ep: bool = False      # experts on their own grid over tp x cp x dp (Megatron-Core, ETP = 1)
 
     def __post_init__(self):
         for name in DEGREES:
@@ -54,12 +61,21 @@ class ParallelDims:
             raise ValueError(f"order must list each of {', '.join(ORDER)} once (ep may be left out "
                              f"when ep = 1), got {tuple(self.order)}.")
         object.__setattr__(self, "order", order)
-        if self.dp % self.ep:
+        if not isinstance(self.fold_ep, bool):
+            raise ValueError(f"fold_ep must be True or False, got {self.fold_ep!r}.")
+        if self.fold_ep and (self.tp * self.cp * self.dp) % self.ep:
+            raise ValueError(f"ep = {self.ep} does not divide tp*cp*dp = {self.tp * self.cp * self.dp}: "
+                             "folded experts split over a stage's tp x cp x dp ranks; choose an ep that "
+                             "divides it.")
+        if not self.fold_ep and self.dp % self.ep:
             raise ValueError(f"ep = {self.ep} does not divide dp = {self.dp}: the experts split "
-                             "over ranks of the data-parallel group; choose an ep that divides dp.")
+                             "over ranks of the data-parallel group; choose an ep that divides dp "
+                             "(or fold_ep=True, Megatron-Core's folding over tp x cp x dp).")
         if self.dp % self.dp_replicate:
             raise ValueError(f"dp_replicate = {self.dp_replicate} does not divide dp = {self.dp} "
                              "(HSDP: dp = dp_replicate x dp_shard); choose a divisor of dp.")
+        if self.fold_ep and self.ep == 1:
+            raise ValueError("fold_ep needs ep > 1: with ep = 1 there are no experts to fold.")
         if self.ep > 1 and self.dp_replicate > 1:
             raise ValueError("expert parallelism inside HSDP is not modelled: give ep or "
                              "dp_replicate, not both.")
@@ -85,6 +101,7 @@ class ParallelDims:
 
     def __repr__(self):   # the degrees that differ from 1 (and the order, when it is not Llama 3's)
         shown = [f"{a}={getattr(self, a)}" for a in DEGREES if getattr(self, a) != 1 or a == "dp"]
+        shown += ["fold_ep=True"] if self.fold_ep else []
         return f"ParallelDims({', '.join(shown + ([f'order={self.order}'] if self.order != ORDER else []))})"
 
     @property
@@ -102,10 +119,11 @@ class ParallelDims:
     # ---- the grid ---------------------------------------------------------------------------------
     def atoms(self):
         """[(name, size)] of the grid's axes, fastest first; the dp slot holds dp / ep ranks, split
-        into shard (faster) and replicate parts."""
-        slots = {"tp": [("tp", self.tp)], "cp": [("cp", self.cp)], "ep": [("ep", self.ep)],
+        into shard (faster) and replicate parts (folded experts take no axis: `fold_ep`)."""
+        carved = 1 if self.fold_ep else self.ep
+        slots = {"tp": [("tp", self.tp)], "cp": [("cp", self.cp)], "ep": [("ep", carved)],
                  "pp": [("pp", self.pp)],
-                 "dp": [("dp_shard", self.dp // (self.ep * self.dp_replicate)),
+                 "dp": [("dp_shard", self.dp // (carved * self.dp_replicate)),
                         ("dp_replicate", self.dp_replicate)]}
         return [atom for axis in self.order for atom in slots[axis]]
 
@@ -125,12 +143,16 @@ class ParallelDims:
 
     def size(self, axis):
         """Ranks in one group of ``axis`` (a name or a tuple of names)."""
+        if self.fold_ep and axis in ("ep", "edp"):
+            return self.ep if axis == "ep" else self.tp * self.cp * self.dp // self.ep
         chosen = self._atoms_of(axis)
         return math.prod(n for a, n in self.atoms() if a in chosen)
 
     def stride(self, axis):
         """Distance Delta in global rank between neighbours in a group of ``axis``: the product of the
         faster axes. Defined when the group spans one axis of the grid (its ranks r0 + Delta k)."""
+        if self.fold_ep and axis in ("ep", "edp"):
+            raise ValueError(f"a folded {axis} group is cut from tp x cp x dp; it has no single stride.")
         chosen, out, found = self._atoms_of(axis), 1, []
         for a, n in self.atoms():
             if a in chosen and (n > 1 or not found):
@@ -150,6 +172,10 @@ class ParallelDims:
 
     def _grouped(self, axis):
         """`groups` as a (groups, size) tensor."""
+        if self.fold_ep and axis in ("ep", "edp"):     # runs of ep of each stage's tp x cp x dp ranks
+            runs = self._grouped(("tp", "cp", "dp")).reshape(-1, self.tp * self.cp * self.dp // self.ep,
+                                                              self.ep)
+            return (runs if axis == "ep" else runs.transpose(1, 2)).reshape(-1, self.size(axis))
         chosen, atoms = self._atoms_of(axis), list(reversed(self.atoms()))       # slowest first
         grid = torch.arange(self.world_size).view([n for _, n in atoms])
         dims = [i for i, (a, _) in enumerate(atoms) if a in chosen]
@@ -167,6 +193,11 @@ class ParallelDims:
         names = ["dp", "pp", "cp", "tp"] + (["ep", "edp"] if self.ep > 1 else []) + \
                 (["dp_shard", "dp_replicate"] if self.dp_replicate > 1 else [])
         out = {}
+        if self.fold_ep:
+            names.remove("ep"), names.remove("edp")
+            run = self.groups(("tp", "cp", "dp"))
+            at_stage = next(g for g in run if rank in g).index(rank)
+            out["ep"], out["edp"] = at_stage % self.ep, at_stage // self.ep
         for name in names:
             index, scale = 0, 1
             for a, n in self.atoms():           # faster atoms are the less significant digits
@@ -191,6 +222,10 @@ class ParallelDims:
         """[(name, size)] of `mesh`'s dimensions, slowest first: tp, pp and dp, which every lab's
         mesh has; cp, ep and HSDP's replicate part only when they are above 1 (a dimension of size 1
         costs a process group per rank); dp's remaining part named dp, edp (ep > 1) or dp_shard (HSDP)."""
+        if self.fold_ep:
+            raise ValueError("folded experts are not a dimension of one DeviceMesh (Megatron-Core builds "
+                             "a second grid for them): take their ranks from groups('ep') and "
+                             "groups('edp').")
         shard = "edp" if self.ep > 1 else "dp_shard" if self.dp_replicate > 1 else "dp"
         out = []
         for a, n in reversed(self.atoms()):

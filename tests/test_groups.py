@@ -40,6 +40,27 @@ def test_expert_and_hsdp_groups_split_dp():
     assert [a for a, _ in h.mesh_dims()] == ["dp_replicate", "dp_shard", "pp", "tp"]
 
 
+def test_folded_experts_cut_each_stage_into_runs():
+    # Megatron-Core's folding (ETP = 1): EP 8 beside TP 2 and DP 4 (ep > dp), the expert group a run of a
+    # stage's tp x dp ranks, edp the ranks at the same place of each run; ep may not be carved from dp here
+    f = ParallelDims(tp=2, pp=2, dp=8, ep=4, fold_ep=True)
+    assert f.groups("ep")[:3] == [[0, 1, 4, 5], [8, 9, 12, 13], [16, 17, 20, 21]]
+    assert f.groups("edp")[:2] == [[0, 8, 16, 24], [1, 9, 17, 25]]
+    assert (f.size("ep"), f.size("edp"), f.size("dp")) == (4, 4, 8)
+    assert f.groups("dp") == ParallelDims(tp=2, pp=2, dp=8).groups("dp")   # folding moves no dense group
+    assert f.coords(13) == {"dp": 3, "pp": 0, "cp": 0, "tp": 1, "ep": 3, "edp": 1}
+    for axis in ("ep", "edp"):
+        assert sorted(r for g in f.groups(axis) for r in g) == list(range(f.world_size))
+    long = ParallelDims(tp=4, cp=8, pp=8, dp=1, ep=8, fold_ep=True)   # the ModelZoo's CP 8 row
+    assert long.groups("ep")[1] == list(range(8, 16)) and long.size("edp") == 4
+    with pytest.raises(ValueError, match="not a dimension of one DeviceMesh"):
+        long.mesh_dims()
+    with pytest.raises(ValueError, match="ep = 3 does not divide tp\\*cp\\*dp = 8"):
+        ParallelDims(tp=2, dp=4, ep=3, fold_ep=True)
+    with pytest.raises(ValueError, match="fold_ep=True"):
+        ParallelDims(tp=2, dp=4, ep=8)
+
+
 def test_every_rank_is_in_exactly_one_group_per_axis():
     lay = ParallelDims.build(12, tp=2, pp=3)
     for axis in ("tp", "cp", "pp", "dp", ("dp", "cp")):

@@ -8,7 +8,8 @@ import pytest
 
 from labs.dims import ParallelDims
 from labs.memory_budget import activations
-from labs.planning import checked, kernels, links, memory, notes, offload, planner, shapes, software, timing
+from labs.planning import (checked, kernels, links, memory, notes, offload, planner, published_runs, shapes,
+                           software, timing)
 from labs.planning.grid import Columns
 
 L70 = shapes.LLAMA2_70B
@@ -144,12 +145,24 @@ def published():
             for c in checked.all_checked()}
 
 
-def test_every_published_layout_fits_but_one(published):
+def test_every_published_layout_fits(published):
     # Llama 3's FSDP shards gradients and optimizer state, not the weights (ZeRO-2's memory, §3.3.2): its 8K
-    # rows fit. The ModelZoo's CP 8 row folds its 8 expert-parallel ranks over context parallelism, which a
-    # ParallelDims (ep divides dp = 1) cannot hold: its experts are counted 2 x too many per rank
+    # rows fit. The ModelZoo's CP 8 row folds its 8 expert-parallel ranks over tp x cp (DP is 1): it fits
+    # only as Megatron-Core holds it, whole experts on a folded grid (`ParallelDims.fold_ep`)
     refused = sorted(name for name, (c, row) in published.items() if not row["fits"])
-    assert refused == ["ModelZoo Qwen3-235B s 131072 CP 8"]
+    assert refused == []
+
+
+def test_published_expert_degrees_are_taken_as_printed():
+    # no EP is cut down to fit DP (an earlier version clamped EP 32 to DP 16): rows whose EP exceeds DP are
+    # folded, and the CP 8 row's experts sit on runs of 8 consecutive ranks inside a node
+    runs = {r.name: r for r in published_runs.all_runs()}
+    cases = {c.name: c for c in checked.all_checked() if c.name in runs}
+    assert all(c.published.ep == runs[name].degrees["ep"] for name, c in cases.items())
+    folded = sorted(n for n, c in cases.items() if c.published.ep > c.published.dp)
+    assert len(folded) == 7 and all(cases[n].published.fold_ep for n in folded)
+    long = cases["ModelZoo Qwen3-235B s 131072 CP 8"].published
+    assert long.groups("ep")[0] == list(range(8)) and max(long.group_nodes("ep", 8)) == 1
 
 
 def test_calibration_rows_reproduce_and_predictions_stay_close(published):
@@ -182,3 +195,17 @@ def test_eager_cross_entropy_backward_peaks_at_12_sbv():
         loss.backward()
     assert forward - logits.tail_forward_peak_bytes(s, b, V, 2, target_copy=False) < 64
     assert abs(mem.peak_net - start - logits.tail_backward_peak_bytes(s, b, V)) < 64
+
+
+def test_folded_experts_are_whole_and_shard_over_their_own_group():
+    # ETP = 1: a rank holds experts / ep whole experts (tp times the split count), and the ranks holding the
+    # same experts are tp x cp x dp / ep, over which ZeRO shards their state
+    m = published_runs.model("qwen3-235b")
+    split = memory.rank_params(m, memory.Plan(ParallelDims(tp=4, pp=8, dp=8, ep=8)), 0)
+    folded = memory.rank_params(m, memory.Plan(ParallelDims(tp=4, pp=8, dp=8, ep=8, fold_ep=True)), 0)
+    assert folded["dense"] == split["dense"] and folded["expert"] == 4 * split["expert"]
+    state = memory.state_terms(m, 4, 8, 8, 1, 0, 1, 8, "mixed", False, 1)     # ZeRO-1 over dp cp = 8
+    per_param = memory.state_bytes(1, 4 * 8 // 8, "mixed")                    # experts: edp = 4
+    dense_state = memory.state_bytes(1, 8, "mixed")
+    assert state[2] == pytest.approx(folded["dense"] * dense_state["optimizer"]
+                                     + folded["expert"] * per_param["optimizer"])

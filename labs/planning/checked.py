@@ -97,7 +97,9 @@ def run_case(run):
     gpus = run.gpus or DEEPSEEK_V2_GPUS
     deg = run.degrees
     dp = deg["dp"] or gpus // (deg["tp"] * deg["pp"] * deg["cp"])
-    d = ParallelDims(tp=deg["tp"], pp=deg["pp"], cp=deg["cp"], ep=min(deg["ep"], dp), dp=dp)
+    # the degrees as printed: an EP beyond DP is Megatron-Core's folding, which its stack must offer
+    d = ParallelDims(tp=deg["tp"], pp=deg["pp"], cp=deg["cp"], ep=deg["ep"], dp=dp,
+                     fold_ep=stack(run).folds(deg["ep"]))
     batch = run.global_batch or d.dp * 8             # OPT: "2M" tokens, 992 sequences of 2,048
     precision = "fp8" if (run.precision or "").startswith("fp8") else "bf16"
     job = planner.Job(run.model, CLUSTERS[run.gpu], gpus, batch * run.seq, stack(run), precision,

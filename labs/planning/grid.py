@@ -14,9 +14,9 @@ import numpy as np
 
 from labs.planning.software import RECOMPUTE, SCHEDULES
 
+# etp: the tensor-parallel degree of the expert weights, tp, or 1 under Megatron-Core's folding (`fold_ep`)
 FIELDS = ("tp", "pp", "cp", "ep", "dp", "dpr", "zero", "rc", "b", "v", "m", "sched", "offload", "reshard",
-          "sp",
-          "ckpt", "stage")
+          "sp", "ckpt", "stage", "etp")
 
 
 class Columns(dict):
@@ -28,7 +28,7 @@ class Columns(dict):
     @classmethod
     def of(cls, **fields):
         n = max(np.size(v) for v in fields.values())
-        fields = {"ckpt": 1, **fields}
+        fields = {"ckpt": 1, "etp": fields["tp"], **fields}
         return cls({k: np.broadcast_to(np.asarray(fields[k], dtype=np.int64), (n,)).copy() for k in FIELDS})
 
     @classmethod
@@ -39,7 +39,7 @@ class Columns(dict):
                       rc=RECOMPUTE.index(plan.recompute), b=plan.micro_batch, v=plan.v, m=m,
                       sched=SCHEDULES.index(plan.schedule), offload=int(plan.offload),
                       reshard=int(plan.reshard),
-                      sp=int(plan.sp), ckpt=plan.checkpoint_every, stage=stage)
+                      sp=int(plan.sp), ckpt=plan.checkpoint_every, stage=stage, etp=1 if d.fold_ep else d.tp)
 
     def take(self, index):
         return Columns({k: v[index] for k, v in self.items()})

@@ -69,9 +69,12 @@ class Plan:
         return replace(self, **changes)
 
 
-def local_numel(w, tp, ep, kv_heads=None):
+def local_numel(w, tp, ep, kv_heads=None, etp=None):
     """Elements of weight ``w`` on one rank: tensor parallelism by its split (chapter 4: KV heads
-    split when tp divides them, one per rank when tp is a multiple of them), experts 1/ep each."""
+    split when tp divides them, one per rank when tp is a multiple of them), experts 1/ep each, split
+    by ``etp`` (default tp; 1 when experts are folded, `ParallelDims.fold_ep`)."""
+    if w.expert and etp is not None:
+        tp = etp
     rows = w.shape[0]
     if w.split in ("col", "vocab"):
         rows = -(-rows // tp)              # a vocabulary is padded to a multiple of tp (Megatron)
@@ -101,12 +104,14 @@ def stage_weights(model, pp, v, stage):
 def rank_params(model, plan, stage):
     """{"dense": elements, "expert": elements} this rank holds, before any ZeRO sharding."""
     d = plan.dims
-    return dict(zip(("dense", "expert"), stage_params(model, d.tp, d.pp, d.ep, plan.v, stage)))
+    return dict(zip(("dense", "expert"), stage_params(model, d.tp, d.pp, d.ep, plan.v, stage,
+                                                      1 if d.fold_ep else d.tp)))
 
 
 @functools.lru_cache(maxsize=None)
-def stage_params(model, tp, pp, ep, v, stage):
-    """(dense, expert) elements of `stage_weights`, added up by layer kind (the same sum, faster)."""
+def stage_params(model, tp, pp, ep, v, stage, etp=None):
+    """(dense, expert) elements of `stage_weights`, added up by layer kind (the same sum, faster); ``etp``:
+    the experts' tensor-parallel degree (`local_numel`)."""
     n, n_moe = stage_layer_counts(model, pp, v, stage)
     extra = (model.embedding_weights() if stage == 0 else []) + (model.head_weights() if stage == pp - 1
                                                                  else [])
@@ -116,16 +121,16 @@ def stage_params(model, tp, pp, ep, v, stage):
     expert = 0
     for moe, count in ((False, n - n_moe), (True, n_moe)):
         if count:
-            d, e = _layer_params(model, moe, tp, ep)
+            d, e = _layer_params(model, moe, tp, ep, etp)
             dense, expert = dense + count * d, expert + count * e
     return dense, expert
 
 
 @functools.lru_cache(maxsize=None)
-def _layer_params(model, moe, tp, ep):
+def _layer_params(model, moe, tp, ep, etp=None):
     ws = model.layer_weights(next(i for i in range(model.layers) if model.is_moe_layer(i) == moe))
     return (sum(local_numel(w, tp, ep, model.kv_heads) for w in ws if not w.expert),
-            sum(local_numel(w, tp, ep, model.kv_heads) for w in ws if w.expert))
+            sum(local_numel(w, tp, ep, model.kv_heads, etp) for w in ws if w.expert))
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,12 +149,15 @@ def state_bytes(zero, n, recipe, offload=False):
 
 
 @functools.lru_cache(maxsize=None)
-def state_terms(model, tp, pp, ep, v, stage, zero, group, recipe, offload=False):
+def state_terms(model, tp, pp, ep, v, stage, zero, group, recipe, offload=False, etp=None):
     """Weights, gradients, optimizer state: the rank's parameters times chapter 1's (or, stage 3,
-    chapter 3's FSDP2) bytes per parameter over the data-parallel group (dp cp; dp cp / ep for experts)."""
-    dense_n, expert_n = stage_params(model, tp, pp, ep, v, stage)
-    dense, expert = state_bytes(zero, group, recipe, offload), state_bytes(zero, max(group // ep, 1), recipe,
-                                                                           offload)
+    chapter 3's FSDP2) bytes per parameter over the data-parallel group (dp cp; for experts the ranks
+    holding the same experts, dp cp / ep, or tp dp cp / ep when they are folded: ``etp`` = 1)."""
+    etp = tp if etp is None else etp
+    dense_n, expert_n = stage_params(model, tp, pp, ep, v, stage, etp)
+    dense, expert = state_bytes(zero, group, recipe, offload), state_bytes(zero, max(group * tp // (ep * etp),
+                                                                                     1),
+                                                                           recipe, offload)
     return tuple(dense_n * dense[t] + expert_n * expert[t] for t in ("weights", "gradients", "optimizer"))
 
 
@@ -214,7 +222,7 @@ def logits_bytes(model, tp, cp, b, eager_loss=False):
 
 
 @functools.lru_cache(maxsize=None)
-def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer", grad_bytes=BF16):
+def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer", grad_bytes=BF16, etp=None):
     """FSDP2's gathered bf16 unit and the next one (prefetch) with the unit's unsharded bf16 and fp32
     gradient (chapter 3); kept gathered after forward, the stage's bf16 weights and its gradients, which
     under a pipeline accumulate unsharded over the micro-batches in the reduction's dtype (``grad_bytes``):
@@ -225,9 +233,9 @@ def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer", 
     if zero != 3:
         return 0
     if not reshard:
-        return (BF16 + (grad_bytes if pp > 1 else BF16)) * sum(stage_params(model, tp, pp, ep, v, stage))
+        return (BF16 + (grad_bytes if pp > 1 else BF16)) * sum(stage_params(model, tp, pp, ep, v, stage, etp))
     pick = sum if unit == "layer" else max
-    size = max((pick(local_numel(w, tp, ep, model.kv_heads) for w in model.layer_weights(i))
+    size = max((pick(local_numel(w, tp, ep, model.kv_heads, etp) for w in model.layer_weights(i))
                 for i in _kinds(model, pp, v, stage)), default=0)
     return 2 * BF16 * size + (BF16 + 4) * size
 
@@ -236,8 +244,9 @@ def buffers_bytes(model, c, unit="layer", grad_bytes=BF16):
     """What is gathered for one layer at a time, per candidate: FSDP2's units (`fsdp_buffer_bytes`),
     sequence parallelism's all-gathered layer input (chapter 6), all-gather CP's K and V of the whole
     sequence (chapter 6)."""
-    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k, unit=unit, grad_bytes=grad_bytes), c["zero"],
-                      c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["reshard"])
+    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k[:-1], unit=unit, grad_bytes=grad_bytes,
+                                                   etp=k[-1]),
+                      c["zero"], c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["reshard"], c["etp"])
     sp = np.where((c["tp"] > 1) & (c["sp"] == 1), BF16 * c["b"] * (model.seq // c["cp"]) * model.hidden, 0)
     kv = np.maximum(model.kv_heads // c["tp"], 1) * model.head_dim
     cp = np.where(c["cp"] > 1, 2 * BF16 * c["b"] * model.seq * kv, 0)
@@ -255,9 +264,10 @@ def terms(model, c, recipe, kernels, unit="layer", grad_bytes=BF16, eager_loss=F
     ZeRO-3 gathers at a time, ``grad_bytes``: a gradient element in its reduction (`fsdp_buffer_bytes`),
     ``eager_loss``: PyTorch's cross-entropy on fp32 logits (`logits_bytes`)."""
     shard = np.where(c["zero"] == 3, c["dp"] // c["dpr"], c["dp"]) * c["cp"]
-    state = per_unique(lambda tp, pp, ep, v, st, z, g, off: state_terms(model, tp, pp, ep, v, st, z, g,
-                                                                        recipe, bool(off)),
-                       c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["zero"], shard, c["offload"])
+    state = per_unique(lambda tp, pp, ep, v, st, z, g, off, etp: state_terms(model, tp, pp, ep, v, st, z, g,
+                                                                             recipe, bool(off), etp),
+                       c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["zero"], shard, c["offload"],
+                       c["etp"])
     acts = activations_bytes(model, c, kernels)
     last = c["stage"] == c["pp"] - 1
     tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b, eager_loss), c["tp"],

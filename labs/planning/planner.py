@@ -85,15 +85,17 @@ def check_eta(eta):
 
 
 def degree_tuples(job):
-    """Every `ParallelDims` whose tp pp cp dp is the GPUs (ep divides dp; HSDP's replicas where offered)."""
+    """Every `ParallelDims` whose tp pp cp dp is the GPUs (ep divides dp, or tp cp dp where the stack folds
+    its experts, `ParallelDims.fold_ep`; HSDP's replicas where offered)."""
     m, n, sw = job.model, job.gpus, job.software
     for tp in [t for t in (1, 2, 4, 8, 16, 32, 64) if n % t == 0 and t <= sw.max_tp]:
         for pp in [p for p in range(1, min(n // tp, m.layers, sw.max_pp) + 1) if (n // tp) % p == 0]:
             for cp in [c for c in (1, 2, 4, 8, 16, 32) if (n // (tp * pp)) % c == 0 and c <= sw.max_cp]:
                 dp = n // (tp * pp * cp)
-                for ep in ([e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if dp % e == 0 and e <= m.experts]
-                           if m.moe else [1]):
-                    yield ParallelDims(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp)
+                spread = tp * cp * dp if sw.ep_folding else dp
+                for ep in ([e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+                            if spread % e == 0 and e <= m.experts] if m.moe else [1]):
+                    yield ParallelDims(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, fold_ep=sw.folds(ep))
                     if sw.hsdp and ep == 1 and 3 in sw.zero_stages:
                         for shard in (8, 16, 32, 64):
                             if shard < dp and dp % shard == 0:

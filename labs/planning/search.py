@@ -94,13 +94,12 @@ def candidates(job, layouts, fixed):
     for i, d in enumerate(layouts):
         s = settings(job, d, fixed)
         const = [d.tp, d.pp, d.cp, d.ep, d.dp, d.dp_replicate, int(job.software.reshards(d.pp)),
-                 int(job.software.sp),
-                 fixed.get("checkpoint_every", 1)]
+                 int(job.software.sp), fixed.get("checkpoint_every", 1), 1 if d.fold_ep else d.tp]
         blocks.append(np.concatenate([np.tile(np.array(const, dtype=np.int64), (len(s), 1)), s], axis=1))
         index.append(np.full(len(s), i))
     cols = np.concatenate(blocks)
-    names = ("tp", "pp", "cp", "ep", "dp", "dpr", "reshard", "sp", "ckpt", "zero", "rc", "b", "sched", "v",
-             "offload")
+    names = ("tp", "pp", "cp", "ep", "dp", "dpr", "reshard", "sp", "ckpt", "etp", "zero", "rc", "b", "sched",
+             "v", "offload")
     c = Columns.of(**{k: cols[:, j] for j, k in enumerate(names)}, m=0, stage=0)
     c["m"] = job.sequences // (c["dp"] * c["b"])
     return c, np.concatenate(index)
@@ -146,7 +145,8 @@ def price(job, eta, c):
 def _shard_params(job, c, i):
     """Parameters in the optimizer partition of candidate i's first-stage rank."""
     d = {k: int(c[k][i]) for k in c}
-    plan = memory.Plan(ParallelDims(tp=d["tp"], pp=d["pp"], cp=d["cp"], ep=d["ep"], dp=d["dp"]), v=d["v"])
+    plan = memory.Plan(ParallelDims(tp=d["tp"], pp=d["pp"], cp=d["cp"], ep=d["ep"], dp=d["dp"],
+                                    fold_ep=job.software.folds(d["ep"])), v=d["v"])
     group = d["dp"] // (d["dpr"] if d["zero"] == 3 else 1) * d["cp"] if d["zero"] >= 1 else 1
     return sum(memory.rank_params(job.model, plan, 0).values()) / group
 

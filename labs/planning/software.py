@@ -71,6 +71,11 @@ class Software:
     def with_(self, **changes):
         return replace(self, **changes)
 
+    def folds(self, ep):
+        """Whether a layout with ``ep`` puts its experts on Megatron-Core's folded grid
+        (`ParallelDims.fold_ep`): the stack folds, and there are experts to spread."""
+        return self.ep_folding and ep > 1
+
     def reshards(self, pp):
         """Whether FSDP frees a unit's gathered weights after its forward, for a pipeline of pp stages."""
         return pp == 1 if self.reshard_after_forward == "not pp" else bool(self.reshard_after_forward)
@@ -115,7 +120,10 @@ NEMO = MEGATRON_CORE.with_(name="NeMo (Megatron-Core)", source="NVIDIA/NeMo perf
 # Its Qwen3 recipes fuse the token permutation (NVIDIA-NeMo/Megatron-Bridge 067f987d
 # src/megatron/bridge/recipes/qwen/h100/qwen3_moe.py: "moe_permute_fusion = True"); so does the ModelZoo
 # (model_configs/benchmarking/Qwen3-235B-A22B.yaml: "--moe-permute-fusion: true").
-NEMO_2511 = NEMO.with_(name="NeMo 25.11 (Megatron-Bridge)", uniform_stages=False, permute_fusion=True)
+# Its Qwen3-235B row runs EP 32 beside TP 2, PP 8 on 256 GPUs (DP 16): Megatron-Core's expert grid must fit
+# EP x ETP into TP x CP x DP = 32, so its experts are folded with ETP = 1.
+NEMO_2511 = NEMO.with_(name="NeMo 25.11 (Megatron-Bridge)", uniform_stages=False, permute_fusion=True,
+                       ep_folding=True)
 # Megatron-MoE-ModelZoo (yanring/Megatron-MoE-ModelZoo e8650517): Megatron-Core with expert parallelism
 # folded over tp x dp (its ETP column is 1: MoE parallel folding, Liu et al. 2025, arXiv 2504.14960); its
 # "+1f1b overlap" row overlaps the experts' all-to-all with another micro-batch's compute.

@@ -33,7 +33,7 @@ from labs.planning.grid import per_unique
 from labs.planning.software import RECOMPUTE, SCHEDULES
 
 AXES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": ("dp", "cp")}
-TUPLE = ("tp", "pp", "cp", "ep", "dp", "dpr")
+TUPLE = ("tp", "pp", "cp", "ep", "dp", "dpr", "etp")
 
 
 def node_counts(job, c):
@@ -42,7 +42,8 @@ def node_counts(job, c):
     G = job.cluster.gpus_per_node
 
     def nodes(*degrees):
-        d = ParallelDims(**dict(zip(("tp", "pp", "cp", "ep", "dp", "dp_replicate"), degrees)))
+        d = ParallelDims(**dict(zip(("tp", "pp", "cp", "ep", "dp", "dp_replicate"), degrees[:-1])),
+                         fold_ep=job.software.folds(degrees[3]))
         out = {g: links.group_nodes(d, axis, G) for g, axis in AXES.items()}
         if job.software.ep_folding:
             out["ep"] = links.atom_nodes(1, d.ep, G)
@@ -126,13 +127,13 @@ def _layer_groups(job, moe, tp, tpn, cp, cpn, ep, epn, b, rc, sp):
     return t.get("tp", 0.0), t.get("cp", 0.0), t.get("ep", 0.0)
 
 
-def _data_parallel(job, tp, pp, cp, ep, dp, dpr, dpn, v, zero, offloaded):
+def _data_parallel(job, tp, pp, cp, ep, dp, dpr, etp, dpn, v, zero, offloaded):
     """(reduce, gather, replica, one unit's gather, optimizer step) in seconds, first stage."""
     m, cl = job.model, job.cluster
     ranks = dp * cp
     shard, replicas = (ranks // dpr, dpr) if zero == 3 else (ranks, 1)
-    calls = traffic.dp_bytes(m, tp, pp, ep, v, 0, zero, ranks, ranks // ep, replicas, 2,
-                             job.software.reduce_bytes)
+    calls = traffic.dp_bytes(m, tp, pp, ep, v, 0, zero, ranks, ranks * tp // (ep * etp), replicas, 2,
+                             job.software.reduce_bytes, etp)
     bw = cl.intra_bw if dpn == 1 else cl.inter_bw
     units = max(memory.stage_layer_counts(m, pp, v, 0)[0], 1)       # a bucket, or an FSDP unit, per layer
     if job.software.shard_unit == "weight":                          # DeepSpeed's hooks: one call per weight
@@ -143,7 +144,7 @@ def _data_parallel(job, tp, pp, cp, ep, dp, dpr, dpn, v, zero, offloaded):
     gather = calls["gather"] / bw + alpha if shard > 1 and zero else 0.0
     replica = calls["replica"] / cl.inter_bw + links.alpha("all_reduce", replicas,
                                                            replicas) if replicas > 1 else 0.0
-    params = sum(memory.stage_params(m, tp, pp, ep, v, 0)) / (shard if zero >= 1 else 1)
+    params = sum(memory.stage_params(m, tp, pp, ep, v, 0, etp)) / (shard if zero >= 1 else 1)
     opt = offload.optimizer_seconds(cl, params) if offloaded else offload.ADAM_BYTES * params / cl.hbm_bw
     return reduce, gather, replica, gather / units, opt
 

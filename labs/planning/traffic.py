@@ -153,15 +153,17 @@ def dp_calls(model, layout, stage, dtype_bytes=2, grad_bytes=None):
     replicas all-reduce their shard once more, "replica")."""
     d = layout.dims
     return dp_bytes(model, d.tp, d.pp, d.ep, layout.v, stage, layout.zero, d.size(("dp", "cp")),
-                    d.size(("edp", "cp")), d.dp_replicate if layout.zero == 3 else 1, dtype_bytes, grad_bytes)
+                    d.size("edp") if d.fold_ep else d.size(("edp", "cp")), d.dp_replicate if layout.zero == 3
+                    else 1, dtype_bytes, grad_bytes, 1 if d.fold_ep else d.tp)
 
 
 @functools.lru_cache(maxsize=None)
 def dp_bytes(model, tp, pp, ep, v, stage, zero, n_dense, n_expert, replicas=1, dtype_bytes=2,
-             grad_bytes=None):
+             grad_bytes=None, etp=None):
     """`dp_calls` from the group sizes: n_dense ranks hold the same dense weights, n_expert the same
-    experts; ``replicas``: HSDP's replicas of each shard group."""
-    params = dict(zip(("dense", "expert"), memory.stage_params(model, tp, pp, ep, v, stage)))
+    experts; ``replicas``: HSDP's replicas of each shard group; ``etp``: the experts' tensor-parallel
+    degree (`memory.local_numel`)."""
+    params = dict(zip(("dense", "expert"), memory.stage_params(model, tp, pp, ep, v, stage, etp)))
     e_g = grad_bytes or dtype_bytes
     out = {"reduce": 0, "gather": 0, "replica": 0}
     for kind, n in (("dense", n_dense), ("expert", n_expert)):
