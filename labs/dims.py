@@ -43,7 +43,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    ep: int = 1                # expert parallelism, carved out of dp
+    ep: int = 1                # expert parallelism, carved out of dp (or folded: fold_ep)
     dp_replicate: int = 1      # HSDP: dp = dp_replicate x dp_shard
     order: tuple = ORDER
     fold_ep: bool = False      # experts on their own grid over tp x cp x dp (Megatron-Core, ETP = 1)
