@@ -134,6 +134,9 @@ class ParallelDims:
 
     def _atoms_of(self, axis):
         names = (axis,) if isinstance(axis, str) else tuple(axis)
+        if self.fold_ep and {"ep", "edp"} & set(names):
+            raise ValueError(f"folded experts have a grid of their own: {axis!r} cannot combine "
+                             "ep or edp with the other axes; ask for 'ep' or 'edp' alone.")
         out = set()
         for name in names:
             if name not in self.GROUPS:

@@ -5,6 +5,7 @@ import pytest
 import workers
 from labs.dims import ParallelDims
 from labs.launcher import launch
+from labs.planning import links
 
 
 def test_dp_is_filled_in_and_tp_varies_fastest():
@@ -97,3 +98,13 @@ def test_groups_and_mesh_in_a_running_job():
         for axis, ranks in got.items():
             assert ranks in e.groups(axis) and rank in ranks, (rank, axis)
     assert set(meshes[0]) == {"dp", "edp", "ep", "pp", "tp"}
+
+
+def test_folded_expert_groups_are_placed_one_by_one():
+    # a folded expert group is no atom of the grid: its nodes are counted group by group (TP 2 x DP 16 of a
+    # stage spread over the pp stride: two ranks on each of 16 nodes), and it combines with no other axis
+    f = ParallelDims(tp=2, pp=8, dp=16, ep=32, fold_ep=True)
+    assert links.group_nodes(f, "ep", 8) == max(f.group_nodes("ep", 8)) == 16
+    for bad in (lambda: f.size(("edp", "cp")), lambda: links.group_nodes(f, ("edp", "cp"), 8)):
+        with pytest.raises(ValueError, match="cannot combine ep or edp"):
+            bad()

@@ -98,8 +98,14 @@ def atom_nodes(stride, n, gpus_per_node):
 def group_nodes(dims, axis, gpus_per_node):
     """Nodes a group of ``axis`` (a name or a tuple of names, as `ParallelDims.size` takes them)
     touches: its grid atoms, merged where they are adjacent (only atoms of size 1 between them), each
-    block priced by `atom_nodes`, multiplied."""
+    block priced by `atom_nodes`, multiplied. Folded experts (`ParallelDims.fold_ep`) take no atom of the
+    grid: their groups are counted one by one."""
     names = (axis,) if isinstance(axis, str) else tuple(axis)
+    if dims.fold_ep and {"ep", "edp"} & set(names):
+        if len(names) > 1:
+            raise ValueError(f"folded experts have a grid of their own: {axis!r} cannot combine ep or edp "
+                             "with the other axes; ask for 'ep' or 'edp' alone.")
+        return max(dims.group_nodes(names[0], gpus_per_node))
     chosen = set().union(*(dims.GROUPS[a] for a in names))
     blocks, stride, last = [], 1, None          # [stride, size] of each run of chosen atoms
     for a, size in dims.atoms():
