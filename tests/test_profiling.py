@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -142,6 +144,36 @@ def test_coverage_catches_a_missed_wait():
     assert analysis.coverage(row, 0.1, {"cpu_s": 0.062, "delay_s": 0.0})["holds"] is False
     assert analysis.coverage(row, 0.1, {"cpu_s": 0.1, "delay_s": 0.0})["holds"] is True
     assert analysis.coverage(row, 0.1, None)["holds"] is None
+    # another Python thread (the heartbeat) on a CPU for 36 ms could have held the GIL that long: the
+    # same 38 ms idle is then accounted for (2 + 36 + the 5 ms margin); 20 ms of it could not
+    assert analysis.coverage(row, 0.1, {"cpu_s": 0.062, "delay_s": 0.0, "others_s": 0.036})["holds"] is True
+    assert analysis.coverage(row, 0.1, {"cpu_s": 0.062, "delay_s": 0.0, "others_s": 0.02})["holds"] is False
+
+
+def test_other_python_threads_are_timed_by_the_kernel():
+    # a Python thread spinning 30 ms between two readings is counted in others_seconds; one that only
+    # sleeps is not on a CPU and adds next to nothing
+    if trace.thread_times() is None:
+        pytest.skip("the kernel gives no per-thread schedstat here")
+    go, stop = threading.Event(), threading.Event()
+
+    def spin_then_sleep():
+        go.wait()
+        end = time.perf_counter() + 0.03
+        while time.perf_counter() < end:
+            pass
+        stop.wait()
+    spinner, sleeper = threading.Thread(target=spin_then_sleep), threading.Thread(target=stop.wait)
+    spinner.start(), sleeper.start()
+    before = trace.other_threads()
+    go.set()
+    time.sleep(0.2)              # the spinner is done and waits, alive, as the heartbeat does between beats
+    after = trace.other_threads()
+    stop.set()
+    spinner.join(), sleeper.join()
+    assert {spinner.native_id, sleeper.native_id} <= set(after)
+    assert sum(after[sleeper.native_id]) - sum(before[sleeper.native_id]) < 0.01
+    assert trace.others_seconds(before, after) >= 0.025
 
 
 # ---- a real run, from the command line ----------------------------------------------------------

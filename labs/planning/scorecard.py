@@ -128,6 +128,16 @@ def explain(r):
         return "data parallel", (f"the reduce-scatter of a 10B-parameter shard, exposed {pct('dp')} of the "
                                  "estimate "
                                  "beyond the last micro-batch's backward; NeMo hides more of it")
+    if c.job.model.moe and e < 0 and share(r, "dp") > share(r, "exposed_ep"):
+        return "data parallel", (f"FSDP's gathers and reduce-scatters of whole experts (ETP = 1), exposed "
+                                 f"{pct('dp')} of the estimate: the model regathers every layer for each "
+                                 "micro-batch, as FSDP2 does; how Megatron-Core's FSDP keeps weights over "
+                                 "the micro-batches of a step is not in the sources read")
+    if c.job.model.moe and e < 0:
+        return "experts", (f"exposed EP {pct('exposed_ep')} of the estimate, across nodes: the model sends "
+                           "every routed copy of a token over the network; DeepEP, like DeepSeek-V3's "
+                           "dispatch (§3.2.2), sends a token once to each node that holds one of its "
+                           "experts and forwards it over NVLink")
     if c.job.model.moe and "overlap" in name:
         return "experts", (f"the model hides all but {pct('exposed_ep')} of the all-to-alls under another "
                            "micro-batch's compute; the page's own step times (19.7 s without, 17.6 s with) "

@@ -268,23 +268,26 @@ def coverage(row, wall_s, thread):
     (a `breakdown` row), its wall-clock seconds, and its thread's kernel times (`trace.thread_times`).
 
     The thread's wall time is on a CPU, runnable but waiting for one (delay D), or blocked. Idle
-    time is outside every operator and every wait the trace shows. If the thread is never blocked there,
-    idle is interpreter time (on a CPU, at most the CPU time not spent in operators) plus delay;
-    operators, which do not block on the CPU, hold at most their own CPU time plus D. So
+    time is outside every operator and every wait the trace shows. If the thread is never blocked there
+    but on Python's GIL, idle is interpreter time (on a CPU, at most the CPU time not spent in
+    operators), plus delay, plus the time another Python thread of the process held the GIL, which it
+    can only do on a CPU or runnable (O, `trace.other_threads`: the launcher's heartbeat; gloo's and
+    the profiler's threads are C++ and never take it); operators, which do not block on the CPU, hold
+    at most their own CPU time plus D. So
 
-        idle <= (cpu - compute) + 2 D + s.
+        idle <= (cpu - compute) + 2 D + O + s.
 
-    s, the stated margin: one hand-off of Python's GIL (``sys.getswitchinterval()``, 5 ms), the one
-    block no event records that the lab's own threads cause (gloo's and the profiler's threads take
-    the GIL between operators). A wait the trace missed (blocked on something no event records)
-    breaks the bound by its length, less the margin and the slack (CPU time spent while communication
-    was in flight). ``window_s``: the trace's step window minus the wall clock's, the cost of
-    entering and leaving the annotation.
+    s, the stated margin: one hand-off of the GIL (``sys.getswitchinterval()``, 5 ms), how long a
+    thread that wants it back can wait before the holder is made to let go. A wait the trace missed
+    (blocked on something no event records) breaks the bound by its length, less the margin and the
+    slack (CPU time spent while communication was in flight). ``window_s``: the trace's step window
+    minus the wall clock's, the cost of entering and leaving the annotation.
     """
     out = {"step_s": wall_s, "window_s": row["step_s"] - wall_s, "idle_s": row["idle_s"],
            "covered_s": row["compute_s"] + row["exposed_comm_s"] + row["peer_wait_s"] + row["input_s"]}
     if thread is None:
         return dict(out, bound_s=None, holds=None, why="the kernel gives no per-thread schedstat here")
-    bound = thread["cpu_s"] - row["compute_s"] + 2 * thread["delay_s"] + sys.getswitchinterval()
-    return dict(out, bound_s=bound, cpu_s=thread["cpu_s"], delay_s=thread["delay_s"],
+    others = thread.get("others_s", 0.0)
+    bound = thread["cpu_s"] - row["compute_s"] + 2 * thread["delay_s"] + others + sys.getswitchinterval()
+    return dict(out, bound_s=bound, cpu_s=thread["cpu_s"], delay_s=thread["delay_s"], others_s=others,
                 margin_s=sys.getswitchinterval(), holds=row["idle_s"] <= bound)

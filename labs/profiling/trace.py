@@ -5,7 +5,8 @@
             with rec.step(i):
                 train_step()
     rec.path, rec.steps          # folder/rank0.json.gz; each step's wall-clock seconds
-    rec.threads                  # each step's CPU and run-queue seconds of this thread (kernel)
+    rec.threads                  # each step's CPU and run-queue seconds of this thread (kernel), and
+                                 # of the process's other Python threads (``others_s``)
 
 `Recorder` runs the profiler on this rank (CPU ops, and CUDA kernels on a GPU), with shapes and
 memory recorded, and marks each step with a ``record_function`` named `STEP`; the step's
@@ -32,6 +33,7 @@ read from real traces (the analysis is built on exactly this, `labs.profiling.an
 import gzip
 import json
 import os
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -46,15 +48,34 @@ def _on_gpu():
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def thread_times():
-    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far, from
-    the kernel's /proc/thread-self/schedstat; None where the kernel does not provide it."""
+def thread_times(tid=None):
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far, or of this
+    process's thread with native id ``tid``, from the kernel's schedstat; None where the kernel does not
+    provide it (or the thread has ended)."""
     try:
-        with open("/proc/thread-self/schedstat") as f:
+        with open("/proc/thread-self/schedstat" if tid is None else f"/proc/self/task/{tid}/schedstat") as f:
             on_cpu, waiting = f.read().split()[:2]
     except (OSError, ValueError):
         return None
     return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
+def other_threads():
+    """{native id: `thread_times`} of this process's Python threads other than the calling one (the
+    launcher's heartbeat): the only threads that take the GIL, so the only ones a rank's thread can
+    wait for without an event (gloo's and the profiler's threads are C++ and never hold it)."""
+    me = threading.get_ident()
+    out = {}
+    for t in threading.enumerate():
+        times = thread_times(t.native_id) if t.ident != me and t.native_id is not None else None
+        if times is not None:
+            out[t.native_id] = times
+    return out
+
+
+def others_seconds(before, after):
+    """Seconds the other Python threads spent on a CPU or runnable between two `other_threads`."""
+    return sum(cpu + wait - sum(before.get(tid, (0.0, 0.0))) for tid, (cpu, wait) in after.items())
 
 
 class Recorder:
@@ -66,7 +87,9 @@ class Recorder:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _on_gpu() else [])
         self.profiler = profile(activities=activities, record_shapes=True, profile_memory=memory)
         self.steps = []   # wall-clock seconds of each step, measured around its block
-        self.threads = [] # per step, the rank thread's {"cpu_s", "delay_s"} (kernel), or None
+        # per step, the rank thread's {"cpu_s", "delay_s"} and the other Python threads' "others_s"
+        # (kernel), or None
+        self.threads = []
 
     def __enter__(self):
         timing.sync()
@@ -85,13 +108,14 @@ class Recorder:
         """One step: a `STEP` annotation in the trace, and its wall-clock time in ``self.steps``.
         On a GPU the step ends when its kernels have, not when the CPU has queued them."""
         timing.sync()
-        k0, t0 = thread_times(), timing.now()
+        o0, k0, t0 = other_threads(), thread_times(), timing.now()
         with record_function(f"{STEP}#{i}"):
             yield
             timing.sync()
         self.steps.append(timing.now() - t0)
-        k1 = thread_times()
-        self.threads.append({"cpu_s": k1[0] - k0[0], "delay_s": k1[1] - k0[1]} if k0 and k1 else None)
+        k1, o1 = thread_times(), other_threads()
+        self.threads.append({"cpu_s": k1[0] - k0[0], "delay_s": k1[1] - k0[1],
+                             "others_s": others_seconds(o0, o1)} if k0 and k1 else None)
 
 
 def load(path):
