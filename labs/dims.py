@@ -197,7 +197,7 @@ class ParallelDims:
                 (["dp_shard", "dp_replicate"] if self.dp_replicate > 1 else [])
         out = {}
         if self.fold_ep:
-            names.remove("ep"), names.remove("edp")
+            names = [n for n in names if n not in ("ep", "edp")]
             run = self.groups(("tp", "cp", "dp"))
             at_stage = next(g for g in run if rank in g).index(rank)
             out["ep"], out["edp"] = at_stage % self.ep, at_stage // self.ep
