@@ -109,6 +109,11 @@ class ParallelDims:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def etp(self):
+        """The experts' tensor-parallel degree: tp, or 1 when they are folded (`fold_ep`)."""
+        return 1 if self.fold_ep else self.tp
+
+    @property
     def dp_shard(self):
         return self.dp // self.dp_replicate
 

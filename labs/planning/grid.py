@@ -39,7 +39,7 @@ class Columns(dict):
                       rc=RECOMPUTE.index(plan.recompute), b=plan.micro_batch, v=plan.v, m=m,
                       sched=SCHEDULES.index(plan.schedule), offload=int(plan.offload),
                       reshard=int(plan.reshard),
-                      sp=int(plan.sp), ckpt=plan.checkpoint_every, stage=stage, etp=1 if d.fold_ep else d.tp)
+                      sp=int(plan.sp), ckpt=plan.checkpoint_every, stage=stage, etp=d.etp)
 
     def take(self, index):
         return Columns({k: v[index] for k, v in self.items()})

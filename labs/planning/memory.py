@@ -104,8 +104,7 @@ def stage_weights(model, pp, v, stage):
 def rank_params(model, plan, stage):
     """{"dense": elements, "expert": elements} this rank holds, before any ZeRO sharding."""
     d = plan.dims
-    return dict(zip(("dense", "expert"), stage_params(model, d.tp, d.pp, d.ep, plan.v, stage,
-                                                      1 if d.fold_ep else d.tp)))
+    return dict(zip(("dense", "expert"), stage_params(model, d.tp, d.pp, d.ep, plan.v, stage, d.etp)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,6 +147,12 @@ def state_bytes(zero, n, recipe, offload=False):
     return {"weights": b["parameters"], "gradients": b["gradients"], "optimizer": b["optimizer_state"]}
 
 
+def expert_group(group, tp, ep, etp):
+    """Ranks holding the same experts, from the ``group`` of ranks holding the same dense weights (dp cp):
+    dp cp / ep, or tp dp cp / ep when the experts are folded (``etp`` = 1; `ParallelDims.fold_ep`)."""
+    return max(group * tp // (ep * etp), 1)
+
+
 @functools.lru_cache(maxsize=None)
 def state_terms(model, tp, pp, ep, v, stage, zero, group, recipe, offload=False, etp=None):
     """Weights, gradients, optimizer state: the rank's parameters times chapter 1's (or, stage 3,
@@ -155,9 +160,8 @@ def state_terms(model, tp, pp, ep, v, stage, zero, group, recipe, offload=False,
     holding the same experts, dp cp / ep, or tp dp cp / ep when they are folded: ``etp`` = 1)."""
     etp = tp if etp is None else etp
     dense_n, expert_n = stage_params(model, tp, pp, ep, v, stage, etp)
-    dense, expert = state_bytes(zero, group, recipe, offload), state_bytes(zero, max(group * tp // (ep * etp),
-                                                                                     1),
-                                                                           recipe, offload)
+    dense = state_bytes(zero, group, recipe, offload)
+    expert = state_bytes(zero, expert_group(group, tp, ep, etp), recipe, offload)
     return tuple(dense_n * dense[t] + expert_n * expert[t] for t in ("weights", "gradients", "optimizer"))
 
 

@@ -94,7 +94,7 @@ def candidates(job, layouts, fixed):
     for i, d in enumerate(layouts):
         s = settings(job, d, fixed)
         const = [d.tp, d.pp, d.cp, d.ep, d.dp, d.dp_replicate, int(job.software.reshards(d.pp)),
-                 int(job.software.sp), fixed.get("checkpoint_every", 1), 1 if d.fold_ep else d.tp]
+                 int(job.software.sp), fixed.get("checkpoint_every", 1), d.etp]
         blocks.append(np.concatenate([np.tile(np.array(const, dtype=np.int64), (len(s), 1)), s], axis=1))
         index.append(np.full(len(s), i))
     cols = np.concatenate(blocks)

@@ -132,8 +132,8 @@ def _data_parallel(job, tp, pp, cp, ep, dp, dpr, etp, dpn, v, zero, offloaded):
     m, cl = job.model, job.cluster
     ranks = dp * cp
     shard, replicas = (ranks // dpr, dpr) if zero == 3 else (ranks, 1)
-    calls = traffic.dp_bytes(m, tp, pp, ep, v, 0, zero, ranks, ranks * tp // (ep * etp), replicas, 2,
-                             job.software.reduce_bytes, etp)
+    calls = traffic.dp_bytes(m, tp, pp, ep, v, 0, zero, ranks, memory.expert_group(ranks, tp, ep, etp),
+                             replicas, 2, job.software.reduce_bytes, etp)
     bw = cl.intra_bw if dpn == 1 else cl.inter_bw
     units = max(memory.stage_layer_counts(m, pp, v, 0)[0], 1)       # a bucket, or an FSDP unit, per layer
     if job.software.shard_unit == "weight":                          # DeepSpeed's hooks: one call per weight

@@ -152,9 +152,10 @@ def dp_calls(model, layout, stage, dtype_bytes=2, grad_bytes=None):
     ranks for the dense parameters, dp * cp / ep for the experts' (HSDP: the shard group; its
     replicas all-reduce their shard once more, "replica")."""
     d = layout.dims
-    return dp_bytes(model, d.tp, d.pp, d.ep, layout.v, stage, layout.zero, d.size(("dp", "cp")),
-                    d.size("edp") if d.fold_ep else d.size(("edp", "cp")), d.dp_replicate if layout.zero == 3
-                    else 1, dtype_bytes, grad_bytes, 1 if d.fold_ep else d.tp)
+    dense = d.size(("dp", "cp"))
+    return dp_bytes(model, d.tp, d.pp, d.ep, layout.v, stage, layout.zero, dense,
+                    memory.expert_group(dense, d.tp, d.ep, d.etp), d.dp_replicate if layout.zero == 3 else 1,
+                    dtype_bytes, grad_bytes, d.etp)
 
 
 @functools.lru_cache(maxsize=None)
