@@ -1,11 +1,12 @@
 """Labs for *Distributed Training, Measured*: the book's table of contents in code.
 
-One package per chapter, named after its technique, over two shared packages that every chapter
+One package per chapter, named after its technique, over three shared packages that every chapter
 uses; imports point one way (a chapter uses the shared packages and earlier chapters, never the
 reverse; `tests/test_layout.py` checks it):
 
     launcher/         start N ranks from a notebook, a test or torchrun; the command-line contract
     measure/          counted collectives, wire bytes, formula bytes (the ring factors), memory, FLOPs
+    formulas/         the formulas, free of torch and numpy: the labs check them, the site's calculators run them
     model.py          the tiny GPT (and Llama block) every chapter parallelises from outside
     dims.py           the degrees of a layout (ParallelDims), checked once: rank grid, groups, mesh, tiers
     groups.py         the process groups of a running job, made from a ParallelDims

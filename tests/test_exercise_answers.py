@@ -12,7 +12,7 @@ import exercise_cases
 
 from labs.data_parallel import ring_allreduce as ra
 from labs.memory_budget import budget
-from labs.pipeline import schedules
+from labs.formulas import schedules
 from labs.tensor_parallel import blocks
 from labs.zero import stages
 

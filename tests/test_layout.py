@@ -20,7 +20,7 @@ import pytest
 LABS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "labs")
 MAX_LINES = 320
 MAX_LOOSE = 3
-SHARED = {"labs.launcher", "labs.measure"}           # what every chapter uses
+SHARED = {"labs.launcher", "labs.measure", "labs.formulas"}   # what every chapter uses
 TOP = {"labs.model", "labs.groups", "labs.dims"}      # the tiny model, the degrees, their process groups
 APPS = {"labs.gpu"}                                   # commands on top of the chapters; nothing imports them
 CHAPTERS = {"labs.memory_budget": 1, "labs.data_parallel": 2, "labs.zero": 3, "labs.tensor_parallel": 4,

@@ -10,7 +10,8 @@ import torch
 
 from labs.launcher import launch
 from labs import model as tiny
-from labs.pipeline import executor, torch_pipelining, schedules, split_backward
+from labs.formulas import schedules
+from labs.pipeline import executor, torch_pipelining, split_backward
 
 # The tests marked `numerics` compare floating-point results: `make test` runs them again under
 # another CPU's rounding. The others compare bytes, counts, schedules or refusals.
@@ -230,6 +231,6 @@ def test_command_line_contract():
 
 def test_microbatches_to_halve_the_bubble_share():
     """(p-1)/(m'+p-1) <= half of (p-1)/(m+p-1) first at m' = 2m + p - 1: counted, not assumed."""
-    from labs.pipeline import schedules
+    from labs.formulas import schedules
     for p, m in ((4, 12), (8, 8), (16, 48), (2, 1)):
         assert schedules.microbatches_to_halve(p, m) == 2 * m + p - 1, (p, m)

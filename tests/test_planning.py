@@ -8,7 +8,7 @@ import dataclasses
 from labs.dims import ParallelDims
 from labs.memory_budget import fused_swiglu
 from labs.memory_budget.model_shape import ModelShape
-from labs.pipeline import schedules
+from labs.formulas import schedules
 from labs.planning import cases, flop_count, memory, meta_check, planner, quiz, shapes
 
 TINY = ModelShape("tiny Llama", layers=4, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=100, seq=16)

@@ -1,6 +1,7 @@
-"""Chapter 5, pipeline parallel: schedules as data, one executor, and the bubble measured.
+"""Chapter 5, pipeline parallel: one executor for the schedules, and the bubble measured.
 
-- `schedules`: GPipe, 1F1B, interleaved 1F1B and ZB-H1 as ordered actions per stage, bubble formulas.
+The schedules as data and their bubble formulas are torch-free: `labs.formulas.schedules`.
+
 - `executor`: runs any schedule with real sends and receives; gradients, bubble and peak memory.
 - `schedule_figure`: a schedule's picture, drawn from the timeline the executor recorded.
 - `split_backward`: backward split into B (input gradient) and W (weight gradient), for ZB-H1.

@@ -1,4 +1,4 @@
-"""Chapter 5: one executor that runs any schedule of `labs.pipeline.schedules` with real sends and receives.
+"""Chapter 5: one executor that runs any schedule of `labs.formulas.schedules` with real sends and receives.
 
 The tiny GPT (24 layers) is cut into p*v pieces; piece k runs on rank k mod p as its chunk k // p.
 Each rank walks its own list of actions. F receives an activation from the previous piece (or
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from labs.measure import comm
 from labs.launcher import launch
 from labs import model as tiny
-from labs.pipeline import schedules, split_backward
+from labs.formulas import schedules
+from labs.pipeline import split_backward
 
 TAGS = {"F": 0, "B": 1}
 

@@ -3,7 +3,7 @@
 Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241), §1 and Figure 1: a linear
 layer y = x A^T + b has a backward of two matmuls, dx = dy A (B: the previous stage waits for it)
 and dA = dy^T x (W: only the optimizer waits for it). A pipeline that runs W later can fill its
-bubbles with it (`labs.pipeline.schedules.zb_h1`).
+bubbles with it (`labs.formulas.schedules.zb_h1`).
 
 How this lab splits, as Megatron-LM's zero-bubble code does (``WeightGradStore`` in
 megatron/core/tensor_parallel/weight_grad_store.py stores the weight-gradient work of linear

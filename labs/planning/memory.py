@@ -36,7 +36,7 @@ import numpy as np
 
 from labs.dims import ParallelDims
 from labs.memory_budget import activations, budget, fused_swiglu, logits
-from labs.pipeline import schedules
+from labs.formulas import schedules
 from labs.pipeline.stage_balance import stage_layers
 from labs.planning.grid import Columns, per_unique
 from labs.planning.software import RECOMPUTE

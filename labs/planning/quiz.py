@@ -20,7 +20,7 @@ from labs.context_parallel import sequence_parallel
 from labs.dims import ParallelDims
 from labs.measure import exercises
 from labs.memory_budget import budget, compute
-from labs.pipeline import schedules
+from labs.formulas import schedules
 from labs.planning import memory, shapes, traffic
 
 GB = 1e9

@@ -27,7 +27,7 @@ import numpy as np
 
 from labs.dims import ParallelDims
 from labs.memory_budget import compute
-from labs.pipeline import schedules
+from labs.formulas import schedules
 from labs.planning import kernels, links, memory, offload, traffic
 from labs.planning.grid import per_unique
 from labs.planning.software import RECOMPUTE, SCHEDULES

@@ -32,7 +32,7 @@ from labs.collectives import alpha_beta
 from labs.hardware import latency
 from labs.launcher import launch
 from labs.measure import timing as clock
-from labs.pipeline import schedules
+from labs.formulas import schedules
 from labs.planning import kernels, timing as planner_timing
 from labs.profiling import analysis, intervals as iv, lab, targets, timing, trace
 

@@ -15,7 +15,7 @@ import torch
 
 from labs import model as tiny
 from labs.measure import comm, exercises
-from labs.pipeline import schedules
+from labs.formulas import schedules
 from labs.profiling import analysis, opt_exercise
 from labs.profiling.trace import STEP
 

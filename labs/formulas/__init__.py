@@ -1,0 +1,12 @@
+"""The book's formulas, free of torch and numpy: what the labs check and the site's calculators run.
+
+Everything here is plain Python (the standard library only), so the same code answers in a
+notebook, on the command line, in the tests and, through Pyodide, in a reader's browser on the
+static site. The torch side stays in the chapters' packages: FLOP counting, dispatch-mode traffic,
+the meta device, and everything that runs ranks; they import these formulas and check them.
+`tests/test_formulas.py` fails if any module here imports torch or numpy.
+
+- `schedules` (chapter 5): GPipe, 1F1B, interleaved 1F1B and ZB-H1 as ordered actions per stage, their
+  bubble formulas and peak in-flight micro-batches.
+- `forms`: the calculators' fields and answers (the site's forms and JupyterLab's widgets).
+"""
