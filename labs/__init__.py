@@ -6,7 +6,7 @@ reverse; `tests/test_layout.py` checks it):
 
     launcher/         start N ranks from a notebook, a test or torchrun; the command-line contract
     measure/          counted collectives, wire bytes, formula bytes (the ring factors), memory, FLOPs
-    formulas/         the formulas, free of torch and numpy: the labs check them, the site's calculators run them
+    formulas/         the formulas without torch or numpy: the labs check them, the site's forms run them
     model.py          the tiny GPT (and Llama block) every chapter parallelises from outside
     dims.py           the degrees of a layout (ParallelDims), checked once: rank grid, groups, mesh, tiers
     groups.py         the process groups of a running job, made from a ParallelDims

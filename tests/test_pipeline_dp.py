@@ -2,7 +2,8 @@
 import pytest
 
 from labs.launcher import launch
-from labs.pipeline import pipeline_dp, schedules
+from labs.formulas import schedules
+from labs.pipeline import pipeline_dp
 
 # compares floating-point results: `make test` runs it again under another CPU's rounding
 pytestmark = pytest.mark.numerics

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from labs import groups, model as tiny
 from labs.dims import ParallelDims
 from labs.launcher import launch
-from labs.pipeline import executor, pipeline_dp, schedules
+from labs.formulas import schedules
+from labs.pipeline import executor, pipeline_dp
 from labs.checkpointing import one_name, resharding as ck, sharded_checkpoint as sc, training
 from labs.checkpointing.stateful_loader import StatefulLoader
 

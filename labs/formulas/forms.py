@@ -56,7 +56,8 @@ def bubble(values):
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"stages, micro-batches and chunks must be at least 1 (got p={p}, m={m}, v={v}).")
     if v != 1 and name != "interleaved":
-        raise ValueError(f"v = {v} chunks per stage applies to the interleaved schedule only; use 1 for {name}.")
+        raise ValueError(f"v = {v} chunks per stage applies to the interleaved schedule only; use 1 for "
+                         f"{name}.")
     f = schedules.formula(name, p, m, v)
     return {"ok": True,
             "summary": f"{name} on p = {p} stages with m = {m} micro-batches"

@@ -23,7 +23,8 @@ from labs.launcher import launch
 from labs.measure import comm
 from labs import groups, model as tiny
 from labs.dims import ParallelDims
-from labs.pipeline import executor, schedules
+from labs.formulas import schedules
+from labs.pipeline import executor
 
 
 class Executor(executor.Executor):

@@ -34,7 +34,8 @@ import torch.nn as nn
 
 from labs.memory_budget import compute
 from labs import model as tiny
-from labs.pipeline import executor, schedules, split_backward
+from labs.formulas import schedules
+from labs.pipeline import executor, split_backward
 
 REAL_VOCAB = 32_000
 

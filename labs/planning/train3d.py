@@ -29,7 +29,8 @@ from labs.context_parallel import allgather_cp, methods, ring_attention
 from labs.data_parallel import hand_ring
 from labs.launcher import launch
 from labs.measure import comm
-from labs.pipeline import executor, schedules
+from labs.formulas import schedules
+from labs.pipeline import executor
 from labs.planning import layout3d
 from labs.tensor_parallel import megatron
 from labs.zero.sharded_optimizer import ShardedOptimizer

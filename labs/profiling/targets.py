@@ -22,7 +22,8 @@ from labs.dims import ParallelDims
 from labs.data_parallel import hand_ring
 from labs.data_parallel.hand_ddp import HandDDP
 from labs.launcher import launch
-from labs.pipeline import executor, schedules
+from labs.formulas import schedules
+from labs.pipeline import executor
 from labs.planning import layout3d, train3d
 from labs.tensor_parallel import megatron
 from labs.zero.fsdp import HandFSDP, fully_shard_units

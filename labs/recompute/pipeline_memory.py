@@ -22,7 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from labs import model as tiny
 from labs.launcher import launch
-from labs.pipeline import executor, schedules, split_backward
+from labs.formulas import schedules
+from labs.pipeline import executor, split_backward
 
 PP_POLICIES = ("none", "full")
 
