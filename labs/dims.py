@@ -2,8 +2,8 @@
 
 Modelled on torchtitan's ``ParallelDims`` (pytorch/torchtitan, torchtitan/distributed/parallel_dims.py):
 the degrees dp, tp, pp, cp and ep, validated in one place, with the world size, the coordinates of a
-rank, the rank lists of every group (combined ones such as dp x cp included), the DeviceMesh
-(`mesh`) and the link tier each group sits on (`tier`).
+rank, the rank lists of every group (combined ones such as dp x cp included), the DeviceMesh's dimensions
+(`mesh_dims`; `labs.groups.device_mesh` builds it) and the link tier each group sits on (`tier`).
 
 Ranks fill the grid with the first axis of ``order`` varying fastest. The default is Llama 3's
 [TP, CP, PP, DP] (Llama Team 2024, arXiv 2407.21783, §3.3.2), with the expert group inside the
@@ -30,8 +30,6 @@ cp = 3 on nodes of 4: the group [3, 4, 5] straddles).
 """
 import math
 from dataclasses import dataclass
-
-import torch
 
 ORDER = ("tp", "cp", "ep", "pp", "dp")     # fastest-varying first
 DEGREES = ("dp", "tp", "pp", "cp", "ep", "dp_replicate")
@@ -176,19 +174,20 @@ class ParallelDims:
         """The rank lists of every group along ``axis`` (a name, or a tuple of names): ranks that
         differ only in those coordinates, each list ascending, the lists by their first rank.
         ("dp", "cp") is the group that averages gradients under context parallelism."""
-        return self._grouped(axis).tolist()
+        return self._grouped(axis)
 
     def _grouped(self, axis):
-        """`groups` as a (groups, size) tensor."""
+        """`groups`, computed: the grid's ranks with the coordinates of ``axis`` varying inside a row."""
         if self.fold_ep and axis in ("ep", "edp"):     # runs of ep of each stage's tp x cp x dp ranks
-            runs = self._grouped(("tp", "cp", "dp")).reshape(-1, self.tp * self.cp * self.dp // self.ep,
-                                                              self.ep)
-            return (runs if axis == "ep" else runs.transpose(1, 2)).reshape(-1, self.size(axis))
-        chosen, atoms = self._atoms_of(axis), list(reversed(self.atoms()))       # slowest first
-        grid = torch.arange(self.world_size).view([n for _, n in atoms])
-        dims = [i for i, (a, _) in enumerate(atoms) if a in chosen]
-        moved = grid.movedim(dims, list(range(len(atoms) - len(dims), len(atoms))))
-        return moved.reshape(-1, self.size(axis))
+            stages, ep = self._grouped(("tp", "cp", "dp")), self.ep
+            if axis == "ep":
+                return [row[k:k + ep] for row in stages for k in range(0, len(row), ep)]
+            return [row[j::ep] for row in stages for j in range(ep)]
+        chosen, stride, inside, outside = self._atoms_of(axis), 1, [], []
+        for a, n in self.atoms():                    # fastest first
+            (inside if a in chosen else outside).append((n, stride))
+            stride *= n
+        return [[first + k for k in _offsets(inside)] for first in _offsets(outside)]
 
     def coords(self, rank):
         """{group: index of ``rank`` in its group} for tp, cp, pp, dp (and ep, edp, dp_shard,
@@ -218,18 +217,22 @@ class ParallelDims:
     def group_nodes(self, axis, gpus_per_node):
         """Per group of ``axis``, how many units of ``gpus_per_node`` ranks its ranks touch."""
         _positive("gpus_per_node", gpus_per_node)
-        nodes = self._grouped(axis) // gpus_per_node           # ascending rows: count the changes
-        return ((nodes[:, 1:] != nodes[:, :-1]).sum(dim=1) + 1).tolist()
+        out = []
+        for row in self._grouped(axis):                          # ascending rows: count the changes
+            nodes = [r // gpus_per_node for r in row]
+            out.append(1 + sum(a != b for a, b in zip(nodes, nodes[1:])))
+        return out
 
     def tier(self, axis, gpus_per_node):
         """"intra" when every group of ``axis`` is inside one node, else "inter"."""
         return "intra" if max(self.group_nodes(axis, gpus_per_node)) == 1 else "inter"
 
-    # ---- torch ------------------------------------------------------------------------------------
+    # ---- the DeviceMesh's dimensions (`labs.groups.device_mesh` builds it) ---------------------------
     def mesh_dims(self):
-        """[(name, size)] of `mesh`'s dimensions, slowest first: tp, pp and dp, which every lab's
-        mesh has; cp, ep and HSDP's replicate part only when they are above 1 (a dimension of size 1
-        costs a process group per rank); dp's remaining part named dp, edp (ep > 1) or dp_shard (HSDP)."""
+        """[(name, size)] of the DeviceMesh's dimensions (`labs.groups.device_mesh`), slowest first: tp,
+        pp and dp, which every lab's mesh has; cp, ep and HSDP's replicate part only when they are above
+        1 (a dimension of size 1 costs a process group per rank); dp's remaining part named dp, edp
+        (ep > 1) or dp_shard (HSDP)."""
         if self.fold_ep:
             raise ValueError("folded experts are not a dimension of one DeviceMesh (Megatron-Core builds "
                              "a second grid for them): take their ranks from groups('ep') and "
@@ -242,23 +245,16 @@ class ParallelDims:
             out.append((shard if a == "dp_shard" else a, n))
         return out
 
-    def mesh(self, device_type=None):
-        """The layout as a torch DeviceMesh (inside a running job of `world_size` ranks): one named
-        dimension per `mesh_dims` entry, and "dp" flattened from its parts when it has several, so
-        ``mesh["tp"]``, ``mesh["dp"]`` and, under HSDP, ``mesh["dp_replicate", "dp_shard"]`` exist."""
-        from torch.distributed.device_mesh import init_device_mesh
-        if device_type is None:
-            from labs.launcher import launch
-            device_type = launch.device().type
-        dims = self.mesh_dims()
-        mesh = init_device_mesh(device_type, tuple(n for _, n in dims),
-                                mesh_dim_names=tuple(a for a, _ in dims))
-        parts = tuple(a for a, _ in dims if a in ("dp_replicate", "dp_shard", "edp", "ep"))
-        if len(parts) > 1:
-            mesh[parts]._flatten("dp")
-        return mesh
-
 
 def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _offsets(parts):
+    """Every sum of k * stride over ``parts`` [(n, stride)], fastest first, 0 <= k < n; the slowest
+    part varies slowest, so the sums ascend."""
+    out = [0]
+    for n, stride in reversed(parts):
+        out = [o + k * stride for o in out for k in range(n)]
+    return out

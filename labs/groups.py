@@ -6,6 +6,7 @@ here they become ``torch.distributed`` process groups inside a running job. With
 the GPUs of one node, joined by NVLink.
 """
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 
 class Groups:
@@ -39,3 +40,19 @@ class Groups:
         stage = self.coords["pp"]
         self.pp_prev = self.pp_ranks[stage - 1] if stage > 0 else None
         self.pp_next = self.pp_ranks[stage + 1] if stage < dims.pp - 1 else None
+
+
+def device_mesh(dims, device_type=None):
+    """The layout ``dims`` as a torch DeviceMesh (inside a running job of `world_size` ranks): one named
+    dimension per `ParallelDims.mesh_dims` entry, and "dp" flattened from its parts when it has several, so
+    ``mesh["tp"]``, ``mesh["dp"]`` and, under HSDP, ``mesh["dp_replicate", "dp_shard"]`` exist."""
+    if device_type is None:
+        from labs.launcher import launch
+        device_type = launch.device().type
+    names = dims.mesh_dims()
+    mesh = init_device_mesh(device_type, tuple(n for _, n in names),
+                            mesh_dim_names=tuple(a for a, _ in names))
+    parts = tuple(a for a, _ in names if a in ("dp_replicate", "dp_shard", "edp", "ep"))
+    if len(parts) > 1:
+        mesh[parts]._flatten("dp")
+    return mesh

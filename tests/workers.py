@@ -88,8 +88,9 @@ def tp_group_sum(rank, world_size, tp):
 
 
 def mesh_groups(rank, world_size, dims):
-    """{dimension: this rank's group's ranks} of ``dims.mesh()``, the flattened "dp" included."""
-    mesh = dims.mesh("cpu")
+    """{dimension: this rank's group's ranks} of ``device_mesh(dims)``, the flattened "dp" included."""
+    from labs.groups import device_mesh
+    mesh = device_mesh(dims, "cpu")
     return {a: dist.get_process_group_ranks(mesh.get_group(a)) for a in mesh.mesh_dim_names + ("dp",)
             if a == "dp" or a in mesh.mesh_dim_names}
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from labs import groups, model as tiny
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.launcher import launch
 from labs.tensor_parallel import megatron
 from labs.zero import fsdp
@@ -97,7 +98,7 @@ def build(kind, rank, world_size, tp, cfg, dev):
             state_fns = tuple(tp_state(index, grid.coords["tp"], saving) for saving in (True, False))
         hand = fsdp.HandFSDP(net, list(net.blocks), group=grid.dp)
     else:
-        mesh = lay.mesh(dev.type)
+        mesh = device_mesh(lay, dev.type)
         if tp > 1:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
             for block in net.blocks:

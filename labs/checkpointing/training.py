@@ -13,6 +13,7 @@ import torch
 
 from labs import model as tiny
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.checkpointing.stateful_loader import StatefulLoader
 from labs.zero import fsdp
 
@@ -47,7 +48,8 @@ def build(kind, rank, world_size, cfg, dev):
     net = tiny.build(cfg, seed=0, device=dev)
     hand = None
     if kind == "dcp":
-        fsdp.fully_shard_units(net, list(net.blocks), ParallelDims(dp=world_size).mesh(dev.type)["dp"])
+        fsdp.fully_shard_units(net, list(net.blocks),
+                               device_mesh(ParallelDims(dp=world_size), dev.type)["dp"])
     else:
         hand = fsdp.HandFSDP(net, list(net.blocks))
     opt, sched = optimizer(net)

@@ -25,6 +25,7 @@ Each message is counted under its destination (`comm.Tally.sent_to`), so the tie
 import torch.distributed as dist
 
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.measure import comm
 from labs.launcher import launch
 from labs.context_parallel import methods, ring_attention as ra, ulysses
@@ -54,9 +55,9 @@ def hybrid_layout(world_size, u, seq_len, order="zigzag"):
 
 def groups(u):
     """(Ulysses group, ring group) of this rank: the job's context-parallel mesh dimension
-    (`ParallelDims.mesh`) unflattened into (R, u): the Ulysses group is u consecutive ranks (a node),
+    (`labs.groups.device_mesh`) unflattened into (R, u): the Ulysses group is u consecutive ranks (a node),
     the ring group the ranks at the same place in every node."""
-    cp = ParallelDims(cp=dist.get_world_size()).mesh(launch.device().type)["cp"]
+    cp = device_mesh(ParallelDims(cp=dist.get_world_size()), launch.device().type)["cp"]
     mesh = cp._unflatten(0, (dist.get_world_size() // u, u), ("ring", "ulysses"))
     return mesh.get_group("ulysses"), mesh.get_group("ring")
 

@@ -25,6 +25,7 @@ import contextlib
 import torch
 
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.memory_budget import activations
 from labs.measure import comm
 from labs.data_parallel import hand_ring
@@ -143,7 +144,7 @@ def dtensor_block(rank, world_size, b=2, s=12, hidden=48):
         lib.attn.qkv.weight.copy_(lib.attn.qkv.weight[order])
         lib.attn.qkv.bias.copy_(lib.attn.qkv.bias[order])
     lib.attn.n_head //= t
-    lib = parallelize_module(lib, ParallelDims(tp=t).mesh(dev.type)["tp"], dtensor_plan())
+    lib = parallelize_module(lib, device_mesh(ParallelDims(tp=t), dev.type)["tp"], dtensor_plan())
     runs = [_run(hand, x, upstream, sync=True), _run(lib, x, upstream)]
     # DTensor leaves the LayerNorm gradients Partial(sum): each rank holds its tokens' share, the sum
     # happens when something asks for the full value (full_tensor: an all-reduce, as `sync_grads`)

@@ -3,7 +3,7 @@
 The calculator (`labs.hardware.placement`) says which groups straddle nodes and how many bytes
 their rings move. Here a real job checks it: the ranks are laid out as the calculator lays them
 out, on simulated nodes of g ranks (node = rank // g), the groups come from the layout's torch
-DeviceMesh (`ParallelDims.mesh`: `init_device_mesh`, one named dimension per axis, slowest first) and
+DeviceMesh (`labs.groups.device_mesh`: `init_device_mesh`, one named dimension per axis, slowest first) and
 are checked equal to the calculator's, and each rank runs one hand ring all-reduce (chapter 2's,
 `hand_ring.ring_allreduce`) per TP, CP and DP group and one send to its next pipeline stage.
 `labs.measure.comm` records every
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from labs.data_parallel.hand_ring import ring_allreduce
 from labs.dims import ORDER, ParallelDims
+from labs.groups import device_mesh
 from labs.hardware.placement import LLAMA3_ORDER, Placement
 from labs.launcher import launch
 from labs.measure import comm, costs
@@ -50,7 +51,7 @@ def simulate(rank, world_size, p, numel):
     its messages by destination (0 for an axis of degree 1, which has no dimension in the mesh and
     no message to send). ``numel``: fp32 elements per call, one number or {axis: numel}."""
     sizes = numel if isinstance(numel, dict) else dict.fromkeys(AXES, numel)
-    node, grid = rank // p.gpus_per_node, p.dims.mesh()
+    node, grid = rank // p.gpus_per_node, device_mesh(p.dims)
     crossed = {}
     for axis in AXES:
         if axis not in grid.mesh_dim_names:

@@ -5,7 +5,7 @@ A rank of a layout is built on the ``meta`` device (shapes, no storage) inside a
 and no byte is allocated. The rank's pipeline stage gets its real weights (chapter 1's `ModelShape`),
 then PyTorch's pieces split them: `parallelize_module` (ColwiseParallel for q, k, v, w1, w3 and the
 head, RowwiseParallel for wo, w2 and the embedding: Shoeybi et al. 2019, §3) over the tensor-parallel
-dimension of the layout's `DeviceMesh` (`ParallelDims.mesh`), and FSDP2's `fully_shard` over its
+dimension of the layout's `DeviceMesh` (`labs.groups.device_mesh`), and FSDP2's `fully_shard` over its
 data-parallel dimension. What the rank
 holds is then read from the DTensors (`to_local()`), and set beside the planner's count
 (`memory.rank_params` split over dp, times FSDP2's bytes per element: chapter 3's fp32 shard 4,
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.pipeline.stage_balance import stage_layers
 from labs.planning import memory, shapes
 from labs.zero import distributed_optimizer
@@ -66,7 +67,7 @@ def build_rank(model, plan, rank):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
     d = plan.dims
-    mesh = d.mesh("cpu")
+    mesh = device_mesh(d, "cpu")
     dp_i, stage, tp_i = (mesh.get_local_rank(a) for a in ("dp", "pp", "tp"))
     assert (dp_i, stage, tp_i) == tuple(d.coords(rank)[a] for a in ("dp", "pp", "tp")), "the mesh is the grid"
     layers = stage_layers(model.layers, d.pp, plan.v)[stage]

@@ -1,6 +1,6 @@
 """Chapter 14: the same 3D layout with PyTorch's own pieces, and an audit of what they send per group.
 
-One 3D ``DeviceMesh`` (dims dp, pp, tp: the layout's grid, tp fastest, built by `ParallelDims.mesh`),
+One 3D ``DeviceMesh`` (dims dp, pp, tp: the layout's grid, tp fastest, built by `labs.groups.device_mesh`),
 and on it, applied from outside to the plain tiny GPT's stage:
 - tensor parallelism with ``parallelize_module`` (``ColwiseParallel`` on qkv and fc, ``RowwiseParallel``
   on the two output projections). ``ColwiseParallel`` hands rank r the r-th block of the fused
@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from labs import model as tiny
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.launcher import launch
 from labs.measure import comm, costs
 from labs.pipeline.executor import cross_entropy, split
@@ -124,7 +125,7 @@ def train(rank, world_size, dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_ba
     import torch.distributed.pipelining as pipelining
     dp, pp = dims.dp, dims.pp
     dev, cfg, m = launch.device(), layout3d.config(), num_microbatches
-    mesh = dims.mesh(dev.type)
+    mesh = device_mesh(dims, dev.type)
     for axis in ("dp", "pp", "tp"):
         mine = dist.get_process_group_ranks(mesh.get_group(axis))
         assert mine in dims.groups(axis), f"the mesh's {axis} group {mine} is not the grid's"

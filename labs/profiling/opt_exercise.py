@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from labs import model as tiny
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.launcher import launch
 from labs.measure import memory
 from labs.profiling import analysis, lab, trace
@@ -73,7 +74,7 @@ def wrap(mode, net, world_size):
             # wrapped before fully_shard, so FSDP2 gathers the block's weights again for the recompute
             net.blocks[i] = Checkpointed(block)
     # FULL_SHARD: each unit's weights gathered for its forward and again for its backward
-    fully_shard_units(net, net.blocks, ParallelDims(dp=world_size).mesh(dev.type)["dp"])
+    fully_shard_units(net, net.blocks, device_mesh(ParallelDims(dp=world_size), dev.type)["dp"])
     return net
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from labs import model as tiny
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.data_parallel.hand_ddp import HandDDP
 from labs.launcher import launch
 from labs.profiling import analysis, collective_matmul, input_pipeline, moe_overlap, targets, timing, trace
@@ -107,7 +108,7 @@ def fsdp_config():
 def fsdp2(rank, world_size, batch_size=2):
     """FSDP2 with each all-gather prefetched one unit ahead ("a") and without ("b"): two copies."""
     cfg, dev = fsdp_config(), launch.device()
-    mesh = ParallelDims(dp=world_size).mesh(dev.type)["dp"]
+    mesh = device_mesh(ParallelDims(dp=world_size), dev.type)["dp"]
     steps = {}
     for name, prefetch in (("a", True), ("b", False)):
         net = tiny.build(cfg, seed=0, device=dev)

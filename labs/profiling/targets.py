@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from labs import groups, model as tiny
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.data_parallel import hand_ring
 from labs.data_parallel.hand_ddp import HandDDP
 from labs.launcher import launch
@@ -114,7 +115,7 @@ def _fsdp(rank, world_size, batch_size, **_):
 def _fsdp2(rank, world_size, batch_size, prefetch=False, **_):
     cfg, dev = config(), launch.device()
     net = tiny.build(cfg, seed=0, device=dev)
-    fully_shard_units(net, net.blocks, ParallelDims(dp=world_size).mesh(dev.type)["dp"])
+    fully_shard_units(net, net.blocks, device_mesh(ParallelDims(dp=world_size), dev.type)["dp"])
     if prefetch:
         prefetch_one_ahead(net, list(net.blocks))
     return _sgd_step(net, net, torch.optim.SGD(net.parameters(), lr=0.01), stream(cfg, rank, batch_size))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from labs import model as tiny
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.data_parallel import ddp, hand_ring, loss_reduction
 from labs.launcher import launch
 from labs.measure import comm, memory
@@ -61,7 +62,7 @@ def _wrap(kind, net, world_size):
     """Shard ``net`` by blocks with the hand FSDP or FSDP2 (its collectives through labs.measure.comm)."""
     if kind == "hand":
         return fsdp.HandFSDP(net, units=list(net.blocks))
-    mesh = ParallelDims(dp=world_size).mesh("cpu")["dp"]
+    mesh = device_mesh(ParallelDims(dp=world_size), "cpu")["dp"]
     return fsdp.fully_shard_units(net, list(net.blocks), mesh, hand_comm=True)
 
 

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.launcher import launch
 
 H, B, T, MAX_NORM = 16, 4, 8, 0.1   # hidden, batch, sequence; max_norm below the norm: clipping acts
@@ -186,7 +187,7 @@ def rank_clip(rank, world_size):
     out = {"reference": norm}
     for name, run, dims in (("fsdp_tp", fsdp_tp, ParallelDims(dp=2, tp=2)),
                             ("pp_tp", pp_tp, ParallelDims(pp=2, tp=2))):
-        r = run(rank, dims.mesh())
+        r = run(rank, device_mesh(dims))
         r["max_grad_err"] = _max_err(r.pop("grads"), grads)
         out[name] = r
     return out

@@ -16,6 +16,7 @@ from labs.measure import comm
 from labs.launcher import launch, preflight
 from labs import model as tiny
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.tensor_parallel import megatron
 
 def config(**overrides):
@@ -140,7 +141,7 @@ def dtensor_mlp(rank, world_size, b=2, s=8):
                    torch.randn(b, s, cfg.hidden, generator=g).to(dev))
     hand = megatron.parallelize_mlp(_full_block("mlp", cfg).to(dev), None)
     lib = parallelize_module(_full_block("mlp", cfg).to(dev),
-                             ParallelDims(tp=world_size).mesh(dev.type)["tp"],
+                             device_mesh(ParallelDims(tp=world_size), dev.type)["tp"],
                              {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
     outs, grads = [], []
     for block in (hand, lib):

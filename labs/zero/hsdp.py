@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.measure import comm, costs, wire
 from labs.launcher import launch
 from labs.memory_budget.compute import H100_BF16_DENSE
@@ -189,8 +190,9 @@ def hsdp_vs_full(rank, world_size, shard=2, steps=2, lr=1e-3):
         raise ValueError(f"world_size {world_size} must be a multiple of shard {shard} with at least 2 "
                          "replicas; use e.g. 4 ranks with shard=2.")
     dev = launch.device().type
-    hsdp = ParallelDims(dp=world_size, dp_replicate=world_size // shard).mesh(dev)["dp_replicate", "dp_shard"]
-    meshes = {"hsdp": hsdp, "full": ParallelDims(dp=world_size).mesh(dev)["dp"]}
+    hsdp = device_mesh(ParallelDims(dp=world_size, dp_replicate=world_size // shard), dev)[
+        "dp_replicate", "dp_shard"]
+    meshes = {"hsdp": hsdp, "full": device_mesh(ParallelDims(dp=world_size), dev)["dp"]}
     labels = {hsdp.get_group(f"dp_{d}").group_name: d for d in ("replicate", "shard")}
     labels[meshes["full"].get_group().group_name] = "all"
     out = {"ranks": {d: dist.get_process_group_ranks(hsdp.get_group(f"dp_{d}"))

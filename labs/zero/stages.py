@@ -11,11 +11,10 @@ sends, with the ring's (N-1)/N factor and Psi bf16 elements (2 bytes each):
 With A micro-batches accumulated per step, DDP and ZeRO-1 still reduce once, ZeRO-2 reduce-scatters
 A times ((A+1)/2 x DDP) and ZeRO-3 does all three A times (3A/2 x DDP): `accumulation`.
 
-The hand pieces are drop-ins for the library's: stages 0-2 are `labs.zero.sharded_optimizer`'s
-`ShardedOptimizer` around ``torch.optim.Adam``, stage 3 is `labs.zero.fsdp`'s `HandFSDP`. This file is the
-lab that trains the tiny GPT under each of them and under FSDP2 (`run`, `all_stages`,
-`accumulation`, `fsdp2`), held to the bound on how far two Adam runs can drift apart
-(`labs.zero.adam_drift.param_bound`). By default the hand stages run every collective as chapter 2's
+Stages 0-2 are `sharded_optimizer.ShardedOptimizer` around ``torch.optim.Adam``, stage 3 `fsdp.HandFSDP`,
+drop-ins for the library's pieces. This file is the lab that trains the tiny GPT under each of them and
+under FSDP2 (`run`, `all_stages`, `accumulation`, `fsdp2`), held to the bound on how far two Adam runs
+can drift apart (`adam_drift.param_bound`). By default the hand stages run every collective as chapter 2's
 ring of point-to-point messages (`hand_ring.hand_collectives`): their bytes sent are counted messages.
 
     python -m labs.zero.stages --world-size 3 --stage 3 --steps 3 --json
@@ -32,6 +31,7 @@ from labs.zero import adam_drift, fsdp
 from labs.launcher import launch
 from labs import model as tiny
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
 
 STAGES = (0, 1, 2, 3)
@@ -229,7 +229,7 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, c
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     # fp32 masters that start from the bf16-rounded weights, exactly as the hand recipe's do
     net = tiny.build(cfg, seed=0, device=dev).to(torch.bfloat16).float()
-    mesh = ParallelDims(dp=world_size).mesh(dev.type)["dp"]
+    mesh = device_mesh(ParallelDims(dp=world_size), dev.type)["dp"]
     fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload,
                            hand_comm=collectives == "hand")
     opt = torch.optim.Adam(net.parameters(), lr=lr)

@@ -12,6 +12,7 @@ ordinary training loop (forward, backward, ``step()``, ``zero_grad()``) under "z
 import torch
 
 from labs.dims import ParallelDims
+from labs.groups import device_mesh
 from labs.launcher import launch
 from labs.zero.fsdp import HandFSDP, fully_shard_units
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
@@ -113,7 +114,8 @@ def train_toy(rank, world_size, scheme, steps=4, lr=1e-3, batch_size=2):
         hand = HandFSDP(net, units, compute_dtype=torch.bfloat16)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
     elif scheme == "fsdp2":
-        fully_shard_units(net, units, ParallelDims(dp=world_size).mesh(dev.type)["dp"], torch.bfloat16)
+        mesh = device_mesh(ParallelDims(dp=world_size), dev.type)["dp"]
+        fully_shard_units(net, units, mesh, torch.bfloat16)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses = []  # this rank's loss at each step
     for step in range(steps):
