@@ -293,7 +293,7 @@ def test_a_package_left_out_of_the_table_of_contents_is_caught():
 # ---- one home per idea (issue 35) -------------------------------------------------------------------
 
 DEGREES = {"dp", "tp", "pp", "cp", "ep"}
-HOMES = {"degrees": "labs.dims", "model shape": "labs.memory_budget.model_shape",
+HOMES = {"degrees": "labs.dims", "model shape": "labs.formulas.shape",
          "stage split": "labs.pipeline.stage_balance", "device mesh": "labs.groups",
          "placement rule": "labs.dims"}
 
@@ -329,7 +329,7 @@ def test_degrees_model_shape_stage_split_and_mesh_have_one_home():
 def test_the_homes_define_what_they_are_home_to():
     homes = {m: TREE[m][1] for m in set(HOMES.values())}
     assert "class ParallelDims" in homes["labs.dims"] and "init_device_mesh(" in homes["labs.groups"]
-    assert "class ModelShape" in homes["labs.memory_budget.model_shape"]
+    assert "class ModelShape" in homes["labs.formulas.shape"]
     assert "def stage_layers" in homes["labs.pipeline.stage_balance"]
 
 

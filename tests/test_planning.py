@@ -7,7 +7,7 @@ import dataclasses
 
 from labs.dims import ParallelDims
 from labs.memory_budget import fused_swiglu
-from labs.memory_budget.model_shape import ModelShape
+from labs.formulas.shape import ModelShape
 from labs.formulas import schedules
 from labs.planning import cases, flop_count, memory, meta_check, planner, quiz, shapes
 

@@ -6,6 +6,11 @@ static site. The torch side stays in the chapters' packages: FLOP counting, disp
 the meta device, and everything that runs ranks; they import these formulas and check them.
 `tests/test_formulas.py` fails if any module here imports torch or numpy.
 
+- `shape` (chapter 1): a model as its published shapes and weight matrices, the one model type every
+  chapter uses.
+- `activations` (chapter 1): what a block, and the logits above the blocks, keep for backward.
+- `memory` (chapter 1): bytes per parameter by recipe and ZeRO stage, and whether a configuration fits.
+- `flops` (chapter 1): parameters by weight, FLOPs per token, MFU and HFU, Llama 3's Table 4.
 - `schedules` (chapter 5): GPipe, 1F1B, interleaved 1F1B and ZB-H1 as ordered actions per stage, their
   bubble formulas and peak in-flight micro-batches.
 - `forms`: the calculators' fields and answers (the site's forms and JupyterLab's widgets).

@@ -1,6 +1,8 @@
 """Chapter 1, the memory budget: bytes per parameter, activations, FLOPs, and whether a model fits.
 
-- `model_shape`: a model as its published shapes and weight matrices, the one model type every chapter uses.
+The formulas (the model shape, recipes, activations, FLOPs, the calculator) are torch-free, in
+`labs.formulas`; these modules are the labs that measure them on the tiny models, and re-export them.
+
 - `budget`: the calculator (bytes per device for a configuration) and the lab that measures it.
 - `recipes`: mixed-precision recipes and the hand Adam, whose bytes per parameter the chapter counts.
 - `activations`: what a GPT-3 or Llama block saves for backward, formula against autograd's bytes.

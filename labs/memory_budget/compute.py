@@ -23,28 +23,15 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from labs import model as tiny
 from labs.measure import flops
 from labs.memory_budget.activations import recompute_attention_core
-from labs.memory_budget.budget import MODELS, PEAK_FLOPS
-
-# H100 SXM, dense BF16 tensor-core peak (NVIDIA H100 datasheet: 1,979 with sparsity): chapter 1's one figure
-H100_BF16_DENSE = PEAK_FLOPS["H100 SXM, bf16 dense"]
+from labs.formulas.flops import (  # the formulas' home is the torch-free core
+    H100_BF16_DENSE as H100_BF16_DENSE, LLAMA3_405B_TABLE4 as LLAMA3_405B_TABLE4, LLAMA3_FLOPS as
+    LLAMA3_FLOPS, LLAMA3_TOKENS as LLAMA3_TOKENS, LLAMA3_TOKENS_PER_BATCH as LLAMA3_TOKENS_PER_BATCH,
+    arch_matmul_params as arch_matmul_params, flops_per_token as flops_per_token, hfu as hfu, llama3_405b
+    as llama3_405b, llama_block_params as llama_block_params, mfu as mfu, recompute_flops_per_token as
+    recompute_flops_per_token)
 
 
 # --- parameters: derived beside counted --------------------------------------------------------
-
-def llama_block_params(h, a, kv_heads, ffn):
-    """One Llama block's parameters by weight (Touvron et al. 2023, §2.2; GQA: Ainslie et al. 2023).
-
-    wq, wo: h x h; wk, wv: h x (kv_heads * d) with d = h / a (GQA shrinks only these two);
-    w1, w2, w3: h x ffn (SwiGLU); two RMSNorm weights of h. "matmul" is what a token is multiplied by.
-    """
-    if h % a or a % kv_heads:
-        raise ValueError(f"h={h}, a={a}, kv_heads={kv_heads}: a must divide h and kv_heads must divide a.")
-    kv = kv_heads * (h // a)
-    out = {"wq": h * h, "wk": h * kv, "wv": h * kv, "wo": h * h, "w1": h * ffn, "w2": ffn * h, "w3": h * ffn,
-           "norms": 2 * h}
-    out["matmul"] = out["total"] = sum(out.values())
-    out["matmul"] -= out["norms"]
-    return out
 
 
 def counted_params(module):
@@ -63,36 +50,7 @@ def gpt_matmul_params(cfg):
     return cfg.n_layer * 12 * cfg.hidden ** 2 + cfg.hidden * cfg.vocab_size
 
 
-def arch_matmul_params(arch):
-    """A `labs.memory_budget.budget.MODELS` entry's matmul weights: L blocks and the untied LM head
-    (not the embedding)."""
-    block = llama_block_params(arch.hidden, arch.heads, arch.kv_heads, arch.ffn)["matmul"]
-    return arch.layers * block + arch.hidden * arch.vocab
-
-
 # --- FLOPs per token: the formula ---------------------------------------------------------------
-
-def flops_per_token(matmul_params, layers, hidden, seq, causal=False):
-    """Model FLOPs per token (PaLM, Appendix B): forward 2P + 4Lhs, backward 4P + 8Lhs, total 6P + 12Lhs.
-
-    causal=True halves the attention term: what a kernel that skips the masked half needs.
-    """
-    if min(matmul_params, layers, hidden, seq) <= 0:
-        raise ValueError("matmul_params, layers, hidden and seq must all be positive.")
-    attention = 4 * layers * hidden * seq / (2 if causal else 1)   # forward: q k^T and scores @ v
-    fwd = 2 * matmul_params + attention
-    return {"forward": fwd, "backward": 2 * fwd, "total": 3 * fwd, "attention": 3 * attention,
-            "matmul": 6 * matmul_params}
-
-
-def recompute_flops_per_token(block_matmul_params, layers, hidden, seq, recompute="full"):
-    """FLOPs recomputation adds per token in backward: "full" reruns each block's forward
-    (2P_block + 4hs per layer; the LM head is not recomputed), "selective" only the attention core's
-    q k^T and scores @ v, 4hs per layer (Korthikanti et al. 2022, arXiv 2205.05198, §4.2)."""
-    per_layer = {"none": 0, "selective": 4 * hidden * seq, "full": 2 * block_matmul_params + 4 * hidden * seq}
-    if recompute not in per_layer:
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
-    return layers * per_layer[recompute]
 
 
 # --- FLOPs per token: the measurement (counted by labs.measure.flops) ------------------------
@@ -164,54 +122,4 @@ def measure_llama_flops(cfg=None, batch=2, seq=None, recompute="none", cpu_sdpa=
 
 # --- utilization ------------------------------------------------------------------------------
 
-def mfu(tokens_per_s, flops_per_token, n_gpus, peak=H100_BF16_DENSE):
-    """Model FLOPs utilization (PaLM, §4.1): model FLOPs per token x tokens/s over n_gpus x peak."""
-    if min(tokens_per_s, flops_per_token, n_gpus, peak) <= 0:
-        raise ValueError("tokens_per_s, flops_per_token, n_gpus and peak must all be positive.")
-    return tokens_per_s * flops_per_token / (n_gpus * peak)
 
-
-def hfu(tokens_per_s, flops_per_token, recompute_per_token, n_gpus, peak=H100_BF16_DENSE):
-    """Hardware FLOPs utilization: as `mfu`, counting the recomputed FLOPs too; HFU >= MFU."""
-    if recompute_per_token < 0:
-        raise ValueError(f"recompute_per_token must be >= 0, got {recompute_per_token}.")
-    return mfu(tokens_per_s, flops_per_token + recompute_per_token, n_gpus, peak)
-
-
-# Llama 3 405B pre-training, Table 4 of Llama Team 2024 (arXiv 2407.21783, §3.3.2), as printed.
-LLAMA3_405B_TABLE4 = (
-    {"gpus": 8192, "tp": 8, "cp": 1, "pp": 16, "dp": 64, "seq": 8192, "batch_per_dp": 32, "tflops": 430,
-     "mfu_pct": 43},
-    {"gpus": 16384, "tp": 8, "cp": 1, "pp": 16, "dp": 128, "seq": 8192, "batch_per_dp": 16, "tflops": 400,
-     "mfu_pct": 41},
-    {"gpus": 16384, "tp": 8, "cp": 16, "pp": 16, "dp": 4, "seq": 131072, "batch_per_dp": 16, "tflops": 380,
-     "mfu_pct": 38},
-)
-LLAMA3_TOKENS_PER_BATCH = 16 * 2 ** 20   # "16M"
-LLAMA3_TOKENS, LLAMA3_FLOPS = 15.6e12, 3.8e25   # §3.1 and §1: 15.6T tokens, 3.8 x 10^25 FLOPs
-
-
-def llama3_405b(peak=H100_BF16_DENSE):
-    """Table 4 recomputed: each row's MFU = TFLOP/s per GPU / peak, checked against the printed
-    percentage (the TFLOP/s column is printed to tens, so [t - 5, t + 5] / peak must reach the
-    percentage's +-0.5 band); the implied tokens/s from the model FLOPs per token at the row's
-    sequence length; the parallel degrees multiplied out; and 6 Psi D against the paper's budget."""
-    arch = MODELS["405B"]
-    p_mm = arch_matmul_params(arch)
-    rows = []
-    for r in LLAMA3_405B_TABLE4:
-        per_token = flops_per_token(p_mm, arch.layers, arch.hidden, r["seq"])["total"]
-        lo, hi = 100 * (r["tflops"] - 5) * 1e12 / peak, 100 * (r["tflops"] + 5) * 1e12 / peak
-        tokens_per_s = r["gpus"] * r["tflops"] * 1e12 / per_token
-        rows.append({**r, "mfu_computed": r["tflops"] * 1e12 / peak,
-                     "mfu_consistent": lo <= r["mfu_pct"] + 0.5 and hi >= r["mfu_pct"] - 0.5,
-                     "flops_per_token": per_token,
-                     "attention_share": 12 * arch.layers * arch.hidden * r["seq"] / per_token,
-                     "tokens_per_s": tokens_per_s, "step_s": LLAMA3_TOKENS_PER_BATCH / tokens_per_s,
-                     "degrees_product": r["tp"] * r["cp"] * r["pp"] * r["dp"],
-                     "tokens_per_batch": r["dp"] * r["batch_per_dp"] * r["seq"]})
-    psi = arch.params()
-    return {"params": psi, "matmul_params": p_mm, "rows": rows,
-            "six_psi_d": 6 * psi * LLAMA3_TOKENS, "paper_flops": LLAMA3_FLOPS,
-            "with_attention_8k": flops_per_token(p_mm, arch.layers, arch.hidden, 8192)["total"]
-            * LLAMA3_TOKENS}

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from labs.measure import memory
-from labs.memory_budget.activations import llama_activation_terms
+from labs.formulas.activations import (  # the formulas' home is the torch-free core
+    llama_fused_mlp_terms as llama_fused_mlp_terms, swiglu_saved_bytes as swiglu_saved_bytes)
 
 
 class FusedSwiGLU(torch.autograd.Function):
@@ -30,21 +31,6 @@ class FusedSwiGLU(torch.autograd.Function):
         sig = torch.sigmoid(a)                      # recomputed, not stored
         silu = a * sig
         return grad * b * sig * (1 + a * (1 - sig)), grad * silu   # d/da SiLU(a) = sig (1 + a (1 - sig))
-
-
-def swiglu_saved_bytes(s, b, ffn, tp=1, fused=True, act_bytes=2):
-    """Bytes the SwiGLU keeps beyond its input x: a = x w1, b = x w3 and w2's input when fused
-    (6sbf in bf16), and SiLU(a) as well when not (8sbf); the width is split over tp."""
-    return (3 if fused else 4) * act_bytes * s * b * ffn / tp
-
-
-def llama_fused_mlp_terms(s, b, h, a, kv_heads, ffn, tp=1, sp=False, recompute="none", attention="flash",
-                          head_dim=None):
-    """`activations.llama_activation_terms` with the SwiGLU term of a fused kernel (6sbf/tp, not 8sbf/tp)."""
-    terms = llama_activation_terms(s, b, h, a, kv_heads, ffn, tp, sp, recompute, attention, head_dim=head_dim)
-    if "swiglu" in terms:
-        terms["swiglu"] = swiglu_saved_bytes(s, b, ffn, tp)
-    return terms
 
 
 def measure(s=8, b=2, h=16, ffn=40, dtype=torch.bfloat16, seed=0):

@@ -22,29 +22,11 @@ import torch
 
 from labs.measure import memory
 from labs import model as tiny
-
-
-def tail_saved_bytes(s, b, h, V, act_bytes=2):
-    """Bytes the head and the fp32 cross-entropy keep for backward: e*sbh + 4sbV + 8sb + 4, e the
-    activation bytes (2 in bf16: 2sbh + 4sbV + 8sb + 4)."""
-    return act_bytes * s * b * h + 4 * s * b * V + 8 * s * b + 4
-
-
-def tail_backward_peak_bytes(s, b, V):
-    """Bytes the tail holds at its high-water mark in backward, above the layers' saved activations, when
-    the logits are freed before backward (torchtitan's train step: ``del pred``): the fp32 log-softmax
-    kept for backward 4sbV, nll_loss's gradient of it 4sbV and the log-softmax's gradient of its input
-    4sbV, alive together in ``_log_softmax_backward_data``: 12sbV, above the forward's 10sbV (counted by
-    `memory.PeakMemory` on a bf16 head in tests/test_planner_model.py)."""
-    return 12 * s * b * V
-
-
-def tail_forward_peak_bytes(s, b, V, act_bytes=2, target_copy=True):
-    """Bytes the tail allocates above what was live when the head started, at its high-water mark:
-    the logits e*sbV, their fp32 copy 4sbV (none when the model is fp32 already: ``.float()`` returns
-    the same tensor), the log-softmax 4sbV; the loss and total weight, 8; a targets copy, 8sb."""
-    copy = 4 * s * b * V if act_bytes < 4 else 0
-    return act_bytes * s * b * V + copy + 4 * s * b * V + 8 + (8 * s * b if target_copy else 0)
+from labs.formulas.activations import (  # the formulas' home is the torch-free core
+    tail_backward_peak_bytes as tail_backward_peak_bytes, tail_forward_peak_bytes as
+    tail_forward_peak_bytes, tail_saved_bytes as tail_saved_bytes)
+from labs.formulas.memory import (  # the formulas' home is the torch-free core
+    at_scale as at_scale)
 
 
 class _Armed:
@@ -95,24 +77,3 @@ def measure_tail(cfg=None, batch=2, seq=None, dtype=torch.bfloat16):
             "loss": loss.item()}
 
 
-def at_scale(model="405B", seq=8192, micro_batch=1, vocab=None, tp=1):
-    """The tail at a real model's shapes (vocab overrides the model's, e.g. 128,256 for a Llama 2 7B
-    with Llama 3's tokenizer), beside what one of its blocks keeps with FlashAttention (Llama formula).
-    With a vocabulary-parallel head and loss the V terms divide by tp."""
-    from labs.memory_budget.activations import llama_activation_bytes_per_layer
-    from labs.memory_budget.budget import MODELS
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}.")
-    arch = MODELS[model]
-    V = vocab or arch.vocab
-    if V % tp:
-        raise ValueError(f"vocabulary {V} is not divisible by tp={tp}; pad it to a multiple of tp.")
-    s, b, v_local = seq, micro_batch, V // tp
-    layer = llama_activation_bytes_per_layer(s, b, arch.hidden, arch.heads, arch.kv_heads, arch.ffn, tp=tp,
-                                             attention="flash")
-    saved = tail_saved_bytes(s, b, arch.hidden, v_local)
-    return {"model": model, "seq": s, "micro_batch": b, "vocab": V, "tp": tp,
-            "logits_bf16_bytes": 2 * s * b * v_local, "log_softmax_fp32_bytes": 4 * s * b * v_local,
-            "saved_bytes": saved,
-            "forward_peak_bytes": tail_forward_peak_bytes(s, b, v_local, target_copy=False),
-            "layer_flash_bytes": layer, "saved_in_layers": saved / layer}

@@ -8,48 +8,10 @@ fp32 state: a master copy of the weights, Adam's first moment m and second momen
 `RECIPES` names the variants the book compares; `prepare` applies one to a model and returns its
 optimizer.
 """
-from dataclasses import dataclass
 
 import torch
-
-FP32 = 4  # bytes per fp32 element
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Where each of a parameter's bytes lives."""
-    weights: torch.dtype   # the working weights forward and backward use
-    master: bool           # the optimizer keeps an fp32 master copy of the weights
-    grad_buffer: bool      # gradients are accumulated into an fp32 buffer (Megatron's main_grad)
-    keep_grads: bool       # the working-dtype .grad stays allocated beside that buffer
-    about: str
-
-    def bytes_per_param(self):
-        w = torch.empty(0, dtype=self.weights).element_size()
-        grads = (w if self.keep_grads else 0) + (FP32 if self.grad_buffer else 0)
-        optimizer = (FP32 if self.master else 0) + 2 * FP32  # master + m + v
-        return {"parameters": w, "gradients": grads, "optimizer_state": optimizer,
-                "total": w + grads + optimizer}
-
-
-RECIPES = {
-    "mixed": Recipe(torch.bfloat16, master=True, grad_buffer=False, keep_grads=True,
-                    about="bf16 weights and grads; fp32 master, m, v (the ZeRO paper's 2+2+12)"),
-    "mixed_fp32_grads": Recipe(torch.bfloat16, master=True, grad_buffer=True, keep_grads=False,
-                               about="bf16 weights; grads land in an fp32 buffer and the bf16 grad is freed"),
-    "mixed_fp32_accum": Recipe(torch.bfloat16, master=True, grad_buffer=True, keep_grads=True,
-                               about="bf16 weights and grads, plus an fp32 buffer accumulating them"),
-    "fp32": Recipe(torch.float32, master=False, grad_buffer=False, keep_grads=True,
-                   about="plain fp32: the weights are their own master copy"),
-    "bf16_no_master": Recipe(torch.bfloat16, master=False, grad_buffer=False, keep_grads=True,
-                             about="bf16 weights updated in place, fp32 m and v (the notes' 12 bytes)"),
-}
-
-
-def recipe(name):
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}.")
-    return RECIPES[name]
+from labs.formulas.memory import (  # the formulas' home is the torch-free core
+    FP32 as FP32, RECIPES as RECIPES, Recipe as Recipe, recipe as recipe)
 
 
 class Adam:
@@ -110,7 +72,7 @@ def _accumulate_into_buffer(recipe):
 def prepare(model, name, lr=1e-3):
     """Cast ``model`` to the recipe's working dtype, attach its gradient buffers, return its Adam."""
     r = recipe(name)
-    model.to(r.weights)
+    model.to(getattr(torch, r.weights))    # the core names the dtype; torch makes it
     if r.grad_buffer:
         for p in model.parameters():
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)

@@ -12,7 +12,7 @@ A100's (the same Ampere generation; its matmuls run on the same third-generation
 import dataclasses
 
 from labs.dims import ParallelDims
-from labs.memory_budget.model_shape import ModelShape
+from labs.formulas.shape import ModelShape
 from labs.planning import checked, offload, planner, shapes, software as sw
 
 GIB = 2 ** 30

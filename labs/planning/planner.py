@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 
 from labs.dims import ParallelDims
-from labs.memory_budget.model_shape import ModelShape
+from labs.formulas.shape import ModelShape
 from labs.planning import search, shapes, software as stacks, timing
 from labs.tensor_parallel import gqa_parallel
 

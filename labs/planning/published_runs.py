@@ -9,7 +9,7 @@ printed tables are in `published_tables`; nothing here plans (`checked` turns ea
 """
 from dataclasses import dataclass
 
-from labs.memory_budget.model_shape import ModelShape
+from labs.formulas.shape import ModelShape
 from labs.planning import published_tables as t
 from labs.planning.published_counts import (A100_PEAK, H100_PEAK, degrees, gpt, korthikanti_eq7, model, palm,
                                             tflops, torchtitan_count)

@@ -4,7 +4,7 @@ Numbers are typed as printed (a table's rounding kept), and the models' shapes a
 print them (chapter 1's `ModelShape`); nothing here is computed. Each table names its source: repository, path
 and commit, or paper, table and the text it was read from.
 """
-from labs.memory_budget.model_shape import ModelShape
+from labs.formulas.shape import ModelShape
 
 
 # Megatron-LM README, "Training Speed and Scalability": images/model_table.png, added in NVIDIA/Megatron-LM

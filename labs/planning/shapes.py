@@ -1,6 +1,6 @@
 """Chapter 14: the planner's inputs. The models it is checked on, and a cluster as its links and peak.
 
-A model is chapter 1's `ModelShape` (`labs.memory_budget.model_shape`): its published shapes and the
+A model is chapter 1's `ModelShape` (`labs.formulas.shape`): its published shapes and the
 weight matrices they make, with the way tensor parallelism splits each; the planner reads from that
 list what one rank holds. Parameters by weight are chapter 1's (`labs.memory_budget.compute.
 llama_block_params` for a Llama block, 12h^2 + 13h for a GPT block: Narayanan et al. 2021, eq. 2).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from labs.hardware import placement
 from labs.memory_budget import budget, compute
-from labs.memory_budget.model_shape import ModelShape
+from labs.formulas.shape import ModelShape
 
 
 def gpt(name, layers, hidden, heads, vocab=51_200, seq=2048, tied=True):
