@@ -1,9 +1,9 @@
-"""The one table of formula bytes (`labs.measure.costs`): the ring factors, exact, and bad input refused."""
+"""The one table of formula bytes (`labs.formulas.costs`): the ring factors, exact, and bad input refused."""
 from fractions import Fraction
 
 import pytest
 
-from labs.measure import costs
+from labs.formulas import costs
 
 
 def test_ring_factors_per_rank():

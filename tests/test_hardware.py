@@ -118,7 +118,7 @@ def test_placement_cli(capsys):
 
 
 def test_chapters_11_and_14_count_the_same_tp_and_pp_bytes():
-    """One formula table (`labs.measure.costs`), one stage split, one degrees type: the calculator's TP and
+    """One formula table (`labs.formulas.costs`), one stage split, one degrees type: the calculator's TP and
     PP bytes for a middle stage of Llama 3 405B equal the planner's (`planning.traffic`) for the same
     layout, b, m and v, without the planner's vocabulary terms (a middle stage has none)."""
     from labs.planning import memory, traffic

@@ -294,7 +294,7 @@ def test_a_package_left_out_of_the_table_of_contents_is_caught():
 
 DEGREES = {"dp", "tp", "pp", "cp", "ep"}
 HOMES = {"degrees": "labs.dims", "model shape": "labs.formulas.shape",
-         "stage split": "labs.pipeline.stage_balance", "device mesh": "labs.groups",
+         "stage split": "labs.formulas.stages", "device mesh": "labs.groups",
          "placement rule": "labs.dims"}
 
 
@@ -330,7 +330,7 @@ def test_the_homes_define_what_they_are_home_to():
     homes = {m: TREE[m][1] for m in set(HOMES.values())}
     assert "class ParallelDims" in homes["labs.dims"] and "init_device_mesh(" in homes["labs.groups"]
     assert "class ModelShape" in homes["labs.formulas.shape"]
-    assert "def stage_layers" in homes["labs.pipeline.stage_balance"]
+    assert "def stage_layers" in homes["labs.formulas.stages"]
 
 
 SECOND_HOMES = {

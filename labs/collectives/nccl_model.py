@@ -21,42 +21,10 @@ algorithm", all-gather and reduce-scatter, one rank per node only).
 
     python -m labs.collectives.nccl_model --json
 """
-import math
-
-PROTOCOLS = ("LL", "LL128", "Simple")
-# tuning.cc, ncclTunerConstantsDefaults: base latency of an operation, microseconds
-BASE_LATENCY_US = {"Tree": (6.8, 14.0, 8.4), "Ring": (6.6, 14.0, 8.4)}
-# tuning.cc, hwLatencies: latency per step, microseconds, by link type
-HW_LATENCY_US = {"NVLINK": {"Tree": (0.6, 1.25, 4.0), "Ring": (0.6, 1.9, 3.4)},
-                 "NET": {"Tree": (5.0, 8.5, 14.0), "Ring": (2.7, 4.0, 14.0)}}
-# tuning.cc, ncclTopoTuneModel: ring bus bandwidth factor per protocol (LL: x 0.5; LL128: x 0.92,
-# "120.0/128.0" in the source's comment; Simple: the link's)
-RING_BANDWIDTH_FACTOR = {"LL": 0.5, "LL128": 0.92, "Simple": 1.0}
-# device.h: bytes of data per line, and bytes per line, for the two low-latency protocols
-LINE_FORMAT = {"LL": (8, 16), "LL128": (120, 128)}
-
-
-def ring_all_reduce_latency_us(n_ranks, protocol):
-    """NCCL's predicted latency of a ring all-reduce on one NVLink node: base + 2(n-1) steps."""
-    p = PROTOCOLS.index(protocol)
-    return BASE_LATENCY_US["Ring"][p] + 2 * (n_ranks - 1) * HW_LATENCY_US["NVLINK"]["Ring"][p]
-
-
-def network_steps(n_nodes):
-    """Network steps on the critical path of an all-reduce across nodes, as the model counts them:
-    the ring's 2(nNodes - 1) inter-node steps against the tree's 2 log2(nNodes) (``log2i``)."""
-    return {"Ring": 2 * (n_nodes - 1), "Tree": 2 * int(math.log2(n_nodes))}
-
-
-def table(n_ranks=8):
-    """Per protocol: data per line, the ring's bandwidth factor and its all-reduce latency on n ranks."""
-    rows = []
-    for proto in PROTOCOLS:
-        data, line = LINE_FORMAT.get(proto, (None, None))
-        rows.append({"protocol": proto, "data_bytes_per_line": data, "line_bytes": line,
-                     "ring_bandwidth_factor": RING_BANDWIDTH_FACTOR[proto],
-                     "ring_all_reduce_latency_us": ring_all_reduce_latency_us(n_ranks, proto)})
-    return rows
+from labs.formulas.collectives import (  # the formulas' home is the torch-free core
+    BASE_LATENCY_US as BASE_LATENCY_US, HW_LATENCY_US as HW_LATENCY_US, LINE_FORMAT as LINE_FORMAT,
+    PROTOCOLS as PROTOCOLS, RING_BANDWIDTH_FACTOR as RING_BANDWIDTH_FACTOR, network_steps as
+    network_steps, ring_all_reduce_latency_us as ring_all_reduce_latency_us, table as table)
 
 
 def main(argv=None):

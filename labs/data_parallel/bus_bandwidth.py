@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from labs.launcher import launch, preflight
-from labs.measure import costs, timing, wire
+from labs.formulas import costs
+from labs.measure import timing, wire
 
 # the ops doc/PERFORMANCE.md defines
 DOCUMENTED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from labs.data_parallel.hand_ring import naive_allreduce, ring_allreduce
-from labs.measure import comm, costs, timing, wire
+from labs.formulas import costs
+from labs.measure import comm, timing, wire
 from labs.launcher import launch, preflight
 
 ALGORITHMS = ("ring", "naive", "library")

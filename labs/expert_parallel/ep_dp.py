@@ -24,7 +24,8 @@ from labs.dims import ParallelDims
 from labs.data_parallel import hand_ring
 from labs.expert_parallel import moe
 from labs.launcher import launch
-from labs.measure import comm, costs
+from labs.formulas import costs
+from labs.measure import comm
 
 
 def _flat(params):

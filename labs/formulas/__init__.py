@@ -11,7 +11,12 @@ the meta device, and everything that runs ranks; they import these formulas and 
 - `activations` (chapter 1): what a block, and the logits above the blocks, keep for backward.
 - `memory` (chapter 1): bytes per parameter by recipe and ZeRO stage, and whether a configuration fits.
 - `flops` (chapter 1): parameters by weight, FLOPs per token, MFU and HFU, Llama 3's Table 4.
+- `zero` (chapter 3): bytes per parameter per rank of ZeRO-3, Megatron's distributed optimizer and FSDP2.
+- `tensor_parallel` (chapter 4): how query and KV heads sit on tp ranks.
+- `costs` (chapters 2 to 14): formula bytes one rank sends per collective, the one table (the ring factors).
+- `collectives` (chapters 10 and 11): NCCL's cost model's constants and the links' bandwidths.
 - `schedules` (chapter 5): GPipe, 1F1B, interleaved 1F1B and ZB-H1 as ordered actions per stage, their
   bubble formulas and peak in-flight micro-batches.
+- `stages` (chapter 5): the stage split, which layers each pipeline rank holds (`stage_layers`).
 - `forms`: the calculators' fields and answers (the site's forms and JupyterLab's widgets).
 """

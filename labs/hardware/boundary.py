@@ -22,7 +22,8 @@ from labs.dims import ORDER, ParallelDims
 from labs.groups import device_mesh
 from labs.hardware.placement import LLAMA3_ORDER, Placement
 from labs.launcher import launch
-from labs.measure import comm, costs
+from labs.formulas import costs
+from labs.measure import comm
 
 AXES = LLAMA3_ORDER   # the four axes a run here has (ep = 1)
 

@@ -9,7 +9,7 @@ group of the axis does so when Delta N divides G; when Delta N <= G but does not
 groups straddle a node boundary (tp = 1, cp = 3 on nodes of 4: the group [3, 4, 5]). So the
 calculator decides group by group (`ParallelDims.group_nodes`, `ParallelDims.tier`).
 
-Bytes per rank per step, bf16 (2 bytes) unless stated, ring collectives (`labs.measure.costs`:
+Bytes per rank per step, bf16 (2 bytes) unless stated, ring collectives (`labs.formulas.costs`:
 2(N-1)/N * M for an all-reduce of M bytes, (N-1)/N * M for an all-gather of the full M or a
 reduce-scatter; Patarasuk & Yuan 2009), for the busiest pipeline stage (chapter 5's split,
 `stage_balance.stage_layers`: Llama 3 takes one layer from the first and the last stage):
@@ -38,21 +38,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from labs.dims import ORDER, ParallelDims
-from labs.measure import costs
+from labs.formulas import costs
 from labs.memory_budget.budget import MODELS
 from labs.pipeline.stage_balance import stage_layers
+from labs.formulas.collectives import (  # the formulas' home is the torch-free core
+    LLAMA3_POD_GPUS as LLAMA3_POD_GPUS, NCCL_NDR_BPS as NCCL_NDR_BPS, NCCL_NVLINK_BPS as NCCL_NVLINK_BPS,
+    NDR_IB_BPS as NDR_IB_BPS, NVLINK4_BPS as NVLINK4_BPS, PCIE5_X16_BPS as PCIE5_X16_BPS)
 
 BF16, FP32 = 2, 4
 LLAMA3_ORDER = ("tp", "cp", "pp", "dp")   # as the paper writes it, fastest-varying first
-# Per direction, in bytes per second; sources in book/11-hardware.md's table.
-NVLINK4_BPS = 18 * 25e9     # H100 SXM: 18 links x 25 GB/s = 450 GB/s per direction
-NDR_IB_BPS = 400e9 / 8      # NDR InfiniBand: 400 Gb/s per port = 50 GB/s
-PCIE5_X16_BPS = 64e9        # PCIe 5.0 x16: 32 GT/s x 16 lanes, ~64 GB/s per direction
-LLAMA3_POD_GPUS = 3072      # Llama 3 section 3.3.1: a pod of 3,072 GPUs, full bisection bandwidth
-# What NCCL reaches, as its maintainers quote it (book/11-hardware.md): an effective NVLink bandwidth
-# of ~370 GB/s on H100 (NVIDIA/nccl-tests issue 212), 46 to 48 GB/s per NDR port (issue 290)
-NCCL_NVLINK_BPS = 370e9
-NCCL_NDR_BPS = (46e9, 48e9)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ The formula itself, bytes per parameter by stage, is `budget.state_bytes_per_par
 """
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
-from labs.measure import costs
+from labs.formulas import costs
 from labs.memory_budget.budget import GB, LINKS, state_bytes_per_param
 
 def zero_comm_bytes(stage, psi, n, bytes_per_elem=2):
     """Bytes each rank sends per step (ring model): {2, 2, 2, 3} all-gather-sized passes of (N-1)/N x
-    Psi x bytes (`labs.measure.costs`; stages 0-2 all-reduce the gradients, or reduce-scatter and gather)."""
+    Psi x bytes (`labs.formulas.costs`; stages 0-2 all-reduce the gradients, or reduce-scatter and gather)."""
     return float((3 if stage == 3 else 2) * costs.sent("all_gather", psi * bytes_per_elem, n))
 
 

@@ -24,7 +24,6 @@ possible over p * v model chunks, the short chunks at the two ends, chunk c on r
 head (§3.3.2: "the first model chunk on the first stage has only the embedding"); and Megatron-LM's
 equal split when p * v divides the layers.
 """
-import functools
 import itertools
 import statistics
 import time
@@ -36,6 +35,8 @@ from labs.memory_budget import compute
 from labs import model as tiny
 from labs.formulas import schedules
 from labs.pipeline import executor, split_backward
+from labs.formulas.stages import (  # the formulas' home is the torch-free core
+    split_counts as split_counts, stage_layers as stage_layers)
 
 REAL_VOCAB = 32_000
 
@@ -44,32 +45,6 @@ def config(vocab_size=REAL_VOCAB, hidden=256, n_layer=24):
     """The tiny GPT with a real vocabulary; h = 256 keeps one process on a CPU under a second per
     step while the head is still worth many layers: 2hV / (24h^2 + 4hs) = 10.3 layers' FLOPs."""
     return tiny.GPTConfig(vocab_size=vocab_size, hidden=hidden, n_layer=n_layer, n_head=4, seq_len=16)
-
-
-def split_counts(n, parts):
-    """n items over ``parts`` as evenly as possible, the short parts first and last: 126 over 16 is
-    [7, 8, ..., 8, 7]; with more short parts than two, the first end takes the extra one."""
-    base, extra = divmod(n, parts)
-    short = parts - extra
-    first = short // 2 + short % 2 if extra else 0   # short parts at the ends, the first end first
-    return [base + (first <= i < first + extra) if extra else base for i in range(parts)]
-
-
-@functools.lru_cache(maxsize=None)
-def stage_layers(layers, pp, v=1):
-    """Layer indices of each of the pp ranks: pp * v chunks in order (`split_counts`), chunk c on rank
-    c mod pp. A chunk may hold no layer only at the two ends (the embedding alone, the head alone)."""
-    for name, value in (("layers", layers), ("pp", pp), ("v", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    if pp * v > layers + 2:
-        raise ValueError(f"{layers} layers cannot fill pp * v = {pp} * {v} = {pp * v} model chunks (at most "
-                         f"{layers + 2}: only the first and the last chunk may hold no layer); use fewer.")
-    out, start = [[] for _ in range(pp)], 0
-    for c, size in enumerate(split_counts(layers, pp * v)):
-        out[c % pp].extend(range(start, start + size))
-        start += size
-    return tuple(tuple(ranks) for ranks in out)
 
 
 def flops_per_token(cfg, layers, first, last):

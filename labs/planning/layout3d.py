@@ -19,7 +19,7 @@ the earlier chapters' formulas (fp32 elements of E bytes, ring collectives of Pa
         b (s/cp) h elements each: a stage sends m of them to each neighbour it has
     dp  ZeRO-1 (Rajbhandari et al. 2019, section 5.1) over the dp*cp ranks that saw other tokens:
         one reduce-scatter of the gradients and one all-gather of the updated shards per step,
-        each sending (n-1)/n of the rank's P_local parameters padded to a multiple of n (`labs.measure.costs`)
+        each sending (n-1)/n of the rank's P_local parameters padded to a multiple of n (`formulas.costs`)
 
 Everything is sent as it is: no scatter-gather of the pipeline messages over the TP ranks
 (Narayanan et al. 2021, section 4.1, which would send 1/tp of each) and no overlap.
@@ -30,7 +30,7 @@ import torch
 
 from labs import model as tiny
 from labs.context_parallel import methods
-from labs.measure import costs
+from labs.formulas import costs
 from labs.tensor_parallel import megatron
 
 AXES = ("dp", "tp", "pp", "cp")   # the degrees a 3D/4D run takes
@@ -131,7 +131,7 @@ def predict_bytes_per_group(cfg, dims, micro_batch, num_microbatches, seq, stage
 
     ``dims``: the layout (`ParallelDims`). ``stage``: the pipeline stage of the rank (the groups'
     traffic differs by stage only in pp and dp); None: the busiest stage, per group. The formulas
-    are in the module docstring, the ring factors `labs.measure.costs`'; ring byte counts are exact
+    are in the module docstring, the ring factors `labs.formulas.costs`'; ring byte counts are exact
     when the group size divides each buffer (true for the tiny shapes, whose widths are even).
     """
     if stage is None:

@@ -3,7 +3,7 @@ over the group's link tier.
 
     T = alpha(op, n, nodes) + B / BW_tier
 
-B is the formula bytes one rank sends (`labs.measure.costs`, the ring factors); BW_tier the link a
+B is the formula bytes one rank sends (`labs.formulas.costs`, the ring factors); BW_tier the link a
 group sits on by chapter 11's group-by-group rule (`ParallelDims.group_nodes`); alpha is chapter 10's
 latency term, with NCCL's own constants (`labs.collectives.nccl_model`, read from NVIDIA/nccl
 src/graph/tuning.cc at 5067397c: ``baseLatencies`` and ``hwLatencies``) for the Simple protocol that
@@ -25,7 +25,7 @@ import functools
 import math
 
 from labs.collectives import nccl_model
-from labs.measure import costs
+from labs.formulas import costs
 
 US = 1e-6
 SIMPLE = nccl_model.PROTOCOLS.index("Simple")

@@ -12,7 +12,7 @@ and on it, applied from outside to the plain tiny GPT's stage:
 - ``torch.distributed.pipelining``: a ``PipelineStage`` per rank on the pp group, ``Schedule1F1B``.
 `LibraryBytes` counts what that stack sends the way chapter 3 counts FSDP2's (`labs.zero.hsdp`): a
 TorchDispatchMode sees every c10d op and functional collective, with its process group, so each
-call's payload (the tensor it was called with) and ring formula bytes (`labs.measure.costs`) land on
+call's payload (the tensor it was called with) and ring formula bytes (`labs.formulas.costs`) land on
 the group they ran on.
 
     python -m labs.planning.torch3d --dp 2 --tp 2 --pp 2 --json
@@ -27,7 +27,8 @@ from labs import model as tiny
 from labs.dims import ParallelDims
 from labs.groups import device_mesh
 from labs.launcher import launch
-from labs.measure import comm, costs
+from labs.formulas import costs
+from labs.measure import comm
 from labs.pipeline.executor import cross_entropy, split
 from labs.planning import layout3d
 from labs.tensor_parallel import megatron

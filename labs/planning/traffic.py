@@ -2,7 +2,7 @@
 
 Every count is a formula of an earlier chapter, for a ring collective of M bytes on n ranks: each
 rank sends 2(n-1)/n of it for an all-reduce and (n-1)/n for an all-gather, a reduce-scatter or an
-all-to-all (the one table, `labs.measure.costs`; Patarasuk & Yuan 2009). These are formula bytes:
+all-to-all (the one table, `labs.formulas.costs`; Patarasuk & Yuan 2009). These are formula bytes:
 what the algorithms send, the same on NCCL and on gloo's rings; chapter 14's three-dimensional lab
 counts a tiny run's messages against them. `layer_calls` lists the calls themselves (group, op,
 payload, how many), so `timing` can charge each one NCCL's latency as well as its bytes
@@ -15,7 +15,7 @@ import functools
 
 import numpy as np
 
-from labs.measure import costs
+from labs.formulas import costs
 from labs.pipeline.stage_balance import stage_layers
 from labs.planning import memory
 

@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from labs.dims import ParallelDims
 from labs.groups import device_mesh
-from labs.measure import comm, costs, wire
+from labs.formulas import costs
+from labs.measure import comm, wire
 from labs.launcher import launch
 from labs.memory_budget.compute import H100_BF16_DENSE
 from labs import model as tiny

@@ -8,14 +8,13 @@ sends, with the ring's (N-1)/N factor and Psi bf16 elements (2 bytes each):
 - DDP (stage 0): all-reduce of the gradients, 2(N-1)/N * 2Psi bytes;
 - ZeRO-1 and 2: reduce-scatter of the gradients + all-gather of the updated weights: the same;
 - ZeRO-3: all-gather before forward, again before backward, reduce-scatter: 3(N-1)/N * 2Psi, 1.5x.
-With A micro-batches accumulated per step, DDP and ZeRO-1 still reduce once, ZeRO-2 reduce-scatters
-A times ((A+1)/2 x DDP) and ZeRO-3 does all three A times (3A/2 x DDP): `accumulation`.
+With A micro-batches per step, DDP and ZeRO-1 still reduce once, ZeRO-2 reduce-scatters A times ((A+1)/2 x
+DDP), ZeRO-3 does all three A times (3A/2 x DDP): `accumulation`.
 
-Stages 0-2 are `sharded_optimizer.ShardedOptimizer` around ``torch.optim.Adam``, stage 3 `fsdp.HandFSDP`,
-drop-ins for the library's pieces. This file is the lab that trains the tiny GPT under each of them and
-under FSDP2 (`run`, `all_stages`, `accumulation`, `fsdp2`), held to the bound on how far two Adam runs
-can drift apart (`adam_drift.param_bound`). By default the hand stages run every collective as chapter 2's
-ring of point-to-point messages (`hand_ring.hand_collectives`): their bytes sent are counted messages.
+Stages 0-2 are `sharded_optimizer.ShardedOptimizer` around ``torch.optim.Adam``, stage 3 `fsdp.HandFSDP`:
+this lab trains the tiny GPT under each and under FSDP2 (`run`, `all_stages`, `accumulation`, `fsdp2`),
+held to the bound on how far two Adam runs can drift apart (`adam_drift.param_bound`). The hand stages
+run every collective as chapter 2's ring of point-to-point messages: their bytes are counted messages.
 
     python -m labs.zero.stages --world-size 3 --stage 3 --steps 3 --json
 """
@@ -25,7 +24,8 @@ import dataclasses
 import torch
 
 from labs.memory_budget import budget
-from labs.measure import comm, costs, exercises, memory
+from labs.formulas import costs
+from labs.measure import comm, exercises, memory
 from labs.data_parallel import hand_ring
 from labs.zero import adam_drift, fsdp
 from labs.launcher import launch
