@@ -119,6 +119,9 @@ def model_activations(model="7B", seq=4096, micro_batch=1, tp=1, sp=False, recom
 
 
 def _arch(model):
+    """A `MODELS` key's shape, or the `ModelShape` given."""
+    if isinstance(model, ModelShape):
+        return model
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}.")
     return MODELS[model]
@@ -135,7 +138,7 @@ def budget(model="7B", world_size=8, tp=1, pp=1, zero_stage=0, recipe="mixed", s
     arch = _arch(model)
     dp = ParallelDims.build(world_size, tp=tp, pp=pp).dp       # the degrees, checked once
     if arch.layers % pp or arch.heads % tp or arch.ffn % tp or (arch.kv_heads % tp and tp % arch.kv_heads):
-        raise ValueError(f"{model} has {arch.layers} layers, {arch.heads} heads, {arch.kv_heads} "
+        raise ValueError(f"{arch.name} has {arch.layers} layers, {arch.heads} heads, {arch.kv_heads} "
                          f"KV heads and MLP width {arch.ffn}: pp must divide the layers and tp the heads "
                          "and the width (and divide or be a multiple of the KV heads) (got "
                          f"pp={pp}, tp={tp}).")

@@ -63,6 +63,23 @@ class ModelShape:
     def __post_init__(self):
         if self.mlp not in MLPS:
             raise ValueError(f"mlp must be one of {', '.join(MLPS)}, got {self.mlp!r}.")
+        for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.name}: {field} must be a positive whole number, got {value!r}.")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"{self.name}: the {self.kv_heads} KV heads must divide the {self.heads} query "
+                             "heads (grouped-query attention shares each KV head among a group).")
+        if not (self.head_width or self.mla) and self.hidden % self.heads:
+            raise ValueError(f"{self.name}: the {self.heads} heads must divide the hidden size "
+                             f"{self.hidden} (or give the head width).")
+        if self.experts < 0 or not 0 <= self.dense_layers <= self.layers:
+            raise ValueError(f"{self.name}: experts ({self.experts}) cannot be negative, nor the dense "
+                             f"layers ({self.dense_layers}) outside 0..{self.layers}.")
+        if self.experts and not (1 <= self.top_k <= self.experts and self.expert_ffn >= 1):
+            raise ValueError(f"{self.name}: each token goes to top-k of the {self.experts} experts: top-k "
+                             f"must be 1..{self.experts} (got {self.top_k}) and the expert width "
+                             f"positive (got {self.expert_ffn}).")
         if self.bias is None:
             object.__setattr__(self, "bias", self.mlp == "gelu")
 

@@ -3,7 +3,6 @@
 - `comm`: counted collectives and point-to-point calls: counted messages, formula bytes and the
   library's wire bytes kept apart, and the payload each call was made with.
 - `wire`: the library's wire bytes, the rise of ``wchar`` in /proc/self/io around a gloo call.
-- `costs`: formula bytes, the one table of what a collective sends per rank (the ring factors).
 - `memory`: bytes a rank holds (storage accounting) and its peak during a step.
 - `timing`: the host clock read after the GPU's queued work is done, for every timed region.
 - `flops`: FLOPs counted by ``FlopCounterMode``, the CPU's SDPA kernel included.
@@ -11,4 +10,7 @@
 - `intervals`: a timing claim as a paired ratio with its interval and range; a winner only where
   the interval excludes 1 and no more ranks ran than cores.
 - `exercises`: the automatic checker behind every chapter's exercises.
+- `widgets`: the book's calculators (`labs.formulas.forms`) as ipywidgets in JupyterLab, the same fields
+  and answers as the site's forms.
+The formula bytes (the ring factors) are in the torch-free core, `labs.formulas.costs`.
 """
