@@ -268,25 +268,3 @@ def microbatches_to_halve(p, m):
     return m_new
 
 
-# Chapter 5's exercises: the answers are computed here, so the book never types them.
-EXERCISES = {
-    "1": lambda: formula("1f1b", 16, 48)["over_total"],
-    "2": lambda: microbatches_for(16, 0.05),
-    "3": lambda: formula("interleaved", 8, 32, 4)["over_ideal"],
-    "4": lambda: microbatches_to_halve(4, 12),                    # an exact count of micro-batches
-}
-
-# The answers the usual mistakes give, each computed from its mistake; the checker names them.
-MISTAKES = {
-    "1": [(lambda: formula("1f1b", 16, 48)["over_ideal"],
-           "(p-1)/m: the bubble over the ideal time, not the total")],
-    "2": [(lambda: next(m for m in range(1, 1000) if 15 / m <= 0.05),
-           "(p-1)/m <= 5 %: the bubble over the ideal time, not the total")],
-    "3": [(lambda: formula("1f1b", 8, 32)["over_ideal"], "the interleaving's v = 4 left out")],
-    "4": [(lambda: 2 * 12, "doubling m: the p - 1 idle slots stay, so the share falls to 1/9, not 1/10")],
-}
-
-
-def check(question, answer, rel=0.01):
-    from labs.measure import exercises
-    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)

@@ -2,6 +2,7 @@
 
 The schedules as data and their bubble formulas are torch-free: `labs.formulas.schedules`.
 
+- `problems`: the chapter's worked problems, answered by the formulas, and their checker.
 - `executor`: runs any schedule with real sends and receives; gradients, bubble and peak memory.
 - `schedule_figure`: a schedule's picture, drawn from the timeline the executor recorded.
 - `split_backward`: backward split into B (input gradient) and W (weight gradient), for ZB-H1.

@@ -1,0 +1,144 @@
+"""The torch-free core (issue 44): `labs.formulas` and `labs.dims` import nothing but the standard
+library and each other, so the site's calculators run them in a browser (Pyodide), and every form
+answers, or refuses bad input in one sentence, in a Python that has no torch and no numpy.
+
+Each check can fail: a planted ``import torch`` (top level or inside a function), an import of a
+torch-using chapter module, and a form that raises instead of answering are each caught below.
+"""
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from labs.formulas import fields, forms
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORE = ("labs/__init__.py", "labs/dims.py", "labs/formulas")
+FORBIDDEN = ("torch", "numpy")
+
+
+def core_files(root=ROOT):
+    out = []
+    for entry in CORE:
+        path = os.path.join(root, entry)
+        if os.path.isdir(path):
+            out += sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py"))
+        else:
+            out.append(path)
+    return out
+
+
+def outside_imports(source, name="labs.formulas.x"):
+    """Every module ``source`` imports, at any depth, that is neither the standard library's nor the
+    core's: a third-party package, or a labs module outside `CORE`."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names if node.module == "labs"]
+        else:
+            continue
+        for m in mods:
+            top = m.split(".")[0]
+            if top == "labs":
+                if not (m in ("labs", "labs.dims", "labs.formulas") or m.startswith("labs.formulas.")):
+                    bad.append(m)
+            elif top not in sys.stdlib_module_names:
+                bad.append(m)
+    return bad
+
+
+def test_the_core_imports_only_the_standard_library_and_itself():
+    found = {os.path.relpath(p, ROOT): outside_imports(open(p).read()) for p in core_files()}
+    assert {p: m for p, m in found.items() if m} == {}
+
+
+@pytest.mark.parametrize("planted, caught", [
+    ("import torch\n", ["torch"]),
+    ("def f():\n    import numpy as np\n    return np\n", ["numpy"]),
+    ("from labs.memory_budget import budget\n", ["labs.memory_budget"]),
+    ("from labs import model\n", ["labs.model"]),
+    ("import json, math\nfrom labs.formulas import costs\nfrom labs import dims\n", []),
+])
+def test_a_planted_import_is_caught(planted, caught):
+    assert outside_imports(planted) == caught
+
+
+BLOCK = textwrap.dedent("""
+    import sys
+    class Refuse:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {forbidden!r}:
+                raise ImportError(name + " is not in the browser")
+    sys.meta_path.insert(0, Refuse())
+""")
+
+
+def run_without_torch(code):
+    script = BLOCK.format(forbidden=FORBIDDEN) + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_every_form_answers_in_a_python_without_torch_or_numpy():
+    r = run_without_torch("""
+        import importlib, pkgutil, labs.formulas
+        for m in pkgutil.iter_modules(labs.formulas.__path__):
+            importlib.import_module("labs.formulas." + m.name)
+        from labs.formulas import forms
+        for name in forms.FORMS:
+            r = forms.answer(name)
+            assert r["ok"], (name, r)
+            print(name, forms.text(r).splitlines()[0][:60])
+        print("torch" in sys.modules, "numpy" in sys.modules)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("False False")
+
+
+def test_the_refusal_itself_works():
+    r = run_without_torch("import labs.memory_budget.budget")
+    assert r.returncode != 0 and "is not in the browser" in r.stderr
+
+
+@pytest.mark.parametrize("name", sorted(forms.FORMS))
+def test_each_form_answers_its_defaults_and_refuses_a_bad_number_in_one_sentence(name):
+    ok = forms.answer(name)
+    assert ok["ok"] and ok["summary"] and ok["table"]["rows"]
+    for field in (f for f in forms.FORMS[name][1] if f.kind in ("int", "float")):
+        # a custom model's shapes are read only when the model is custom
+        context = {"model": "custom"} if "custom model only" in field.help else {}
+        for bad in ("x", "0", "-3"):
+            r = forms.answer(name, {**context, field.name: bad})
+            assert not r["ok"], (name, field.name, bad, r)
+            assert r["error"].count(". ") == 0 and r["error"].endswith("."), r["error"]  # one sentence
+
+
+def test_an_unknown_choice_and_an_unknown_form_are_one_sentence():
+    assert forms.answer("memory", {"recipe": "fp4"}) == {
+        "ok": False, "error": "precision recipe must be one of mixed, mixed_fp32_grads, mixed_fp32_accum, "
+                              "fp32, bf16_no_master, got 'fp4'."}
+    assert forms.answer("nope")["error"].startswith("unknown calculator 'nope'")
+
+
+def test_the_html_shows_the_same_figures_as_the_text():
+    import re
+    for name in forms.FORMS:
+        r = forms.answer(name)
+        visible = re.sub(r"<svg.*?</svg>", "", forms.to_html(r), flags=re.S)
+        visible = re.sub(r"<[^>]+>", " ", visible).replace("&#x27;", "'").replace("&amp;", "&")
+        numbers = re.compile(r"\d[\d,.]*%?")
+        assert numbers.findall(visible) == numbers.findall(forms.text(r)), name
+
+
+def test_the_chart_carries_no_figure_of_its_own():
+    """The site's check compares the figures of the text; the chart only repeats them as bars."""
+    svg = fields.stacked_bar_svg([("weights", 16.1), ("activations", 12.7)], 80, "the GPU's memory")
+    import html
+    import re
+    texts = html.unescape(" ".join(re.findall(r">([^<]+)</text>", svg)))
+    assert not any(c.isdigit() for c in texts), texts
