@@ -13,6 +13,7 @@ import exercise_cases
 from labs.data_parallel import ring_allreduce as ra
 from labs.memory_budget import budget
 from labs.formulas import schedules
+from labs.pipeline import problems
 from labs.tensor_parallel import blocks
 from labs.zero import stages
 
@@ -51,11 +52,11 @@ CASES = [
     (blocks, "2", blocks.layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3 / 8,
      "400 Gb/s read as 400 GB/s"),
     # chapter 5, pipeline parallel
-    (schedules, "1", schedules.formula("1f1b", 16, 48)["over_ideal"],
+    (problems, "1", schedules.formula("1f1b", 16, 48)["over_ideal"],
      "(p-1)/m: the bubble over the ideal time, not the total"),
-    (schedules, "2", math.ceil(15 / 0.05), "(p-1)/m <= 5 %: the bubble over the ideal time, not the total"),
-    (schedules, "3", schedules.formula("1f1b", 8, 32)["over_ideal"], "the interleaving's v = 4 left out"),
-    (schedules, "4", 2 * 12, "doubling m: the p - 1 idle slots stay, so the share falls to 1/9, not 1/10"),
+    (problems, "2", math.ceil(15 / 0.05), "(p-1)/m <= 5 %: the bubble over the ideal time, not the total"),
+    (problems, "3", schedules.formula("1f1b", 8, 32)["over_ideal"], "the interleaving's v = 4 left out"),
+    (problems, "4", 2 * 12, "doubling m: the p - 1 idle slots stay, so the share falls to 1/9, not 1/10"),
 ]
 
 
@@ -65,4 +66,4 @@ def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake,
 
 
 def test_every_exercise_of_chapters_1_to_5_has_a_wrong_answer_tested():
-    assert exercise_cases.untested(CASES, (budget, ra, stages, blocks, schedules)) == set()
+    assert exercise_cases.untested(CASES, (budget, ra, stages, blocks, problems)) == set()
