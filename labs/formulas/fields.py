@@ -23,13 +23,17 @@ def raw(values, field):
     return str(values.get(field.name, field.default)).strip()
 
 
-def whole(values, field, least=1):
-    """``field``'s value as an int of at least ``least``; thousands separators allowed."""
-    text = raw(values, field).replace(",", "").replace("_", "")
+def _parsed(values, field, convert, kind):
+    text = raw(values, field).replace(",", "").replace("_", "")   # thousands separators allowed
     try:
-        value = int(text)
+        return convert(text), text
     except ValueError:
-        raise ValueError(f"{field.label} must be a whole number, got {text!r}.") from None
+        raise ValueError(f"{field.label} must be {kind}, got {text!r}.") from None
+
+
+def whole(values, field, least=1):
+    """``field``'s value as an int of at least ``least``."""
+    value, _ = _parsed(values, field, int, "a whole number")
     if value < least:
         raise ValueError(f"{field.label} must be at least {least}, got {value}.")
     return value
@@ -37,11 +41,7 @@ def whole(values, field, least=1):
 
 def number(values, field, above=0.0):
     """``field``'s value as a float greater than ``above``."""
-    text = raw(values, field).replace(",", "").replace("_", "")
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{field.label} must be a number, got {text!r}.") from None
+    value, text = _parsed(values, field, float, "a number")
     if not value > above:         # also refuses nan
         raise ValueError(f"{field.label} must be more than {above:g}, got {text}.")
     return value
