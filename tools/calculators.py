@@ -76,17 +76,10 @@ def copy_files(app, exception):
         shutil.copyfile(os.path.join(ASSETS, name), os.path.join(static, name))
 
 
-def site_bytes(site):
-    """The bytes the calculators add to a built site: Pyodide's files, the zip, the two assets."""
-    static = os.path.join(site, "_static")
-    paths = [os.path.join(static, "pyodide", n) for n in pyodide_dist.RUNTIME]
-    paths += [os.path.join(static, CORE_ZIP)] + [os.path.join(static, n) for n in os.listdir(ASSETS)]
-    return sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
-
-
 def setup(app):
     app.connect("builder-inited", prepare)
-    app.connect("html-page-context", add_assets)
+    # before offline_site's drop_thebe (priority 500), which gives the page a new list of scripts
+    app.connect("html-page-context", add_assets, priority=400)
     app.connect("build-finished", copy_files)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
 
