@@ -119,7 +119,7 @@ async def set_fields(box, spec, values):
             await control.fill(values[field["name"]])
     output = box.locator(".dtm-output")
     handle = await output.element_handle()
-    await box.page.wait_for_function(f"([out, expected]) => ({ANSWERED})(out, expected)", [handle, values],
+    await box.page.wait_for_function(f"([out, expected]) => ({ANSWERED})(out, expected)", arg=[handle, values],
                                      timeout=10000)
     return output
 
