@@ -119,8 +119,8 @@ async def set_fields(box, spec, values):
             await control.fill(values[field["name"]])
     output = box.locator(".dtm-output")
     handle = await output.element_handle()
-    await box.page.wait_for_function(f"([out, expected]) => ({ANSWERED})(out, expected)", arg=[handle, values],
-                                     timeout=10000)
+    await box.page.wait_for_function(f"([out, expected]) => ({ANSWERED})(out, expected)",
+                                     arg=[handle, values], timeout=10000)
     return output
 
 
@@ -178,7 +178,7 @@ async def check_page(browser, site, page, viewport, route, shots, timeout_s):
             if state != "ready":
                 add(f"{name} did not start ({state}): {(await box.inner_text())[:200]}")
                 continue
-            ms = int(await box.get_attribute("data-first-answer-ms"))
+            ms = int(await box.get_attribute("data-first-answer-ms") or 0)
             cold = max(cold or 0, ms / 1000)
             await check_calculator(box, name, name, add)
             layout = await box.evaluate(LAYOUT)

@@ -91,10 +91,15 @@ def _dtm_answer(name, values):
     const py = await python;
     const spec = py.spec(name);
     const output = element("div", {class: "dtm-output", "aria-live": "polite"});
+    const answered = () => {
+      if (box.dataset.state === "ready") return;
+      box.dataset.firstAnswerMs = String(Math.round(performance.now()));
+      box.dataset.state = "ready";
+    };
     if (spec === null) {  // an unknown form: forms.answer says so, in its sentence
       box.replaceChildren(output);
       output.innerHTML = py.answer(name, {}).html;
-      box.dataset.state = "ready";
+      answered();
       return;
     }
     const form = element("form", {class: "dtm-form", novalidate: "", "aria-label": spec.title});
@@ -117,10 +122,7 @@ def _dtm_answer(name, values):
       if (result.html) output.innerHTML = result.html;
       output.dataset.values = JSON.stringify(values);
       output.dataset.ok = String(result.ok);
-      if (box.dataset.state !== "ready") {
-        box.dataset.firstAnswerMs = String(Math.round(performance.now()));
-        box.dataset.state = "ready";
-      }
+      answered();
     };
     form.addEventListener("input", respond);
     form.addEventListener("change", respond);
