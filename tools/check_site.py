@@ -105,7 +105,7 @@ async () => {
   const wideMath = Array.from(new Set(
       document.querySelectorAll('div.math mjx-container, mjx-container[display="true"]')))
     .filter(c => c.getClientRects().length && c.scrollWidth > c.clientWidth + 1)
-    .map(c => ({tex: (texOf.get(c) || c.textContent).trim().replace(/\s+/g, ' ').slice(0, 80),
+    .map(c => ({tex: (texOf.get(c) || c.textContent).trim().replace(/\\s+/g, ' ').slice(0, 80),
                 width: c.scrollWidth, column: c.clientWidth}));
   const wideTables = Array.from(document.querySelectorAll('div.cell_output table'))
     .filter(t => t.parentElement.scrollWidth > t.parentElement.clientWidth + 1)
@@ -160,7 +160,7 @@ async () => {
     if (best) {
       const cls = typeof best.e.className === 'string' && best.e.className
         ? '.' + best.e.className.split(' ')[0] : '';
-      const text = best.e.textContent.trim().replace(/\s+/g, ' ').slice(0, 70);
+      const text = best.e.textContent.trim().replace(/\\s+/g, ' ').slice(0, 70);
       culprit = `<${best.e.tagName.toLowerCase()}${cls}> ${text}`;
     }
   }
