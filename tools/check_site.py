@@ -1,6 +1,6 @@
 """Open every page of the built site in headless Chromium, as a reader would, and fail on defects.
 
-    python tools/check_site.py [_build/html] [--screenshots DIR]
+    python tools/check_site.py [_build/html] [--screenshots DIR] [--pages 05 ...]
 
 The site is served on 127.0.0.1 (a free port), every request to another host is blocked (and
 reported), and each page is checked once its math is typeset and its fonts and images loaded:
@@ -18,6 +18,13 @@ reported), and each page is checked once its math is typeset and its fonts and i
 - at 1280 x 900, display equations wider than their column (MathJax's box scrolls or is clipped);
 - at a phone's 390 x 844 (the same tab, resized after the checks above): a page wider than the
   viewport, which scrolls sideways (the widest element that sticks out is named).
+
+Then each page with a calculator (`<div class="dtm-calculator">`, tools/calculators.py) is opened
+again at 1280 and at 390 px, each in a fresh context, and its calculators are checked against
+CPython (tools/check_calculators.py): the cold time from navigation to the first answer (printed;
+a defect above 60 s), the same numbers and summary as `forms.text(forms.answer(...))` for values
+off the defaults, CPython's error sentence for a bad input, nothing wider than the box or the page.
+The bytes the calculators add to the site are printed at the end.
 
 Two checks are notes unless asked for with --enforce (the count is printed either way); `make test`
 enforces both, so a notebook that breaks them fails the tests:
@@ -43,6 +50,9 @@ import sys
 import threading
 import time
 from urllib.parse import unquote, urlsplit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import check_calculators  # noqa: E402  (beside this file)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALL_HINT = "install it with `apt-get install chromium` (as root) or pass --chromium PATH"
@@ -95,7 +105,7 @@ async () => {
   const wideMath = Array.from(new Set(
       document.querySelectorAll('div.math mjx-container, mjx-container[display="true"]')))
     .filter(c => c.getClientRects().length && c.scrollWidth > c.clientWidth + 1)
-    .map(c => ({tex: (texOf.get(c) || c.textContent).trim().replace(/\s+/g, ' ').slice(0, 80),
+    .map(c => ({tex: (texOf.get(c) || c.textContent).trim().replace(/\\s+/g, ' ').slice(0, 80),
                 width: c.scrollWidth, column: c.clientWidth}));
   const wideTables = Array.from(document.querySelectorAll('div.cell_output table'))
     .filter(t => t.parentElement.scrollWidth > t.parentElement.clientWidth + 1)
@@ -150,7 +160,7 @@ async () => {
     if (best) {
       const cls = typeof best.e.className === 'string' && best.e.className
         ? '.' + best.e.className.split(' ')[0] : '';
-      const text = best.e.textContent.trim().replace(/\s+/g, ' ').slice(0, 70);
+      const text = best.e.textContent.trim().replace(/\\s+/g, ' ').slice(0, 70);
       culprit = `<${best.e.tagName.toLowerCase()}${cls}> ${text}`;
     }
   }
@@ -228,6 +238,7 @@ class Site:
         self.notes = []            # (page, note): shown, never a failure
         self.shot_lock = asyncio.Lock()
         self.dpis = {}
+        self.calculators = []      # (page, {width: seconds to the first answer}): check_calculators
 
     def dpi(self, path):
         if path not in self.dpis:
@@ -387,12 +398,12 @@ def check_phone(site, page, phone):
                        f"{fig['natural']} px at {dpi:g} dpi shown {fig['width']:.0f} px wide: {fig['src']}")
 
 
-async def run(site_dir, chromium, shots, jobs, timeout_s, enforce=()):
+async def run(site_dir, chromium, shots, jobs, timeout_s, enforce=(), only=()):
     from playwright.async_api import async_playwright
 
     server = serve(site_dir)
     site = Site(site_dir, f"http://127.0.0.1:{server.server_address[1]}/", enforce)
-    pages = html_pages(site_dir)
+    pages = [p for p in html_pages(site_dir) if not only or any(part in p for part in only)]
     try:
         async with async_playwright() as p:
             browser = await p.chromium.launch(
@@ -422,6 +433,9 @@ async def run(site_dir, chromium, shots, jobs, timeout_s, enforce=()):
                     await check_page(context, site, page, shots, timeout_s)
 
             await asyncio.gather(*(one(page) for page in pages))
+            site.calculators = await check_calculators.check(
+                browser, site, check_calculators.calculator_pages(site_dir, pages), route, (DESKTOP, PHONE),
+                shots, timeout_s)
             await browser.close()
     finally:
         server.shutdown()
@@ -441,6 +455,8 @@ def main(argv=None):
     ap.add_argument("--enforce", action="append", choices=DEFERRABLE, default=[],
                     help="make a check that is a note by default a failure: code-cells (notebook code wider "
                          "than its column at 1280 px), figures (text under 7 px high at 390 px); repeatable")
+    ap.add_argument("--pages", nargs="+", metavar="PART", default=[],
+                    help="check only the pages whose path contains one of these (e.g. --pages 05 intro)")
     args = ap.parse_args(argv)
 
     if not os.path.isfile(os.path.join(args.site, "index.html")) and not html_pages(args.site):
@@ -459,13 +475,15 @@ def main(argv=None):
     start = time.monotonic()
     try:
         pages, site = asyncio.run(run(os.path.abspath(args.site), chromium, args.screenshots, args.jobs,
-                                      args.timeout, args.enforce))
+                                      args.timeout, args.enforce, args.pages))
     except Exception as e:
         sys.exit(f"error: could not run Chromium ({chromium}): {str(e).splitlines()[0]}; {INSTALL_HINT}.")
     took = time.monotonic() - start
     defects = site.defects
     for page, note in sorted(site.notes):
         print(f"{page}: note: {note}")
+    for line in check_calculators.report(site.calculators, args.site):
+        print(line)
     for page, defect in sorted(defects):
         print(f"{page}: {defect}")
     for check, what in (("code-cells", "notebook code cells wider than the column at 1280 px"),

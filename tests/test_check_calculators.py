@@ -1,0 +1,69 @@
+"""tools/check_site.py checks the site's calculators against CPython and fails on a wrong answer.
+
+A tiny site with Pyodide (from the pinned npm tarball, tools/pyodide_dist.py), calculators.js and two
+pages: one whose core zip is the repository's (it passes, and its cold time is reported), one whose
+zip has a forms.py that puts the wrong share in the summary, beside a calculator naming no form
+(each is a defect, named). Skipped where playwright, Chromium or the fetched Pyodide is missing.
+"""
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+pytest.importorskip("playwright", reason="playwright is not installed: no browser check on this machine")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import check_site  # noqa: E402
+import core_bundle  # noqa: E402
+import pyodide_dist  # noqa: E402
+
+CHECK = os.path.join(ROOT, "tools", "check_site.py")
+PAGE = ('<!DOCTYPE html><html><head><meta charset="utf-8"><title>{name}</title>'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<link rel="stylesheet" href="_static/calculators.css">'
+        '<script defer src="_static/calculators.js" data-core="{zip}"></script></head>'
+        "<body><p>A calculator:</p>{divs}</body></html>")
+BUBBLE = '<div class="dtm-calculator" data-form="bubble"></div>'
+
+
+def site(folder):
+    if check_site.find_chromium(None) is None:
+        pytest.skip("no Chromium on this machine")
+    try:
+        runtime = pyodide_dist.unpack()
+    except pyodide_dist.PyodideError as e:
+        pytest.skip(f"no Pyodide here: {e}")
+    static = folder / "_static"
+    (static / "pyodide").mkdir(parents=True)
+    for name in pyodide_dist.RUNTIME:
+        os.symlink(os.path.join(runtime, name), static / "pyodide" / name)
+    for name in os.listdir(os.path.join(ROOT, "tools", "calculators_static")):
+        os.symlink(os.path.join(ROOT, "tools", "calculators_static", name), static / name)
+    files = core_bundle.write_zip(str(static / "labs-core.zip"))
+    with zipfile.ZipFile(static / "wrong.zip", "w") as z:
+        for rel in files:
+            with open(os.path.join(ROOT, rel)) as f:
+                text = f.read()
+            if rel == "labs/formulas/forms.py":
+                text = text.replace("the bubble is {f['over_total']", "the bubble is {f['over_ideal']")
+                assert "the bubble is {f['over_ideal']" in text
+            z.writestr(rel, text)
+    (folder / "right.html").write_text(PAGE.format(name="right", zip="labs-core.zip", divs=BUBBLE))
+    nowhere = '<div class="dtm-calculator" data-form="nowhere"></div>'
+    (folder / "wrong.html").write_text(PAGE.format(name="wrong", zip="wrong.zip", divs=BUBBLE + nowhere))
+
+
+def test_a_right_calculator_passes_and_a_wrong_one_fails(tmp_path):
+    site(tmp_path)
+    r = subprocess.run([sys.executable, CHECK, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    out = r.stdout
+    assert r.returncode == 1, out + r.stderr
+    assert not any(line.startswith("right.html: calculator at") for line in out.splitlines()), out
+    assert "right.html: calculator: first answer" in out and "at 390 px" in out, out
+    for width in (1280, 390):
+        assert f"wrong.html: calculator at {width} px: bubble: " in out and "gave the summary" in out, out
+        assert f"wrong.html: calculator at {width} px: nowhere: data-form='nowhere' names no form" in out, out
+    assert "calculators: the site gains" in out, out
