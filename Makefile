@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 # TORCH_INDEX= keeps the default index alone.
 TORCH_INDEX ?= $(if $(and $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi),,cpu)),--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: book test test-numerics lab test-labs test-notebooks test-book check-site chromium env clean box-test box-wheels \
+.PHONY: book test test-numerics lab test-labs test-notebooks test-book check-site chromium npm env clean box-test box-wheels \
 	box-lab gpu-check test-devices
 
 env: $(STAMP)
@@ -38,7 +38,17 @@ chromium:
 	  || { echo "error: apt-get could not install chromium, which the browser check needs; install it by hand (apt-get install chromium) or set CHROMIUM=/path/to/chromium"; exit 1; }; \
 	else echo "error: the browser check needs Chromium: run 'sudo apt-get install chromium' (Debian/Ubuntu) or set CHROMIUM=/path/to/chromium"; exit 1; fi
 
-book: $(STAMP)
+# npm fetches the site calculators' Pyodide once (tools/pyodide_dist.py, into .cache/pyodide): Debian's
+# npm is installed with apt-get when it is missing and we are root; otherwise one sentence says what to run.
+npm:
+	@if ls .cache/pyodide/pyodide-*.tgz >/dev/null 2>&1 || command -v npm >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing npm for the site's calculators (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null \
+	  || { echo "error: apt-get could not install npm, which fetches the calculators' Pyodide; install it by hand (apt-get install npm)"; exit 1; }; \
+	else echo "error: the site's calculators need Pyodide from npm: run 'sudo apt-get install npm' (Debian/Ubuntu)"; exit 1; fi
+
+book: $(STAMP) npm
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
 	@echo "site: $(CURDIR)/_build/html/index.html"
 
@@ -62,7 +72,7 @@ OTHER_CPU := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=
 # included (--enforce). Before all of it, ruff (seconds): pyflakes and 110 columns in labs/, tools/
 # and tests/, and the notebooks formatted to their 88 columns (notebooks/ruff.toml). Chromium is
 # checked first, so a machine without it fails in seconds, not after the notebooks.
-test: $(STAMP) chromium
+test: $(STAMP) chromium npm
 	$(BIN)/ruff check labs tools tests notebooks
 	$(BIN)/ruff format --check notebooks
 	$(BIN)/python -m pytest tests -q --durations=15

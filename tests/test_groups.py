@@ -5,7 +5,7 @@ import pytest
 import workers
 from labs.dims import ParallelDims
 from labs.launcher import launch
-from labs.planning import links
+from labs.formulas import links
 
 
 def test_dp_is_filled_in_and_tp_varies_fastest():

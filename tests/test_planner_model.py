@@ -8,7 +8,8 @@ import pytest
 
 from labs.dims import ParallelDims
 from labs.memory_budget import activations
-from labs.planning import (checked, kernels, links, memory, notes, offload, planner, published_runs, shapes,
+from labs.formulas import links
+from labs.planning import (checked, kernels, memory, notes, offload, planner, published_runs, shapes,
                            software, timing)
 from labs.planning.grid import Columns
 

@@ -7,7 +7,6 @@ and memory.
 - `grid`: the planner's candidates as columns, so one scalar formula prices thousands of layouts at once.
 - `memory`: a layout (`Plan`: a `ParallelDims` and its settings) and what one rank holds, six terms.
 - `traffic`: the collectives each group runs per micro-batch and per step, and their formula bytes.
-- `links`: one collective's time on its group: NCCL's alpha per link tier plus the bytes over the link.
 - `kernels`: one layer's compute on a rank, GEMM by GEMM on a roofline, attention and the memory-bound ops.
 - `offload`: the optimizer in host memory (ZeRO-Offload): GPU bytes freed, host bytes, PCIe and CPU time.
 - `timing`: the estimated step time, phase by phase, with what each stack overlaps, and the papers' FLOPs.

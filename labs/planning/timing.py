@@ -28,7 +28,8 @@ import numpy as np
 from labs.dims import ParallelDims
 from labs.memory_budget import compute
 from labs.formulas import schedules
-from labs.planning import kernels, links, memory, offload, traffic
+from labs.formulas import links
+from labs.planning import kernels, memory, offload, traffic
 from labs.planning.grid import per_unique
 from labs.planning.software import RECOMPUTE, SCHEDULES
 

@@ -1,11 +1,11 @@
-"""Chapter 14: how long one collective takes on a group: alpha per call from NCCL's tuning model, bytes
-over the group's link tier.
+"""Chapters 10, 11 and 14: how long one collective takes on a group: alpha per call from NCCL's tuning
+model, bytes over the group's link tier.
 
     T = alpha(op, n, nodes) + B / BW_tier
 
 B is the formula bytes one rank sends (`labs.formulas.costs`, the ring factors); BW_tier the link a
 group sits on by chapter 11's group-by-group rule (`ParallelDims.group_nodes`); alpha is chapter 10's
-latency term, with NCCL's own constants (`labs.collectives.nccl_model`, read from NVIDIA/nccl
+latency term, with NCCL's own constants (`labs.formulas.collectives`, read from NVIDIA/nccl
 src/graph/tuning.cc at 5067397c: ``baseLatencies`` and ``hwLatencies``) for the Simple protocol that
 large messages use, as ``ncclTopoTuneModel`` adds them up:
 
@@ -24,18 +24,18 @@ to LL/LL128 for small messages (lower alpha, lower bandwidth) and its bandwidth 
 import functools
 import math
 
-from labs.collectives import nccl_model
+from labs.formulas import collectives
 from labs.formulas import costs
 
 US = 1e-6
-SIMPLE = nccl_model.PROTOCOLS.index("Simple")
-BASE = nccl_model.BASE_LATENCY_US["Ring"][SIMPLE] * US            # 8.4 us (Tree's is the same)
+SIMPLE = collectives.PROTOCOLS.index("Simple")
+BASE = collectives.BASE_LATENCY_US["Ring"][SIMPLE] * US            # 8.4 us (Tree's is the same)
 # tuning.cc hwLatencies, Simple: NVLink and NET rows are chapter 10's table; PCI's Ring/Tree Simple
 # entries (5.7 and 4.0 us) are the same file's PCI row
-RING_STEP = {"NVLINK": nccl_model.HW_LATENCY_US["NVLINK"]["Ring"][SIMPLE] * US, "PCI": 5.7 * US,
-             "NET": nccl_model.HW_LATENCY_US["NET"]["Ring"][SIMPLE] * US}
-TREE_STEP = {"NVLINK": nccl_model.HW_LATENCY_US["NVLINK"]["Tree"][SIMPLE] * US, "PCI": 4.0 * US,
-             "NET": nccl_model.HW_LATENCY_US["NET"]["Tree"][SIMPLE] * US}
+RING_STEP = {"NVLINK": collectives.HW_LATENCY_US["NVLINK"]["Ring"][SIMPLE] * US, "PCI": 5.7 * US,
+             "NET": collectives.HW_LATENCY_US["NET"]["Ring"][SIMPLE] * US}
+TREE_STEP = {"NVLINK": collectives.HW_LATENCY_US["NVLINK"]["Tree"][SIMPLE] * US, "PCI": 4.0 * US,
+             "NET": collectives.HW_LATENCY_US["NET"]["Tree"][SIMPLE] * US}
 NET_OVERHEAD = 3 * 1.0 * US     # getNetOverhead() on x86, times 3 for Simple
 
 
