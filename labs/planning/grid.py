@@ -53,6 +53,11 @@ class Candidate(NamedTuple):
                       reshard=int(plan.reshard), sp=int(plan.sp), ckpt=plan.checkpoint_every, stage=stage,
                       etp=d.etp)
 
+    def on(self, stage):
+        """The same candidate priced on ``stage`` (faster than ``_replace``, which the search would pay
+        a million times)."""
+        return Candidate._make(self[:16] + (stage, self.etp))
+
     @property
     def recompute(self):
         return RECOMPUTE[self.rc]

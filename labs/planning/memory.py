@@ -206,7 +206,9 @@ def stage_activations(model, kernels, pp, v, stage, sched, m, b, tp, cp, rc, sp,
         return 0.0
     chunks = float(schedules.peak_chunks("interleaved" if sched == 1 else "1f1b", pp, m, v, stage))
     recompute, full, sp = RECOMPUTE[rc], RECOMPUTE[rc] == "full", bool(sp)
-    dense, moe = (float(layer_bytes(model, kernels, k, b, tp, cp, recompute, sp)) for k in (False, True))
+    # a kind of layer the stage does not hold adds nothing (0 x its bytes): not looked up
+    dense, moe = (float(layer_bytes(model, kernels, k, b, tp, cp, recompute, sp)) if count else 0.0
+                  for k, count in ((False, n - n_moe), (True, n_moe)))
     rebuilt = float(layer_bytes(model, kernels, n_moe > 0, b, tp, cp, "none", sp)) * (ckpt if full else 1) \
         if full or recompute == "selective_ops" else 0.0
     kept = -(-n // ckpt) / max(n, 1) if full else 1.0    # one input per k layers
@@ -243,18 +245,18 @@ def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer", 
 
 
 def buffers_bytes(model, c, unit="layer", grad_bytes=BF16):
-    """What is gathered for one layer at a time on candidate c's rank: `stage_buffers`."""
-    return stage_buffers(model, unit, grad_bytes, c.zero, c.tp, c.pp, c.ep, c.v, c.stage, c.reshard, c.etp,
-                         c.sp, c.b, c.cp)
+    """What is gathered for one layer at a time on candidate c's rank: `stage_buffers` of its FSDP units."""
+    fsdp = fsdp_buffer_bytes(model, c.zero, c.tp, c.pp, c.ep, c.v, c.stage, c.reshard, unit, grad_bytes,
+                             c.etp)
+    return stage_buffers(model, fsdp, c.tp, c.sp, c.b, c.cp)
 
 
-def stage_buffers(model, unit, grad_bytes, zero, tp, pp, ep, v, stage, reshard, etp, sp, b, cp):
-    """FSDP2's units (`fsdp_buffer_bytes`), sequence parallelism's all-gathered layer input (chapter 6),
-    all-gather CP's K and V of the whole sequence (chapter 6)."""
-    fsdp = float(fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit, grad_bytes, etp))
+def stage_buffers(model, fsdp, tp, sp, b, cp):
+    """FSDP2's units (``fsdp``: `fsdp_buffer_bytes`), sequence parallelism's all-gathered layer input
+    (chapter 6), all-gather CP's K and V of the whole sequence (chapter 6)."""
     gathered = BF16 * b * (model.seq // cp) * model.hidden if tp > 1 and sp == 1 else 0
     kv = max(model.kv_heads // tp, 1) * model.head_dim
-    return fsdp + gathered + (2 * BF16 * b * model.seq * kv if cp > 1 else 0)
+    return float(fsdp) + gathered + (2 * BF16 * b * model.seq * kv if cp > 1 else 0)
 
 
 @functools.lru_cache(maxsize=None)

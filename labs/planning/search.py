@@ -54,9 +54,10 @@ def schedules_for(job, d, m, fixed):
 
 
 def settings(job, d, fixed):
-    """Every (zero, recompute, b, schedule, v, offload) of layout ``d``, a tuple of ints each (recompute and
-    schedule as indices of `software.RECOMPUTE`, `SCHEDULES`), (b, schedule, v) outermost; a fixed setting
-    the stack does not offer, or a fixed b or v outside its range, is one sentence naming it."""
+    """The settings of layout ``d``: ([(b, schedule, v)], [(zero, recompute, offload)]), tuples of ints
+    (recompute and schedule as indices of `software.RECOMPUTE`, `SCHEDULES`), every pair of one of each a
+    candidate; a fixed setting the stack does not offer, or a fixed b or v outside its range, is one
+    sentence naming it."""
     sw, seqs = job.software, job.sequences // d.dp
     for key, offered in (("zero", sw.zero_stages), ("recompute", sw.recompute), ("offload", sw.offload)):
         if key in fixed and fixed[key] not in offered:
@@ -83,16 +84,18 @@ def settings(job, d, fixed):
         [RECOMPUTE.index(fixed["recompute"])] if "recompute" in fixed else [RECOMPUTE.index(r)
                                                                             for r in sw.recompute],
         [int(fixed["offload"])] if "offload" in fixed else [int(o) for o in sw.offload]))
-    pipe = [(b, SCHEDULES.index(s), v) for b in bs for s, v in schedules_for(job, d, seqs // b, fixed)]
-    return [(z, r, b, s, v, o) for b, s, v in pipe for z, r, o in rest]
+    rows = [(b, SCHEDULES.index(s), v) for b in bs for s, v in schedules_for(job, d, seqs // b, fixed)]
+    return rows, rest
 
 
 def candidates(job, d, fixed):
-    """Every candidate of layout ``d`` (`settings`), on stage 0, in the order of `settings`."""
-    sw, ckpt = job.software, fixed.get("checkpoint_every", 1)
-    reshard, sp = int(sw.reshards(d.pp)), int(sw.sp)
-    return [Candidate(d.tp, d.pp, d.cp, d.ep, d.dp, d.dp_replicate, z, r, b, v, job.sequences // (d.dp * b),
-                      s, o, reshard, sp, ckpt, 0, d.etp) for z, r, b, s, v, o in settings(job, d, fixed)]
+    """Every candidate of layout ``d`` on stage 0: each (b, schedule, v) of `settings` with each (zero,
+    recompute, offload) in turn."""
+    sw, dims = job.software, (d.tp, d.pp, d.cp, d.ep, d.dp, d.dp_replicate)
+    last = (int(sw.reshards(d.pp)), int(sw.sp), fixed.get("checkpoint_every", 1), 0, d.etp)
+    rows, rest = settings(job, d, fixed)
+    return [Candidate._make(dims + (z, r, b, v, job.sequences // (d.dp * b), s, o) + last)
+            for b, s, v in rows for z, r, o in rest]
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,12 +114,16 @@ class Memo(timing.Pieces):
         super().__init__(job, eta)
         memo, m, sw, cl = functools.lru_cache(maxsize=None), job.model, job.software, job.cluster
         self.stages = memo(lambda pp, v: tuple(dict.fromkeys((0, fullest_stage(m, pp, v), pp - 1))))
-        # weights + gradients + optimizer: the first three TERMS, added as `memory.total` adds them
-        self.state = memo(lambda tp, pp, ep, v, st, z, group, off, etp: memory.total(
-            float(t) for t in memory.state_terms(m, tp, pp, ep, v, st, z, group, job.recipe, off, etp)))
+        # weights + gradients + optimizer: the first three TERMS, added as `memory.total` adds them, at each
+        # (zero, offload) of ``settings``
+        self.state = memo(lambda tp, pp, cp, ep, dp, dpr, etp, v, st, settings: {(z, o): memory.total(
+            float(t) for t in memory.state_terms(m, tp, pp, ep, v, st, z, memory.zero_group(z, dp, dpr, cp),
+                                                 job.recipe, bool(o), etp)) for z, o in settings})
         self.acts = memo(functools.partial(memory.stage_activations, m, job.kernels))
         self.tail = memo(lambda tp, cp, b: float(memory.logits_bytes(m, tp, cp, b, sw.eager_loss)))
-        self.buffers = memo(functools.partial(memory.stage_buffers, m, sw.shard_unit, sw.reduce_bytes))
+        self.fsdp = memo(lambda *k: memory.fsdp_buffer_bytes(m, *k[:-1], sw.shard_unit, sw.reduce_bytes,
+                                                             k[-1]))
+        self.buffers = memo(functools.partial(memory.stage_buffers, m))
         self.host_ok = memo(lambda *k: offload.host_bytes(_shard_params(job, *k), cl.gpus_per_node)
                             <= cl.host_bytes)
 
@@ -150,17 +157,17 @@ def _search(memo, d, fixed):
     least memory among those whose node holds their offloaded state, or the first. Ties go to the first
     in `settings` order. Only the candidates that fit are timed."""
     job, hbm = memo.job, memo.job.cluster.hbm_bytes
-    cands = candidates(job, d, fixed)
-    nodes = timing.node_counts(job, cands[0])
+    cands, (_, rest) = candidates(job, d, fixed), settings(job, d, fixed)
+    nodes = memo.nodes(*cands[0][:6])
+    # the distinct settings each piece of memory depends on, besides the row's
+    keys = rest, *(tuple(dict.fromkeys(k)) for k in zip(*[((z, o), r, z) for z, r, o in rest]))
     best = near = None                           # (seconds, candidate), (bytes, candidate)
-    for _, row in itertools.groupby(cands, key=lambda c: (c.b, c.sched, c.v)):
-        row = list(row)
-        pieces = [_memory_pieces(memo, row, st) for st in memo.stages(d.pp, row[0].v)]
+    per_stage = {}                               # (v, stage): the pieces that need neither b nor schedule
+    for i in range(0, len(cands), len(rest)):    # a row: one b, schedule and v, with every `rest`
+        row = cands[i:i + len(rest)]
+        totals = [_stage_totals(memo, row[0], st, per_stage, *keys) for st in memo.stages(d.pp, row[0].v)]
         slowest = {}                  # by recomputation: the micro-batch does not depend on the rest
-        for c in row:
-            # each stage's six TERMS in order: weights + gradients + optimizer, activations, logits, buffers
-            fullest = max(pre[c.zero, c.offload] + acts[c.rc] + tail + buf[c.zero]
-                          for pre, acts, tail, buf in pieces)
+        for c, fullest in zip(row, map(max, zip(*totals))):
             host_ok = not c.offload or memo.host_ok(c.tp, c.pp, c.cp, c.ep, c.dp, c.dpr, c.v, c.zero)
             if fullest <= hbm and host_ok:
                 if c.rc not in slowest:
@@ -174,24 +181,25 @@ def _search(memo, d, fixed):
     return (best[1], True) if best else (near[1] if near else cands[0], False)
 
 
-def _memory_pieces(memo, row, st):
-    """The bytes of a row of candidates (one b, schedule and v) on stage st, by the settings each depends
-    on: ({(zero, offload): the state's}, {recompute: activations}, logits, {zero: buffers})."""
-    c, zeros = row[0], {c.zero for c in row}
-    pre = {(z, o): memo.state(c.tp, c.pp, c.ep, c.v, st, z, memory.zero_group(z, c.dp, c.dpr, c.cp), bool(o),
-                              c.etp) for z, o in {(c.zero, c.offload) for c in row}}
-    acts = {r: memo.acts(c.pp, c.v, st, c.sched, c.m, c.b, c.tp, c.cp, r, c.sp, c.ckpt)
-            for r in {c.rc for c in row}}
+def _stage_totals(memo, c, st, per_stage, rest, zero_offload, recomputes, zeros):
+    """The bytes on stage st of candidate c's row (its b, schedule and v) at each (zero, recompute,
+    offload) of ``rest``: the six TERMS added in order (`memory.total`), each piece looked up once, by
+    the distinct settings it depends on (``per_stage``: this layout's, by v and stage)."""
+    if (c.v, st) not in per_stage:
+        per_stage[c.v, st] = (memo.state(c.tp, c.pp, c.cp, c.ep, c.dp, c.dpr, c.etp, c.v, st, zero_offload),
+                              {z: memo.fsdp(z, c.tp, c.pp, c.ep, c.v, st, c.reshard, c.etp) for z in zeros})
+    state, fsdp = per_stage[c.v, st]
+    acts = {r: memo.acts(c.pp, c.v, st, c.sched, c.m, c.b, c.tp, c.cp, r, c.sp, c.ckpt) for r in recomputes}
     tail = memo.tail(c.tp, c.cp, c.b) if st == c.pp - 1 else 0.0
-    buf = {z: memo.buffers(z, c.tp, c.pp, c.ep, c.v, st, c.reshard, c.etp, c.sp, c.b, c.cp) for z in zeros}
-    return pre, acts, tail, buf
+    buf = {z: memo.buffers(fsdp[z], c.tp, c.sp, c.b, c.cp) for z in zeros}
+    return [state[z, o] + acts[r] + tail + buf[z] for z, r, o in rest]
 
 
 def _slowest(memo, c, nodes):
     """(the micro-batch of c's slowest stage, that stage, the micro-batch of its first stage): the first of
     the slowest, in the order stage 0, the fullest, the last."""
     stages = memo.stages(c.pp, c.v)
-    mbs = [timing.micro_batch(memo.job, memo.eta, c._replace(stage=st), nodes, memo) for st in stages]
+    mbs = timing.micro_batches(memo.job, memo.eta, c, stages, nodes, memo)
     t = [mb["t_mb"] for mb in mbs]
     i = t.index(max(t))
     return mbs[i], stages[i], mbs[0]
@@ -202,12 +210,12 @@ def price(job, eta, c, memo=None):
     its offloaded state, time: `timing.step` with the slowest stage's exposed seconds)."""
     memo, sw = memo or Memo(job, eta), job.software
     stages = memo.stages(c.pp, c.v)
-    mems = [memory.terms(job.model, c._replace(stage=st), job.recipe, job.kernels, sw.shard_unit,
+    mems = [memory.terms(job.model, c.on(st), job.recipe, job.kernels, sw.shard_unit,
                          sw.reduce_bytes, sw.eager_loss) for st in stages]
     totals = [memory.total(t) for t in mems]
     i = totals.index(max(totals))
     host_ok = not c.offload or memo.host_ok(c.tp, c.pp, c.cp, c.ep, c.dp, c.dpr, c.v, c.zero)
-    nodes = timing.node_counts(job, c)
+    nodes = memo.nodes(c.tp, c.pp, c.cp, c.ep, c.dp, c.dpr)
     mb, stage, first = _slowest(memo, c, nodes)
     time = timing.step(job, eta, c, mb, first, nodes, memo)
     time.update({f"exposed_{g}": c.m * mb[g] for g in ("tp", "cp", "ep", "pp")})

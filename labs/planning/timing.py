@@ -33,14 +33,14 @@ from labs.planning import kernels, links, memory, offload, traffic
 from labs.planning.software import RECOMPUTE, SCHEDULES
 
 AXES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": ("dp", "cp")}
+ONE_F_ONE_B = SCHEDULES.index("1f1b")
 
 
-def node_counts(job, c):
-    """{group: nodes one of its groups touches} on candidate c's layout (`links.group_nodes`); experts
-    folded over tp x dp (Megatron-Core's ETP = 1) sit on consecutive ranks."""
+def node_counts(job, tp, pp, cp, ep, dp, dpr):
+    """{group: nodes one of its groups touches} on a layout of these degrees (`links.group_nodes`);
+    experts folded over tp x dp (Megatron-Core's ETP = 1) sit on consecutive ranks."""
     G = job.cluster.gpus_per_node
-    d = ParallelDims(tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep, dp=c.dp, dp_replicate=c.dpr,
-                     fold_ep=job.software.folds(c.ep))
+    d = ParallelDims(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, dp_replicate=dpr, fold_ep=job.software.folds(ep))
     out = {g: links.group_nodes(d, axis, G) for g, axis in AXES.items()}
     if job.software.ep_folding:
         out["ep"] = links.atom_nodes(1, d.ep, G)
@@ -55,9 +55,11 @@ class Pieces:
     def __init__(self, job, eta):
         memo = functools.lru_cache(maxsize=None)
         self.job, self.eta = job, eta
+        self.nodes = memo(functools.partial(node_counts, job))      # shared: not to be changed
         self.counts = memo(functools.partial(memory.stage_layer_counts, job.model))
         self.layer = memo(functools.partial(layer_cost, job, eta))
-        self.head = memo(functools.partial(kernels.head_seconds, job.model, job.cluster, eta, job.fp8))
+        self.head = memo(lambda tokens, tp: float(kernels.head_seconds(job.model, job.cluster, eta, job.fp8,
+                                                                     tokens, tp)))
         self.vocab = memo(functools.partial(vocab_seconds, job))
         self.send = memo(functools.partial(send_seconds, job))
         self.data_parallel = memo(functools.partial(_data_parallel, job))
@@ -109,25 +111,35 @@ def micro_batch(job, eta, c, nodes, pieces=None):
     """One micro-batch on candidate c's stage: {"forward", "backward", "tp", "cp", "ep", "pp", "compute",
     "t_mb"} ("tp" to "pp": exposed seconds of each group); ``pieces``: a `Pieces` of the job and eta to
     share between calls."""
+    return micro_batches(job, eta, c, (c.stage,), nodes, pieces)[0]
+
+
+def micro_batches(job, eta, c, stages, nodes, pieces=None):
+    """`micro_batch` of candidate c on each of ``stages``, which share its layers' costs."""
     p = pieces or Pieces(job, eta)
-    out = dict.fromkeys(("forward", "backward", "tp", "cp", "ep", "pp"), 0.0)
-    n, n_moe = p.counts(c.pp, c.v, c.stage)
-    for moe, count in ((0, n - n_moe), (1, n_moe)):
-        if count:      # a kind of layer the stage does not hold adds nothing (it may not exist at all)
-            lay = p.layer(moe, c.b, c.tp, c.cp, c.ep, c.sp, c.rc, nodes["tp"], nodes["cp"], nodes["ep"])
-            for key, value in zip(("forward", "backward", "tp", "cp", "ep"), lay):
-                out[key] += count * value
-    last, first = c.stage == c.pp - 1, c.stage == 0
-    if last:
-        out["backward"] += float(p.head(c.b * job.model.seq // c.cp, c.tp))
-    out["compute"] = out["forward"] + out["backward"]
-    out["tp"] += p.vocab(c.tp, nodes["tp"], c.cp, c.b, first, last)
-    exposed_pp = traffic.pp_sends(c.stage, c.pp, c.v) * p.send(c.tp, nodes["pp"], c.cp, c.b, c.sp)
+    counts = [(n - n_moe, n_moe) for n, n_moe in (p.counts(c.pp, c.v, st) for st in stages)]
+    kinds = [p.layer(moe, c.b, c.tp, c.cp, c.ep, c.sp, c.rc, nodes["tp"], nodes["cp"], nodes["ep"])
+             if any(n[moe] for n in counts) else None for moe in (0, 1)]
+    send = p.send(c.tp, nodes["pp"], c.cp, c.b, c.sp)
     # Megatron-LM overlaps the sends only in the interleaved schedule: without it "overlap_p2p_comm =
     # False" (megatron/training/arguments.py at f2e5db40) and 1F1B waits for each send (DualPipe hides them)
-    hidden = job.software.pp_overlap and c.sched != SCHEDULES.index("1f1b")
-    out["pp"] = max(0.0, exposed_pp - out["compute"] * hidden)
-    out["t_mb"] = out["compute"] + out["tp"] + out["cp"] + out["ep"] + out["pp"]
+    hidden = job.software.pp_overlap and c.sched != ONE_F_ONE_B
+    out = []
+    for st, per_kind in zip(stages, counts):
+        fwd = bwd = tp = cp = ep = 0.0
+        for lay, count in zip(kinds, per_kind):
+            if count:      # a kind of layer the stage does not hold adds nothing (it may not exist at all)
+                f, b, t, x, e = lay
+                fwd, bwd, tp = fwd + count * f, bwd + count * b, tp + count * t
+                cp, ep = cp + count * x, ep + count * e
+        first, last = st == 0, st == c.pp - 1
+        if last:
+            bwd += p.head(c.b * job.model.seq // c.cp, c.tp)
+        compute = fwd + bwd
+        tp += p.vocab(c.tp, nodes["tp"], c.cp, c.b, first, last)
+        pp = max(0.0, traffic.pp_sends(st, c.pp, c.v) * send - compute * hidden)
+        out.append({"forward": fwd, "backward": bwd, "tp": tp, "cp": cp, "ep": ep, "pp": pp,
+                    "compute": compute, "t_mb": compute + tp + cp + ep + pp})
     return out
 
 
