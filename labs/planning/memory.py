@@ -197,10 +197,9 @@ def activations_bytes(model, c, kernels):
 
 
 def stage_activations(model, kernels, pp, v, stage, sched, m, b, tp, cp, rc, sp, ckpt):
-    """Chapter 5's peak chunk micro-batches times the layers of an average chunk, plus one layer rebuilt
-    by recomputation (``rc`` indexes `software.RECOMPUTE`, ``sched`` `software.SCHEDULES`). Each piece
-    is made a float before the pieces are combined, in a fixed order: the bytes are the same to the last
-    bit however the planner gathers them."""
+    """Chapter 5's peak chunk micro-batches times the layers of an average chunk, plus one layer rebuilt by
+    recomputation (``rc``, ``sched``: indices of `software.RECOMPUTE`, `SCHEDULES`). Pieces are floats
+    combined in a fixed order: the bytes are the same to the last bit however the planner gathers them."""
     n, n_moe = stage_layer_counts(model, pp, v, stage)
     if not n:
         return 0.0
@@ -281,12 +280,13 @@ def zero_group(zero, dp, dpr, cp):
     return (dp // dpr if zero == 3 else dp) * cp
 
 
-def total(values, start=0.0):
-    """``values`` added to ``start`` left to right (TERMS order), as the planner's totals always were: not
-    sum(), which Python 3.12 compensates, so that a total is the same on every Python."""
+def total(values):
+    """``values`` added left to right (TERMS order), as the planner always added them; not sum(), which
+    Python 3.12 compensates: the same total on every Python."""
+    out = 0.0
     for v in values:
-        start += v
-    return start
+        out += v
+    return out
 
 
 def rank_memory_terms(model, plan, recipe, kernels, m, stage):
