@@ -117,18 +117,21 @@ def micro_batch(job, eta, c, nodes, pieces=None):
 def micro_batches(job, eta, c, stages, nodes, pieces=None):
     """`micro_batch` of candidate c on each of ``stages``, which share its layers' costs."""
     p = pieces or Pieces(job, eta)
-    counts = [(n - n_moe, n_moe) for n, n_moe in (p.counts(c.pp, c.v, st) for st in stages)]
-    kinds = [p.layer(moe, c.b, c.tp, c.cp, c.ep, c.sp, c.rc, nodes["tp"], nodes["cp"], nodes["ep"])
-             if any(n[moe] for n in counts) else None for moe in (0, 1)]
+    counts = [p.counts(c.pp, c.v, st) for st in stages]
+    dense = p.layer(0, c.b, c.tp, c.cp, c.ep, c.sp, c.rc, nodes["tp"], nodes["cp"], nodes["ep"]) \
+        if any(n > n_moe for n, n_moe in counts) else None
+    moe = p.layer(1, c.b, c.tp, c.cp, c.ep, c.sp, c.rc, nodes["tp"], nodes["cp"], nodes["ep"]) \
+        if any(n_moe for _, n_moe in counts) else None
     send = p.send(c.tp, nodes["pp"], c.cp, c.b, c.sp)
     # Megatron-LM overlaps the sends only in the interleaved schedule: without it "overlap_p2p_comm =
     # False" (megatron/training/arguments.py at f2e5db40) and 1F1B waits for each send (DualPipe hides them)
     hidden = job.software.pp_overlap and c.sched != ONE_F_ONE_B
     out = []
-    for st, per_kind in zip(stages, counts):
+    for st, (n, n_moe) in zip(stages, counts):
         fwd = bwd = tp = cp = ep = 0.0
-        for lay, count in zip(kinds, per_kind):
-            if count:      # a kind of layer the stage does not hold adds nothing (it may not exist at all)
+        # a kind of layer the stage does not hold adds nothing (it may not exist at all)
+        for lay, count in ((dense, n - n_moe), (moe, n_moe)):
+            if count:
                 f, b, t, x, e = lay
                 fwd, bwd, tp = fwd + count * f, bwd + count * b, tp + count * t
                 cp, ep = cp + count * x, ep + count * e
