@@ -3,15 +3,13 @@ sources, one implementation for one layout and for thousands, and every publishe
 checked set timed and fitted (the rankings are checked by the notebook, which plans every job)."""
 import dataclasses
 
-import numpy as np
 import pytest
 
 from labs.dims import ParallelDims
 from labs.memory_budget import activations
 from labs.formulas import links
-from labs.planning import (checked, kernels, memory, notes, offload, planner, published_runs, shapes,
-                           software, timing)
-from labs.planning.grid import Columns
+from labs.planning import (checked, kernels, memory, notes, offload, planner, published_runs, search,
+                           shapes, software, timing)
 
 L70 = shapes.LLAMA2_70B
 JOB = planner.Job(L70, shapes.DGX_H100, 64, 4 * 2 ** 20)
@@ -60,19 +58,25 @@ def test_the_command_line_refuses_zero_and_negative_numbers(capsys):
 
 
 def test_one_layout_and_a_thousand_are_priced_by_the_same_formulas():
-    # memory.terms on many candidates at once equals each candidate alone: a gather that mixed up rows
-    # (per_unique's inverse) or a broadcast over the wrong axis would differ
+    # the search adds memoized pieces and times only the candidates that fit; each candidate priced alone and
+    # in full (`search.price`) must give the same pick, the same seconds and bytes, and those bytes must be
+    # memory.rank_memory's on the stage the row names: a piece keyed on the wrong settings would differ
     plans = [memory.Plan(ParallelDims(tp=t, pp=p, dp=64 // (t * p)), zero=z, recompute=r, micro_batch=b, v=v)
              for t, p, z, r, b, v in [(8, 1, 1, "none", 1, 1), (4, 4, 3, "full", 2, 2), (2, 8, 0, "selective",
                                                                                          1, 4),
                                       (8, 2, 2, "selective", 4, 1), (1, 8, 1, "full", 1, 8)]]
-    ms = [JOB.sequences // (pl.dims.dp * pl.micro_batch) for pl in plans]
-    cols = [Columns.one(pl, m, pl.dims.pp - 1) for pl, m in zip(plans, ms)]
-    together = Columns({k: np.concatenate([c[k] for c in cols]) for k in cols[0]})
-    batch = np.stack(memory.terms(L70, together, "mixed", "fused"))
-    alone = [memory.rank_memory_terms(L70, pl, "mixed", "fused", m, pl.dims.pp - 1) for pl, m in zip(plans,
-                                                                                                     ms)]
-    assert batch.T.tolist() == [list(a) for a in alone]
+    searches = [([pl.dims for pl in plans], {})] + [([pl.dims], {"zero": pl.zero, "recompute": pl.recompute,
+                                                                  "micro_batch": pl.micro_batch, "v": pl.v})
+                                                     for pl in plans]
+    for layouts, fixed in searches:
+        for d, row in zip(layouts, search.best_per_layout(JOB, 0.5, layouts, fixed, closest=True)):
+            priced = [search.price(JOB, 0.5, c) for c in search.candidates(JOB, d, fixed)]
+            fitting = [(p[3]["step"], i) for i, p in enumerate(priced) if p[1]]
+            k = min(fitting)[1] if fitting else min((memory.total(p[0]), i) for i, p in enumerate(priced))[1]
+            assert ("reason" in row) == (not fitting)
+            assert row["time"] == priced[k][3] and tuple(row["memory"].values()) == priced[k][0]
+            assert row["memory"] == memory.rank_memory(L70, row["plan"], "mixed", "fused", row["m"],
+                                                       row["memory_stage"])
 
 
 def test_the_activation_terms_the_issue_named():
@@ -112,8 +116,8 @@ def test_nodes_per_group_follow_chapter_11s_rule(degrees, g):
 
 
 def test_an_overlap_hides_only_what_its_compute_covers():
-    assert timing.exposed(np.array(3.0), 10.0, 8) == pytest.approx(3 / 8)        # the pipeline's fill
-    assert timing.exposed(np.array(10.0), 4.0, 2) == pytest.approx(6 + 2)         # what compute cannot cover
+    assert timing.exposed(3.0, 10.0, 8) == pytest.approx(3 / 8)        # the pipeline's fill
+    assert timing.exposed(10.0, 4.0, 2) == pytest.approx(6 + 2)         # what compute cannot cover
     job = planner.Job(L70, shapes.DGX_H100, 64, 4 * 2 ** 20, software.MEGATRON_CORE)
     plan, fixed = ParallelDims(tp=8, dp=8), {"zero": 1, "recompute": "none", "micro_batch": 1}
     on = planner.published(job, plan, 0.5, fixed)["time"]

@@ -4,7 +4,7 @@ against published runs; then the layouts composed, trained and held to one proce
 - `shapes`: the models the planner is checked on (chapter 1's `ModelShape`) and a cluster as its links, peaks
 and memory.
 - `software`: what a training stack offers and which collectives it overlaps, each switch from its source.
-- `grid`: the planner's candidates as columns, so one scalar formula prices thousands of layouts at once.
+- `grid`: the planner's candidate, a layout and its settings as a record of small integers (plain Python).
 - `memory`: a layout (`Plan`: a `ParallelDims` and its settings) and what one rank holds, six terms.
 - `traffic`: the collectives each group runs per micro-batch and per step, and their formula bytes.
 - `kernels`: one layer's compute on a rank, GEMM by GEMM on a roofline, attention and the memory-bound ops.

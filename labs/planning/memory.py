@@ -32,13 +32,11 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from labs.dims import ParallelDims
 from labs.memory_budget import activations, budget, fused_swiglu, logits
 from labs.formulas import schedules
 from labs.pipeline.stage_balance import stage_layers
-from labs.planning.grid import Columns, per_unique
+from labs.planning.grid import Candidate
 from labs.planning.software import RECOMPUTE
 from labs.zero import distributed_optimizer
 
@@ -193,26 +191,27 @@ def stage_layer_counts(model, pp, v, stage):
 
 
 def activations_bytes(model, c, kernels):
-    """Activations each candidate's rank holds at its peak (`grid.Columns` c): chapter 5's peak chunk
-    micro-batches times the layers of an average chunk, plus one layer rebuilt by recomputation."""
-    n, n_moe = per_unique(lambda pp, v, st: stage_layer_counts(model, pp, v, st), c["pp"], c["v"], c["stage"])
-    chunks = per_unique(lambda s, pp, m, v, st: schedules.peak_chunks("1f1b" if s != 1 else "interleaved", pp,
-                                                                      m, v,
-                                                                      st), c["sched"], c["pp"], c["m"],
-                        c["v"], c["stage"])
-    dense, moe = (per_unique(lambda kind, b, tp, cp, rc, sp: layer_bytes(model, kernels, bool(kind), b, tp,
-                                                                         cp,
-                                                                         RECOMPUTE[rc], bool(sp)),
-                             np.full(len(c), kind), c["b"], c["tp"], c["cp"], c["rc"], c["sp"])
-                  for kind in (0, 1))
-    whole = per_unique(lambda kind, b, tp, cp, sp: layer_bytes(model, kernels, bool(kind), b, tp, cp, "none",
-                                                               bool(sp)),
-                       (n_moe > 0).astype(int), c["b"], c["tp"], c["cp"], c["sp"])
-    full = c["rc"] == RECOMPUTE.index("full")
-    rebuilt = np.where(full | (c["rc"] == RECOMPUTE.index("selective_ops")), whole, 0) \
-        * np.where(full, c["ckpt"], 1)
-    kept = np.where(full, -(-n // c["ckpt"]) / np.maximum(n, 1), 1.0)    # one input per k layers
-    return np.where(n > 0, chunks * kept * ((n - n_moe) * dense + n_moe * moe) / c["v"] + rebuilt, 0)
+    """Activations candidate c's rank holds at its peak (`grid.Candidate`): `stage_activations`."""
+    return stage_activations(model, kernels, c.pp, c.v, c.stage, c.sched, c.m, c.b, c.tp, c.cp, c.rc, c.sp,
+                             c.ckpt)
+
+
+def stage_activations(model, kernels, pp, v, stage, sched, m, b, tp, cp, rc, sp, ckpt):
+    """Chapter 5's peak chunk micro-batches times the layers of an average chunk, plus one layer rebuilt by
+    recomputation (``rc``, ``sched``: indices of `software.RECOMPUTE`, `SCHEDULES`). Pieces are floats
+    combined in a fixed order: the bytes are the same to the last bit however the planner gathers them."""
+    n, n_moe = stage_layer_counts(model, pp, v, stage)
+    if not n:
+        return 0.0
+    chunks = float(schedules.peak_chunks("interleaved" if sched == 1 else "1f1b", pp, m, v, stage))
+    recompute, full, sp = RECOMPUTE[rc], RECOMPUTE[rc] == "full", bool(sp)
+    # a kind of layer the stage does not hold adds nothing (0 x its bytes): not looked up
+    dense, moe = (float(layer_bytes(model, kernels, k, b, tp, cp, recompute, sp)) if count else 0.0
+                  for k, count in ((False, n - n_moe), (True, n_moe)))
+    rebuilt = float(layer_bytes(model, kernels, n_moe > 0, b, tp, cp, "none", sp)) * (ckpt if full else 1) \
+        if full or recompute == "selective_ops" else 0.0
+    kept = -(-n // ckpt) / max(n, 1) if full else 1.0    # one input per k layers
+    return chunks * kept * ((n - n_moe) * dense + n_moe * moe) / v + rebuilt
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,16 +244,18 @@ def fsdp_buffer_bytes(model, zero, tp, pp, ep, v, stage, reshard, unit="layer", 
 
 
 def buffers_bytes(model, c, unit="layer", grad_bytes=BF16):
-    """What is gathered for one layer at a time, per candidate: FSDP2's units (`fsdp_buffer_bytes`),
-    sequence parallelism's all-gathered layer input (chapter 6), all-gather CP's K and V of the whole
-    sequence (chapter 6)."""
-    fsdp = per_unique(lambda *k: fsdp_buffer_bytes(model, *k[:-1], unit=unit, grad_bytes=grad_bytes,
-                                                   etp=k[-1]),
-                      c["zero"], c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["reshard"], c["etp"])
-    sp = np.where((c["tp"] > 1) & (c["sp"] == 1), BF16 * c["b"] * (model.seq // c["cp"]) * model.hidden, 0)
-    kv = np.maximum(model.kv_heads // c["tp"], 1) * model.head_dim
-    cp = np.where(c["cp"] > 1, 2 * BF16 * c["b"] * model.seq * kv, 0)
-    return fsdp + sp + cp
+    """What is gathered for one layer at a time on candidate c's rank: `stage_buffers` of its FSDP units."""
+    fsdp = fsdp_buffer_bytes(model, c.zero, c.tp, c.pp, c.ep, c.v, c.stage, c.reshard, unit, grad_bytes,
+                             c.etp)
+    return stage_buffers(model, fsdp, c.tp, c.sp, c.b, c.cp)
+
+
+def stage_buffers(model, fsdp, tp, sp, b, cp):
+    """FSDP2's units (``fsdp``: `fsdp_buffer_bytes`), sequence parallelism's all-gathered layer input
+    (chapter 6), all-gather CP's K and V of the whole sequence (chapter 6)."""
+    gathered = BF16 * b * (model.seq // cp) * model.hidden if tp > 1 and sp == 1 else 0
+    kv = max(model.kv_heads // tp, 1) * model.head_dim
+    return float(fsdp) + gathered + (2 * BF16 * b * model.seq * kv if cp > 1 else 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -264,24 +265,33 @@ def _kinds(model, pp, v, stage):
 
 
 def terms(model, c, recipe, kernels, unit="layer", grad_bytes=BF16, eager_loss=False):
-    """The six TERMS of every candidate in ``c`` (`grid.Columns`), each an array of bytes; ``unit``: what
-    ZeRO-3 gathers at a time, ``grad_bytes``: a gradient element in its reduction (`fsdp_buffer_bytes`),
-    ``eager_loss``: PyTorch's cross-entropy on fp32 logits (`logits_bytes`)."""
-    shard = np.where(c["zero"] == 3, c["dp"] // c["dpr"], c["dp"]) * c["cp"]
-    state = per_unique(lambda tp, pp, ep, v, st, z, g, off, etp: state_terms(model, tp, pp, ep, v, st, z, g,
-                                                                             recipe, bool(off), etp),
-                       c["tp"], c["pp"], c["ep"], c["v"], c["stage"], c["zero"], shard, c["offload"],
-                       c["etp"])
-    acts = activations_bytes(model, c, kernels)
-    last = c["stage"] == c["pp"] - 1
-    tail = np.where(last, per_unique(lambda tp, cp, b: logits_bytes(model, tp, cp, b, eager_loss), c["tp"],
-                                     c["cp"], c["b"]), 0)
-    return state + (acts, tail, buffers_bytes(model, c, unit, grad_bytes))
+    """The six TERMS of candidate c (`grid.Candidate`), in bytes; ``unit``: what ZeRO-3 gathers at a time,
+    ``grad_bytes``: a gradient element in its reduction (`fsdp_buffer_bytes`), ``eager_loss``: PyTorch's
+    cross-entropy on fp32 logits (`logits_bytes`)."""
+    state = state_terms(model, c.tp, c.pp, c.ep, c.v, c.stage, c.zero, zero_group(c.zero, c.dp, c.dpr, c.cp),
+                        recipe, bool(c.offload), c.etp)
+    tail = float(logits_bytes(model, c.tp, c.cp, c.b, eager_loss)) if c.stage == c.pp - 1 else 0.0
+    return tuple(float(t) for t in state) + (activations_bytes(model, c, kernels), tail,
+                                             buffers_bytes(model, c, unit, grad_bytes))
+
+
+def zero_group(zero, dp, dpr, cp):
+    """The ranks ZeRO shards a dense weight's state over: dp cp, HSDP's shard group under ZeRO-3."""
+    return (dp // dpr if zero == 3 else dp) * cp
+
+
+def total(values):
+    """``values`` added left to right (TERMS order), as the planner always added them; not sum(), which
+    Python 3.12 compensates: the same total on every Python."""
+    out = 0.0
+    for v in values:
+        out += v
+    return out
 
 
 def rank_memory_terms(model, plan, recipe, kernels, m, stage):
     """The six TERMS of rank ``stage`` of one layout, as floats."""
-    return tuple(float(t[0]) for t in terms(model, Columns.one(plan, m, stage), recipe, kernels))
+    return terms(model, Candidate.one(plan, m, stage), recipe, kernels)
 
 
 def rank_memory(model, plan, recipe, kernels, m, stage):
@@ -298,10 +308,3 @@ def overflow(mem, capacity):
         if total > capacity:
             return term
     return None
-
-
-def first_overflow(mem, capacity):
-    """`overflow` for arrays: the index in TERMS of the first term passing ``capacity`` per candidate
-    (len(TERMS) where it fits)."""
-    running = np.cumsum(np.stack(mem), axis=0) > capacity
-    return np.where(running.any(axis=0), running.argmax(axis=0), len(TERMS))

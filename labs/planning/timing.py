@@ -23,33 +23,48 @@
 Left out: stragglers, data loading, kernel launch gaps, and the slowdown of compute that shares the
 GPU with a collective.
 """
-import numpy as np
+import functools
+import math
 
 from labs.dims import ParallelDims
 from labs.memory_budget import compute
 from labs.formulas import schedules
 from labs.formulas import links
 from labs.planning import kernels, memory, offload, traffic
-from labs.planning.grid import per_unique
 from labs.planning.software import RECOMPUTE, SCHEDULES
 
 AXES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": ("dp", "cp")}
-TUPLE = ("tp", "pp", "cp", "ep", "dp", "dpr", "etp")
+ONE_F_ONE_B = SCHEDULES.index("1f1b")
 
 
-def node_counts(job, c):
-    """{group: nodes one of its groups touches} per candidate (`links.group_nodes`); experts folded over
-    tp x dp (Megatron-Core's ETP = 1) sit on consecutive ranks."""
+def node_counts(job, tp, pp, cp, ep, dp, dpr):
+    """{group: nodes one of its groups touches} on a layout of these degrees (`links.group_nodes`);
+    experts folded over tp x dp (Megatron-Core's ETP = 1) sit on consecutive ranks."""
     G = job.cluster.gpus_per_node
+    d = ParallelDims(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, dp_replicate=dpr, fold_ep=job.software.folds(ep))
+    out = {g: links.group_nodes(d, axis, G) for g, axis in AXES.items()}
+    if job.software.ep_folding:
+        out["ep"] = links.atom_nodes(1, d.ep, G)
+    return out
 
-    def nodes(*degrees):
-        d = ParallelDims(**dict(zip(("tp", "pp", "cp", "ep", "dp", "dp_replicate"), degrees[:-1])),
-                         fold_ep=job.software.folds(degrees[3]))
-        out = {g: links.group_nodes(d, axis, G) for g, axis in AXES.items()}
-        if job.software.ep_folding:
-            out["ep"] = links.atom_nodes(1, d.ep, G)
-        return tuple(out.values())
-    return dict(zip(AXES, per_unique(nodes, *(c[k] for k in TUPLE))))
+
+class Pieces:
+    """The pieces `micro_batch` and `step` combine, for one job and eta, each evaluated once per distinct
+    key of small integers: the search prices a million candidates from far fewer pieces, and a key of
+    integers hashes in a fraction of the time the job (a large frozen dataclass) would."""
+
+    def __init__(self, job, eta):
+        memo = functools.lru_cache(maxsize=None)
+        self.job, self.eta = job, eta
+        self.nodes = memo(functools.partial(node_counts, job))      # shared: not to be changed
+        self.counts = memo(functools.partial(memory.stage_layer_counts, job.model))
+        self.layer = memo(functools.partial(layer_cost, job, eta))
+        self.head = memo(lambda tokens, tp: float(kernels.head_seconds(job.model, job.cluster, eta, job.fp8,
+                                                                     tokens, tp)))
+        self.vocab = memo(functools.partial(vocab_seconds, job))
+        self.send = memo(functools.partial(send_seconds, job))
+        self.data_parallel = memo(functools.partial(_data_parallel, job))
+        self.bubble = memo(bubble)
 
 
 def seconds(job, calls, ranks, nodes):
@@ -62,55 +77,73 @@ def seconds(job, calls, ranks, nodes):
     return out
 
 
-def micro_batch(job, eta, c, nodes):
-    """One micro-batch on each candidate's stage: {"t_mb", "compute", "forward", "backward", "tp",
-    "cp", "ep", "pp"} (the last four: exposed seconds of each group)."""
+def layer_cost(job, eta, moe, b, tp, cp, ep, sp, rc, tp_nodes, cp_nodes, ep_nodes):
+    """One layer of a kind (``moe``) on one micro-batch of b sequences: (forward, backward with its
+    recomputation, exposed seconds of its tp, cp and ep collectives). A collective the stack overlaps
+    hides under the layer's GEMMs (tp), its attention (cp) or the whole layer (ep)."""
     m, sw = job.model, job.software
-    tokens = c["b"] * m.seq // c["cp"]
-    n, n_moe = per_unique(lambda pp, v, st: memory.stage_layer_counts(m, pp, v, st), c["pp"], c["v"],
-                          c["stage"])
-    out = {k: np.zeros(len(c)) for k in ("forward", "backward", "tp", "cp", "ep", "pp")}
-    for moe, count in ((0, n - n_moe), (1, n_moe)):
-        if not count.any():
-            continue
-        lay = dict(zip(("forward", "backward", "recompute", "gemm", "attention"), per_unique(
-            lambda T, tp, ep, sp, rc, cp: tuple(kernels.layer_seconds(
-                m, job.cluster, eta, job.fp8, job.eager, job.kernels, bool(moe), T, tp, ep, bool(sp),
-                                                                      RECOMPUTE[rc],
-                sw.attention, sw.permute_fusion, cp).values()),
-            tokens, c["tp"], c["ep"], c["sp"], c["rc"], c["cp"])))
-        comm = per_unique(lambda tp, tpn, cp, cpn, ep, epn, b, rc, sp: _layer_groups(job, moe, tp, tpn, cp,
-                                                                                     cpn, ep, epn,
-                                                                                     b, rc, sp),
-                          c["tp"], nodes["tp"], c["cp"], nodes["cp"], c["ep"], nodes["ep"], c["b"], c["rc"],
-                          c["sp"])
-        hide = {"tp": lay["gemm"] * sw.tp_overlap, "cp": lay["attention"] * sw.cp_overlap,
-                "ep": (lay["forward"] + lay["backward"]) * sw.ep_overlap}
-        chunks = {"tp": c["tp"], "cp": c["cp"], "ep": np.inf}
-        out["forward"] += count * lay["forward"]
-        out["backward"] += count * (lay["backward"] + lay["recompute"])
-        for g, secs in zip(("tp", "cp", "ep"), comm):
-            out[g] += count * exposed(secs, hide[g], chunks[g])
-    last, first = c["stage"] == c["pp"] - 1, c["stage"] == 0
-    head = per_unique(lambda T, tp: kernels.head_seconds(m, job.cluster, eta, job.fp8, T, tp), tokens,
-                      c["tp"])
-    out["backward"] += np.where(last, head, 0.0)
-    out["compute"] = out["forward"] + out["backward"]
-    vocab = per_unique(lambda tp, tpn, cp, b, f, l: seconds(job, traffic.vocab_calls(m, tp, cp, b, m.seq, 2,
-                                                                                     f, l),
-                                                            {"tp": tp}, {"tp": tpn}).get("tp", 0.0),
-                       c["tp"], nodes["tp"], c["cp"], c["b"], first, last)
-    send = per_unique(lambda tp, ppn, cp, b, sp: links.collective_time(
-        "send", traffic.pp_send_bytes(m, tp, cp, b, m.seq, 2, None if sp else False), 2, min(ppn, 2),
-                                                                       job.cluster),
-        c["tp"], nodes["pp"], c["cp"], c["b"], c["sp"])
-    out["tp"] += vocab
-    out["pp"] = exposed_pp = traffic.pp_sends(c["stage"], c["pp"], c["v"]) * send
+    secs = kernels.layer_seconds(m, job.cluster, eta, job.fp8, job.eager, job.kernels, bool(moe),
+                                 b * m.seq // cp, tp, ep, bool(sp), RECOMPUTE[rc], sw.attention,
+                                 sw.permute_fusion, cp)
+    lay = dict(zip(("forward", "backward", "recompute", "gemm", "attention"), map(float, secs.values())))
+    calls = traffic.layer_calls(m, tp, cp, ep, b, m.seq, 2, RECOMPUTE[rc], bool(moe), bool(sp))
+    t = seconds(job, calls, {"tp": tp, "cp": cp, "ep": ep}, {"tp": tp_nodes, "cp": cp_nodes, "ep": ep_nodes})
+    hide = (lay["gemm"] * sw.tp_overlap, lay["attention"] * sw.cp_overlap,
+            (lay["forward"] + lay["backward"]) * sw.ep_overlap)
+    return (lay["forward"], lay["backward"] + lay["recompute"]) + tuple(
+        exposed(t.get(g, 0.0), h, n) for g, h, n in zip(("tp", "cp", "ep"), hide, (tp, cp, math.inf)))
+
+
+def vocab_seconds(job, tp, tp_nodes, cp, b, first, last):
+    """The vocabulary-parallel embedding's and loss's all-reduces (`traffic.vocab_calls`)."""
+    m = job.model
+    calls = traffic.vocab_calls(m, tp, cp, b, m.seq, 2, first, last)
+    return seconds(job, calls, {"tp": tp}, {"tp": tp_nodes}).get("tp", 0.0)
+
+
+def send_seconds(job, tp, pp_nodes, cp, b, sp):
+    """One pipeline message (`traffic.pp_send_bytes`) to the next stage, on the node or across."""
+    m = job.model
+    payload = traffic.pp_send_bytes(m, tp, cp, b, m.seq, 2, None if sp else False)
+    return links.collective_time("send", payload, 2, min(pp_nodes, 2), job.cluster)
+
+
+def micro_batch(job, eta, c, nodes, pieces=None):
+    """One micro-batch on candidate c's stage: {"forward", "backward", "tp", "cp", "ep", "pp", "compute",
+    "t_mb"} ("tp" to "pp": exposed seconds of each group); ``pieces``: a `Pieces` of the job and eta to
+    share between calls."""
+    return micro_batches(job, eta, c, (c.stage,), nodes, pieces)[0]
+
+
+def micro_batches(job, eta, c, stages, nodes, pieces=None):
+    """`micro_batch` of candidate c on each of ``stages``, which share its layers' costs."""
+    p = pieces or Pieces(job, eta)
+    counts = [p.counts(c.pp, c.v, st) for st in stages]
+    dense = p.layer(0, c.b, c.tp, c.cp, c.ep, c.sp, c.rc, nodes["tp"], nodes["cp"], nodes["ep"]) \
+        if any(n > n_moe for n, n_moe in counts) else None
+    moe = p.layer(1, c.b, c.tp, c.cp, c.ep, c.sp, c.rc, nodes["tp"], nodes["cp"], nodes["ep"]) \
+        if any(n_moe for _, n_moe in counts) else None
+    send = p.send(c.tp, nodes["pp"], c.cp, c.b, c.sp)
     # Megatron-LM overlaps the sends only in the interleaved schedule: without it "overlap_p2p_comm =
     # False" (megatron/training/arguments.py at f2e5db40) and 1F1B waits for each send (DualPipe hides them)
-    hidden = sw.pp_overlap * (c["sched"] != SCHEDULES.index("1f1b"))
-    out["pp"] = np.maximum(0.0, exposed_pp - out["compute"] * hidden)
-    out["t_mb"] = out["compute"] + out["tp"] + out["cp"] + out["ep"] + out["pp"]
+    hidden = job.software.pp_overlap and c.sched != ONE_F_ONE_B
+    out = []
+    for st, (n, n_moe) in zip(stages, counts):
+        fwd = bwd = tp = cp = ep = 0.0
+        # a kind of layer the stage does not hold adds nothing (it may not exist at all)
+        for lay, count in ((dense, n - n_moe), (moe, n_moe)):
+            if count:
+                f, b, t, x, e = lay
+                fwd, bwd, tp = fwd + count * f, bwd + count * b, tp + count * t
+                cp, ep = cp + count * x, ep + count * e
+        first, last = st == 0, st == c.pp - 1
+        if last:
+            bwd += p.head(c.b * job.model.seq // c.cp, c.tp)
+        compute = fwd + bwd
+        tp += p.vocab(c.tp, nodes["tp"], c.cp, c.b, first, last)
+        pp = max(0.0, traffic.pp_sends(st, c.pp, c.v) * send - compute * hidden)
+        out.append({"forward": fwd, "backward": bwd, "tp": tp, "cp": cp, "ep": ep, "pp": pp,
+                    "compute": compute, "t_mb": compute + tp + cp + ep + pp})
     return out
 
 
@@ -118,14 +151,7 @@ def exposed(comm, compute, chunks):
     """Seconds of ``comm`` not hidden under ``compute`` when the collective is cut into ``chunks``
     pipelined with the compute it feeds (TE's and async TP's chunked GEMMs, ring attention's steps):
     what the compute cannot cover, and one chunk's worth of the shorter of the two, the pipeline's fill."""
-    return np.maximum(0.0, comm - compute) + np.minimum(comm, compute) / chunks
-
-
-def _layer_groups(job, moe, tp, tpn, cp, cpn, ep, epn, b, rc, sp):
-    m = job.model
-    calls = traffic.layer_calls(m, tp, cp, ep, b, m.seq, 2, RECOMPUTE[rc], bool(moe), bool(sp))
-    t = seconds(job, calls, {"tp": tp, "cp": cp, "ep": ep}, {"tp": tpn, "cp": cpn, "ep": epn})
-    return t.get("tp", 0.0), t.get("cp", 0.0), t.get("ep", 0.0)
+    return max(0.0, comm - compute) + min(comm, compute) / chunks
 
 
 def _data_parallel(job, tp, pp, cp, ep, dp, dpr, etp, dpn, v, zero, offloaded):
@@ -147,47 +173,54 @@ def _data_parallel(job, tp, pp, cp, ep, dp, dpr, etp, dpn, v, zero, offloaded):
                                                            replicas) if replicas > 1 else 0.0
     params = sum(memory.stage_params(m, tp, pp, ep, v, 0, etp)) / (shard if zero >= 1 else 1)
     opt = offload.optimizer_seconds(cl, params) if offloaded else offload.ADAM_BYTES * params / cl.hbm_bw
-    return reduce, gather, replica, gather / units, opt
+    return tuple(float(x) for x in (reduce, gather, replica, gather / units, opt))
 
 
-def step(job, eta, c, slowest, first, nodes):
-    """Seconds per step of every candidate: {"step", "pipeline", "bubble", "dp", "optimizer"}; ``slowest``:
-    the `micro_batch` of each candidate's slowest stage, ``first``: of its first stage."""
-    sw, m = job.software, c["m"]
-    reduce, gather, replica, unit, opt = per_unique(lambda *k: _data_parallel(job, *k), *(c[k]
-                                                                                          for k in TUPLE),
-                                                    nodes["dp"], c["v"], c["zero"], c["offload"])
-    bubble = per_unique(lambda s, p, mm, v: schedules.formula({"zero_bubble": "zb-h1"}.get(SCHEDULES[s],
-                                                                                           SCHEDULES[s]),
-                                                              p, mm, v)["over_ideal"] if p > 1 else 0.0,
-                        c["sched"], c["pp"], m, c["v"])
+def bubble(sched, pp, m, v):
+    """Chapter 5's bubble over ideal time of schedule ``sched`` (an index of `SCHEDULES`)."""
+    name = SCHEDULES[sched]
+    return float(schedules.formula({"zero_bubble": "zb-h1"}.get(name, name), pp, m, v)["over_ideal"]) \
+        if pp > 1 else 0.0
+
+
+def step(job, eta, c, slowest, first, nodes, pieces=None):
+    """Seconds per step of candidate c: {"step", "pipeline", "bubble", "dp", "optimizer"}; ``slowest``: the
+    `micro_batch` of its slowest stage, ``first``: of its first stage; ``pieces``: as `micro_batch`'s."""
+    p, sw, m = pieces or Pieces(job, eta), job.software, c.m
+    reduce, gather, replica, unit, opt = p.data_parallel(c.tp, c.pp, c.cp, c.ep, c.dp, c.dpr, c.etp,
+                                                         nodes["dp"], c.v, c.zero, c.offload)
     fwd, bwd = first["forward"], first["backward"]
-    reduced = np.maximum(0.0, reduce + replica - bwd * sw.overlap_grad_reduce)
-    # ZeRO-2 reduce-scatters every micro-batch's gradients: under the next micro-batch's forward and
-    # backward while there is one (nothing waits for them before the optimizer step), the last under its own
-    each = np.maximum(0.0, reduce + replica - (fwd + bwd) * sw.overlap_grad_reduce)
-    gathered = np.maximum(0.0, gather - fwd * sw.overlap_param_gather)
-    dp = np.select([c["zero"] == 0, c["zero"] == 1, c["zero"] == 2],
-                   [reduced, reduced + gathered, (m - 1) * each + reduced + gathered],
-                   default=fsdp_seconds(sw, c, reduce, gather, replica, unit, first))
-    pipeline = m * slowest["t_mb"] * (1 + bubble)
-    return {"step": pipeline + dp + opt, "pipeline": pipeline, "bubble": m * slowest["t_mb"] * bubble,
-            "dp": dp,
-            "optimizer": opt}
+    reduced = max(0.0, reduce + replica - bwd * sw.overlap_grad_reduce)
+    if c.zero == 0:
+        dp = reduced
+    elif c.zero == 1:
+        dp = reduced + max(0.0, gather - fwd * sw.overlap_param_gather)
+    elif c.zero == 2:
+        # ZeRO-2 reduce-scatters every micro-batch's gradients: under the next micro-batch's forward and
+        # backward while there is one (nothing waits for them before the optimizer step), the last under
+        # its own
+        each = max(0.0, reduce + replica - (fwd + bwd) * sw.overlap_grad_reduce)
+        dp = (m - 1) * each + reduced + max(0.0, gather - fwd * sw.overlap_param_gather)
+    else:
+        dp = fsdp_seconds(sw, c, reduce, gather, replica, unit, first)
+    bubble_ = p.bubble(c.sched, c.pp, m, c.v)
+    pipeline = m * slowest["t_mb"] * (1 + bubble_)
+    return {"step": pipeline + dp + opt, "pipeline": pipeline, "bubble": m * slowest["t_mb"] * bubble_,
+            "dp": dp, "optimizer": opt}
 
 
 def fsdp_seconds(sw, c, reduce, gather, replica, unit, first):
     """ZeRO-3 / FSDP's exposed seconds per step: per micro-batch, its gathers (two when it reshards
     after forward) and its reduce-scatter, less the compute prefetching hides them under, and the first
     unit's gather, which nothing hides; kept gathered, one gather and one reduction per step."""
-    m, reshard = c["m"], c["reshard"] == 1
-    per_mb = np.where(reshard, 2 * gather + reduce, 0.0)
-    once_g, once_r = np.where(reshard, 0.0, gather), np.where(reshard, 0.0, reduce) + replica
+    m, reshard = c.m, c.reshard == 1
+    per_mb = 2 * gather + reduce if reshard else 0.0
+    once_g, once_r = (0.0, 0.0 + replica) if reshard else (gather, reduce + replica)
     if not sw.prefetch:
         return m * per_mb + once_g + once_r
-    per_step = m * (np.maximum(0.0, per_mb - first["compute"]) + np.where(reshard, unit, 0.0))
-    return per_step + np.maximum(0.0, once_g - first["forward"]) + \
-        np.maximum(0.0, once_r - first["backward"] * sw.overlap_grad_reduce)
+    per_step = m * (max(0.0, per_mb - first["compute"]) + (unit if reshard else 0.0))
+    return per_step + max(0.0, once_g - first["forward"]) + \
+        max(0.0, once_r - first["backward"] * sw.overlap_grad_reduce)
 
 
 def model_flops_per_token(model, recompute="none"):

@@ -13,8 +13,6 @@ ordered [tp, cp, ep, pp, dp] fastest first.
 """
 import functools
 
-import numpy as np
-
 from labs.formulas import costs
 from labs.pipeline.stage_balance import stage_layers
 from labs.planning import memory
@@ -54,7 +52,7 @@ def stage_calls(model, t, c, b, s, e, stage, p, v, vocab_parallel=True, sequence
     """The collectives of one micro-batch outside the layers on rank ``stage``: the vocabulary-parallel
     embedding and loss (`vocab_calls`) and the pipeline's sends (`pp_sends` of `pp_send_bytes`)."""
     out = list(vocab_calls(model, t, c, b, s, e, stage == 0, stage == p - 1) if vocab_parallel else ())
-    sends = int(pp_sends(stage, p, v))
+    sends = pp_sends(stage, p, v)
     if sends:
         out.append(("pp", "send", pp_send_bytes(model, t, c, b, s, e, sequence_parallel_pp), sends))
     return tuple(out)
@@ -74,8 +72,8 @@ def vocab_calls(model, t, c, b, s, e, first, last):
 def pp_sends(stage, p, v):
     """Pipeline sends per micro-batch on rank ``stage`` (chapter 5): per model chunk one activation
     forward and one gradient back; the last stage sends no activation from its last chunk, the first
-    no gradient from its first. Scalars or numpy arrays."""
-    return np.where(np.asarray(p) > 1, (v - (stage == p - 1)) + (v - (stage == 0)), 0)
+    no gradient from its first."""
+    return (v - (stage == p - 1)) + (v - (stage == 0)) if p > 1 else 0
 
 
 def pp_send_bytes(model, t, c, b, s, e, sequence_parallel_pp=None):
