@@ -25,7 +25,7 @@ def core_files(root=ROOT):
     for entry in CORE:
         path = os.path.join(root, entry)
         if os.path.isdir(path):
-            out += sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py"))
+            out += sorted(os.path.join(d, f) for d, _, files in os.walk(path) for f in files if f.endswith(".py"))
         else:
             out.append(path)
     return out
@@ -96,8 +96,8 @@ def run_without_torch(code):
 def test_every_form_answers_in_a_python_without_torch_or_numpy():
     r = run_without_torch("""
         import importlib, pkgutil, labs.formulas
-        for m in pkgutil.iter_modules(labs.formulas.__path__):
-            importlib.import_module("labs.formulas." + m.name)
+        for m in pkgutil.walk_packages(labs.formulas.__path__, "labs.formulas."):
+            importlib.import_module(m.name)
         from labs.formulas import forms
         for name in forms.FORMS:
             r = forms.answer(name)

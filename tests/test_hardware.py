@@ -59,7 +59,7 @@ def test_straddling_groups_are_inter_node_wherever_the_tier_is_asked():
     """The one rule everywhere: the planner's tiers (chapter 14) agree with the calculator's, group by
     group, for the cases the older stride rule (Delta N <= G means inside) got wrong: PP = 2 beside
     TP = 8 on a 72-GPU NVLink domain, CP = 3 on nodes of 4, TP = 2 with PP = 3 on nodes of 8."""
-    from labs.planning import traffic
+    from labs.formulas.planning import traffic
     for degrees, g, axis in ((dict(tp=8, pp=2, dp=9), 72, "pp"), (dict(cp=3, dp=4), 4, "cp"),
                              (dict(tp=2, pp=3, dp=4), 8, "pp")):
         d = ParallelDims(**degrees)
@@ -121,7 +121,7 @@ def test_chapters_11_and_14_count_the_same_tp_and_pp_bytes():
     """One formula table (`labs.formulas.costs`), one stage split, one degrees type: the calculator's TP and
     PP bytes for a middle stage of Llama 3 405B equal the planner's (`planning.traffic`) for the same
     layout, b, m and v, without the planner's vocabulary terms (a middle stage has none)."""
-    from labs.planning import memory, traffic
+    from labs.formulas.planning import memory, traffic
     run = P.LLAMA3_RUN
     calc = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS), run)
     plan = memory.Plan(P.LLAMA3_DIMS, zero=1, micro_batch=run.micro_batch, v=run.v)

@@ -9,7 +9,8 @@ from labs.dims import ParallelDims
 from labs.memory_budget import fused_swiglu
 from labs.formulas.shape import ModelShape
 from labs.formulas import schedules
-from labs.planning import cases, flop_count, memory, meta_check, planner, quiz, shapes
+from labs.formulas.planning import memory, planner, shapes
+from labs.planning import cases, flop_count, meta_check, quiz
 
 TINY = ModelShape("tiny Llama", layers=4, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=100, seq=16)
 

@@ -20,6 +20,7 @@ the meta device, and everything that runs ranks; they import these formulas and 
 - `schedules` (chapter 5): GPipe, 1F1B, interleaved 1F1B and ZB-H1 as ordered actions per stage, their
   bubble formulas and peak in-flight micro-batches.
 - `stages` (chapter 5): the stage split, which layers each pipeline rank holds (`stage_layers`).
+- `planning` (chapter 14): the planner, a package of its own (its `__init__` lists its modules).
 - `forms`: the calculators, by name: their fields and answers (the site's forms and JupyterLab's
   widgets); `fields`: parsing a form's strings, one sentence for bad input, the answer as text, HTML
   and an SVG bar; one module per calculator: `form_memory` (chapter 1), `form_bubble` (chapter 5).

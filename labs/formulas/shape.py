@@ -13,7 +13,7 @@ nothing else counts parameters. A Llama block's list agrees with `compute.llama_
 
 Every chapter that needs a model's shapes takes a `ModelShape`: chapter 1's `budget.MODELS`,
 chapter 11's traffic calculator (`labs.hardware.placement`), chapter 14's planner
-(`labs.planning.shapes` adds the GPT-3 family of Narayanan et al. 2021, DeepSeek-V3 and clusters).
+(`labs.formulas.planning.shapes` adds the GPT-3 family of Narayanan et al. 2021, DeepSeek-V3 and clusters).
 """
 import functools
 import math

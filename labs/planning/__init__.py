@@ -1,17 +1,12 @@
 """Chapter 14, planning a real layout: a planner built from the earlier chapters' formulas, checked
 against published runs; then the layouts composed, trained and held to one process.
 
-- `shapes`: the models the planner is checked on (chapter 1's `ModelShape`) and a cluster as its links, peaks
-and memory.
-- `software`: what a training stack offers and which collectives it overlaps, each switch from its source.
-- `grid`: the planner's candidate, a layout and its settings as a record of small integers (plain Python).
-- `memory`: a layout (`Plan`: a `ParallelDims` and its settings) and what one rank holds, six terms.
-- `traffic`: the collectives each group runs per micro-batch and per step, and their formula bytes.
-- `kernels`: one layer's compute on a rank, GEMM by GEMM on a roofline, attention and the memory-bound ops.
-- `offload`: the optimizer in host memory (ZeRO-Offload): GPU bytes freed, host bytes, PCIe and CPU time.
-- `timing`: the estimated step time, phase by phase, with what each stack overlaps, and the papers' FLOPs.
-- `search`: every setting of each layout priced on three stages; the fastest that fits, or what overflows.
-- `planner`: every layout of a job, the rule or memory term that rejects it, the rest ranked by step time.
+The planner itself is torch-free, in `labs.formulas.planning` (the site runs it in the reader's browser);
+this package checks it and runs what it plans.
+
+- `planner`: the planner as a command (``python -m labs.planning.planner``) and a widget.
+- `eager_traffic`: the bytes an eager stack's elementwise ops move, counted on the tiny Llama block (the
+  planner's `kernels.EAGER_TRAFFIC` is this count, recorded).
 - `cases`: Megatron-LM's Table 1, Llama 3's Table 4, DeepSeek-V3 and the notes' questions, as planner cases.
 - `published_tables`, `published_runs`: more published runs (A100, H100, H800; dense and MoE), as printed and
   as rows; `published_counts`: the FLOP count each source divides by, and the models its rows name.

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from labs.dims import ParallelDims
 from labs.memory_budget import compute
-from labs.planning import planner, shapes, software, timing
+from labs.formulas.planning import planner, shapes, software, timing
 
 # Narayanan et al. 2021, Table 1, as printed: billions of parameters, heads, hidden, layers, TP, PP,
 # GPUs, batch (sequences), TFLOP/s per GPU, % of peak, aggregate PFLOP/s.

@@ -19,7 +19,8 @@ import dataclasses
 import functools
 
 from labs.dims import ParallelDims
-from labs.planning import cases, planner, published_counts, published_runs, shapes, software as sw
+from labs.formulas.planning import planner, shapes, software as sw
+from labs.planning import cases, published_counts, published_runs
 
 CLUSTERS = {"A100 80GB": shapes.SELENE, "H100 80GB": shapes.DGX_H100, "H800 80GB": shapes.H800_CLUSTER,
             "H100 96GB HBM2e, 500 W": shapes.GRAND_TETON}

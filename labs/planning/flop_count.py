@@ -4,7 +4,7 @@ DeepSeek-V3's report (DeepSeek-AI 2024, arXiv 2412.19437) prints no TFLOP/s or M
 cost: "training DeepSeek-V3 on each trillion tokens requires only 180K H800 GPU hours" (§1), so a
 GPU processes 10^12 / (180,000 x 3,600) tokens per second, and a FLOP count per token turns that into
 TFLOP/s. The count is PaLM's (Chowdhery et al. 2022, Appendix B; chapter 1), the one the planner
-divides by (`labs.planning.timing.model_flops_per_token`): 6 FLOPs per matmul weight a token meets
+divides by (`labs.formulas.planning.timing.model_flops_per_token`): 6 FLOPs per matmul weight a token meets
 (forward 2, backward 4) plus 12 L w s for the attention scores and their product with V, counted
 without the causal half, w the attention width (for MLA the mean of the query-key and the value
 widths). `breakdown` splits the same total by weight group, so a reader sees where it comes from:
@@ -24,7 +24,8 @@ What it leaves out, and the figure it would give with each (`derived_tflops`):
 - recomputation (§3.2.3 recomputes the RMSNorms and MLA's up-projections): hardware FLOPs, not model FLOPs.
 So the 434 TFLOP/s the chapter quotes is a derived figure with a stated count, not a published one.
 """
-from labs.planning import cases, shapes, timing
+from labs.formulas.planning import shapes, timing
+from labs.planning import cases
 
 GROUPS = {"attention projections": ("wq", "wkv", "wo"), "dense MLP": ("w1", "w2", "w3"),
           "router": ("router",), "shared expert": ("shared_",), "routed experts": ("experts_",)}

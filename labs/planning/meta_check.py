@@ -26,7 +26,7 @@ from torch import nn
 from labs.dims import ParallelDims
 from labs.groups import device_mesh
 from labs.pipeline.stage_balance import stage_layers
-from labs.planning import memory, shapes
+from labs.formulas.planning import memory, shapes
 from labs.zero import distributed_optimizer
 
 PIECES = distributed_optimizer.FSDP2_PIECES   # bytes per sharded element: params 4, grads 4, adam 8

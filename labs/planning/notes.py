@@ -13,7 +13,8 @@ import dataclasses
 
 from labs.dims import ParallelDims
 from labs.formulas.shape import ModelShape
-from labs.planning import checked, offload, planner, shapes, software as sw
+from labs.formulas.planning import offload, planner, shapes, software as sw
+from labs.planning import checked
 
 GIB = 2 ** 30
 # Hugging Face's Trainer on PyTorch FSDP (FSDP1): SHARD_GRAD_OP is ZeRO-2, FULL_SHARD ZeRO-3; gradient

@@ -8,7 +8,8 @@ source writes it, so a row converts a printed tokens per second or MFU by its ow
 import dataclasses
 
 from labs.memory_budget import compute
-from labs.planning import published_tables as t, shapes
+from labs.formulas.planning import shapes
+from labs.planning import published_tables as t
 
 # 312 TFLOP/s, the peak Narayanan, Korthikanti and MegaScale divide by
 A100_PEAK = shapes.SELENE.peak_flops

@@ -21,7 +21,7 @@ from labs.dims import ParallelDims
 from labs.measure import exercises
 from labs.memory_budget import budget, compute
 from labs.formulas import schedules
-from labs.planning import memory, shapes, traffic
+from labs.formulas.planning import memory, shapes, traffic
 
 GB = 1e9
 

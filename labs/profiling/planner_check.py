@@ -10,14 +10,14 @@ each rank counts one step's FLOPs (`FlopCounterMode`) and records ``steps`` step
 profiler, each just after timing the model's MLP matmul on its own thread (`gemm_rate`): the
 FLOP/s that step is predicted with, taken at the same moment and load, both ranks at once.
 
-`predict` is chapter 14's step (`labs.planning.timing.step`) with these constants, written out for
+`predict` is chapter 14's step (`labs.formulas.planning.timing.step`) with these constants, written out for
 one small layout: compute = FLOPs / FLOP/s; a collective costs chapter 10's ring, R alpha + b n
 beta (`alpha_beta.costs`), per call and byte the trace records; data parallelism's all-reduces hide
 under backward as the planner's buckets do (`timing.exposed`, one bucket's fill left over) and its
 buffer broadcast does not; tensor parallelism's all-reduces are all exposed (no chunked GEMMs); a
 pipeline's sends are waited for, and its bubble is chapter 5's (p - 1)/m of the ideal compute
 (`schedules.formula`, the planner's). ``matmul_s``: the trace's time in the planner's GEMM
-operators (`kernels.MATMULS`), the part of compute its FLOP count prices; ``comm_s``: the
+operators (`eager_traffic.MATMULS`), the part of compute its FLOP count prices; ``comm_s``: the
 communication in flight, the collectives' cost before any of it is hidden.
 """
 import os
@@ -33,7 +33,8 @@ from labs.hardware import latency
 from labs.launcher import launch
 from labs.measure import timing as clock
 from labs.formulas import schedules
-from labs.planning import kernels, timing as planner_timing
+from labs.formulas.planning import timing as planner_timing
+from labs.planning import eager_traffic
 from labs.profiling import analysis, intervals as iv, lab, targets, timing, trace
 
 # name: (the chapter 15 lab that runs the layout, its options)
@@ -41,7 +42,7 @@ LAYOUTS = {"dp 2": ("ddp", {}), "tp 2": ("tp", {}), "pp 2": ("1f1b", {"microbatc
 SIZES = [4, 16 * 1024, 256 * 1024, 1024 * 1024]      # bytes of the calibration exchanges
 GEMM = (512, 512, 128)                                 # M, N, K: the MLP's first matmul, b s = 512
 TERMS = ("compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "idle_s", "step_s")
-MATMUL_OPS = tuple("aten::" + n for n in kernels.MATMULS)
+MATMUL_OPS = tuple("aten::" + n for n in eager_traffic.MATMULS)
 
 
 def gemm_rate(a, b, reps=5):

@@ -27,11 +27,11 @@ import functools
 import math
 
 from labs.dims import ParallelDims
-from labs.memory_budget import compute
+from labs.formulas import flops
 from labs.formulas import schedules
 from labs.formulas import links
-from labs.planning import kernels, memory, offload, traffic
-from labs.planning.software import RECOMPUTE, SCHEDULES
+from labs.formulas.planning import kernels, memory, offload, traffic
+from labs.formulas.planning.software import RECOMPUTE, SCHEDULES
 
 AXES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": ("dp", "cp")}
 ONE_F_ONE_B = SCHEDULES.index("1f1b")
@@ -226,9 +226,9 @@ def fsdp_seconds(sw, c, reduce, gather, replica, unit, first):
 def model_flops_per_token(model, recompute="none"):
     """The FLOPs a paper divides by: PaLM's count (chapter 1: 6 P_mm + 12 L h s, full attention),
     plus the recomputed forward when the paper counts it (Narayanan et al. 2021, eq. 3)."""
-    per_token = compute.flops_per_token(model.matmul_params(), model.layers, model.attention_width,
+    per_token = flops.flops_per_token(model.matmul_params(), model.layers, model.attention_width,
                                         model.seq)["total"]
-    extra = sum(compute.recompute_flops_per_token(model.block_matmul_params(i), 1, model.attention_width,
+    extra = sum(flops.recompute_flops_per_token(model.block_matmul_params(i), 1, model.attention_width,
                                                   model.seq,
                                                   recompute) for i in range(model.layers))
     return per_token + extra

@@ -2,13 +2,13 @@
 
 A model is chapter 1's `ModelShape` (`labs.formulas.shape`): its published shapes and the
 weight matrices they make, with the way tensor parallelism splits each; the planner reads from that
-list what one rank holds. Parameters by weight are chapter 1's (`labs.memory_budget.compute.
+list what one rank holds. Parameters by weight are chapter 1's (`labs.formulas.flops.
 llama_block_params` for a Llama block, 12h^2 + 13h for a GPT block: Narayanan et al. 2021, eq. 2).
 
 Sources of the shapes:
 - the GPT models of Narayanan et al. 2021 (arXiv 2104.04473, §5.1, Table 1): V = 51,200, s = 2048,
   4h GeLU MLP, learned positions, embedding tied to the output layer (eq. 2 counts Vh once);
-- Llama 2 70B and Llama 3 405B: chapter 1's `budget.MODELS` (Touvron et al. 2023; Llama Team 2024,
+- Llama 2 70B and Llama 3 405B: chapter 1's `memory.MODELS` (Touvron et al. 2023; Llama Team 2024,
   arXiv 2407.21783, Table 3), sequence 8,192 for 405B (Table 4);
 - DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, §4.2): 61 layers, h = 7168, 128 heads, MLA
   (d_c = 512, d_c' = 1536, d_h = 128, d_h^R = 64), first 3 layers dense, then 1 shared and 256 routed
@@ -17,8 +17,7 @@ Sources of the shapes:
 """
 from dataclasses import dataclass
 
-from labs.hardware import placement
-from labs.memory_budget import budget, compute
+from labs.formulas import collectives, flops, memory
 from labs.formulas.shape import ModelShape
 
 
@@ -36,8 +35,8 @@ def from_gpt_config(cfg):
                       cfg.seq_len, mlp="gelu", tied=False, positions=True)
 
 
-LLAMA2_70B = budget.MODELS["70B"]
-LLAMA3_405B = budget.MODELS["405B"]
+LLAMA2_70B = memory.MODELS["70B"]
+LLAMA3_405B = memory.MODELS["405B"]
 DEEPSEEK_V3 = ModelShape("DeepSeek-V3", layers=61, hidden=7168, heads=128, kv_heads=128, ffn=18432,
                          vocab=129_280,
                          seq=4096, experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
@@ -45,8 +44,8 @@ DEEPSEEK_V3 = ModelShape("DeepSeek-V3", layers=61, hidden=7168, heads=128, kv_he
 
 
 def llama_params_agree(shape):
-    """The weight list against chapter 1's count of a Llama block (`compute.llama_block_params`)."""
-    block = compute.llama_block_params(shape.hidden, shape.heads, shape.kv_heads, shape.ffn)["total"]
+    """The weight list against chapter 1's count of a Llama block (`flops.llama_block_params`)."""
+    block = flops.llama_block_params(shape.hidden, shape.heads, shape.kv_heads, shape.ffn)["total"]
     return sum(w.numel for w in shape.layer_weights(0)) == block
 
 
@@ -74,7 +73,7 @@ GIB = 2 ** 30
 # 92 % of the line, which the 200 Gb/s HDR ports of the A100 clusters are taken to reach as well; NCCL's
 # own model caps Ampere's NVLink bus bandwidth at 235 GB/s (src/graph/tuning.cc at 01afd20:
 # "if (compCap80) busBw = std::min(busBw, 235.0f)").
-NET_EFFICIENCY = placement.NCCL_NDR_BPS[0] / placement.NDR_IB_BPS
+NET_EFFICIENCY = collectives.NCCL_NDR_BPS[0] / collectives.NDR_IB_BPS
 A100_NVLINK = 235e9
 # Selene (Narayanan et al. 2021, §5): DGX A100 nodes of 8 x A100 80GB on NVLink 3 / NVSwitch (12
 # links x 25 GB/s = 300 GB/s per direction: NVIDIA A100 whitepaper's 600 GB/s both ways), eight
@@ -87,21 +86,21 @@ SELENE = Cluster("Selene, DGX A100 80GB", "A100", 8, 80 * GIB, A100_NVLINK, 200e
 # 3.35 TB/s, PCIe 5.0 x16. Llama 3 (Llama Team 2024, §3.3.1): 8 per server on NVLink (chapter 11's
 # 450 GB/s per direction), RoCE at 400 Gb/s per GPU. A DGX H100 has 2 TB of host memory.
 H100_SXM = dict(hbm_bw=3.35e12, fp8_flops=1979e12, host_bw=64e9, host_bytes=2e12)
-NVLINK, NDR = placement.NCCL_NVLINK_BPS, placement.NCCL_NDR_BPS[0]
-LLAMA3_CLUSTER = Cluster("Llama 3, H100 80GB", "H100", 8, 80 * GIB, NVLINK, NDR, compute.H100_BF16_DENSE,
+NVLINK, NDR = collectives.NCCL_NVLINK_BPS, collectives.NCCL_NDR_BPS[0]
+LLAMA3_CLUSTER = Cluster("Llama 3, H100 80GB", "H100", 8, 80 * GIB, NVLINK, NDR, flops.H100_BF16_DENSE,
                          **H100_SXM)
-DGX_H100 = Cluster("DGX H100", "H100", 8, 80 * GIB, NVLINK, NDR, compute.H100_BF16_DENSE, **H100_SXM)
+DGX_H100 = Cluster("DGX H100", "H100", 8, 80 * GIB, NVLINK, NDR, flops.H100_BF16_DENSE, **H100_SXM)
 # DeepSeek-V3 (§3.1, §3.2.2): 8 x H800 per node, NVLink 160 GB/s and InfiniBand 50 GB/s as the report
 # gives them; the H800 is the H100's chip with fewer NVLinks, so its peaks are taken to be the H100's.
 H800_CLUSTER = Cluster("DeepSeek-V3, H800", "H100", 8, 80 * GIB, 160e9, 50e9 * NET_EFFICIENCY,
-                       compute.H100_BF16_DENSE,
+                       flops.H100_BF16_DENSE,
                        **H100_SXM)
 # torchtitan's benchmarks (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md): Grand Teton
 # hosts of 8 H100 "96GB HBM2e with 2.4 TB/sec", NVLink, 400 Gb/s RDMA per GPU, a 500 W power limit; "the
 # actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value": the page divides
 # by the SXM's, and so does this cluster, with its own efficiency constant (another generation).
 GRAND_TETON = Cluster("Grand Teton, H100 96GB HBM2e 500 W", "H100 96GB 500W", 8, 96 * GIB, NVLINK, NDR,
-                      compute.H100_BF16_DENSE, 2.4e12, fp8_flops=1979e12, host_bw=64e9)
+                      flops.H100_BF16_DENSE, 2.4e12, fp8_flops=1979e12, host_bw=64e9)
 # The notes' recipes: four A100 80GB in one DGX A100; two GeForce RTX 3090 (GA102, NVIDIA Ampere GA102
 # whitepaper, Appendix A: 24 GB GDDR6X at 936 GB/s, 71 TFLOP/s of FP16 or BF16 tensor math with FP32
 # accumulation) on PCIe 4.0 x16 without NVLink, in a workstation whose host memory is an input.

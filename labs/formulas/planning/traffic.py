@@ -14,8 +14,8 @@ ordered [tp, cp, ep, pp, dp] fastest first.
 import functools
 
 from labs.formulas import costs
-from labs.pipeline.stage_balance import stage_layers
-from labs.planning import memory
+from labs.formulas.stages import stage_layers
+from labs.formulas.planning import memory
 
 FP32 = 4
 _ring = costs.sent

@@ -16,9 +16,9 @@ import functools
 import itertools
 
 from labs.dims import ParallelDims
-from labs.planning import memory, offload, timing
-from labs.planning.grid import Candidate
-from labs.planning.software import RECOMPUTE, SCHEDULES
+from labs.formulas.planning import memory, offload, timing
+from labs.formulas.planning.grid import Candidate
+from labs.formulas.planning.software import RECOMPUTE, SCHEDULES
 
 MICRO_BATCHES = (1, 2, 4, 8)
 V_CHOICES = (2, 3, 4, 6, 8)

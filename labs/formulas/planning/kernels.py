@@ -23,19 +23,15 @@ The rest of the layer (norms, activation functions, residual adds, RoPE, softmax
 its time is the bytes it moves over BW_HBM. A fused stack (Transformer Engine, torch.compile) moves
 at least three times the bytes the layer saves for backward (chapter 1's formulas): each saved tensor
 is written in forward, read in backward, and its gradient written. An eager stack runs each op on
-its own: `eager_traffic_ratio` counts every non-matmul op's inputs and outputs, forward and backward,
-on the tiny Llama block with a dispatch mode, against the bytes it saves.
+its own: `EAGER_TRAFFIC` is every non-matmul op's inputs and outputs, forward and backward, on the
+tiny Llama block, against the bytes it saves, as chapter 14's lab counts them with a dispatch mode
+(`labs.planning.eager_traffic`, which tests/test_planner_model.py runs again to check this record).
 """
 import functools
 import math
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from labs import model as tiny
-from labs.measure import memory as measured
-from labs.memory_budget import logits
-from labs.planning import memory
+from labs.formulas import activations
+from labs.formulas.planning import memory
 
 E = 2                  # bytes of a 16-bit element
 # A fused attention kernel's speed relative to the best GEMM on the same GPU, each as a share of the BF16
@@ -81,52 +77,16 @@ def attention_ratio(attention, generation, length=16384):
 
 
 FUSED_PASSES = 3       # write, read back, write the gradient: the least a fused stack moves
-MATMULS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
-           "_scaled_dot_product_flash_attention_for_cpu_backward")
-VIEWS = ("view", "_unsafe_view", "t", "transpose", "expand", "permute", "detach", "alias", "slice", "select",
-         "unsqueeze", "squeeze", "as_strided", "split", "split_with_sizes", "unbind", "_reshape_alias")
+# (bytes the eager ops of one Llama block move, bytes the block saves for backward), b = 2, s = 64, h = 256,
+# 8 heads, 2 KV heads, f = 896: counted by `labs.planning.eager_traffic.count` under torch 2.13.0, which
+# tests/test_planner_model.py runs again; integers of bytes, so the record is exact
+EAGER_TRAFFIC = (15_750_144, 1_348_608)
+EAGER_TRAFFIC_TORCH = "2.13"
 
 
-class _Traffic(TorchDispatchMode):
-    """Adds up the bytes of the inputs and outputs of every op that is neither a matmul nor a view."""
-
-    def __enter__(self):
-        self.bytes = 0
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0]
-        if name not in MATMULS and name not in VIEWS:
-            self.bytes += _nbytes(args) + _nbytes(kwargs or {}) + _nbytes(out)
-        return out
-
-
-def _nbytes(x):
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(y) for y in x)
-    if isinstance(x, dict):
-        return sum(_nbytes(y) for y in x.values())
-    return 0
-
-
-@functools.lru_cache(maxsize=None)
-def eager_traffic_ratio(b=2, s=64):
-    """Bytes the eager ops of one Llama block (RMSNorm, RoPE, SwiGLU, residuals; SDPA and the matmuls
-    left out) read and write in forward and backward, over the bytes the block saves for backward:
-    counted, on a block with Llama 3 8B's proportions (4 query heads per KV head, f = 3.5 h)."""
-    cfg = tiny.LlamaConfig(hidden=256, n_head=8, n_kv_head=2, ffn=896, seq_len=s)
-    torch.manual_seed(0)
-    block = tiny.LlamaBlock(cfg).to(torch.bfloat16)
-    x = torch.randn(b, s, cfg.hidden, dtype=torch.bfloat16, requires_grad=True)
-    with measured.saved_for_backward(block) as saved:
-        block(x)
-    with _Traffic() as traffic:
-        y = block(x)
-        y.backward(torch.ones_like(y))
-    return traffic.bytes / saved.bytes
+def eager_traffic_ratio():
+    """Bytes the eager ops of one Llama block move per byte it saves (`EAGER_TRAFFIC`)."""
+    return EAGER_TRAFFIC[0] / EAGER_TRAFFIC[1]
 
 
 def gemm_seconds(M, N, K, flops, hbm_bw):
@@ -202,5 +162,5 @@ def head_seconds(model, cluster, eta, fp8, tokens, tp):
     memory-bound over chapter 1's tail bytes, twice (forward, backward)."""
     mm_flops = eta * (cluster.fp8_flops if fp8 else cluster.peak_flops)
     gemm = 3 * gemm_seconds(tokens, -(-model.vocab // tp), model.hidden, mm_flops, cluster.hbm_bw)
-    loss = 2 * logits.tail_forward_peak_bytes(tokens, 1, -(-model.vocab // tp), E, target_copy=False)
+    loss = 2 * activations.tail_forward_peak_bytes(tokens, 1, -(-model.vocab // tp), E, target_copy=False)
     return gemm + loss / cluster.hbm_bw

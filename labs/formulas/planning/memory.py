@@ -10,9 +10,9 @@ interleaved 1F1B) and whether the optimizer state lives in host memory, over cha
 Bytes of rank r (stage r of the pipeline), in the order the planner names an overflow:
 - weights, gradients, optimizer state: the rank's parameters (`ModelShape` weights split by tp,
   experts by ep) times chapter 1's bytes per parameter for the recipe and ZeRO stage
-  (`budget.state_bytes_per_param`) over the data-parallel group dp * cp (the experts' over
+  (`state_bytes_per_param`) over the data-parallel group dp * cp (the experts' over
   dp * cp / ep); stage 3 is FSDP2, whose pieces are chapter 3's (fp32 shard 4, fp32 gradient 4,
-  Adam 8: `distributed_optimizer.FSDP2_PIECES`) over dp_shard * cp; with the optimizer offloaded
+  Adam 8: `FSDP2_PIECES`) over dp_shard * cp; with the optimizer offloaded
   (ZeRO-Offload, Ren et al. 2021) the GPU keeps the 16-bit weights only, the gradients streaming to
   the host as they are reduced (`offload`);
 - activations at the schedule's peak: chapter 5's `schedules.peak_chunks` chunk micro-batches of
@@ -20,7 +20,7 @@ Bytes of rank r (stage r of the pipeline), in the order the planner names an ove
   parallelism (chapter 6) when the software has it; under recomputation, plus one layer's full
   activations, rebuilt in backward (full recomputation every k layers: one input per k layers kept,
   k layers rebuilt at once);
-- logits, on the last stage: chapter 1's `logits.tail_forward_peak_bytes` at V/tp (vocabulary-
+- logits, on the last stage: chapter 1's `activations.tail_forward_peak_bytes` at V/tp (vocabulary-
   parallel head and loss, chapter 4);
 - buffers: FSDP2's gathered bf16 unit and the next one (prefetch) with the unit's unsharded
   gradient, or, when the weights stay gathered after forward (torchtitan under pipelining), the
@@ -33,12 +33,13 @@ import math
 from dataclasses import dataclass, replace
 
 from labs.dims import ParallelDims
-from labs.memory_budget import activations, budget, fused_swiglu, logits
+from labs.formulas import activations
+from labs.formulas.memory import state_bytes_per_param
+from labs.formulas.zero import FSDP2_PIECES
 from labs.formulas import schedules
-from labs.pipeline.stage_balance import stage_layers
-from labs.planning.grid import Candidate
-from labs.planning.software import RECOMPUTE
-from labs.zero import distributed_optimizer
+from labs.formulas.stages import stage_layers
+from labs.formulas.planning.grid import Candidate
+from labs.formulas.planning.software import RECOMPUTE
 
 TERMS = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
 KERNELS = ("materialized", "flash", "fused")   # scores written out / FlashAttention / and a fused SwiGLU
@@ -138,10 +139,10 @@ def state_bytes(zero, n, recipe, offload=False):
     if offload:   # gradients go to the host as they are reduced (Ren et al. 2021, §4.1)
         return {"weights": BF16 / (n if zero == 3 else 1), "gradients": 0.0, "optimizer": 0.0}
     if zero == 3:
-        pieces = distributed_optimizer.FSDP2_PIECES
+        pieces = FSDP2_PIECES
         return {"weights": pieces["params"] / n, "gradients": pieces["grads"] / n,
                 "optimizer": pieces["adam_moments"] / n}
-    b = budget.state_bytes_per_param(zero, n, recipe)
+    b = state_bytes_per_param(zero, n, recipe)
     return {"weights": b["parameters"], "gradients": b["gradients"], "optimizer": b["optimizer_state"]}
 
 
@@ -176,9 +177,9 @@ def layer_bytes(model, kernels, moe_layer, b, tp, cp, recompute, sp):
                                                            attention=attention)
     # an MoE layer: the activations of the k routed and the shared experts a token visits
     ffn = (model.top_k + model.shared_experts) * model.expert_ffn if moe_layer else model.ffn
-    terms = fused_swiglu.llama_fused_mlp_terms if kernels == "fused" and model.mlp == "swiglu" else \
+    terms = activations.llama_fused_mlp_terms if kernels == "fused" and model.mlp == "swiglu" else \
         activations.llama_activation_terms
-    kw = {} if terms is fused_swiglu.llama_fused_mlp_terms else {"mlp": model.mlp}
+    kw = {} if terms is activations.llama_fused_mlp_terms else {"mlp": model.mlp}
     return sum(terms(s, b, model.hidden, model.heads, model.kv_heads, ffn, tp, sp, recompute, attention,
                      head_dim=model.head_dim, **kw).values())
 
@@ -218,10 +219,10 @@ def stage_activations(model, kernels, pp, v, stage, sched, m, b, tp, cp, rc, sp,
 def logits_bytes(model, tp, cp, b, eager_loss=False):
     """The tail's peak on the last stage (chapter 1), vocabulary-parallel over tp (chapter 4): its forward
     peak, or with PyTorch's cross-entropy on an fp32 copy of the logits (``eager_loss``) its higher
-    backward peak (`logits.tail_backward_peak_bytes`)."""
+    backward peak (`activations.tail_backward_peak_bytes`)."""
     s, V = model.seq // cp, -(-model.vocab // tp)
-    forward = logits.tail_forward_peak_bytes(s, b, V, BF16, target_copy=False)
-    return max(forward, logits.tail_backward_peak_bytes(s, b, V)) if eager_loss else forward
+    forward = activations.tail_forward_peak_bytes(s, b, V, BF16, target_copy=False)
+    return max(forward, activations.tail_backward_peak_bytes(s, b, V)) if eager_loss else forward
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ per distinct value of the integers it reads (`functools.lru_cache` on small inte
 """
 from typing import NamedTuple
 
-from labs.planning.software import RECOMPUTE, SCHEDULES
+from labs.formulas.planning.software import RECOMPUTE, SCHEDULES
 
 # etp: the tensor-parallel degree of the expert weights, tp, or 1 under Megatron-Core's folding (`fold_ep`)
 FIELDS = ("tp", "pp", "cp", "ep", "dp", "dpr", "zero", "rc", "b", "v", "m", "sched", "offload", "reshard",
