@@ -25,7 +25,8 @@ def core_files(root=ROOT):
     for entry in CORE:
         path = os.path.join(root, entry)
         if os.path.isdir(path):
-            out += sorted(os.path.join(d, f) for d, _, files in os.walk(path) for f in files if f.endswith(".py"))
+            out += sorted(os.path.join(d, f) for d, _, files in os.walk(path)
+                          for f in files if f.endswith(".py"))
         else:
             out.append(path)
     return out

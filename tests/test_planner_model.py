@@ -9,7 +9,8 @@ import torch
 from labs.dims import ParallelDims
 from labs.memory_budget import activations
 from labs.formulas import links
-from labs.formulas.planning import kernels, memory, offload, planner, search, shapes, software, timing
+from labs.formulas.planning import (calibrated, kernels, memory, offload, planner, search, shapes, software,
+                                     timing)
 from labs.planning import checked, eager_traffic, notes, published_runs
 from labs.planning import planner as command
 
@@ -220,3 +221,12 @@ def test_folded_experts_are_whole_and_shard_over_their_own_group():
     dense_state = memory.state_bytes(1, 8, "mixed")
     assert state[2] == pytest.approx(folded["dense"] * dense_state["optimizer"]
                                      + folded["expert"] * per_param["optimizer"])
+
+
+def test_the_recorded_calibration_is_the_fit():
+    """The planner's recorded eta (`calibrated.ETA`) is `checked.calibration`'s fit: the same bisection on
+    the same rows, the same operations in the same order, so equal to the last bit."""
+    fitted = checked.calibration()
+    assert fitted == calibrated.ETA, f"record the new fit in calibrated.ETA: {fitted}"
+    with pytest.raises(ValueError, match="no published run calibrates RTX 3090 in bf16"):
+        calibrated.eta("RTX 3090", "bf16")

@@ -12,5 +12,6 @@ and memory.
 - `offload`: the optimizer in host memory (ZeRO-Offload): GPU bytes freed, host bytes, PCIe and CPU time.
 - `timing`: the estimated step time, phase by phase, with what each stack overlaps, and the papers' FLOPs.
 - `search`: every setting of each layout priced on three stages; the fastest that fits, or what overflows.
+- `calibrated`: the one fitted constant per GPU generation and precision, recorded from chapter 14's fit.
 - `planner`: every layout of a job, the rule or memory term that rejects it, the rest ranked by step time.
 """
