@@ -85,26 +85,37 @@ def to_html(result):
 COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
 
 
-def stacked_bar_svg(parts, limit, limit_label, unit="GiB"):
-    """One horizontal bar of ``parts`` [(name, value)] stacked, against a dashed line at ``limit``,
-    with a legend; values in ``unit``. The chart repeats the table's figures as a picture only."""
-    width, left, top = 600, 10, 10
-    scale_max = max(sum(v for _, v in parts), limit) * 1.05 or 1.0
-    x = left
-    bars, legend = [], []
-    for i, (name, value) in enumerate(parts):
-        w = (width - 2 * left) * value / scale_max
-        colour = COLOURS[i % len(COLOURS)]
-        bars.append(f'<rect x="{x:.1f}" y="{top}" width="{max(w, 0):.1f}" height="36" fill="{colour}"/>')
-        legend.append(f'<rect x="{left + 150 * (i % 4)}" y="{70 + 20 * (i // 4)}" width="12" height="12" '
-                      f'fill="{colour}"/><text x="{left + 16 + 150 * (i % 4)}" y="{81 + 20 * (i // 4)}" '
-                      f'font-size="13">{html.escape(name)}</text>')
-        x += w
-    lx = left + (width - 2 * left) * limit / scale_max
-    line = (f'<line x1="{lx:.1f}" y1="{top - 6}" x2="{lx:.1f}" y2="{top + 44}" stroke="#222" '
-            f'stroke-dasharray="4 3" stroke-width="2"/>'
-            f'<text x="{min(lx + 4, width - 150):.1f}" y="{top + 58}" font-size="13">'
-            f'{html.escape(limit_label)}</text>')
-    rows = (len(parts) + 3) // 4
-    return (f'<svg viewBox="0 0 {width} {86 + 20 * rows}" width="100%" role="img" '
-            f'xmlns="http://www.w3.org/2000/svg">{"".join(bars)}{line}{"".join(legend)}</svg>')
+def stacked_bars_svg(rows, caption, limit=None, limit_label=""):
+    """Horizontal bars, one per row [(label, [(part, value)])], each stacked from its parts in order,
+    on one scale; a dashed line at ``limit`` (``limit_label`` under it); a legend of the parts; the
+    ``caption`` says what the length is. The chart repeats the table's figures as a picture only."""
+    width, left, bar, gap = 600, 44, 26, 8
+    scale = max([sum(v for _, v in parts) for _, parts in rows] + [limit or 0]) * 1.05 or 1.0
+    inner = width - left - 10
+    out, y = [], 10
+    for label, parts in rows:
+        x = left
+        out.append(f'<text x="{left - 6}" y="{y + bar * 0.7:.1f}" font-size="13" text-anchor="end">'
+                   f"{html.escape(label)}</text>")
+        for i, (_, value) in enumerate(parts):
+            w = inner * max(value, 0) / scale
+            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar}" '
+                       f'fill="{COLOURS[i % len(COLOURS)]}"/>')
+            x += w
+        y += bar + gap
+    if limit is not None:
+        lx = left + inner * limit / scale
+        out.append(f'<line x1="{lx:.1f}" y1="4" x2="{lx:.1f}" y2="{y - gap + 6}" stroke="#222" '
+                   f'stroke-dasharray="4 3" stroke-width="2"/><text x="{min(lx + 4, width - 160):.1f}" '
+                   f'y="{y + 10}" font-size="13">{html.escape(limit_label)}</text>')
+        y += 16
+    out.append(f'<text x="{left}" y="{y + 10}" font-size="13" fill="#555">{html.escape(caption)}</text>')
+    y += 22
+    names = [part for part, _ in rows[0][1]] if rows else []
+    for i, name in enumerate(names):
+        lx, ly = left + 150 * (i % 4), y + 20 * (i // 4)
+        out.append(f'<rect x="{lx}" y="{ly}" width="12" height="12" fill="{COLOURS[i % len(COLOURS)]}"/>'
+                   f'<text x="{lx + 16}" y="{ly + 11}" font-size="13">{html.escape(name)}</text>')
+    height = y + 20 * ((len(names) + 3) // 4) + 4
+    return (f'<svg viewBox="0 0 {width} {height}" width="100%" role="img" '
+            f'xmlns="http://www.w3.org/2000/svg">{"".join(out)}</svg>')

@@ -67,4 +67,5 @@ def answer(values):
                        f"{r['world_size']:,} GPUs: {g['total']:,.1f} GiB per GPU against {gib:g} GiB, "
                        f"{verdict}. Not counted: the logits, temporary buffers and fragmentation.",
             "table": {"head": ["per GPU", "GiB", "share"], "rows": rows},
-            "svg": fields.stacked_bar_svg([(label, g[key]) for key, label in TERMS], gib, "the GPU's memory")}
+            "svg": fields.stacked_bars_svg([("", [(label, g[key]) for key, label in TERMS])], "GiB per GPU",
+                                           gib, "the GPU's memory")}
