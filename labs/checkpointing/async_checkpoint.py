@@ -136,6 +136,8 @@ def pauses(rank, world_size, root, repeats=3, cfg=None):
         total.append(time.perf_counter() - t0)
     med = lambda xs: statistics.median(xs[1:])  # noqa: E731  (the first is the warm-up)
     return {"sync_pause_s": med(sync), "async_pause_s": med(paused), "async_total_s": med(total),
+            "sync_samples_s": sync[1:], "async_pause_samples_s": paused[1:],
+            "async_total_samples_s": total[1:],
             "repeats": repeats, "state_bytes_per_rank": sum(t.numel() * t.element_size()
                                                             for t in _local(state))}
 
@@ -148,7 +150,9 @@ def measure_staging(world_size=2, timeout=120.0):
 
 
 def measure_pauses(world_size=2, repeats=3, timeout=300.0):
-    """`pauses` on ``world_size`` ranks; the slowest rank's figures (the job waits for it)."""
+    """`pauses` on ``world_size`` ranks; the slowest rank's figures (the job waits for it): each
+    median, and each repeat's samples (``*_samples_s``, the slowest rank's in that repeat)."""
     with tempfile.TemporaryDirectory(prefix="ckpt-pause-") as root:
         results = launch.spawn(pauses, world_size, root, repeats, timeout=timeout)
-    return {k: max(r[k] for r in results) for k in results[0]}
+    return {k: [max(xs) for xs in zip(*(r[k] for r in results))] if k.endswith("_samples_s")
+            else max(r[k] for r in results) for k in results[0]}
