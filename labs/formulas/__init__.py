@@ -23,5 +23,6 @@ the meta device, and everything that runs ranks; they import these formulas and 
 - `planning` (chapter 14): the planner, a package of its own (its `__init__` lists its modules).
 - `forms`: the calculators, by name: their fields and answers (the site's forms and JupyterLab's
   widgets); `fields`: parsing a form's strings, one sentence for bad input, the answer as text, HTML
-  and an SVG bar; one module per calculator: `form_memory` (chapter 1), `form_bubble` (chapter 5).
+  and an SVG bar; one module per calculator: `form_memory` (chapter 1), `form_collective` (chapters 2 and
+  10), `form_bubble` (chapter 5), `form_planner` (chapter 14).
 """

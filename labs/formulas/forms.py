@@ -8,11 +8,13 @@ becomes {"ok": False, "error": one sentence}, the sentence the command line prin
 
     answer("bubble", {"schedule": "1f1b", "p": "8", "m": "32", "v": "1"})
 """
-from labs.formulas import fields, form_bubble, form_memory, form_planner
+from labs.formulas import fields, form_bubble, form_collective, form_memory, form_planner
 from labs.formulas.fields import text, to_html   # noqa: F401 (the renderers, with the forms)
 
 FORMS = {
     "memory": ("Will it fit? Memory per GPU (chapter 1)", form_memory.FIELDS, form_memory.answer),
+    "collective": ("One collective's time (chapters 2 and 10)", form_collective.FIELDS,
+                   form_collective.answer),
     "bubble": ("The pipeline bubble (chapter 5)", form_bubble.FIELDS, form_bubble.answer),
     "planner": ("Which layout? The planner (chapter 14)", form_planner.FIELDS, form_planner.answer),
 }
