@@ -33,6 +33,13 @@ TABLE = {
     "memory": [{"model": "custom", "layers": "48", "hidden": "7168", "heads": "56", "kv_heads": "8",
                 "ffn": "20480", "vocab": "64000", "dp": "16", "tp": "1", "zero": "2", "seq": "8192"},
                {"model": "405B", "dp": "64", "tp": "8", "pp": "7", "zero": "1", "recompute": "full"}],
+    "planner": [{"model": "405B", "gpus": "1024", "batch_tokens": "16777216", "seq": "8192"},
+                {"model": "custom", "layers": "32", "hidden": "4096", "heads": "32", "kv_heads": "8",
+                 "ffn": "14336", "vocab": "32000", "experts": "8", "top_k": "2", "expert_ffn": "14336",
+                 "gpus": "16", "batch_tokens": "1048576"},
+                {"gpus": "8"}],
+    "collective": [{"op": "all_to_all", "size_mib": "8", "ranks": "16"},
+                   {"cluster": "2 x RTX 3090 (PCIe)", "ranks": "2", "size_mib": "512"}],
 }
 STATE = """boxes => boxes.length > 0 && boxes.every(b => b.dataset.state)"""
 ANSWERED = """(out, expected) => {
