@@ -133,3 +133,19 @@ def test_an_unknown_choice_and_an_unknown_form_are_one_sentence():
         "ok": False, "error": "precision recipe must be one of mixed, mixed_fp32_grads, mixed_fp32_accum, "
                               "fp32, bf16_no_master, got 'fp4'."}
     assert forms.answer("nope")["error"].startswith("unknown calculator 'nope'")
+
+
+@pytest.mark.parametrize("argv, form, values", [
+    (["-m", "labs.memory_budget.budget", "--model", "70B", "--world-size", "24", "--tp", "3"],
+     "memory", {"model": "70B", "dp": "8", "tp": "3"}),
+    (["-m", "labs.memory_budget.budget", "--model", "405B", "--world-size", "256", "--pp", "16"],
+     "memory", {"model": "405B", "dp": "16", "tp": "1", "pp": "16"}),
+    (["-m", "labs.planning.planner", "--batch-tokens", "1000"],
+     "planner", {"batch_tokens": "1000"}),
+])
+def test_the_command_line_and_the_form_refuse_in_the_same_sentence(argv, form, values):
+    """Bad input that reaches the formulas is refused by them, so the command line's error is the form's."""
+    said = forms.answer(form, values)
+    assert not said["ok"]
+    r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1] == "error: " + said["error"]
