@@ -93,17 +93,28 @@ def most_refused(result):
     return example[key], counts[key]
 
 
-def answer(values):
+def job_of(values, model=None):
+    """The job the form's values describe (``model``: a shape given otherwise, e.g. from a config.json),
+    checked: (job, the GPU's name)."""
     gpu = fields.choice(values, F["cluster"])
-    model, cluster = model_of(values), CLUSTERS[gpu]
-    precision = fields.choice(values, F["precision"])
-    job = planner.Job(model, cluster, fields.whole(values, F["gpus"]),
+    job = planner.Job(model or model_of(values), CLUSTERS[gpu], fields.whole(values, F["gpus"]),
                       fields.whole(values, F["batch_tokens"]), STACKS[fields.choice(values, F["stack"])],
-                      precision)
+                      fields.choice(values, F["precision"]))
     job.check()
-    eta = calibrated.eta(cluster.generation, precision)
-    result = planner.plan(job, eta)
-    ranked, hbm = result["ranked"], cluster.hbm_bytes / GIB
+    return job, gpu
+
+
+def answer(values, model=None, eta=None, top=TOP):
+    """The form's answer; ``eta`` defaults to the generation's recorded one (`calibrated.ETA`)."""
+    job, gpu = job_of(values, model)
+    if eta is None:
+        eta = calibrated.eta(job.cluster.generation, job.precision)
+    planner.check_eta(eta)
+    return describe(job, gpu, planner.plan(job, eta), top)
+
+
+def describe(job, gpu, result, top=TOP):
+    model, ranked, hbm = job.model, result["ranked"], job.cluster.hbm_bytes / GIB
     head = f"{model.name} at s = {model.seq:,} on {job.gpus:,} GPUs, {gpu}"
     if not ranked:
         reason, n = most_refused(result)
@@ -119,12 +130,12 @@ def answer(values):
                f"({hbm - peak:,.1f} GiB of headroom by the planner's count). ")
     summary += why(first, ranked[1]) if len(ranked) > 1 else "It is the only layout that fits."
     rows = []
-    for r in ranked[:TOP]:
+    for r in ranked[:top]:
         t, mem = terms(r), sum(r["memory"].values()) / GIB
         rows.append([str(r["rank"]), *layout(r), f"{r['time']['step']:,.2f}",
                      f"{planner.tflops_per_gpu(job, r):,.0f}", *(f"{t[k]:,.2f}" for k, _ in TERMS),
                      f"{mem:,.1f}", f"{hbm - mem:,.1f}"])
-    bars = [(f"#{r['rank']}", [(label, terms(r)[k]) for k, label in TERMS]) for r in ranked[:TOP]]
+    bars = [(f"#{r['rank']}", [(label, terms(r)[k]) for k, label in TERMS]) for r in ranked[:top]]
     return {"ok": True, "summary": summary,
             "table": {"head": ["rank", "layout", "settings", "step (s)", "TFLOP/s per GPU",
                                *(f"{label} (s)" for _, label in TERMS), "memory (GiB)", "headroom (GiB)"],
