@@ -2,6 +2,8 @@
 sources, one implementation for one layout and for thousands, and every published layout of the
 checked set timed and fitted (the rankings are checked by the notebook, which plans every job)."""
 import dataclasses
+import json
+import re
 
 import pytest
 import torch
@@ -11,7 +13,8 @@ from labs.memory_budget import activations
 from labs.formulas import links
 from labs.formulas.planning import (calibrated, kernels, memory, offload, planner, search, shapes, software,
                                      timing)
-from labs.planning import checked, eager_traffic, notes, published_runs
+from labs.formulas import hf_config
+from labs.planning import checked, eager_traffic, notes, published_runs, published_tables
 from labs.planning import planner as command
 
 L70 = shapes.LLAMA2_70B
@@ -51,13 +54,36 @@ def test_a_stated_setting_outside_its_range_is_named(fixed, sentence):
 
 
 def test_the_command_line_refuses_zero_and_negative_numbers(capsys):
-    for argv, said in ((["--batch-tokens", "0"], "expected a positive integer, got 0"),
-                       (["--batch-tokens", "-5"], "expected a positive integer, got -5"),
-                       (["--eta", "0"], "expected a positive finite number, got 0"),
+    for argv, said in ((["--eta", "0"], "expected a positive finite number, got 0"),
                        (["--eta", "2"], "expected at most 1.0, got 2")):
         with pytest.raises(SystemExit):
             command.main(argv)
         assert said in capsys.readouterr().err
+    # what the form reads (the batch, the sequence) it refuses in the form's own sentence, before any work
+    for argv, said in ((["--batch-tokens", "0"], "global batch (tokens) must be at least 1, got 0."),
+                       (["--batch-tokens", "-5"], "global batch (tokens) must be at least 1, got -5."),
+                       (["--seq", "0"], "sequence length s must be at least 1, got 0.")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            command.main(argv)
+
+
+def test_the_command_line_plans_a_model_from_its_config_json(tmp_path, capsys):
+    """Qwen3-30B-A3B's config.json (its Hugging Face fields) gives the checked set's shape, and the command
+    plans it; a config without a field the shape needs is one sentence naming the field."""
+    cfg = {"num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+           "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+           "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}
+    shape = hf_config.shape_from_config(cfg, 4096, "Qwen3-30B-A3B")
+    assert shape == published_tables.MODEL_SHAPES["qwen3-30b"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    command.main(["--config", str(path), "--world-size", "64", "--batch-tokens", "2097152", "--top", "3"])
+    out = capsys.readouterr().out
+    assert "layouts fit" in out and "HSDP" not in out.splitlines()[0]
+    del cfg["hidden_size"]
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json has no 'hidden_size'"):
+        command.main(["--config", str(path)])
 
 
 def test_one_layout_and_a_thousand_are_priced_by_the_same_formulas():

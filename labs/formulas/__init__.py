@@ -7,7 +7,7 @@ the meta device, and everything that runs ranks; they import these formulas and 
 `tests/test_formulas.py` fails if any module here imports torch or numpy.
 
 - `shape` (chapter 1): a model as its published shapes and weight matrices, the one model type every
-  chapter uses.
+  chapter uses; `hf_config`: any model's shape from its Hugging Face config.json.
 - `activations` (chapter 1): what a block, and the logits above the blocks, keep for backward.
 - `memory` (chapter 1): bytes per parameter by recipe and ZeRO stage, and whether a configuration fits.
 - `flops` (chapter 1): parameters by weight, FLOPs per token, MFU and HFU, Llama 3's Table 4.

@@ -47,8 +47,9 @@ def shape_from_config(cfg, seq, name=None):
                      expert_ffn=need("moe_intermediate_size"))
     elif "n_routed_experts" in cfg:                                 # DeepSeek-V2, V3
         shape.update(experts=cfg["n_routed_experts"], top_k=need("num_experts_per_tok"),
-                     expert_ffn=need("moe_intermediate_size"), shared_experts=cfg.get("n_shared_experts") or 0,
-                     dense_layers=cfg.get("first_k_dense_replace", 0))
+                     expert_ffn=need("moe_intermediate_size"),
+                     dense_layers=cfg.get("first_k_dense_replace", 0),
+                     shared_experts=cfg.get("n_shared_experts") or 0)
         if "kv_lora_rank" in cfg:
             shape["mla"] = (need("kv_lora_rank"), need("q_lora_rank"), need("qk_nope_head_dim"),
                             need("qk_rope_head_dim"))

@@ -1,50 +1,53 @@
-"""Chapter 14: the planner as a command and as a widget. The planner itself, every layout of a job ranked
-or refused, is `labs.formulas.planning.planner` (torch-free: the site runs it in the browser).
+"""Chapter 14: the planner as a command. The planner itself, every layout of a job ranked or refused, is
+`labs.formulas.planning.planner` (torch-free: the site runs it in the browser, through the same form,
+`labs.formulas.form_planner`, that this command fills in, so both answer and refuse alike).
 
-    python -m labs.planning.planner --model 405B --world-size 16384 --json
+    python -m labs.planning.planner --model 405B --world-size 16384 --batch-tokens 16777216
+    python -m labs.planning.planner --config path/to/config.json --world-size 64 --seq 8192 --json
 """
-from labs.formulas.planning import shapes
-from labs.formulas.planning.planner import Job, markdown_table, plan, tflops_per_gpu
+from labs.formulas import fields, form_planner, hf_config
 
-
-MODELS = {"70B": shapes.LLAMA2_70B, "405B": shapes.LLAMA3_405B}
-
-
-def show(model="70B", gpus=64, batch_m_tokens=4, eta=0.5):
-    """The planner behind widgets (JupyterLab): Llama 2 70B or Llama 3 405B on H100 nodes."""
-    from IPython.display import Markdown, display
-    job = Job(MODELS[model], shapes.DGX_H100, gpus, batch_m_tokens * 2 ** 20)
-    display(Markdown(markdown_table(job, plan(job, eta))))
+GPUS = {"h100": "H100 80GB (DGX H100)", "a100": "A100 80GB (DGX A100)",
+        "h100-96gb": "H100 96GB (Grand Teton)"}
+STACKS = {"any": "any", "megatron-core": "Megatron-Core", "torchtitan": "torchtitan"}
 
 
 def main(argv=None):
     from labs.launcher import cli
-    p = cli.parser("Rank every layout of Llama 2 70B or Llama 3 405B on H100 nodes (one process; "
+    p = cli.parser("Which layout? Every layout of a training job ranked by its estimated step time, with "
+                   "memory, headroom and step-time terms, or the reason none fits (one process; "
                    "--world-size is the number of GPUs).", None)
     for action in p._actions:  # the contract's options, as they read for a plan of GPUs
         if action.dest == "world_size":
-            action.help = "number of GPUs to plan for, H100s in nodes of 8 (default 64)"
+            action.help = "number of GPUs to plan for, in nodes of 8 (default 64)"
         elif action.dest == "timeout":
             action.help = "kept for the command-line contract; the planner starts no process (default 120)"
-    p.add_argument("--model", choices=sorted(MODELS), default="70B",
-                   help="Llama 2 70B or Llama 3 405B (default 70B)")
-    p.add_argument("--batch-tokens", type=cli.positive_int, default=4 * 2 ** 20,
-                   help="tokens in one global batch (default 4,194,304: 4M)")
-    p.add_argument("--eta", type=lambda t: cli.positive_float(t, 1.0), default=0.5,
-                   help="matmul efficiency, above 0 and at most 1 (default 0.5; chapter 14 calibrates it "
-                        "on a published row)")
+    p.add_argument("--model", choices=list(form_planner.MODELS), default="70B",
+                   help="a preset (default 70B: Llama 2 70B)")
+    p.add_argument("--config", help="a Hugging Face config.json (Llama, Mixtral, Qwen3-MoE, DeepSeek-V3 "
+                                    "shapes); replaces --model")
+    p.add_argument("--gpu", choices=list(GPUS), default="h100",
+                   help="the GPUs and their links (default h100)")
+    p.add_argument("--batch-tokens", default="4194304", help="tokens in one global batch (default 4,194,304)")
+    p.add_argument("--seq", help="the training sequence length (default: the preset's; 4096 with --config)")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="the matmuls' (default bf16)")
+    p.add_argument("--stack", choices=list(STACKS), default="any",
+                   help="what the planner may choose and what it overlaps (default any)")
+    p.add_argument("--eta", type=lambda t: cli.positive_float(t, 1.0), default=None,
+                   help="matmul efficiency, above 0 and at most 1 (default: the fit for the GPU's generation "
+                        "and precision, labs/formulas/planning/calibrated.py)")
     p.add_argument("--top", type=cli.positive_int, default=5,
                    help="how many of the fastest layouts to print (default 5)")
     args = cli.parse(p, argv)
-    job = Job(MODELS[args.model], shapes.DGX_H100, args.world_size or 64, args.batch_tokens)
-    result = plan(job, args.eta)
-    rows = [{"degrees": r["dims"].degrees(), "zero": r["plan"].zero, "recompute": r["plan"].recompute,
-             "micro_batch": r["plan"].micro_batch, "v": r["plan"].v, "step_s": r["time"]["step"],
-             "tflops_per_gpu": tflops_per_gpu(job, r)} for r in result["ranked"][:args.top]]
-    lines = [f"{i + 1}. {r['degrees']} ZeRO-{r['zero']} {r['recompute']} b={r['micro_batch']} v={r['v']}: "
-             f"{r['step_s']:.2f} s, {r['tflops_per_gpu']:.0f} TFLOP/s" for i, r in enumerate(rows)]
-    cli.report({"ranked": rows, "fit": len(result["ranked"]), "rejected": len(result["rejected"])}, args,
-               "\n".join(lines) or f"no layout of {job.model.name} fits on {job.gpus:,} GPUs")
+    default_seq = form_planner.MODELS[args.model].seq if not args.config else 4096
+    values = {"model": args.model, "gpus": str(args.world_size or 64), "cluster": GPUS[args.gpu],
+              "batch_tokens": args.batch_tokens, "seq": args.seq or str(default_seq),
+              "precision": args.precision, "stack": STACKS[args.stack]}
+    model = None
+    if args.config:
+        model = hf_config.load(args.config, fields.whole(values, form_planner.F["seq"]))
+    result = form_planner.answer(values, model, args.eta, args.top)
+    cli.report({"summary": result["summary"], "table": result["table"]}, args, fields.text(result))
 
 
 if __name__ == "__main__":
