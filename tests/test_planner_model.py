@@ -256,3 +256,34 @@ def test_the_recorded_calibration_is_the_fit():
     assert fitted == calibrated.ETA, f"record the new fit in calibrated.ETA: {fitted}"
     with pytest.raises(ValueError, match="no published run calibrates RTX 3090 in bf16"):
         calibrated.eta("RTX 3090", "bf16")
+
+
+# Each model's Hugging Face config.json, the fields the shape reads, as published on its model page
+HF_CONFIGS = {
+    "llama3-8b": {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+                  "tie_word_embeddings": False},
+    "qwen3-235b": {"num_hidden_layers": 94, "hidden_size": 4096, "num_attention_heads": 64,
+                   "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288,
+                   "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8,
+                   "vocab_size": 151936, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "deepseek-v2": {"num_hidden_layers": 60, "hidden_size": 5120, "num_attention_heads": 128,
+                    "num_key_value_heads": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                    "n_routed_experts": 160, "n_shared_experts": 2, "num_experts_per_tok": 6,
+                    "first_k_dense_replace": 1, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "vocab_size": 102400},
+}
+
+
+@pytest.mark.parametrize("key", sorted(HF_CONFIGS))
+def test_a_config_json_gives_the_checked_sets_shape(key):
+    want = published_tables.MODEL_SHAPES[key]
+    assert hf_config.shape_from_config(HF_CONFIGS[key], want.seq, want.name) == want
+
+
+def test_a_config_the_shape_cannot_take_is_one_sentence():
+    moe = dict(HF_CONFIGS["qwen3-235b"], num_experts_per_tok=129)
+    with pytest.raises(ValueError, match=r"top-k must be 1\.\.128 \(got 129\)"):
+        hf_config.shape_from_config(moe, 4096)
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        hf_config.shape_from_config(dict(HF_CONFIGS["qwen3-235b"], mlp_only_layers=[0]), 4096)
