@@ -47,9 +47,9 @@ def site(folder):
         for rel in files:
             with open(os.path.join(ROOT, rel)) as f:
                 text = f.read()
-            if rel == "labs/formulas/forms.py":
-                text = text.replace("the bubble is {f['over_total']", "the bubble is {f['over_ideal']")
-                assert "the bubble is {f['over_ideal']" in text
+            if rel == "labs/formulas/form_bubble.py":   # the share over the ideal time, called the step's
+                text = text.replace("{f['over_total']:.1%} of the step", "{f['over_ideal']:.1%} of the step")
+                assert "{f['over_ideal']:.1%} of the step" in text
             z.writestr(rel, text)
     (folder / "right.html").write_text(PAGE.format(name="right", zip="labs-core.zip", divs=BUBBLE))
     nowhere = '<div class="dtm-calculator" data-form="nowhere"></div>'
