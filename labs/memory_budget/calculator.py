@@ -1,9 +1,9 @@
-"""Chapter 1, the memory calculator for a reader: sliders in JupyterLab, the same numbers on the site.
+"""Chapter 1, the memory calculator over a grid of settings: the lab page's tables and plot.
 
-`show` is what the notebook's sliders call (ipywidgets' `interact`, which needs a running kernel).
-`grid` and `markdown_table` evaluate the same `calculate`, that is `labs.memory_budget.budget.budget`, over
-the sliders' values, so the static site, which runs no kernel and loads no widget script, shows the
-calculator as precomputed tables and plots instead.
+`grid` and `markdown_table` evaluate `calculate`, that is `labs.formulas.memory.budget`, over the
+sliders' values. The live calculator, on the site (in the reader's browser) and in JupyterLab, is the
+form `labs.formulas.form_memory` on the same function; `show` and `sliders` are the older slider
+view of it.
 
     # one setting, from a shell
     python -m labs.memory_budget.budget --model 70B --world-size 64 --tp 8 --zero-stage 1
