@@ -2,7 +2,7 @@
 whole saves, copy before an asynchronous write, and survive faults.
 
 Only the tests that compare floating-point results are marked ``numerics`` (`make test` runs them
-again under another CPU's rounding); the others compare bytes, names and step counts.
+under another CPU's rounding); the others compare bytes, names and step counts.
 
 Checks that notebook 12 already asserts with the same calls are not repeated here (nbval runs the
 notebook natively and under another CPU's rounding): a resume that forgets Adam's state or the RNG

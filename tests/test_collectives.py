@@ -15,7 +15,7 @@ from labs.collectives import alpha_beta, toolkit as col
 from labs.launcher import launch
 
 # Only the tests that compare floats another CPU rounds differently are marked `numerics` (`make
-# test` runs those again under OTHER_CPU); the rest compare counts, or sums of small integers, which
+# test` runs those under OTHER_CPU); the rest compare counts, or sums of small integers, which
 # are exact in any order.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,7 @@ import workers
 from labs.measure import comm, wire
 from labs.launcher import launch
 
-# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# The tests marked `numerics` compare floating-point results: `make test` runs them under
 # another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 

@@ -12,7 +12,7 @@ import pytest
 from labs.context_parallel import crossover, methods as cp, traps, ulysses
 from labs.launcher import launch
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

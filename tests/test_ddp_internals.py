@@ -5,7 +5,7 @@ import pytest
 from labs.data_parallel import ddp_internals as di
 from labs.launcher import launch
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 # Gradients here are ~1e-3; fp32 sums of 3 terms in another order differ by a few ulps (~1e-10).

@@ -4,7 +4,7 @@ import pytest
 
 from labs.zero import distributed_optimizer as dopt
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 

@@ -13,7 +13,7 @@ from labs.failures import scenarios, reliability, silent_faults, slow_link, stra
 
 # Most checks here compare a run with its own replay (the same operations in the same order, on the
 # same CPU), whose bits agree whatever the CPU rounds: they run once. Only the tests that compare two
-# implementations or a float formula carry `numerics` (run again under another CPU's rounding).
+# implementations or a float formula carry `numerics` (run under another CPU's rounding).
 
 
 def assert_gone(pids, within=10):

@@ -8,7 +8,7 @@ import torch
 
 from labs.precision import fp8, fp8_wire, kernels, master_weights as mw, scaling
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 

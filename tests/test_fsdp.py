@@ -7,7 +7,7 @@ import torch
 from labs.zero import fsdp, unseen_model as toy, adam_drift
 from labs.launcher import launch
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 STEPS, LR = 4, 1e-3

@@ -7,7 +7,7 @@ import torch
 from labs.zero import distributed_optimizer as dopt, hsdp
 from labs.launcher import launch
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 WORLD, SHARD, LR = 4, 2, 1e-3

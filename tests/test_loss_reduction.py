@@ -4,7 +4,7 @@ import pytest
 
 from labs.data_parallel import loss_reduction as lr
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 

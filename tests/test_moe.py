@@ -9,7 +9,7 @@ import torch
 from labs.launcher import cli, launch
 from labs.expert_parallel import a2a_tail, ep_dp, moe, moe_check, router
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 # fp32: the expert-parallel layer adds a token's k expert outputs in one index_add where the

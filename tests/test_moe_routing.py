@@ -6,7 +6,7 @@ import torch
 
 from labs.expert_parallel import dropless, moe, moe_routing as mr, router
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 # fp32, different orders of the same additions (a grouped GEMM or a batched product against

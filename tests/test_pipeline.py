@@ -13,7 +13,7 @@ from labs import model as tiny
 from labs.formulas import schedules
 from labs.pipeline import executor, torch_pipelining, split_backward
 
-# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# The tests marked `numerics` compare floating-point results: `make test` runs them under
 # another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,7 @@ from labs.launcher import launch
 from labs.formulas import schedules
 from labs.pipeline import pipeline_dp
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 TOL = 1e-6   # as tests/test_pipeline.py: a lost or doubled micro-batch errs by order 1e-2

@@ -6,7 +6,7 @@ from labs.measure import memory
 from labs import model
 from labs.memory_budget import recipes
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 

@@ -10,7 +10,7 @@ import torch
 from labs.data_parallel import loss_reduction
 from labs.recompute import accumulation as acc, offload, pipeline_memory as pm, policies as rc
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 

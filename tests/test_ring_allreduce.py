@@ -13,7 +13,7 @@ from labs.measure import comm, wire
 from labs.launcher import launch
 from labs.data_parallel import ring_allreduce as ra
 
-# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# The tests marked `numerics` compare floating-point results: `make test` runs them under
 # another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import pytest
 from labs.launcher import launch
 from labs.context_parallel import sequence_parallel as sp
 
-# compares floating-point results: `make test` runs it again under another CPU's rounding
+# compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

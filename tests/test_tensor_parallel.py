@@ -9,7 +9,7 @@ import pytest
 from labs.launcher import launch
 from labs.tensor_parallel import blocks as tp, megatron
 
-# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# The tests marked `numerics` compare floating-point results: `make test` runs them under
 # another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,7 @@ import torch
 from labs.dims import ParallelDims
 from labs.planning import drift, layout3d, torch3d, train3d
 
-# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# The tests marked `numerics` compare floating-point results: `make test` runs them under
 # another CPU's rounding. The refusals run once.
 
 CFG = layout3d.config()

@@ -10,7 +10,7 @@ import torch
 from labs.tensor_parallel import gqa_parallel as gqa, tp_limits as tl, vocab_parallel as vp
 from labs.launcher import launch
 
-# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# The tests marked `numerics` compare floating-point results: `make test` runs them under
 # another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 B, S, H, V = 2, 8, 16, 96            # vocabulary lab: V divisible by 2 and 3

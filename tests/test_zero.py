@@ -12,7 +12,7 @@ from labs.launcher import launch
 from labs.zero import stages, adam_drift
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
-# The tests marked `numerics` compare floating-point results: `make test` runs them again under
+# The tests marked `numerics` compare floating-point results: `make test` runs them under
 # another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
