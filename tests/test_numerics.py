@@ -1,9 +1,10 @@
 """The test run's second pass sees another CPU's rounding on this one.
 
 `make test` runs the float-sensitive lab tests (marked ``numerics``) and every notebook once, under the
-Makefile's OTHER_CPU settings: ATen's scalar kernels instead of the vectorised ones, oneMKL's most portable code path (its matrix products block and sum in another order) and oneDNN
-held to SSE4.1. That pass proves something only if those settings really change the rounding, which
-this test checks on the same operations the labs use.
+Makefile's OTHER_CPU settings: ATen's scalar kernels instead of the vectorised ones, oneMKL's most
+portable code path (its matrix products block and sum in another order) and oneDNN held to SSE4.1. That
+pass proves something only if those settings really change the rounding, which this test checks on the
+same operations the labs use.
 """
 import os
 import re
