@@ -1,9 +1,11 @@
 """tools/check_site.py checks the site's calculators against CPython and fails on a wrong answer.
 
-A tiny site with Pyodide (from the pinned npm tarball, tools/pyodide_dist.py), calculators.js and two
-pages: one whose core zip is the repository's (it passes, and its cold time is reported), one whose
-zip has a forms.py that puts the wrong share in the summary, beside a calculator naming no form
-(each is a defect, named). Skipped where playwright, Chromium or the fetched Pyodide is missing.
+A tiny site with Pyodide (from the pinned npm tarball, tools/pyodide_dist.py), calculators.js and one
+page whose core zip has a forms.py that puts the wrong share in the summary, beside a calculator naming
+no form: each is a defect, named, at both widths, and the cold times are still reported. That the
+repository's own zip passes is what `make test`'s check of the built site shows on every page, so a
+second, right page here would only repeat two cold starts (12 s).
+Skipped where playwright, Chromium or the fetched Pyodide is missing.
 """
 import os
 import subprocess
@@ -42,7 +44,7 @@ def site(folder):
         os.symlink(os.path.join(runtime, name), static / "pyodide" / name)
     for name in os.listdir(os.path.join(ROOT, "tools", "calculators_static")):
         os.symlink(os.path.join(ROOT, "tools", "calculators_static", name), static / name)
-    files = core_bundle.write_zip(str(static / "labs-core.zip"))
+    files = core_bundle.write_zip(str(static / "labs-core.zip"))   # the closure: what to copy, then break
     with zipfile.ZipFile(static / "wrong.zip", "w") as z:
         for rel in files:
             with open(os.path.join(ROOT, rel)) as f:
@@ -51,18 +53,16 @@ def site(folder):
                 text = text.replace("{f['over_total']:.1%} of the step", "{f['over_ideal']:.1%} of the step")
                 assert "{f['over_ideal']:.1%} of the step" in text
             z.writestr(rel, text)
-    (folder / "right.html").write_text(PAGE.format(name="right", zip="labs-core.zip", divs=BUBBLE))
     nowhere = '<div class="dtm-calculator" data-form="nowhere"></div>'
     (folder / "wrong.html").write_text(PAGE.format(name="wrong", zip="wrong.zip", divs=BUBBLE + nowhere))
 
 
-def test_a_right_calculator_passes_and_a_wrong_one_fails(tmp_path):
+def test_a_wrong_calculator_fails_at_both_widths(tmp_path):
     site(tmp_path)
     r = subprocess.run([sys.executable, CHECK, str(tmp_path)], capture_output=True, text=True, timeout=300)
     out = r.stdout
     assert r.returncode == 1, out + r.stderr
-    assert not any(line.startswith("right.html: calculator at") for line in out.splitlines()), out
-    assert "right.html: calculator: first answer" in out and "at 390 px" in out, out
+    assert "wrong.html: calculator: first answer" in out and "at 390 px" in out, out
     for width in (1280, 390):
         assert f"wrong.html: calculator at {width} px: bubble: " in out and "gave the summary" in out, out
         assert f"wrong.html: calculator at {width} px: nowhere: data-form='nowhere' names no form" in out, out
