@@ -45,6 +45,9 @@ CASES = [
     (Chapter11, "11.2", P.ANSWERS["11.2"]() * P.NDR_IB_BPS / P.NVLINK4_BPS,
      "the NVLink time, not the network's"),
     (Chapter11, "11.2", P.ANSWERS["11.2"]() / 8, "400 Gb/s read as 400 GB/s"),
+    (Chapter11, "11.3", 0, "Delta N <= G_node taken as enough: every CP group has fewer ranks than a node"),
+    (Chapter11, "11.4", 2 * (16 - 1), "v = 1: the 8 chunks per rank left out"),
+    (Chapter11, "11.4", 16 * 8 - 1, "the forward crossings only"),
 ]
 
 

@@ -61,7 +61,8 @@ class Run:
 
 
 LLAMA3_405B = MODELS["405B"]   # chapter 1's shapes (Table 3), s = 8,192 (Table 4)
-# 16 micro-batches of one sequence: Table 4's 16 sequences per DP rank at DP = 128; v = 8 (above);
+# 16 micro-batches of one sequence: an assumption. Table 4 prints 16 sequences per DP rank ("batch
+# size/DP") at DP = 128, not the micro-batch size; the book takes one sequence per micro-batch. v = 8 (above);
 # bf16 weights gathered, fp32 gradients reduce-scattered (section 3.3.2)
 LLAMA3_RUN = Run(micro_batch=1, micro_batches=16, v=8, param_bytes=BF16, grad_bytes=FP32)
 LLAMA3_DIMS = ParallelDims(tp=8, pp=16, dp=128)
@@ -157,9 +158,15 @@ def _tp_traffic(order):
     return plan(LLAMA3_405B, Placement(ParallelDims(tp=8, pp=16, dp=128, order=order)))["tp"]
 
 
+def _straddling(axis, dims, gpus_per_node):
+    return sum(n > 1 for n in dims.group_nodes(axis, gpus_per_node))
+
+
 ANSWERS = {  # chapter 11's exercises, computed by the calculator above
     "11.1": lambda: _tp_traffic(ORDER)["bytes_per_rank"] / 1e9,          # GB per rank per step
     "11.2": lambda: _tp_traffic(tuple(reversed(ORDER)))["seconds"],      # s, TP over NDR
+    "11.3": lambda: _straddling("cp", ParallelDims(cp=3, dp=4), 4),      # CP groups leaving a node
+    "11.4": lambda: exposed(LLAMA3_405B, Placement(LLAMA3_DIMS))["pp_critical_sends"],
 }
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
@@ -174,6 +181,9 @@ MISTAKES = {
              (lambda: ANSWERS["11.1"]() * 8 / 7, "2M per all-reduce: the ring's (N-1)/N left out")],
     "11.2": [(lambda: ANSWERS["11.2"]() * NDR_IB_BPS / NVLINK4_BPS, "the NVLink time, not the network's"),
              (lambda: ANSWERS["11.2"]() / 8, "400 Gb/s read as 400 GB/s")],
+    "11.3": [(lambda: 0, "Delta N <= G_node taken as enough: every CP group has fewer ranks than a node")],
+    "11.4": [(lambda: 2 * (LLAMA3_DIMS.pp - 1), "v = 1: the 8 chunks per rank left out"),
+             (lambda: LLAMA3_DIMS.pp * LLAMA3_RUN.v - 1, "the forward crossings only")],
 }
 
 
