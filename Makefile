@@ -52,7 +52,7 @@ book: $(STAMP) npm
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
 	@echo "site: $(CURDIR)/_build/html/index.html"
 
-NBVAL := $(BIN)/python -m pytest --nbval notebooks --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider -q
+NBVAL := $(BIN)/python -m pytest --nbval notebooks --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider -q --durations=12
 
 # Another CPU's rounding on this one: ATen's scalar kernels instead of the vectorised ones,
 # oneMKL's most portable code path (its matrix products block and sum in another order) and
