@@ -12,7 +12,8 @@ built here by hand, beside two of PyTorch's own, on the same DDP and the same da
 - int8 quantization: one scale per bucket agreed by an all-reduce of the largest magnitude, each
   rank's gradient rounded to int8 and all-gathered (int8 sums would overflow), averaged in fp32.
 - PyTorch's 16-bit hook (the bucket cast to 16 bits, all-reduced, cast back): ``bf16_compress_hook``
-  on NCCL, ``fp16_compress_hook`` on gloo, where DDP refuses the bf16 one; and ``powerSGD_hook``
+  on NCCL, ``fp16_compress_hook`` on gloo (DDP refuses the bf16 one in a build without CUDA and NCCL
+  2.10, whatever the backend in use); and ``powerSGD_hook``
   (Vogels et al. 2019: each matrix approximated by a rank-r product P Q^T, with error feedback and warm start;
   1-D tensors all-reduced uncompressed).
 
@@ -85,7 +86,7 @@ def int8_hook(state, bucket):
 def wrap(method, model, ratio=0.01, rank=1):
     """DDP around ``model`` with the method's communication hook (none for plain DDP)."""
     ddp = DistributedDataParallel(model)
-    if method == "half":   # DDP refuses the bf16 hooks off NCCL (by name: distributed.py, _check_comm_hook)
+    if method == "half":   # bf16 needs a CUDA+NCCL 2.10 build (distributed.py, _check_comm_hook)
         nccl = dist.get_backend() == "nccl"
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if nccl
                                else default_hooks.fp16_compress_hook)

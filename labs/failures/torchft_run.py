@@ -204,7 +204,8 @@ def torchft(steps=30, kill_step=8, step_s=0.3, kill_replica=2, timeout=600.0, no
     summary = check.summarize(fault, reference)
     exact = check.replay_exact(summary, fault["state_before_kill"], fault["logs"][0])
     out = {"summary": summary, "replay_exact": exact, "trajectory": check.trajectory(summary, noise_runs),
-           "lighthouse_lost": lighthouse_lost(reference), "pids": reference["pids"] + fault["pids"]}
+           "lighthouse_lost": lighthouse_lost(reference), "pids": reference["pids"] + fault["pids"],
+           "fault_logs": fault["logs"], "fault_events": fault["events"]}  # for the sequence diagram
     if wrapper_check:
         out["ddp_wrapper"] = ddp_wrapper(step_s, timeout)
         out["pids"] += out["ddp_wrapper"]["pids"]
