@@ -129,3 +129,24 @@ def test_chapters_11_and_14_count_the_same_tp_and_pp_bytes():
                                               stage=8)
     assert planner["terms"]["tp_vocab"] == 0 and planner["tp"] == calc["tp"]["bytes_per_rank"]
     assert planner["pp"] == calc["pp"]["bytes_per_rank"]
+
+
+def test_dp_exposes_one_chunk_each_way_and_the_micro_batch_split_sets_only_the_send_size():
+    """DP's exposed time is the first chunk's gather plus the last chunk's reduce-scatter, 1/v of each;
+    the other chunks' pieces fit in one micro-batch through one chunk. The bytes depend on b m alone,
+    each PP send (and the critical path) on b. Swapping PP and DP puts PP's waited-for sends across pods."""
+    import dataclasses
+    e = P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
+    v = P.LLAMA3_RUN.v
+    assert e["dp_exposed_s"] == pytest.approx((e["dp_gather_s"] + e["dp_reduce_s"]) / v)
+    assert e["chunk_reduce_share"] < 1 and e["dp_exposed_s"] < e["pp_critical_s"]
+    assert e["pp_critical_crossing_pods"] == 0
+    assert e["dp_exposed_bound_s"] == pytest.approx(7 * e["dp_exposed_s"])
+    swapped = P.exposed(P.LLAMA3_405B, placed(("tp", "cp", "ep", "dp", "pp"), tp=8, pp=16, dp=128))
+    assert 0 < swapped["pp_critical_crossing_pods"] < swapped["pp_critical_sends"]
+    base = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
+    run = dataclasses.replace(P.LLAMA3_RUN, micro_batch=4, micro_batches=4)
+    four = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS), run)
+    assert all(four[a]["bytes_per_rank"] == base[a]["bytes_per_rank"] for a in ("tp", "pp", "dp"))
+    assert P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS), run)["pp_critical_s"] == pytest.approx(
+        4 * e["pp_critical_s"])

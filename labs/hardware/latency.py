@@ -1,12 +1,14 @@
 """Chapter 11: one machine, two latencies. Why the loopback ping-pong and chapter 10's alpha differ.
 
-`machine.ping_pong` times gloo's loopback as half the round trip of a blocking send and recv, back to
-back: the fastest trip is the latency (chapter 10's definition), the median the latency under this
-machine's load. Chapter 10 (`labs.collectives.crossover`) reports alpha as the
-intercept of a line fitted by relative error through exchanges (both ranks send and receive at
-once), each timed right after a barrier, keeping the fastest of many tries per size. On a shared
-2-core machine the two can differ several times over. `measure` times, in one job of 2 ranks, each ingredient
-that separates them, so the gap is measured, not argued:
+The latency, as chapter 10 defines and measures it, is the fastest of many tries of the smallest
+message, timed as an exchange (both ranks send and receive at once) right after a barrier; the median
+of the same tries is the latency under this machine's load. `machine.ping_pong` times gloo's loopback
+as half the round trip of a blocking send and recv, back to back. Chapter 10
+(`labs.collectives.crossover`) also fits a line by relative error over sizes; its intercept is an
+extrapolation to zero bytes, not a latency: it can fall below every measured try. On a shared 2-core
+machine the variants can differ several times over, in either order. `measure` times, in one job of
+2 ranks, each ingredient that separates them, so the gap is measured, not argued, and `across_jobs`
+repeats the small-message part in more jobs to show how far another moment moves each figure:
 
 - the pattern: ping-pong (one-way = round trip / 2) or simultaneous exchange;
 - the start: each timing after a barrier (both processes just woken and running), or back to
@@ -98,7 +100,21 @@ def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
     trips = [2 * t for t in slowest[f"pingpong/back_to_back/{SMALL}"]]
     return {"small_bytes": SMALL, "repeats": repeats, "small": small, "alpha_fits": fits, "tick_s": tick,
             "pingpong_back_to_back_s": slowest[f"pingpong/back_to_back/{SMALL}"],   # every try, one way
+            "tries_s": {v: slowest[f"{v}/{SMALL}"] for v in small},                 # every variant's tries
             "trips_of_a_tick_or_more": None if tick is None else sum(t >= tick for t in trips) / len(trips)}
+
+
+def across_jobs(jobs=4, repeats=20, timeout=180.0):
+    """``jobs`` more jobs, one after another, each timing every variant interleaved as `measure` does
+    (8 and 1,024 bytes only, under a second each): per variant the range over the jobs of the fastest
+    try and of the median, and the range of the share of back-to-back round trips of a tick or more.
+    One job's figures say what that moment cost; the ranges say how far another moment moves them."""
+    runs = [measure(sizes=(SMALL, 1024), repeats=repeats, timeout=timeout) for _ in range(jobs)]
+    span = lambda xs: (min(xs), max(xs))
+    out = {v: {stat: span([r["small"][v][f"{stat}_s"] for r in runs]) for stat in ("fastest", "median")}
+           for v in runs[0]["small"]}
+    shares = [r["trips_of_a_tick_or_more"] for r in runs]
+    return {"jobs": jobs, "small": out, "tick_share": None if None in shares else span(shares)}
 
 
 def main(argv=None):

@@ -123,19 +123,26 @@ def plan(model, p, run=LLAMA3_RUN):
     return rows
 
 
-def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=400e12):
+def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=400e12, oversubscription=7):
     """PP against DP, the two groups that leave the node, as time on the critical path.
 
     PP: the first micro-batch's activation crosses every boundary between the p v model chunks (on p
-    ranks, chunk c on rank c mod p) before the last chunk can start, and the last gradient crosses
-    them back, with every rank waiting: at least 2(p v - 1) sends of one activation lie on the
-    critical path, whatever else overlaps. DP as Llama 3 runs it (section 3.3.2: DP "can tolerate
-    longer network latency by asynchronously prefetching sharded model weights and reducing
-    gradients"): the bf16 all-gather of the weights, prefetched, beside the forward pass, and the fp32
-    reduce-scatter of the gradients behind the backward pass. Forward is 2 P T / (GPUs FLOP/s) and
-    backward 4 P T / (GPUs FLOP/s), a third and two thirds of 6 P T (chapter 1), at Table 4's 400
-    TFLOP/s per GPU on 16,384 GPUs. Also how many of Llama 3's pods of 3,072 GPUs (section 3.3.1;
-    1:7 oversubscribed above them) one group of each axis spans."""
+    ranks, chunk c on rank c mod p, so consecutive chunks live on different ranks) before the last
+    chunk can start, and the last gradient crosses them back, with every rank waiting: at least
+    2(p v - 1) sends of one activation lie on the critical path, whatever else overlaps.
+
+    DP as Llama 3 runs it (section 3.3.2: FSDP that "can tolerate longer network latency by
+    asynchronously prefetching sharded model weights and reducing gradients"; gradients accumulated
+    over the micro-batches in fp32): per chunk, 1/v of the average stage's parameters, one bf16
+    all-gather before the chunk's first forward and one fp32 reduce-scatter after its last backward.
+    The first chunk's gather waits for nothing to overlap and the last chunk's reduce-scatter has no
+    compute left after it: at least (gather + reduce) / v is exposed. The others hide if each
+    chunk's piece fits in the compute between two chunks; the tightest case is one micro-batch of one
+    chunk (the schedule alternating chunks every micro-batch), forward F / (m v), backward B / (m v),
+    with F = 2 P T / (GPUs FLOP/s) and B = 2 F (chapter 1's 6 P T, attention's FLOPs left out), at
+    Table 4's 400 TFLOP/s per GPU. Also how many of Llama 3's pods of 3,072 GPUs (section 3.3.1; 1:7
+    oversubscribed above them) one group of each axis spans, how many of PP's critical sends cross
+    a pod boundary, and a bound: every pod-crossing flow at 1/``oversubscription`` of its port."""
     rows, d = plan(model, p, run), p.dims
     send = rows["pp"]["payload_bytes"]
     send_s = send / p.tiers[rows["pp"]["tier"]]
@@ -144,11 +151,25 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=400e12):
     dp_bw = p.tiers[rows["dp"]["tier"]]
     (_, _, _, gather), (_, _, _, reduce) = rows["dp"]["calls"]
     critical = 2 * (d.pp * run.v - 1) if d.pp > 1 else 0
+    pod = [r // LLAMA3_POD_GPUS for r in d.groups("pp")[0]]          # every PP group alike here
+    crossing = 2 * sum(pod[c % d.pp] != pod[(c + 1) % d.pp] for c in range(d.pp * run.v - 1))
+    chunk_gather_s, chunk_reduce_s = gather / dp_bw / run.v, reduce / dp_bw / run.v
+    slots = run.micro_batches * run.v
+    dp_exposed = chunk_gather_s + chunk_reduce_s
+    dp_spans = max(p.group_nodes("dp", LLAMA3_POD_GPUS)) > 1
     return {"pp_send_bytes": send, "pp_sends_per_step": rows["pp"]["calls"][0][2], "pp_send_s": send_s,
             "pp_critical_sends": critical, "pp_critical_s": critical * send_s,
+            "pp_critical_crossing_pods": crossing,
+            "pp_critical_bound_s": (critical + (oversubscription - 1) * crossing) * send_s,
             "dp_bytes": rows["dp"]["bytes_per_rank"], "dp_s": rows["dp"]["seconds"],
             "dp_gather_bytes": gather, "dp_reduce_bytes": reduce, "dp_gather_s": gather / dp_bw,
             "dp_reduce_s": reduce / dp_bw, "forward_s": forward_s, "backward_s": 2 * forward_s,
+            "chunk_gather_s": chunk_gather_s, "chunk_reduce_s": chunk_reduce_s,
+            "chunk_forward_s": forward_s / slots, "chunk_backward_s": 2 * forward_s / slots,
+            "chunk_reduce_share": chunk_reduce_s / (2 * forward_s / slots),
+            "chunk_gather_share": chunk_gather_s / (forward_s / slots),
+            "dp_exposed_s": dp_exposed,
+            "dp_exposed_bound_s": dp_exposed * (oversubscription if dp_spans else 1),
             "dp_gather_share_of_forward": gather / dp_bw / forward_s,
             "dp_reduce_share_of_backward": reduce / dp_bw / (2 * forward_s),
             "pods_per_group": {a: max(p.group_nodes(a, LLAMA3_POD_GPUS)) for a in LLAMA3_ORDER}}
