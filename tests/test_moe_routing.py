@@ -56,8 +56,8 @@ def test_router_z_loss_formula_and_its_effect_on_the_logits():
     want = (torch.log(torch.tensor(4.0)) ** 2 + torch.log(torch.exp(torch.tensor(2.0)) + 3) ** 2) / 2
     assert router.router_z_loss(logits).item() == pytest.approx(want.item(), rel=1e-6)
     runs = mr.zloss_runs((0.0, 1e-2), steps=80)    # the notebook runs c_z = 1e-3 too
-    assert runs[0.0]["z_loss"] > runs[0.0]["first_z_loss"]         # without it, the logits grow
-    assert runs[1e-2]["z_loss"] < 0.75 * runs[0.0]["z_loss"]       # with it, they are held down
+    assert runs[0.0]["z_loss"] > runs[0.0]["first_z_loss"]         # without it, L_z grows
+    assert runs[1e-2]["z_loss"] < 0.75 * runs[0.0]["z_loss"]       # with it, L_z falls
 
 
 def test_dropless_and_capacity_buffers_equal_their_references_and_flops_follow_the_slots():

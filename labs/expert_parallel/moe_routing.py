@@ -173,16 +173,27 @@ def balance_runs(steps=250, tokens=128, skew=1.0, alphas=(1e-2, 1e-1), gamma=1e-
     return out
 
 
-def zloss_runs(coefficients=(0.0, 1e-3, 1e-2), steps=80, last=20):
+def zloss_runs(coefficients=(0.0, 1e-3, 1e-2), steps=80, last=20, seed=0):
     """The same training (no balancing term) with the router z-loss at each coefficient c_z: per
     run, the mean over the ``last`` steps of L_z, of the largest |logit| and of the task loss."""
     out = {}
     with one_thread():
         for c in coefficients:
-            r = train_balance("none", steps=steps, z_loss=c)
+            r = train_balance("none", steps=steps, z_loss=c, seed=seed)
             out[c] = {k: sum(r[k][-last:]) / last for k in ("z_loss", "max_logit", "losses")}
             out[c]["first_z_loss"] = r["z_loss"][0]
     return out
+
+
+def zloss_seeds(seeds=(1, 2, 3, 4), c_z=1e-2, made=(), **kw):
+    """``zloss_runs`` without and with ``c_z`` on each seed (``made``: runs already made, such as
+    seed 0's and the suite's). Per run: L_z and the largest |logit| without and with, and whether
+    each fell."""
+    runs = list(made) + [zloss_runs((0.0, c_z), seed=s, **kw) for s in seeds]
+    return [{"z_without": r[0.0]["z_loss"], "z_with": r[c_z]["z_loss"], "z_start": r[0.0]["first_z_loss"],
+             "logit_without": r[0.0]["max_logit"], "logit_with": r[c_z]["max_logit"],
+             "z_fell": r[c_z]["z_loss"] < r[0.0]["z_loss"],
+             "logit_fell": r[c_z]["max_logit"] < r[0.0]["max_logit"]} for r in runs]
 
 
 def dispatch_bytes(tokens, top_k, ep, hidden, bytes_per_elem=2, scale_block=None, scale_bytes=4):

@@ -5,15 +5,18 @@ lab's own result dict from the one run. Each entry is that lab's function, uncha
 - ``layer`` / ``layer_cf1``: `moe_check.check_layer` without capacity and at capacity factor 1;
 - ``grouped``: `dropless.check_grouped`, each rank's experts as one grouped GEMM;
 - with 4 ranks also ``node`` (`node_dispatch.compare`), ``tail`` (`a2a_tail.sent_bytes`),
-  ``ep_dp`` (`ep_dp.check`) and ``ep_tp`` (`ep_tp.check`).
+  ``ep_dp`` (`ep_dp.check`) and ``ep_tp`` (`ep_tp.check`);
+- with ``zloss`` also ``zloss``: `moe_routing.zloss_runs` without and with c_z = 1e-2 on seed
+  rank + 1, one process each, so the seeds run side by side after the collectives.
 
     python -m labs.expert_parallel.suite --world-size 4 --json
 """
-from labs.expert_parallel import a2a_tail, dropless, ep_dp, ep_tp, moe, moe_check, node_dispatch
+from labs.expert_parallel import a2a_tail, dropless, ep_dp, ep_tp, moe, moe_check, moe_routing, node_dispatch
 from labs.launcher import launch
 
 
-def run(rank, world_size, tokens=32, hidden=16, experts=8, top_k=2, skews=(0.0, 0.5, 1.0, 1.5), batches=4):
+def run(rank, world_size, tokens=32, hidden=16, experts=8, top_k=2, skews=(0.0, 0.5, 1.0, 1.5), batches=4,
+        zloss=False):
     out = {"layer": moe_check.check_layer(rank, world_size, tokens, hidden, experts, top_k, None),
            "layer_cf1": moe_check.check_layer(rank, world_size, tokens, hidden, experts, top_k, 1.0),
            "grouped": dropless.check_grouped(rank, world_size, tokens=tokens)}
@@ -21,6 +24,8 @@ def run(rank, world_size, tokens=32, hidden=16, experts=8, top_k=2, skews=(0.0, 
         out.update(node=node_dispatch.compare(rank, world_size),
                    tail=a2a_tail.sent_bytes(rank, world_size, skews, batches=batches),
                    ep_dp=ep_dp.check(rank, world_size), ep_tp=ep_tp.check(rank, world_size))
+    if zloss:   # no collective: each rank trains its own seed
+        out["zloss"] = moe_routing.zloss_runs((0.0, 1e-2), seed=rank + 1)
     return out
 
 
