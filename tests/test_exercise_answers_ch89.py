@@ -22,6 +22,8 @@ CASES = [
     # 4 bytes short of 7,340,060: inside a 1 % tolerance, so the checker must compare a count exactly
     (ls, "3", 7 * 2 ** 20, "the fp32 scales forgotten: one per shard"),
     (ls, "3", 7 * 2 ** 20 * 2, "the BF16 answer: two bytes per element"),
+    (ls, "4", 2.0, "the exponent rounded up, which never saturates: not the rule"),
+    (ls, "4", 9.0, "log2 of the amax, without subtracting E4M3's top exponent 8"),
     # chapter 9, recomputation and accumulation
     (rc, "1", (2 * A * S / H) / (32 + 2 * A * S / H),
      "the dropout-free count sbh(32 + 2as/h) for a layer with dropout"),

@@ -36,6 +36,23 @@ def test_every_kernel_that_runs_agrees_with_the_emulation_and_a_wrong_scale_is_c
     assert ((wrong.double() - ref).norm() / ref.norm()).item() > 1e3 * kernels.GAP_BOUND
 
 
+def test_the_order_holds_on_every_draw_and_the_summary_is_of_those_draws():
+    r = fp8.matmul_error_seeds(seeds=range(3))   # the shapes the chapter draws
+    for run in r["runs"]:
+        e, z = run["errors"], run["x_zero_fraction"]
+        assert e["block"] < e["row"] < e["tensor"] and z["block"] < z["tensor"] / 5
+    each = r["x_zero_fraction"]["tensor"]["each"]
+    # three different draws (a summary of one draw repeated would have no spread)
+    assert len(set(each)) == 3 and r["x_zero_fraction"]["tensor"]["median"] == sorted(each)[1]
+
+
+def test_the_mx_scale_is_e8m0_read_from_finfo():
+    from labs.precision import figures
+    mx = figures.mx_scale()
+    assert (mx["exponent_bits"], mx["mantissa_bits"], mx["block"]) == (8, 0, 32)
+    assert (mx["max"], mx["smallest"]) == (2.0 ** 127, 2.0 ** -127)
+
+
 def test_without_outliers_granularity_matters_little():
     r = fp8.matmul_error(outliers=0)
     assert r["errors"]["tensor"] < 1.2 * r["errors"]["block"]

@@ -10,7 +10,8 @@ tensor cores keep about 14 bits of the running sum, it promotes the partial sum 
 register every N_C = 128 elements of K.
 
 `quantize` does all four granularities; `matmul_error` compares them on heavy-tailed activations
-with outlier channels; `accumulation` emulates the short accumulator. The kernels themselves
+with outlier channels, and `matmul_error_seeds` repeats that over several draws; `accumulation`
+emulates the short accumulator. The kernels themselves
 (``torch._scaled_mm``) are tried in `labs.precision.kernels`; FP8 on gloo's wire is
 `labs.precision.fp8_wire`; MXFP8 and delayed scaling are `labs.precision.scaling`.
 """
@@ -104,6 +105,21 @@ def matmul_error(M=256, K=512, N=256, outliers=4, outlier_gain=1000.0, seed=0, f
         errors[name] = rel_error(y.double(), ref)
         zeros[name] = (xq[0].float() == 0).double().mean().item()
     return {"errors": errors, "x_zero_fraction": zeros, "shape": [M, K, N], "outliers": outliers}
+
+
+def matmul_error_seeds(seeds=range(8), **kw):
+    """`matmul_error` over several draws of X and W (``seeds``): per scaling, each draw's error and
+    flushed share, with their median, smallest and largest. One draw is one sample of the heavy
+    tail; the spread over draws is what a reader needs beside it."""
+    import statistics
+
+    runs = [matmul_error(seed=s, **kw) for s in seeds]
+    out = {"seeds": list(seeds), "runs": runs}
+    for key in ("errors", "x_zero_fraction"):
+        per = {g: [r[key][g] for r in runs] for g in runs[0][key]}
+        out[key] = {g: {"each": v, "median": statistics.median(v), "min": min(v), "max": max(v)}
+                    for g, v in per.items()}
+    return out
 
 
 def round_to_bits(s, bits):

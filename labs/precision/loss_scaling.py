@@ -156,9 +156,9 @@ TRACK_MODES = ("fp32", "bf16", "fp16", "fp16_scaled")
 def track(mode, steps=30, loss_weight=2.0 ** -24, lr=3e-3, seed=0, scale_eps=True, params=False):
     """Train the tiny GPT ``steps`` Adam steps in one precision; return its (unweighted) losses.
 
-    The loss is multiplied by ``loss_weight`` so the gradients sit where a large model's do (most
-    below 2^-24, Micikevicius et al. 2018, Figure 3). Modes: fp32; bf16 and fp16 under autocast
-    with fp32 weights; fp16_scaled adds `DynamicScaler`.
+    The loss is multiplied by ``loss_weight``: a device that pushes the tiny GPT's gradients below
+    FP16's range (2^-24 and less), so that FP16 must lose them without a loss scale. Modes: fp32;
+    bf16 and fp16 under autocast with fp32 weights; fp16_scaled adds `DynamicScaler`.
 
     Why FP32 does not see the weight: multiplying the loss by a power of two multiplies every
     gradient by it exactly (backpropagation is linear in the loss, and a power-of-two product is
@@ -245,7 +245,16 @@ EXERCISES = {
     "2": lambda: _e4m3_flush_below(1792.0),
     # ring all-gather on 8 ranks: each rank sends 7 shards of 2^20 FP8 elements, each with its fp32 scale
     "3": lambda: 7 * (2 ** 20 * formats()["fp8_e4m3"]["bits"] // 8 + formats()["fp32"]["bits"] // 8),
+    # the MX specification's shared exponent for a block whose amax is 1,000
+    "4": lambda: _mx_exponent(1000.0, "floor"),
 }
+
+
+def _mx_exponent(amax, rounding):
+    from labs.precision import scaling
+    q, scale, _ = scaling.mx_quantize(torch.full((1, scaling.MX_BLOCK), amax), rounding)
+    return math.log2(scale.float()[0, 0].item())
+
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
@@ -258,6 +267,10 @@ MISTAKES = {
           (lambda: 8 * (2 ** 20 * formats()["fp8_e4m3"]["bits"] // 8 + formats()["fp32"]["bits"] // 8),
            "N shards sent instead of N - 1"),
           (lambda: 7 * 2 ** 20 * formats()["bf16"]["bits"] // 8, "the BF16 answer: two bytes per element")],
+    "4": [(lambda: _mx_exponent(1000.0, "ceil"),
+           "the exponent rounded up, which never saturates: not the rule"),
+          (lambda: math.floor(math.log2(1000.0)),
+           "log2 of the amax, without subtracting E4M3's top exponent 8")],
 }
 
 
