@@ -179,6 +179,27 @@ def test_measured_crossover_and_sweep_sizes():
         X.sweep(2, repeats=5)
 
 
+def test_latency_model_and_bootstrap():
+    """alpha is the fastest try at the smallest size, not the line's intercept; M*'s bootstrap
+    interval holds the estimate and narrows to it when every try is the same."""
+    sizes = [4, 1024, 65536]
+    exact = [[ALPHA + n * BETA] * 5 for n in sizes]
+    m = alpha_beta.model(sizes, [[t[0] * 3] + t[1:] for t in exact])   # one slow try per size
+    assert m["alpha"] == pytest.approx(ALPHA + 4 * BETA) and m["beta"] == pytest.approx(BETA)
+    b = alpha_beta.bootstrap_crossover(sizes, exact, 4, draws=50)
+    assert b["low"] == pytest.approx(b["estimate"]) == pytest.approx(b["high"])
+    assert b["estimate"] == pytest.approx(alpha_beta.crossover(ALPHA + 4 * BETA, BETA, 4))
+
+
+def test_pictures_align_rounds():
+    """A binomial broadcast's logged exchanges, numbered per rank, land on their common rounds."""
+    from labs.collectives import pictures
+    snd = lambda d: {"sends": [(d, 8)], "recvs": []}
+    rcv = lambda s: {"sends": [], "recvs": [(s, 8)]}
+    tree = [[snd(1), snd(2)], [rcv(0), snd(3)], [rcv(0)], [rcv(1)]]      # 4 ranks, from rank 0
+    assert pictures.align(tree) == [[0, 1], [0, 1], [1], [1]]
+
+
 def test_crossover_sweep_contract():
     """A fast run of the notebook's sweep on 2 ranks (no crossover at N = 2: doubling saves one
     alpha at every size): its pieces fit together; its timings are the notebook's to print."""
@@ -188,7 +209,8 @@ def test_crossover_sweep_contract():
     assert all(len(t) == 6 for a in X.ALGORITHMS for t in r["seconds"][a])
     assert len(r["ratios"]) == 3
     assert all(iv["lowest"] <= iv["low"] <= iv["median"] <= iv["high"] <= iv["highest"] for iv in r["ratios"])
-    assert r["fit_residuals"] == pytest.approx([(t - r["alpha"] - n * r["beta"]) / t
+    assert r["alpha"] == r["fit_seconds"][0] == min(r["fit_times"][0])   # the latency: fastest, smallest
+    assert r["fit_residuals"] == pytest.approx([(t - r["intercept"] - n * r["beta"]) / t   # the line's
                                                 for n, t in zip(r["fit_sizes"], r["fit_seconds"])])
     assert r["model_round_smallest"]["ring"] == pytest.approx(r["alpha"] + 8 / 2 * r["beta"])   # M/N bytes
     assert len(X.table(r).splitlines()) == 4

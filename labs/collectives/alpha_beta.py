@@ -18,13 +18,14 @@ fold in first and unfold last). `labs.collectives.crossover` times both algorith
 (`labs.data_parallel.bus_bandwidth`), on whatever backend `labs.launcher.launch` chose: gloo here, NCCL on a
 GPU box.
 """
+import random
 import statistics
 
 import torch
 import torch.distributed as dist
 
 from labs.data_parallel import bus_bandwidth
-from labs.measure import comm, timing
+from labs.measure import comm, intervals, timing
 from labs.launcher import launch, preflight
 
 FIT_SIZES = [4, 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024]   # bytes
@@ -63,6 +64,35 @@ def fit_line(sizes, seconds):
     predicted = [alpha + n * beta for n in sizes]
     return {"alpha": alpha, "beta": beta, "predicted": predicted,
             "residuals": [(s - p) / s for s, p in zip(seconds, predicted)]}
+
+
+def model(sizes, tries):
+    """The alpha-beta model chapters 10 and 11 use: alpha is the latency, the fastest try at the
+    smallest size; beta is the slope of `fit_line` through the fastest try per size. The line's
+    intercept is returned as a fit parameter, not a latency."""
+    fastest = [min(t) for t in tries]
+    line = fit_line(sizes, fastest)
+    return {"alpha": fastest[sizes.index(min(sizes))], "beta": line["beta"], "intercept": line["alpha"],
+            "residuals": line["residuals"]}
+
+
+def bootstrap_crossover(sizes, tries, p, draws=1000, seed=0, level=0.95):
+    """M* with a percentile bootstrap interval: each draw resamples every size's tries with
+    replacement and refits `model`. A minimum resamples poorly (it often repeats), so the interval
+    is a lower bound on the uncertainty, not a guarantee. Returns estimate, low, high, draws."""
+    rng = random.Random(seed)
+    base = model(sizes, tries)
+    stars = []
+    for _ in range(draws):
+        m = model(sizes, [[rng.choice(t) for _ in t] for t in tries])
+        stars.append(crossover(m["alpha"], m["beta"], p) or float("nan"))
+    stars = [x for x in stars if x == x]                     # a draw with beta <= 0 has no M*
+    if not stars:
+        return {"estimate": None, "low": None, "high": None, "draws": 0}
+    draws = len(stars)
+    stars.sort()
+    lo, hi = stars[int((1 - level) / 2 * draws)], stars[int((1 + level) / 2 * draws) - 1]
+    return {"estimate": crossover(base["alpha"], base["beta"], p), "low": lo, "high": hi, "draws": draws}
 
 
 def doubling_rounds(p):
@@ -112,19 +142,23 @@ def _library_call(op, s, p):
 
 
 def rank_bench(rank, world_size, ops, sizes, repeats):
-    """One rank: median seconds per (op, size), ops by rows."""
+    """One rank: the seconds of every repeat per (op, size), ops by rows (each repeat after a barrier,
+    so repeat i of every rank is one call of the collective)."""
     rows = []
     for op in ops:
         row = []
         for s in sizes:
             call, t = _library_call(op, s, world_size)
-            row.append(_median_seconds(call, repeats))
+            row.append(_median_seconds(call, repeats, stat=list))
         rows.append(row)
     return rows
 
 
-def bench(world_size, ops=BENCH_OPS, sizes=BENCH_SIZES, repeats=5, timeout=300.0):
-    """Rows of op, nbytes (S), seconds (slowest rank's median), algbw and busbw (bytes/s)."""
+def bench(world_size, ops=BENCH_OPS, sizes=BENCH_SIZES, repeats=9, timeout=300.0):
+    """Rows of op, nbytes (S), seconds (the median over repeats of the slowest rank's time), low and
+    high (the order statistics that hold that median at 95 %, `labs.measure.intervals`), algbw and
+    busbw (bytes/s, from the median)."""
+    k, _ = intervals.median_ranks(repeats)                 # refuses too few repeats before spawning
     for s in sizes:
         if s % (4 * world_size):
             raise ValueError(f"size {s} must be a multiple of 4 * world size = {4 * world_size} bytes.")
@@ -132,16 +166,20 @@ def bench(world_size, ops=BENCH_OPS, sizes=BENCH_SIZES, repeats=5, timeout=300.0
     rows = []
     for i, op in enumerate(ops):
         for j, s in enumerate(sizes):
-            seconds = max(r[i][j] for r in ranks)
+            slowest = sorted(max(r[i][j][n] for r in ranks) for n in range(repeats))
+            seconds = statistics.median(slowest)
             rows.append({"op": op, "nbytes": s, "seconds": seconds,
+                         "low": slowest[k - 1], "high": slowest[repeats - k],
                          **bus_bandwidth.bandwidths(s, seconds, world_size, op)})
     return {"world_size": world_size, "backend": preflight.choose_backend(world_size), "rows": rows}
 
 
 def table(result):
     """nccl-tests' columns: size, time, algbw, busbw (GB/s = 1e9 bytes/s, as nccl-tests prints)."""
-    lines = [f"{'op':>15} {'size B':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
+    lines = [f"{'op':>15} {'size B':>10} {'time us':>9} {'95% interval us':>17} "
+             f"{'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in result["rows"]:
-        lines.append(f"{r['op']:>15} {r['nbytes']:>10} {r['seconds'] * 1e6:>10.1f} "
+        lines.append(f"{r['op']:>15} {r['nbytes']:>10} {r['seconds'] * 1e6:>9.0f} "
+                     f"{r['low'] * 1e6:>8.0f}-{r['high'] * 1e6:<8.0f} "
                      f"{r['algbw'] / 1e9:>11.3f} {r['busbw'] / 1e9:>11.3f}")
     return "\n".join(lines)

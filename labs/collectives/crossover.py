@@ -7,10 +7,13 @@ A prediction is not a measurement, so `sweep` times both hand all-reduces of
 measured times cross beside where the model says they should.
 
 In every round of both algorithms all ranks exchange at once, so alpha and beta are fitted here, in
-the same job, on the same N ranks: rank r swaps M bytes with r XOR 1, every pair at once, and
-`alpha_beta.fit_line` fits the fastest repeat per size by relative error. Each time is the slowest
-rank's (a collective ends when its last rank does). At each size the two all-reduces take turns,
-repeat by repeat, the first of the pair alternating, so each repeat gives one paired ratio
+the same job, on the same N ranks: rank r swaps M bytes with r XOR 1, every pair at once. alpha is
+the latency, the fastest try at the smallest size; beta is the slope of the line fitted by
+relative error through the fastest try per size (`alpha_beta.model`), whose intercept is returned
+as a fit parameter, not a latency.
+Each time is the slowest rank's (a collective ends when its last rank does). At each size the
+two all-reduces take turns, repeat by repeat, the first of the pair alternating, so each repeat
+gives one paired ratio
 doubling / ring; `labs.measure.intervals` turns the ratios into a median with its interval and
 range, and names the faster algorithm only where the interval excludes 1 and no more ranks ran
 than the machine has cores. On a GPU the clock is read after `torch.cuda.synchronize`.
@@ -69,8 +72,8 @@ def rank_sweep(rank, world_size, fit_sizes, factors, repeats):
     """One rank: fit alpha and beta, predict M*, time both all-reduces around it, in pairs."""
     fit_times = _exchange_times(rank, fit_sizes, repeats)
     fastest = [min(t) for t in fit_times]
-    line = alpha_beta.fit_line(fit_sizes, fastest)
-    m_star = alpha_beta.crossover(line["alpha"], line["beta"], world_size)
+    used = alpha_beta.model(fit_sizes, fit_times)   # alpha: the latency; the intercept: a fit parameter
+    m_star = alpha_beta.crossover(used["alpha"], used["beta"], world_size)
     step = 4 * world_size                                 # fp32 elements in N equal blocks
     sizes = (sweep_sizes(m_star, world_size, factors) if m_star      # no M* (N = 2): the fit's sizes
              else sorted({-(-n // step) * step for n in fit_sizes}))
@@ -89,8 +92,9 @@ def rank_sweep(rank, world_size, fit_sizes, factors, repeats):
             times[name].append(_slowest(per_repeat[name]))
     ok = torch.tensor([int(exact)], device=launch.device())
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)                # every rank's results
-    return {"alpha": line["alpha"], "beta": line["beta"], "fit_sizes": list(fit_sizes),
-            "fit_seconds": fastest, "fit_residuals": line["residuals"],
+    return {"alpha": used["alpha"], "beta": used["beta"], "fit_sizes": list(fit_sizes),
+            "fit_seconds": fastest, "fit_residuals": used["residuals"], "fit_times": fit_times,
+            "intercept": used["intercept"],
             "fit_median_seconds": [statistics.median(t) for t in fit_times],
             "predicted": m_star, "sizes": sizes, "seconds": times, "exact": bool(ok.item())}
 
@@ -123,8 +127,10 @@ def describe(where, at):
 def sweep(world_size, fit_sizes=alpha_beta.FIT_SIZES, factors=FACTORS, repeats=REPEATS, timeout=300.0):
     """Fit, predict and time on ``world_size`` ranks; the predicted and the measured crossover.
 
-    Returns alpha, beta, fit_residuals (relative), fit_median_seconds, predicted (M* in bytes, None
-    for N = 2), sizes, seconds (per algorithm and size, the slowest rank's time of each repeat),
+    Returns alpha (the latency: fastest smallest-size try), beta, fit_residuals (relative),
+    fit_times (every try), intercept (the free fit's, a fit parameter), fit_median_seconds,
+    predicted (M* in bytes, None for N = 2), sizes, seconds (per algorithm and size, the slowest
+    rank's time of each repeat),
     ratios (per size, `intervals.ratio_interval` of doubling / ring, with its verdict), cores,
     measured (where, bytes, text) and seconds_per_round_smallest with model_round_smallest: at the
     smallest size, each algorithm's median time over its rounds beside alpha + (bytes a round

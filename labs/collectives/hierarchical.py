@@ -74,7 +74,7 @@ def rank_compare(rank, world_size, g, numel):
         mine, rounds = x.clone(), Rounds()
         with comm.counting() as tally:
             run(mine, rounds)
-        out[name] = {**_tiers(tally, g), "rounds": rounds.count,
+        out[name] = {**_tiers(tally, g), "rounds": rounds.count, "schedule": rounds.log,
                      "equals_library": torch.equal(mine, library)}   # integer sums: exact in any order
     return out
 
@@ -97,6 +97,7 @@ def compare(world_size=4, gpus_per_node=2, numel=1200, timeout=120.0):
     ranks = launch.spawn(rank_compare, world_size, gpus_per_node, numel, timeout=timeout)
     rows = {name: {"intra": [r[name]["intra"] for r in ranks], "inter": [r[name]["inter"] for r in ranks],
                    "rounds": max(r[name]["rounds"] for r in ranks),
+                   "schedule": [r[name]["schedule"] for r in ranks],
                    "equals_library": all(r[name]["equals_library"] for r in ranks)}
             for name in ("hierarchical", "flat_ring")}
     return {"world_size": world_size, "gpus_per_node": gpus_per_node, "nbytes": 4 * numel, **rows,

@@ -16,10 +16,12 @@ from labs.measure import comm
 
 
 class Rounds:
-    """How many exchanges this rank took part in (a round: post every message, then wait)."""
+    """How many exchanges this rank took part in (a round: post every message, then wait), and
+    ``log``: per exchange, the (dst, bytes) sent and the (src, bytes) received, for the pictures."""
 
     def __init__(self):
         self.count = 0
+        self.log = []
 
     def exchange(self, sends=(), recvs=()):
         """``sends``: (tensor, dst) pairs; ``recvs``: (tensor, src) pairs; all posted, then awaited."""
@@ -27,6 +29,10 @@ class Rounds:
         for req in reqs:
             req.wait()
         self.count += bool(reqs)
+        if reqs:
+            size = lambda t: t.numel() * t.element_size()
+            self.log.append({"sends": [(d, size(t)) for t, d in sends],
+                             "recvs": [(s, size(t)) for t, s in recvs]})
 
 
 def layout(p):

@@ -132,7 +132,7 @@ def rank_run(rank, world_size, op, algorithm, numel):
     compare = op != "reduce" or rank == 0   # reduce leaves the sum on the root only
     err = (got - expected).abs().max().item() if compare and got.numel() else 0.0
     return {"max_abs_error": err, "rounds": rounds.count, "bytes_sent": tally.bytes_sent,
-            "bytes_received": tally.bytes_received}
+            "bytes_received": tally.bytes_received, "schedule": rounds.log}
 
 
 def run(op, algorithm, world_size, numel, timeout=120.0):
@@ -153,6 +153,7 @@ def summarize(ranks, op, algorithm, numel):
     return {"op": op, "algorithm": algorithm, "world_size": p, "numel": numel, "nbytes": n,
             "max_abs_error": max(r["max_abs_error"] for r in ranks),
             "steps": max(r["rounds"] for r in ranks), "bytes_sent": sent, "total_bytes_sent": sum(sent),
+            "schedule": [r["schedule"] for r in ranks],
             "formula": {"steps": rounds, "max_bytes_sent": most, "total_bytes_sent": total}}
 
 
@@ -223,7 +224,7 @@ def main(argv=None):
     argv = list(__import__("sys").argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         p = cli.parser("The library's collectives timed, nccl-tests style: size, time, algbw, busbw.")
-        p.add_argument("--repeats", type=cli.positive_int, default=5)
+        p.add_argument("--repeats", type=cli.positive_int, default=9)
         args = cli.parse(p, argv[1:])
         result = alpha_beta.bench(args.world_size, repeats=args.repeats, timeout=args.timeout)
         return cli.report(result, args, alpha_beta.table(result))
