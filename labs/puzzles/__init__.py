@@ -1,0 +1,10 @@
+"""Chapter 16, build it yourself: puzzles the reader solves in a notebook, graded on real ranks.
+
+Each puzzle is one function the reader writes against a stub; its grader runs it on gloo ranks
+through the book's launcher, compares the result with one process, counts its bytes against the
+chapter's formula, measures memory where the piece is about memory, and says what differs.
+The reference solution of each is the book's own lab from the chapter that teaches it.
+
+- `grader`: carry a notebook function's source to the ranks, the deadline, the ``pass``/``not yet`` report.
+- `ring`: puzzle 1, a ring all-reduce from send and recv (chapter 2).
+"""
