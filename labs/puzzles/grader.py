@@ -91,7 +91,8 @@ def carry(fn, _seen=None):
         value = fn.__globals__[key]
         if isinstance(value, types.ModuleType):
             names[key] = ("module", value.__name__)
-        elif isinstance(value, SIMPLE) or (isinstance(value, tuple) and all(isinstance(v, SIMPLE) for v in value)):
+        elif isinstance(value, SIMPLE) or (isinstance(value, tuple)
+                                           and all(isinstance(v, SIMPLE) for v in value)):
             names[key] = ("value", value)
         elif callable(value) and _importable_object(value):
             names[key] = ("object", (value.__module__, value.__qualname__))
@@ -143,7 +144,7 @@ def _on_ranks(rank, world_size, module, check, fn, kwargs):
 def run(check, fn, world_size, deadline, hint_hang, **kwargs):
     """Run ``check(rank, world_size, fn, **kwargs)`` on ranks; a list of per-rank results, or a `Grade`
     naming the rank that raised or hung."""
-    carried = carry(fn)
+    carried = carry(fn) if callable(fn) else fn  # data (a schedule) travels as it is
     try:
         return launch.spawn(_on_ranks, world_size, check.__module__, check.__name__, carried, kwargs,
                             timeout=deadline, backend="gloo")

@@ -38,7 +38,7 @@ def check(rank, world_size, fn, numel):
     return {"result": x, "bytes_sent": tally.bytes_sent, "messages": tally.calls("send")}
 
 
-def grade(fn, world_size=3, numel=10, deadline=10.0):
+def grade(fn, world_size=3, numel=12, deadline=10.0):
     """Run ``fn`` on ``world_size`` gloo ranks and compare with one process and the ring's bytes."""
     results = grader.run(check, fn, world_size, deadline, HINT_HANG, numel=numel)
     if isinstance(results, grader.Grade):
@@ -54,7 +54,8 @@ def grade(fn, world_size=3, numel=10, deadline=10.0):
             i = int((err / bound).argmax())
             k = max(j for j in range(world_size) if starts[j] <= i)
             return grader.Grade(False, [
-                f"rank {r} holds the wrong sum in chunk {k} (elements {starts[k]}..{starts[k] + chunks[k] - 1}): "
+                f"rank {r} holds the wrong sum in chunk {k} "
+                f"(elements {starts[k]}..{starts[k] + chunks[k] - 1}): "
                 f"element {i} is {out['result'][i].item():.4g}, one process says {exact[i].item():.4g}"],
                 _hint_wrong(out["result"], inputs, k, starts[k], chunks[k]))
     for r, out in enumerate(results[1:], 1):

@@ -1,0 +1,213 @@
+"""Chapter 16's graders (labs/puzzles): each passes the book's own lab and refuses each classic mistake
+with a message that names the difference.
+
+The mistakes are written here as a reader would write them, at module level: the grader carries
+their source to the ranks (they are not importable by a spawned rank as a lab is), so these tests
+also exercise the carrying of a function and of a helper it calls.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from labs.measure import comm
+from labs.data_parallel.hand_ring import ring_allreduce
+from labs.tensor_parallel.megatron import parallelize_mlp
+from labs.formulas.schedules import Action, gpipe, one_f_one_b
+from labs.puzzles import mlp, ring, schedule
+
+
+def _passes(grade):
+    assert grade.passed, str(grade)
+    return str(grade)
+
+
+def _refused(grade, *words):
+    text = str(grade)
+    assert not grade.passed, text
+    assert text.startswith("not yet: ") and "\nhint: " in text, text
+    for w in words:
+        assert w in text, f"{w!r} not in:\n{text}"
+    return text
+
+
+# ---- puzzle 1: the ring ----------------------------------------------------------------------
+
+def ring_wrong_chunk(tensor):
+    """Reduce-scatter adds the arriving chunk to the one it just sent, (r - 1 - s), not (r - 2 - s)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = list(tensor.split(comm.ring_chunks(tensor.numel(), n)))
+    for s in range(n - 1):
+        send, k = chunks[(r - 1 - s) % n], (r - 1 - s) % n
+        buf = torch.empty_like(chunks[k])
+        reqs = [comm.isend(send, (r + 1) % n), comm.irecv(buf, (r - 1) % n)]
+        for q in reqs:
+            q.wait()
+        chunks[k].add_(buf)
+    for s in range(n - 1):
+        send, k = chunks[(r + 1 - s) % n], (r - s) % n
+        reqs = [comm.isend(send.clone(), (r + 1) % n), comm.irecv(chunks[k], (r - 1) % n)]
+        for q in reqs:
+            q.wait()
+
+
+def ring_naive(tensor):
+    """Everything to rank 0 and back: the right sum, (N-1) M bytes from rank 0."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    if r == 0:
+        buf = torch.empty_like(tensor)
+        for src in range(1, n):
+            comm.recv(buf, src)
+            tensor.add_(buf)
+        for dst in range(1, n):
+            comm.send(tensor, dst)
+    else:
+        comm.send(tensor, 0)
+        comm.recv(tensor, 0)
+
+
+def ring_recv_first(tensor):
+    """Every rank receives before it sends: nobody sends."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    buf = torch.empty_like(tensor)
+    comm.recv(buf, (r - 1) % n)
+    comm.send(tensor, (r + 1) % n)
+
+
+def test_ring_passes_chapter_2s_ring():
+    text = _passes(ring.grade(ring_allreduce))
+    assert "2(N-1)/N M = 64 bytes" in text
+
+
+def test_ring_refuses_the_wrong_chunk():
+    _refused(ring.grade(ring_wrong_chunk), "holds the wrong sum in chunk", "chunk indices")
+
+
+def test_ring_refuses_the_naive_allreduce_by_its_bytes():
+    _refused(ring.grade(ring_naive), "rank 0 sent 96 bytes", "the ring sends 64: 32 bytes too many")
+
+
+def test_ring_names_the_deadlock_and_the_call():
+    _refused(ring.grade(ring_recv_first, deadline=3), "deadline of 3 s", "deadlock", "in recv")
+
+
+# ---- puzzle 5: Megatron's MLP ----------------------------------------------------------------
+
+class _F(torch.autograd.Function):  # the reader's f and g would live in their cell; these are shared
+    @staticmethod
+    def forward(ctx, x, reduce_grad):
+        ctx.reduce_grad = reduce_grad
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        if ctx.reduce_grad:
+            comm.all_reduce(grad)
+        return grad, None
+
+
+class _G(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, times):
+        x = x.contiguous().clone()
+        for _ in range(times):
+            comm.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _tp_mlp(mlp, f_reduces=True, g_times=1, bias_first=False):
+    """A hand split with a switch per mistake (rank r keeps rows r*4h/N.. of fc, columns of proj)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    w = mlp.fc.out_features // n
+    rows = slice(r * w, (r + 1) * w)
+    fc_w = torch.nn.Parameter(mlp.fc.weight.detach()[rows].clone())
+    fc_b = torch.nn.Parameter(mlp.fc.bias.detach()[rows].clone())
+    pr_w = torch.nn.Parameter(mlp.proj.weight.detach()[:, rows].clone())
+    pr_b = torch.nn.Parameter(mlp.proj.bias.detach().clone())
+    mlp.fc.weight, mlp.fc.bias, mlp.proj.weight, mlp.proj.bias = fc_w, fc_b, pr_w, pr_b
+
+    def forward(x):
+        h = F.gelu(F.linear(_F.apply(x, f_reduces), fc_w, fc_b))
+        y = F.linear(h, pr_w, pr_b if bias_first else None)
+        z = _G.apply(y, g_times)
+        return z if bias_first else z + pr_b
+    mlp.forward = forward
+    return mlp
+
+
+def mlp_g_twice(mlp, group):
+    return _tp_mlp(mlp, g_times=2)
+
+
+def mlp_f_forgets_backward(mlp, group):
+    return _tp_mlp(mlp, f_reduces=False)
+
+
+def mlp_bias_on_every_rank(mlp, group):
+    return _tp_mlp(mlp, bias_first=True)
+
+
+def test_mlp_passes_chapter_4s_split():
+    assert "384 bytes sent per rank" in _passes(mlp.grade(parallelize_mlp))
+
+
+def test_mlp_helper_split_passes():
+    _passes(mlp.grade(lambda_free_ok))
+
+
+def lambda_free_ok(mlp, group):
+    return _tp_mlp(mlp)
+
+
+def test_mlp_refuses_g_twice():
+    _refused(mlp.grade(mlp_g_twice), "rank 0's output differs", "N times too large")
+
+
+def test_mlp_refuses_f_without_its_backward_all_reduce():
+    _refused(mlp.grade(mlp_f_forgets_backward), "gradient of the MLP's input differs", "f's backward")
+
+
+def test_mlp_refuses_the_bias_added_before_g():
+    _refused(mlp.grade(mlp_bias_on_every_rank), "output differs", "bias was added on every rank")
+
+
+# ---- puzzle 6: 1F1B as data ------------------------------------------------------------------
+
+def schedule_warmup_backwards(p, m):
+    """Stage s warms up with s forwards instead of p - 1 - s: stage 0 waits for a B that never comes."""
+    out = []
+    for s in range(p):
+        w = min(s, m)
+        acts = [Action("F", i) for i in range(w)]
+        for i in range(m - w):
+            acts += [Action("F", w + i), Action("B", i)]
+        out.append(acts + [Action("B", i) for i in range(m - w, m)])
+    return out
+
+
+def schedule_drops_a_backward(p, m):
+    lists = one_f_one_b(p, m)
+    lists[1].remove(Action("B", m - 1))
+    return lists
+
+
+def test_schedule_passes_chapter_5s_1f1b():
+    assert "bubble: (p-1)/m = 1/4" in _passes(schedule.grade(one_f_one_b))
+
+
+def test_schedule_refuses_gpipe_by_its_memory():
+    _refused(schedule.grade(gpipe), "stage 0 held 4 micro-batches", "holds min(p - s, m) = 2",
+             "bytes too many")
+
+
+def test_schedule_names_the_deadlock():
+    _refused(schedule.grade(schedule_warmup_backwards, deadline=4), "deadline of 4 s",
+             "stage 0 waits in B0 for stage 1's B0", "stage 1 waits in F1 for stage 0's F1")
+
+
+def test_schedule_refuses_a_missing_backward_before_it_runs():
+    _refused(schedule.grade(schedule_drops_a_backward), "stage 1 runs B of micro-batch 3 0 times")
