@@ -17,13 +17,14 @@ from labs.puzzles import mlp, ring, schedule
 
 
 def _passes(grade):
-    assert grade.passed, str(grade)
-    return str(grade)
+    assert grade.passed, grade.text
+    return grade.text
 
 
 def _refused(grade, *words):
-    text = str(grade)
+    text = grade.text
     assert not grade.passed, text
+    assert all(len(line) <= 88 for line in str(grade).splitlines()), str(grade)
     assert text.startswith("not yet: ") and "\nhint: " in text, text
     for w in words:
         assert w in text, f"{w!r} not in:\n{text}"

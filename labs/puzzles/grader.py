@@ -26,6 +26,7 @@ from labs.launcher import launch
 # What a puzzle's code may use without importing it (the statement of each puzzle says so).
 PRELUDE = ("import math\nimport torch\nimport torch.distributed as dist\nimport torch.nn as nn\n"
            "import torch.nn.functional as F\nfrom labs.measure import comm\n")
+WIDTH = 88  # the widest printed line the notebook page shows uncut
 SIMPLE = (int, float, bool, str, bytes, type(None))
 
 
@@ -123,11 +124,17 @@ class Grade:
     lines: list
     hint: str = ""
 
-    def __str__(self):
+    @property
+    def text(self):
+        """The answer, one line per finding (unwrapped)."""
         head = ("pass: " if self.passed else "not yet: ") + self.lines[0]
         rest = [f"  {line}" for line in self.lines[1:]]
         tail = [] if self.passed or not self.hint else [f"hint: {self.hint}"]
         return "\n".join([head, *rest, *tail])
+
+    def __str__(self):  # wrapped to the notebook page's 88 columns
+        return "\n".join(textwrap.fill(line, WIDTH, subsequent_indent="    ", break_on_hyphens=False)
+                         for line in self.text.splitlines())
 
     def __repr__(self):
         return str(self)
