@@ -13,7 +13,8 @@ from labs.measure import comm
 from labs.data_parallel.hand_ring import ring_allreduce
 from labs.tensor_parallel.megatron import parallelize_mlp
 from labs.formulas.schedules import Action, gpipe, one_f_one_b
-from labs.puzzles import mlp, ring, schedule
+from labs.puzzles import mlp, ring, schedule, zero1
+from labs.zero.sharded_optimizer import ShardedOptimizer
 
 
 def _passes(grade):
@@ -89,6 +90,103 @@ def test_ring_refuses_the_naive_allreduce_by_its_bytes():
 
 def test_ring_names_the_deadlock_and_the_call():
     _refused(ring.grade(ring_recv_first, deadline=3), "deadline of 3 s", "deadlock", "in recv")
+
+
+# ---- puzzle 3: ZeRO-1 ------------------------------------------------------------------------
+
+def zero1_hand(params, lr):
+    """A hand-written ZeRO-1 (the notebook's solution): Adam in another order than torch's."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    params = list(params)
+    shard = sum(p.numel() for p in params) // n
+    lo = r * shard
+    m, v = torch.zeros(shard), torch.zeros(shard)
+    t = 0
+
+    def step():
+        nonlocal t
+        t += 1
+        grad = torch.empty(shard)
+        comm.reduce_scatter(grad, torch.cat([p.grad.reshape(-1) for p in params]))
+        grad /= n
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        m.mul_(0.9).add_(grad, alpha=0.1)
+        v.mul_(0.999).addcmul_(grad, grad, value=0.001)
+        m_hat, v_hat = m / (1 - 0.9**t), v / (1 - 0.999**t)
+        mine = flat[lo : lo + shard] - lr * m_hat / (v_hat.sqrt() + 1e-8)
+        comm.all_gather(flat, mine)
+        with torch.no_grad():
+            for p, new in zip(params, flat.split([p.numel() for p in params])):
+                p.copy_(new.view_as(p))
+
+    return step
+
+
+def zero1_full_state(params, lr):
+    """Plain data parallelism: every rank keeps Adam's state for every parameter."""
+    params = list(params)
+    opt = torch.optim.Adam(params, lr=lr)
+
+    def step():
+        for p in params:
+            comm.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step()
+    return step
+
+
+def zero1_allreduce(params, lr):
+    """ZeRO's first DeepSpeed release: all-reduce (2(N-1)/N) where a reduce-scatter ((N-1)/N) does."""
+    opt = ShardedOptimizer(params, torch.optim.Adam, stage=1, lr=lr, zero1_allreduce=True)
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+        for b in opt.buckets:
+            b.grad = None
+    return step
+
+
+def zero1_no_gather(params, lr):
+    """Each rank updates its slice and never all-gathers: the other slices stay stale."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    params = list(params)
+    shard = sum(p.numel() for p in params) // n
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    mine = torch.nn.Parameter(flat[r * shard:(r + 1) * shard].clone())
+    opt = torch.optim.Adam([mine], lr=lr)
+
+    def step():
+        grad = torch.empty(shard)
+        comm.reduce_scatter(grad, torch.cat([p.grad.reshape(-1) for p in params]))
+        mine.grad = grad / n
+        opt.step()
+        with torch.no_grad():
+            flat[r * shard:(r + 1) * shard] = mine
+            for p, new in zip(params, flat.split([p.numel() for p in params])):
+                p.copy_(new.view_as(p))
+    return step
+
+
+def test_zero1_passes_chapter_3s_sharded_optimizer():
+    text = _passes(zero1.grade(zero1.reference))
+    assert "(bitwise)" in text and "= 232, counted" in text
+
+
+def test_zero1_passes_a_hand_written_adam_within_the_bound():
+    assert "state kept per rank: 232, 232 bytes" in _passes(zero1.grade(zero1_hand))
+
+
+def test_zero1_refuses_the_full_adam_state_by_its_bytes_kept():
+    _refused(zero1.grade(zero1_full_state), "rank 0 keeps 480 bytes", "248 bytes too many", "8 Psi per rank")
+
+
+def test_zero1_refuses_the_all_reduce_by_its_bytes_sent():
+    _refused(zero1.grade(zero1_allreduce), "rank 0 sent 696 bytes", "232 bytes too many", "reduce-scatter")
+
+
+def test_zero1_refuses_a_step_without_the_all_gather():
+    _refused(zero1.grade(zero1_no_gather), "(in rank 1's slice)", "off by", "all-gather every rank's slice")
 
 
 # ---- puzzle 5: Megatron's MLP ----------------------------------------------------------------
