@@ -13,7 +13,7 @@ from labs.measure import comm
 from labs.data_parallel.hand_ring import ring_allreduce
 from labs.tensor_parallel.megatron import parallelize_mlp
 from labs.formulas.schedules import Action, gpipe, one_f_one_b
-from labs.puzzles import mlp, ring, schedule, zero1
+from labs.puzzles import dispatch, mlp, ring, schedule, zero1
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
 
@@ -310,3 +310,98 @@ def test_schedule_names_the_deadlock():
 
 def test_schedule_refuses_a_missing_backward_before_it_runs():
     _refused(schedule.grade(schedule_drops_a_backward), "stage 1 runs B of micro-batch 3 0 times")
+
+
+# ---- puzzle 8: MoE dispatch and combine ------------------------------------------------------
+
+def _route_sorted(moe, x, sort=True):
+    """The (token, expert) pairs of x's routing, sorted by expert (hence by destination rank)."""
+    r = moe.decide(x)
+    e, g = r.idx.reshape(-1), r.gates.reshape(-1)
+    t = torch.arange(x.shape[0]).repeat_interleave(moe.top_k)
+    if sort:
+        order = torch.argsort(e, stable=True)
+        e, t, g = e[order], t[order], g[order]
+    return e, t, g
+
+
+def _ep(moe, group, sort=True, capacity=None):
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    per = moe.num_experts // ep
+    mine = moe.experts[rank * per:(rank + 1) * per]
+
+    def forward(x):
+        e, t, g = _route_sorted(moe, x, sort)
+        counts = torch.bincount(e, minlength=moe.num_experts)
+        got = torch.empty_like(counts)
+        comm.all_to_all(got, counts, group=group)
+        send, recv = counts.view(ep, per).sum(1).tolist(), got.view(ep, per).sum(1).tolist()
+        rows = x.new_empty(sum(recv), x.shape[1])
+        comm.all_to_all(rows, x[t], group=group, output_split_sizes=recv, input_split_sizes=send)
+        local = torch.arange(per).repeat(ep).repeat_interleave(got)
+        y = torch.zeros_like(rows)
+        for j, expert in enumerate(mine):
+            y[local == j] = expert(rows[local == j])
+        back = x.new_empty(len(t), x.shape[1])
+        comm.all_to_all(back, y, group=group, output_split_sizes=send, input_split_sizes=recv)
+        if capacity is not None:  # a combine buffer of capacity rows per expert: the rest is lost
+            pos = torch.arange(len(e)) - (counts.cumsum(0) - counts)[e]
+            back[pos >= capacity] = 0
+        return torch.zeros_like(x).index_add(0, t, g[:, None] * back)
+    return forward
+
+
+def moe_hand(moe, group):
+    return _ep(moe, group)
+
+
+def moe_combine_drops_overfull(moe, group):
+    """Combine keeps an even share, T k / N rows, per expert: the over-full expert's extra rows are lost."""
+    return _ep(moe, group, capacity=8 * 2 // 4)
+
+
+def moe_unsorted_dispatch(moe, group):
+    """The pairs dispatched in token order: the split sizes describe blocks the rows are not in."""
+    return _ep(moe, group, sort=False)
+
+
+def moe_every_token_everywhere(moe, group):
+    """Every rank gets every token (all T rows to each peer) and sends back a partial output for each."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    per = moe.num_experts // ep
+
+    def forward(x):
+        everyone = torch.empty(ep * x.shape[0], x.shape[1])
+        comm.all_to_all(everyone, x.repeat(ep, 1), group=group)
+        r = moe.decide(everyone)
+        partial = torch.zeros_like(everyone)
+        for j in range(moe.top_k):
+            for e in range(rank * per, (rank + 1) * per):
+                m = r.idx[:, j] == e
+                partial[m] += r.gates[m, j, None] * moe.experts[e](everyone[m])
+        back = torch.empty_like(everyone)
+        comm.all_to_all(back, partial, group=group)
+        return back.view(ep, *x.shape).sum(0)
+    return forward
+
+
+def test_dispatch_passes_chapter_7s_expert_parallel_moe():
+    assert "expert 0 got 16 of 32 rows" in _passes(dispatch.grade(dispatch.reference))
+
+
+def test_dispatch_passes_a_hand_written_layer():
+    _passes(dispatch.grade(moe_hand))
+
+
+def test_dispatch_refuses_a_combine_that_drops_the_over_full_experts_rows():
+    _refused(dispatch.grade(moe_combine_drops_overfull), "rank 0's token 4", "lacks expert 0's output",
+             "expert 0 received 16 rows, more than an even share (8)")
+
+
+def test_dispatch_refuses_rows_sent_in_token_order():
+    _refused(dispatch.grade(moe_unsorted_dispatch), "rank 0's token 0 differs", "sort each rank's")
+
+
+def test_dispatch_refuses_every_token_to_every_rank_by_its_bytes():
+    _refused(dispatch.grade(moe_every_token_everywhere), "rank 0 sent 512 bytes",
+             "64 bytes more than the routed rows")
