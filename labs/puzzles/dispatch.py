@@ -87,7 +87,7 @@ def grade(fn, world_size=2, deadline=15.0):
             got = res["out"][t].double()
             return grader.Grade(False, [f"rank {r}'s token {t} differs from one process: "
                                         + _which(got, terms[t], idx[t], gates[t], bound[t])],
-                                _hint(got, terms[t], idx[t], load, world_size))
+                                _hint(got, terms[t], idx[t], load, world_size, r))
     row = HIDDEN * 4
     for r, res in enumerate(results):
         away = int((routes[r][0].reshape(-1) // per != r).sum())
@@ -127,7 +127,7 @@ def _which(got, terms, idx, gates, bound):
             f"(experts {idx.tolist()})")
 
 
-def _hint(got, terms, idx, load, n):
+def _hint(got, terms, idx, load, n, rank):
     total, per = terms.sum(0), EXPERTS // n
     for j in range(TOP_K):
         e = int(idx[j])
@@ -136,6 +136,9 @@ def _hint(got, terms, idx, load, n):
                     f"({int(load.sum()) // EXPERTS}): "
                     "combine must send every output row back, with the dispatch's split sizes swapped; a "
                     "buffer sized for an even share drops the rest.")
+        if torch.allclose(got, total - terms[j], atol=1e-5) and e // per != rank:
+            return (f"expert {e} lives on rank {e // per}: dispatch the token's row there with "
+                    "comm.all_to_all, and combine its output back the same way.")
     return ("sort each rank's (token, expert) pairs by expert before dispatch: the split sizes describe "
-            f"consecutive blocks, rank r's experts r*{per}..; combine returns the rows in the order they "
-            "came, so undo the sort with the same permutation before weighting by the gates.")
+            f"consecutive blocks, rank r's experts r*{per}..; combine returns the rows in that sorted "
+            "order, so add each, times its gate, into its token by the sorted token indices.")
