@@ -5,6 +5,8 @@ The mistakes are written here as a reader would write them, at module level: the
 their source to the ranks (they are not importable by a spawned rank as a lab is), so these tests
 also exercise the carrying of a function and of a helper it calls.
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ from labs.measure import comm
 from labs.data_parallel.hand_ring import ring_allreduce
 from labs.tensor_parallel.megatron import parallelize_mlp
 from labs.formulas.schedules import Action, gpipe, one_f_one_b
-from labs.puzzles import dispatch, mlp, ring, schedule, zero1
+from labs.puzzles import ddp, dispatch, mlp, ring, schedule, zero1
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
 
@@ -405,3 +407,90 @@ def test_dispatch_refuses_rows_sent_in_token_order():
 def test_dispatch_refuses_every_token_to_every_rank_by_its_bytes():
     _refused(dispatch.grade(moe_every_token_everywhere), "rank 0 sent 512 bytes",
              "64 bytes more than the routed rows")
+
+
+# ---- puzzle 2: DDP with buckets and no_sync --------------------------------------------------
+
+class _HandDDP:
+    """A reader's DDP (the notebook's solution), a switch per mistake."""
+
+    def __init__(self, model, cap, average=True, obey_no_sync=True, eager=False):
+        self.n, self.sync = dist.get_world_size(), True
+        self.average, self.obey, self.eager = average, obey_no_sync, eager
+        self.buckets, size = [[]], 0
+        for p in reversed(list(model.parameters())):
+            if size >= cap:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += 4 * p.numel()
+        self.ready = {id(p): 0 for p in model.parameters()}
+        self.bucket_of = {id(p): b for b in self.buckets for p in b}
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self.hook)
+
+    def hook(self, p):
+        if not self.sync and self.obey:
+            return
+        bucket = self.bucket_of[id(p)]
+        self.ready[id(p)] = 1
+        done = sum(self.ready[id(q)] for q in bucket)
+        if done == (1 if self.eager else len(bucket)):
+            flat = torch.cat([q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel())
+                              for q in bucket])
+            comm.all_reduce(flat)
+            if self.average:
+                flat /= self.n
+            for q, g in zip(bucket, flat.split([q.numel() for q in bucket])):
+                if q.grad is not None:
+                    q.grad.copy_(g.view_as(q))
+        if done == len(bucket):
+            for q in bucket:
+                self.ready[id(q)] = 0
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+
+def ddp_hand(model, cap):
+    return _HandDDP(model, cap)
+
+
+def ddp_summed(model, cap):
+    return _HandDDP(model, cap, average=False)
+
+
+def ddp_ignores_no_sync(model, cap):
+    return _HandDDP(model, cap, obey_no_sync=False)
+
+
+def ddp_bucket_too_early(model, cap):
+    """A bucket all-reduced as soon as its first gradient is ready."""
+    return _HandDDP(model, cap, eager=True)
+
+
+def test_ddp_passes_chapter_2s_hand_ddp():
+    text = _passes(ddp.grade(ddp.reference))
+    assert "(bitwise)" in text and "= 232 per rank" in text and "in 2 all-reduce(s)" in text
+
+
+def test_ddp_passes_a_hand_written_hook():
+    _passes(ddp.grade(ddp_hand))
+
+
+def test_ddp_refuses_the_sum_for_the_average():
+    _refused(ddp.grade(ddp_summed), "rank 0's gradient of", "N = 2 times the average")
+
+
+def test_ddp_refuses_communicating_under_no_sync():
+    _refused(ddp.grade(ddp_ignores_no_sync), "rank 0 sent 232 bytes inside no_sync", "232 bytes too many")
+
+
+def test_ddp_refuses_a_bucket_reduced_before_its_gradients_are_ready():
+    _refused(ddp.grade(ddp_bucket_too_early), "rank 0's gradient of 0.weight", "off by",
+             "launch it when the last of them is ready")
