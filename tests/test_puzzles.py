@@ -15,7 +15,7 @@ from labs.measure import comm
 from labs.data_parallel.hand_ring import ring_allreduce
 from labs.tensor_parallel.megatron import parallelize_mlp
 from labs.formulas.schedules import Action, gpipe, one_f_one_b
-from labs.puzzles import ddp, dispatch, mlp, ring, schedule, zero1
+from labs.puzzles import ddp, dispatch, fsdp, mlp, ring, schedule, zero1
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
 
@@ -494,3 +494,93 @@ def test_ddp_refuses_communicating_under_no_sync():
 def test_ddp_refuses_a_bucket_reduced_before_its_gradients_are_ready():
     _refused(ddp.grade(ddp_bucket_too_early), "rank 0's gradient of 0.weight", "off by",
              "launch it when the last of them is ready")
+
+
+# ---- puzzle 4: an FSDP unit ------------------------------------------------------------------
+
+def _fsdp_unit(module, free=True, regather=True, all_reduce=False):
+    """A reader's FSDP unit (the notebook's solution), a switch per mistake."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    names, params = list(module._parameters), list(module._parameters.values())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    k = flat.numel() // n
+    shard = torch.nn.Parameter(flat[r * k:(r + 1) * k].clone())
+    full = torch.empty_like(flat)
+    pieces = full.split([p.numel() for p in params])
+    views = [torch.nn.Parameter(t.view_as(p)) for t, p in zip(pieces, params)]
+    for name, v in zip(names, views):
+        module._parameters[name] = v
+
+    def gather(*_):
+        full.untyped_storage().resize_(4 * full.numel())
+        comm.all_gather(full.data, shard.detach())
+
+    def release():
+        if free:
+            full.untyped_storage().resize_(0)
+
+    def after_forward(m, args, out):
+        release()
+        if regather:
+            out.register_hook(gather)
+
+    ready = []
+
+    def grad_ready(p):
+        ready.append(p)
+        if len(ready) == len(views):
+            ready.clear()
+            g = torch.cat([v.grad.reshape(-1) for v in views])
+            for v in views:
+                v.grad = None
+            if all_reduce:
+                comm.all_reduce(g)
+                shard.grad = g[r * k:(r + 1) * k] / n
+            else:
+                out = torch.empty(k)
+                comm.reduce_scatter(out, g)
+                shard.grad = out / n
+            release()
+
+    release()
+    module.register_forward_pre_hook(gather)
+    module.register_forward_hook(after_forward)
+    for v in views:
+        v.register_post_accumulate_grad_hook(grad_ready)
+    return [shard]
+
+
+def fsdp_hand(module):
+    return _fsdp_unit(module)
+
+
+def fsdp_freed_before_backward(module):
+    return _fsdp_unit(module, regather=False)
+
+
+def fsdp_never_freed(module):
+    return _fsdp_unit(module, free=False)
+
+
+def fsdp_all_reduce(module):
+    return _fsdp_unit(module, all_reduce=True)
+
+
+def test_fsdp_passes_chapter_3s_hand_fsdp():
+    _passes(fsdp.grade(fsdp.reference))
+
+
+def test_fsdp_passes_a_hand_written_unit():
+    _passes(fsdp.grade(fsdp_hand))
+
+
+def test_fsdp_refuses_weights_freed_before_backward():
+    _refused(fsdp.grade(fsdp_freed_before_backward), "storage of size 0", "gather them again")
+
+
+def test_fsdp_refuses_weights_never_freed_by_the_peak():
+    _refused(fsdp.grade(fsdp_never_freed), "at its peak in forward", "bytes too many")
+
+
+def test_fsdp_refuses_an_all_reduce_for_the_reduce_scatter():
+    _refused(fsdp.grade(fsdp_all_reduce), "in backward", "bytes too many", "reduce-scatter the gradients")
