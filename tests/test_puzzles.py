@@ -15,7 +15,7 @@ from labs.measure import comm
 from labs.data_parallel.hand_ring import ring_allreduce
 from labs.tensor_parallel.megatron import parallelize_mlp
 from labs.formulas.schedules import Action, gpipe, one_f_one_b
-from labs.puzzles import ddp, dispatch, fsdp, mlp, ring, schedule, zero1
+from labs.puzzles import ddp, dispatch, fsdp, mlp, ring, ring_attn, schedule, zero1
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
 
@@ -584,3 +584,75 @@ def test_fsdp_refuses_weights_never_freed_by_the_peak():
 
 def test_fsdp_refuses_an_all_reduce_for_the_reduce_scatter():
     _refused(fsdp.grade(fsdp_all_reduce), "in backward", "bytes too many", "reduce-scatter the gradients")
+
+
+# ---- puzzle 7: ring attention ----------------------------------------------------------------
+
+def _ring_attention(q, k, v, shift=0, renormalise=True, rotate=True):
+    """A reader's ring attention (the notebook's solution), a switch per mistake."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    t, scale = q.shape[0], q.shape[1] ** -0.5
+    out, lse = torch.zeros_like(q), torch.full((t,), float("-inf"))
+    diag = torch.ones(t, t, dtype=torch.bool).tril()
+    for s in range(n):
+        owner = (r - s) % n
+        if s < n - 1 and rotate:  # the next block is on its way while this one is used
+            k_next, v_next = torch.empty_like(k), torch.empty_like(v)
+            reqs = [comm.isend(k, (r + 1) % n), comm.isend(v, (r + 1) % n),
+                    comm.irecv(k_next, (r - 1) % n), comm.irecv(v_next, (r - 1) % n)]
+        if owner <= r + shift and (rotate or s == 0):
+            scores = q @ k.T * scale
+            if owner == r + shift:
+                scores = scores.masked_fill(~diag, float("-inf"))
+            block_lse = torch.logsumexp(scores, -1)
+            o = torch.softmax(scores, -1) @ v
+            if renormalise:
+                new = torch.logaddexp(lse, block_lse)
+                out = out * torch.exp(lse - new)[:, None] + o * torch.exp(block_lse - new)[:, None]
+                lse = new
+            else:
+                out = out + o
+        if s < n - 1 and rotate:
+            for q_ in reqs:
+                q_.wait()
+            k, v = k_next, v_next
+    return out
+
+
+def ring_attention_hand(q, k, v):
+    return _ring_attention(q, k, v)
+
+
+def ring_attention_mask_one_block_ahead(q, k, v):
+    return _ring_attention(q, k, v, shift=1)
+
+
+def ring_attention_no_renormalisation(q, k, v):
+    return _ring_attention(q, k, v, renormalise=False)
+
+
+def ring_attention_no_rotation(q, k, v):
+    return _ring_attention(q, k, v, rotate=False)
+
+
+def test_ring_attention_passes_chapter_6s_ring_attention():
+    assert "= 512, counted" in _passes(ring_attn.grade(ring_attn.reference))
+
+
+def test_ring_attention_passes_a_hand_written_ring():
+    _passes(ring_attn.grade(ring_attention_hand))
+
+
+def test_ring_attention_refuses_a_mask_off_by_one_block():
+    _refused(ring_attn.grade(ring_attention_mask_one_block_ahead), "rank 0's output row 0",
+             "it sees one block ahead", "off by one block")
+
+
+def test_ring_attention_refuses_blocks_summed_without_renormalising():
+    _refused(ring_attn.grade(ring_attention_no_renormalisation), "rank 1's output row",
+             "without renormalising", "keep the log-sum-exp")
+
+
+def test_ring_attention_refuses_kv_never_rotated():
+    _refused(ring_attn.grade(ring_attention_no_rotation), "rank 1's output row",
+             "only its own K/V block", "pass the block you hold")

@@ -11,6 +11,7 @@ The reference solution of each is the book's own lab from the chapter that teach
 - `zero1`: puzzle 3, a ZeRO-1 sharded optimizer step with Adam (chapter 3).
 - `fsdp`: puzzle 4, an FSDP unit: gather before forward, free after it, reduce-scatter (chapter 3).
 - `mlp`: puzzle 5, Megatron's MLP split with its operators f and g (chapter 4).
+- `ring_attn`: puzzle 7, ring attention's K/V rotation, online softmax and causal mask (chapter 6).
 - `dispatch`: puzzle 8, MoE dispatch and combine with two all-to-alls (chapter 7).
 - `schedule`: puzzle 6, the 1F1B schedule as data, run by chapter 5's executor (chapter 5).
 """
