@@ -141,8 +141,8 @@ def _hint_grad(got, want, mine, n):
     if torch.allclose(got, n * want, rtol=1e-5, atol=1e-7):
         return f"the gradient is N = {n} times the average: divide the bucket by N (summed, not averaged)."
     if torch.allclose(got, mine, rtol=1e-5, atol=1e-7):
-        return ("this gradient is the rank's own, never reduced: it was not ready when its bucket was "
-                "all-reduced; launch a bucket only once every gradient in it is ready (count them in the "
-                "hook).")
+        return ("this gradient is the rank's own, never averaged over the ranks: hook every parameter "
+                "(register_post_accumulate_grad_hook) and all-reduce each bucket once all its gradients "
+                "are ready.")
     return ("a bucket's all-reduce must see every one of its gradients, accumulated over the micro-batches: "
             "launch it when the last of them is ready, and copy the average back into each .grad.")
