@@ -27,7 +27,7 @@ CHAPTERS = {"labs.memory_budget": 1, "labs.data_parallel": 2, "labs.zero": 3, "l
             "labs.pipeline": 5, "labs.context_parallel": 6, "labs.expert_parallel": 7, "labs.precision": 8,
             "labs.recompute": 9, "labs.collectives": 10, "labs.hardware": 11, "labs.checkpointing": 12,
             "labs.failures": 13, "labs.planning": 14,
-            "labs.profiling": 15}
+            "labs.profiling": 15, "labs.puzzles": 16}
 
 
 # ---- the graph ------------------------------------------------------------------------------------

@@ -1,0 +1,196 @@
+"""Chapter 16: the grader every puzzle shares: carry the reader's function to the ranks, run it
+through the book's launcher, and turn what went wrong into a sentence and a hint.
+
+A function defined in a notebook cell lives in ``__main__``, which a spawned rank cannot import, so
+`carry` takes its source (``inspect.getsource``; IPython keeps every cell's text) and the globals
+it names: modules by their name, small constants by value, helpers the reader wrote in other cells
+carried the same way. The rank compiles the source under a file name of its own, registered with
+``linecache``, so a traceback and the launcher's heartbeat point at the reader's line. A function
+that lives in an importable module (the book's own lab, the reference) travels by name.
+
+`run` starts the ranks with `labs.launcher.launch.spawn` and a deadline: a rank that hangs is named
+from its heartbeat with the call it waits in (``recv``, ``wait``, ``all_reduce``), a rank that
+raises is named with its exception. Every answer is a `Grade`: ``pass: ...`` with what was
+checked, or ``not yet: ...`` naming the difference, then ``hint: ...``.
+"""
+import dataclasses
+import importlib
+import inspect
+import linecache
+import re
+import textwrap
+import types
+
+from labs.launcher import launch
+
+# What a puzzle's code may use without importing it (the statement of each puzzle says so).
+PRELUDE = ("import math\nimport torch\nimport torch.distributed as dist\nimport torch.nn as nn\n"
+           "import torch.nn.functional as F\nfrom labs.measure import comm\n")
+WIDTH = 88  # the widest printed line the notebook page shows uncut
+SIMPLE = (int, float, bool, str, bytes, type(None))
+
+
+@dataclasses.dataclass
+class Carried:
+    """A function's source and the globals it names, rebuilt on a rank by `materialize`."""
+    name: str
+    source: str
+    names: dict
+
+    def materialize(self):
+        namespace = {"__name__": f"puzzle_{self.name}"}
+        exec(PRELUDE, namespace)
+        for key, (kind, value) in self.names.items():
+            if kind == "module":
+                namespace[key] = importlib.import_module(value)
+            elif kind == "object":
+                namespace[key] = getattr(importlib.import_module(value[0]), value[1])
+            elif kind == "carried":
+                namespace[key] = value.materialize()
+            else:
+                namespace[key] = value
+        filename = f"<your {self.name}>"
+        linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
+        exec(compile(self.source, filename, "exec"), namespace)
+        return namespace[self.name]
+
+
+def _importable(fn):
+    module = getattr(fn, "__module__", None) or ""
+    if not module.startswith("labs.") or "<locals>" in fn.__qualname__:
+        return False
+    found = importlib.import_module(module)
+    for part in fn.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is fn
+
+
+def _code_names(code):
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def carry(fn, _seen=None):
+    """``fn`` itself if a rank can import it by name, else a `Carried` copy of its source."""
+    if not callable(fn):
+        raise TypeError(f"the grader needs the function itself, got {type(fn).__name__}.")
+    if _importable(fn):
+        return fn
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError) as exc:
+        raise ValueError(f"cannot read the source of {fn.__qualname__} ({exc}); define it with def in a "
+                         "cell or a file.") from None
+    seen = (_seen or set()) | {fn.__name__}
+    names = {}
+    for key in sorted(_code_names(fn.__code__) - seen):
+        if key not in fn.__globals__:
+            continue
+        value = fn.__globals__[key]
+        if isinstance(value, types.ModuleType):
+            names[key] = ("module", value.__name__)
+        elif isinstance(value, SIMPLE) or (isinstance(value, tuple)
+                                           and all(isinstance(v, SIMPLE) for v in value)):
+            names[key] = ("value", value)
+        elif callable(value) and _importable_object(value):
+            names[key] = ("object", (value.__module__, value.__qualname__))
+        elif isinstance(value, types.FunctionType):
+            names[key] = ("carried", carry(value, seen))
+    return Carried(fn.__name__, source, names)
+
+
+def _importable_object(obj):
+    module = getattr(obj, "__module__", None)
+    if not module or module == "__main__" or "<locals>" in getattr(obj, "__qualname__", "<locals>"):
+        return False
+    try:
+        return getattr(importlib.import_module(module), obj.__qualname__, None) is obj
+    except ImportError:
+        return False
+
+
+def materialize(fn):
+    """On a rank: the callable a `carry` sent."""
+    return fn.materialize() if isinstance(fn, Carried) else fn
+
+
+@dataclasses.dataclass
+class Grade:
+    """The grader's answer: passed or not, what was found, and a hint when it did not pass."""
+    passed: bool
+    lines: list
+    hint: str = ""
+
+    @property
+    def text(self):
+        """The answer, one line per finding (unwrapped)."""
+        head = ("pass: " if self.passed else "not yet: ") + self.lines[0]
+        rest = [f"  {line}" for line in self.lines[1:]]
+        tail = [] if self.passed or not self.hint else [f"hint: {self.hint}"]
+        return "\n".join([head, *rest, *tail])
+
+    def __str__(self):  # wrapped to the notebook page's 88 columns
+        return "\n".join(textwrap.fill(line, WIDTH, subsequent_indent="    ", break_on_hyphens=False)
+                         for line in self.text.splitlines())
+
+    def __repr__(self):
+        return str(self)
+
+    def _repr_pretty_(self, printer, cycle):  # IPython shows it as text, not as a dataclass
+        printer.text(str(self))
+
+
+def _on_ranks(rank, world_size, module, check, fn, kwargs):
+    """What every rank runs: rebuild the reader's function, then the puzzle's check on this rank."""
+    return getattr(importlib.import_module(module), check)(rank, world_size, materialize(fn), **kwargs)
+
+
+def run(check, fn, world_size, deadline, hint_hang, **kwargs):
+    """Run ``check(rank, world_size, fn, **kwargs)`` on ranks; a list of per-rank results, or a `Grade`
+    naming the rank that raised or hung."""
+    carried = carry(fn) if callable(fn) else fn  # data (a schedule) travels as it is
+    try:
+        return launch.spawn(_on_ranks, world_size, check.__module__, check.__name__, carried, kwargs,
+                            timeout=deadline, backend="gloo")
+    except launch.RankTimeout as exc:
+        return Grade(False, [f"deadline of {deadline:g} s passed: " + _hang(exc)], hint_hang)
+    except launch.RankError as exc:
+        return Grade(False, [_raised(exc)], _hint_raised(exc))
+
+
+def _hang(exc):
+    """The launcher's verdict in one line: which rank hung, which call it and the others wait in,
+    and the reader's line each stuck rank was on (from the stacks the launcher collected)."""
+    head, _, stacks = str(exc).partition("\n\n")
+    lines = {}
+    for block in re.split(r"--- rank (\d+) was here ---", stacks)[1:]:
+        lines.setdefault(len(lines), re.findall(r'File "<your (\w+)>", line (\d+)', block))
+    where = {r: f" (your {found[-1][0]}, line {found[-1][1]})" for r, found in zip(exc.ranks, lines.values())
+             if found}
+    deadlock = re.search(r"ranks (.*) of \d+ did not finish", head)
+    if deadlock and "deadlock" in head:
+        stuck = [s.split(" in ") for s in deadlock.group(1).split(", ")]
+        return ("every rank waits, none sends: a deadlock; " +
+                "; ".join(f"rank {r} in {c}{where.get(int(r), '')}" for r, c in stuck))
+    head = re.sub(r" did not finish within [\d.]+ s", " hung", head.replace("; all ranks were stopped.", ""))
+    text = " ".join(line.strip("() ") for line in head.splitlines())
+    return text + "".join(f"; rank {r} was at{w}" for r, w in sorted(where.items()))
+
+
+def _raised(exc):
+    head, _, detail = str(exc).partition("\n\n")
+    where = re.findall(r'File "<your (\w+)>", line (\d+)', detail)
+    at = f" (your {where[-1][0]}, line {where[-1][1]})" if where else ""
+    head = head.splitlines()[0]
+    if " raised NotImplementedError" in head:  # a stub raises on every rank: which came first is luck
+        head = "your function" + head[head.index(" raised"):]
+    return head + at
+
+
+def _hint_raised(exc):
+    if "NotImplementedError" in str(exc).split("\n")[0]:
+        return "replace the stub's raise with your code; the statement above says what each rank gets."
+    return "read the exception above: the line it names is in your function."

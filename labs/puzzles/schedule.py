@@ -1,0 +1,118 @@
+"""Chapter 16, puzzle 6 (chapter 5 teaches it): the 1F1B schedule written as data.
+
+The reader writes ``one_f_one_b(p, m)``: one list of actions per stage, ``Action("F", i)`` or
+``Action("B", i)`` for micro-batch i (`labs.formulas.schedules.Action`). The grader runs the lists
+with chapter 5's executor (`labs.pipeline.executor.Executor`: real sends and receives of the tiny
+GPT's activations between p gloo ranks, a logical clock of F = 1 and B = 2 work units). The
+reference is chapter 5's `labs.formulas.schedules.one_f_one_b`.
+
+Checked:
+- every stage runs F and B of each micro-batch once, B after F (before anything starts);
+- it finishes: a schedule that deadlocks is stopped at the deadline, the rank that hung and the
+  action each stage waits for named (from `labs.formulas.schedules.depends_on`);
+- the gradients against one process on the whole batch, below the 1e-6 chapter 5 asserts (the
+  micro-batches' gradients are summed in another order than one big batch's);
+- the bubble in work units against the formula (p - 1)/m over ideal compute (Narayanan et al. 2021);
+- the memory: the most micro-batches whose activations each stage holds, at most min(p - s, m),
+  with the activation bytes the executor measured.
+"""
+from fractions import Fraction
+
+import torch
+
+from labs import model as tiny
+from labs.formulas import schedules
+from labs.formulas.schedules import Action
+from labs.measure import report
+from labs.pipeline import executor
+from labs.puzzles import grader
+
+HINT_HANG = ("a stage's B of micro-batch i waits for the next stage's B of i, and its F for the previous "
+             "stage's F: stage s can run p - 1 - s forwards before its first backward, no fewer.")
+
+
+def check(rank, world_size, lists, m, batch_size=1):
+    """On stage ``rank``: run its list with the executor; its gradients against one process."""
+    torch.manual_seed(0)
+    cfg = executor.config()
+    net = tiny.build(cfg, seed=0)
+    piece = executor.split(net, world_size)[rank]
+    data = executor.microbatches(cfg, m, batch_size)
+    ex = executor.Executor([piece], rank, world_size, 1, schedules.costs("1f1b"), 0.0, data, m, cfg.hidden)
+    ex.run(lists[rank])
+    ref = executor.reference_grads(cfg, data)
+    errors = [(q.grad - ref[n]).abs().max().item() for n, q in piece.named]
+    return {"clock": ex.clock, "peak": ex.peak, "peak_bytes": ex.peak_bytes, "error": max(errors)}
+
+
+def _stuck(lists):
+    """Where each stage stops when the lists run in unit time: (stage, action, what it waits for)."""
+    p, done, pos = len(lists), set(), [0] * len(lists)
+    moved = True
+    while moved:
+        moved = False
+        for s in range(p):
+            while pos[s] < len(lists[s]):
+                dep = schedules.depends_on(lists[s][pos[s]], s, p, 1)
+                if dep is not None and dep not in done:
+                    break
+                done.add((s, lists[s][pos[s]]))
+                pos[s] += 1
+                moved = True
+    return [(s, lists[s][pos[s]], schedules.depends_on(lists[s][pos[s]], s, p, 1))
+            for s in range(p) if pos[s] < len(lists[s])]
+
+
+def _valid(lists, p, m):
+    if len(lists) != p:
+        return f"{len(lists)} lists for {p} stages"
+    for s, acts in enumerate(lists):
+        for i in range(m):
+            for kind in "FB":
+                count = sum(1 for a in acts if a.kind == kind and a.mb == i)
+                if count != 1:
+                    return f"stage {s} runs {kind} of micro-batch {i} {count} times, not once"
+            if acts.index(Action("B", i)) < acts.index(Action("F", i)):
+                return f"stage {s} runs B of micro-batch {i} before its F"
+        if any(a.kind not in "FB" or not 0 <= a.mb < m or a.chunk for a in acts):
+            return f"stage {s} has an action that is not F or B of a micro-batch 0..{m - 1}"
+    return None
+
+
+def grade(fn, p=2, m=4, deadline=15.0):
+    lists = [[Action(*a) for a in stage] for stage in fn(p, m)]
+    wrong = _valid(lists, p, m)
+    if wrong:
+        return grader.Grade(False, [wrong], "each stage runs F then B of every micro-batch exactly once.")
+    results = grader.run(check, lists, p, deadline, HINT_HANG, m=m)
+    if isinstance(results, grader.Grade):
+        waits = "; ".join(f"stage {s} waits in {a!r} for stage {d[0]}'s {d[1]!r}"
+                          for s, a, d in _stuck(lists))
+        results.lines[0] += f" ({waits})" if waits else ""
+        return results
+    for s, r in enumerate(results):
+        if r["error"] >= 1e-6:
+            return grader.Grade(False, [f"stage {s}'s gradients differ from one process by {r['error']:.2g}"],
+                                "every micro-batch needs its F and its B on every stage, in a legal order.")
+    busy = 3 * m
+    total = max(r["clock"] for r in results)
+    bubble, want = Fraction(total - busy).limit_denominator(1000) / busy, Fraction(p - 1, m)
+    if bubble != want:
+        return grader.Grade(False, [f"the bubble is {bubble} of ideal compute; 1F1B's is (p-1)/m = {want}"],
+                            "start each stage's backward as soon as its warm-up forwards are done.")
+    for s, r in enumerate(results):
+        allowed = min(p - s, m)
+        if r["peak"] > allowed:
+            each = r["peak_bytes"] // r["peak"]
+            return grader.Grade(False, [
+                f"stage {s} held {r['peak']} micro-batches' activations at once ({r['peak_bytes']:,} bytes "
+                f"measured); 1F1B holds min(p - s, m) = {allowed}: {(r['peak'] - allowed) * each:,} bytes "
+                f"too many"],
+                "the bubble alone does not tell 1F1B from GPipe: after its warm-up a stage alternates one F "
+                "and one B, so it never holds more than p - s micro-batches.")
+    return grader.Grade(True, [
+        f"1F1B with p = {p} stages and m = {m} micro-batches, run by chapter 5's executor",
+        f"gradients: one process's ({report.below(max(r['error'] for r in results), 1e-6)})",
+        f"bubble: (p-1)/m = {want} of ideal compute, in work units",
+        "micro-batches held per stage: " + ", ".join(str(r["peak"]) for r in results) +
+        f" (stage 0: {results[0]['peak_bytes']:,} bytes of activations measured)"])

@@ -1,0 +1,156 @@
+"""Chapter 16, puzzle 3 (chapter 3 teaches it): a ZeRO-1 sharded optimizer step.
+
+The reader writes ``zero1_optimizer(params, lr)``: set up for the parameters (equal on every rank) and return
+``step()``, which the grader calls after each backward. Flatten the parameters (Psi elements, a
+multiple of N in the grader) and give rank r the slice [r Psi/N, (r+1) Psi/N). ``step`` must
+reduce-scatter the gradients into the rank's slice and average them, run Adam (lr, betas 0.9 and
+0.999, eps 1e-8) on that slice only, keeping its moments m and v for the slice alone, then
+all-gather the updated slices into every rank's parameters. Collectives go through
+``comm.reduce_scatter`` and ``comm.all_gather``. The reference is chapter 3's
+`labs.zero.sharded_optimizer.ShardedOptimizer` with ``stage=1`` (`reference`).
+
+The gradients are fixed inputs (the loss is sum(p * G) with G drawn per rank and step), so the
+weights cannot feed back into them and the check needs no drift bound. Checked on every rank:
+- the weights after 2 steps against one process running ``torch.optim.Adam`` on the average of the
+  ranks' gradients: bitwise where Adam runs on the slice (the reference: the same elementwise ops;
+  with N = 2 the sum of two gradients has one order); a hand-written Adam rounds in another order,
+  so each step may move a weight by u |w| + 16 u lr S(t) more (u = 2^-24, S(t) the largest
+  |Adam step| / lr, `labs.zero.adam_drift.adam_step_bound`, about 1 at t = 1, 2);
+- the bytes: each step a reduce-scatter and an all-gather of Psi fp32 elements, counted message by
+  message as chapter 2's hand rings (`hand_collectives`): 2 (N-1)/N 4 Psi per rank per step;
+- the optimizer state the rank keeps (storages still alive after the steps that are neither weights
+  nor gradients, `labs.measure.memory.PeakMemory`): Adam's m and v for its slice, 8 Psi/N bytes,
+  plus 4 bytes per parameter tensor for the step counters ``torch.optim.Adam`` keeps.
+"""
+import torch
+
+from labs.data_parallel.hand_ring import hand_collectives
+from labs.measure import comm, memory
+from labs.puzzles import grader
+from labs.zero.adam_drift import adam_step_bound
+from labs.zero.sharded_optimizer import ShardedOptimizer
+
+SHAPES = ((6, 4), (6,), (4, 6), (4,))  # Psi = 58: rank 0's slice ends inside the second tensor
+NAMES = ("fc.weight", "fc.bias", "proj.weight", "proj.bias")
+STEPS, LR, U = 2, 1e-2, 2.0**-24
+HINT_HANG = ("every rank makes the same collectives in the same order: one reduce-scatter, then one "
+             "all-gather, with shards of the same size.")
+
+
+def reference(params, lr):
+    """Chapter 3's ZeRO-1 as the puzzle's step closure (gradients dropped after the step, as
+    ``p.grad = None`` does for a hand-written one)."""
+    opt = ShardedOptimizer(params, torch.optim.Adam, stage=1, lr=lr)
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+        for b in opt.buckets:
+            b.grad = None
+    return step
+
+
+def weights():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def gradient(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def check(rank, world_size, fn):
+    """On one rank: the reader's step after each of 2 backwards; weights, bytes and state kept."""
+    params = [torch.nn.Parameter(w) for w in weights()]
+    with memory.PeakMemory(params) as mem, hand_collectives():
+        step = fn(params, LR)
+        with comm.counting() as tally:
+            for t in range(STEPS):
+                sum((p * g).sum() for p, g in zip(params, gradient(rank, t))).backward()
+                step()
+                for p in params:
+                    p.grad = None
+        kept = mem.end_bytes - memory.storage_bytes(params)
+    return {"weights": [p.detach().clone() for p in params], "bytes_sent": tally.bytes_sent,
+            "ops": {op: e["calls"] for op, e in tally.ops.items() if e["calls"]}, "kept": kept}
+
+
+def one_process(world_size):
+    params = [torch.nn.Parameter(w) for w in weights()]
+    opt = torch.optim.Adam(params, lr=LR)
+    for t in range(STEPS):
+        grads = [gradient(r, t) for r in range(world_size)]
+        for i, p in enumerate(params):
+            p.grad = sum(g[i] for g in grads) / world_size
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def grade(fn, world_size=2, deadline=15.0):
+    results = grader.run(check, fn, world_size, deadline, HINT_HANG)
+    if isinstance(results, grader.Grade):
+        return results
+    want = one_process(world_size)
+    psi = sum(w.numel() for w in want)
+    shard = psi // world_size
+    slack = sum(16 * U * LR * adam_step_bound(t + 1) for t in range(STEPS))
+    exact = True
+    for r, res in enumerate(results):
+        offset = 0
+        for name, got, ref in zip(NAMES, res["weights"], want):
+            err = (got - ref).abs().reshape(-1)
+            bound = STEPS * U * ref.abs().reshape(-1) + slack
+            exact = exact and bool((err == 0).all())
+            if (err > bound).any():
+                i = int((err - bound).argmax())
+                owner = (offset + i) // shard
+                return grader.Grade(False, [
+                    f"rank {r}'s {name} differs from one process at element {i} (in rank {owner}'s slice): "
+                    f"{got.reshape(-1)[i].item():.6g}, one process says {ref.reshape(-1)[i].item():.6g} "
+                    f"(off by {err[i].item():.2g})"], _hint_weights(r, owner, got, ref, err, i))
+            offset += ref.numel()
+    m = 4 * psi
+    want_bytes = 2 * (world_size - 1) * m // world_size * STEPS
+    for r, res in enumerate(results):
+        if res["bytes_sent"] != want_bytes:
+            more = res["bytes_sent"] - want_bytes
+            return grader.Grade(False, [
+                f"rank {r} sent {res['bytes_sent']:,} bytes in {STEPS} steps ({_ops(res['ops'])}); ZeRO-1 "
+                f"sends 2(N-1)/N 4 Psi = {want_bytes // STEPS:,} per step, {want_bytes:,} in all: "
+                f"{abs(more):,} bytes "
+                f"{'too many' if more > 0 else 'too few'}"],
+                "reduce-scatter the gradients (each rank needs the sum of its own slice only, (N-1)/N of "
+                "the buffer) instead of all-reducing them (2(N-1)/N); then all-gather the new weights."
+                if more > 0 else "each step needs a reduce-scatter of the gradients and an all-gather of the "
+                "weights, through comm so they are counted.")
+    state = 8 * shard
+    for r, res in enumerate(results):
+        if res["kept"] > state + 4 * len(SHAPES):
+            return grader.Grade(False, [
+                f"rank {r} keeps {res['kept']:,} bytes of optimizer state between steps; ZeRO-1 keeps "
+                f"Adam's m and v for its slice, 8 Psi/N = {state:,} bytes: "
+                f"{res['kept'] - state:,} bytes too many"],
+                "keep m and v for this rank's slice only (Psi/N elements each); the full Adam state on "
+                "every rank is plain data parallelism, 8 Psi per rank.")
+    how = "bitwise" if exact else "within u |w| + 16 u lr S(t) per step"
+    return grader.Grade(True, [
+        f"ZeRO-1 with Adam, Psi = {psi} fp32 parameters in {len(SHAPES)} tensors on {world_size} ranks, "
+        f"{STEPS} steps",
+        f"weights: one process's ({how}) on every rank",
+        f"bytes sent per rank per step: 2(N-1)/N 4 Psi = {want_bytes // STEPS:,}, counted message by "
+        f"message",
+        f"optimizer state kept per rank: {', '.join(str(res['kept']) for res in results)} bytes: "
+        f"8 Psi/N = {state:,} plus Adam's step counters"])
+
+
+def _ops(ops):
+    return ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) or "no collective"
+
+
+def _hint_weights(rank, owner, got, ref, err, i):
+    if owner != rank:
+        return (f"rank {rank}'s own slice is right but rank {owner}'s is not: after the update, "
+                "all-gather every rank's slice into the parameters.")
+    return ("the update of this rank's own slice is wrong: average the reduce-scattered gradient "
+            "(divide by N), and keep m and v from one step to the next.")
