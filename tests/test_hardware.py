@@ -133,17 +133,34 @@ def test_chapters_11_and_14_count_the_same_tp_and_pp_bytes():
 
 def test_dp_exposes_one_chunk_each_way_and_the_micro_batch_split_sets_only_the_send_size():
     """DP's exposed time is the first chunk's gather plus the last chunk's reduce-scatter, 1/v of each;
-    the other chunks' pieces fit in one micro-batch through one chunk. The bytes depend on b m alone,
-    each PP send (and the critical path) on b. Swapping PP and DP puts PP's waited-for sends across pods."""
+    the other chunks' pieces hide in a window of p chunk passes and p sends (a rank's consecutive
+    local chunks are p model chunks apart). All recomputed here from Llama 3 405B's inputs with
+    independent arithmetic. The bytes depend on b m alone, each PP send (and the critical path) on b.
+    Swapping PP and DP puts PP's waited-for sends, and 1,024 ring edges per pod, across pods."""
     import dataclasses
     e = P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
-    v = P.LLAMA3_RUN.v
-    assert e["dp_exposed_s"] == pytest.approx((e["dp_gather_s"] + e["dp_reduce_s"]) / v)
-    assert e["chunk_reduce_share"] < 1 and e["dp_exposed_s"] < e["pp_critical_s"]
+    psi, s, h, tp, pp, dp, v, flops, port = P.LLAMA3_405B.params(), 8192, 16384, 8, 16, 128, 8, 400e12, 50e9
+    # one micro-batch (one sequence) through one chunk of one GPU: 2 psi FLOPs per token forward, 4 back
+    chunk_back = 4 * psi / (pp * v) * s / tp / flops
+    send = s * h * 2 / tp / port                                  # bf16 activation, 1/tp of it per TP rank
+    assert e["window_backward_s"] == pytest.approx(pp * (chunk_back + send))
+    assert e["window_backward_s"] == pytest.approx(0.530, rel=1e-3)   # ~16 x (32.5 + 0.67) ms
+    # a chunk's fp32 reduce-scatter and bf16 gather over a 128-rank ring at one port
+    shard = psi // (tp * pp) / v * (dp - 1) / dp
+    assert e["chunk_reduce_s"] == pytest.approx(4 * shard / port)
+    assert e["dp_exposed_s"] == pytest.approx(6 * shard / port)
+    assert e["chunk_reduce_share"] == pytest.approx(4 * shard / port / (pp * (chunk_back + send)))
+    assert e["chunk_reduce_share"] < 0.1 and e["dp_exposed_s"] < e["pp_critical_s"]
+    # latencies on the critical path: 254 waited-for sends; two 128-rank rings of 127 steps each
+    assert e["pp_critical_latencies"] == 2 * (pp * v - 1) == e["dp_exposed_latencies"] == 2 * 127
     assert e["pp_critical_crossing_pods"] == 0
-    assert e["dp_exposed_bound_s"] == pytest.approx(7 * e["dp_exposed_s"])
+    # Llama 3's order: each of the 128 DP groups spans 6 pods and has one ring edge leaving each;
+    # 128 flows fit in a pod's uplinks, 3,072 / 7 ports' worth
+    assert e["pod_edges"] == {"tp": 0, "cp": 0, "pp": 0, "dp": 16384 // dp}
+    assert 128 < 3072 / 7 == e["pod_uplink_ports"]
     swapped = P.exposed(P.LLAMA3_405B, placed(("tp", "cp", "ep", "dp", "pp"), tp=8, pp=16, dp=128))
     assert 0 < swapped["pp_critical_crossing_pods"] < swapped["pp_critical_sends"]
+    assert swapped["pod_edges"] == {"tp": 0, "cp": 0, "pp": 16384 // pp, "dp": 0}   # one per PP group
     base = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
     run = dataclasses.replace(P.LLAMA3_RUN, micro_batch=4, micro_batches=4)
     four = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS), run)

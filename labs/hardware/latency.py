@@ -1,18 +1,20 @@
 """Chapter 11: one machine, two latencies. Why the loopback ping-pong and chapter 10's alpha differ.
 
-The latency, as chapter 10 defines and measures it, is the fastest of many tries of the smallest
-message, timed as an exchange (both ranks send and receive at once) right after a barrier; the median
-of the same tries is the latency under this machine's load. `machine.ping_pong` times gloo's loopback
-as half the round trip of a blocking send and recv, back to back. Chapter 10
-(`labs.collectives.crossover`) also fits a line by relative error over sizes; its intercept is an
-extrapolation to zero bytes, not a latency: it can fall below every measured try. On a shared 2-core
-machine the variants can differ several times over, in either order. `measure` times, in one job of
-2 ranks, each ingredient that separates them, so the gap is measured, not argued, and `across_jobs`
-repeats the small-message part in more jobs to show how far another moment moves each figure:
+The book's latency of a link is the fastest one-way time of the smallest message over many tries;
+the median of the same tries is the latency under this machine's load. `measure` takes both over
+every 8-byte try of one job, whichever timing method below gave the fastest. Each try's time is the
+slower rank's; for a try started at a barrier that includes the skew of the two ranks leaving it.
+Chapter 10 (`labs.collectives.crossover`) also fits a line by relative error over sizes; its
+intercept is a fit parameter, an extrapolation to zero bytes, not a latency: it can fall below every
+measured try. On a shared 2-core machine the variants can differ several times over, in either
+order. `measure` times, in one job of 2 ranks, each ingredient that separates them, interleaved
+round-robin (try i of each variant in turn), and `across_jobs` repeats the small-message part in
+more jobs to show how far another moment moves each figure:
 
 - the pattern: ping-pong (one-way = round trip / 2) or simultaneous exchange;
 - the start: each timing after a barrier (both processes just woken and running), or back to
-  back, where each message must wake a process that went to sleep waiting for it;
+  back, right after the previous call, where a message may have to wake a process that went to
+  sleep waiting for it;
 - the statistic: median (with its quartiles, the spread) or fastest of the repeats;
 - the estimate: the time of a small message, or the intercept of a line fitted over sizes by
   chapter 10's `alpha_beta.fit_line` (least squares on relative errors).
@@ -58,29 +60,35 @@ def _pattern(kind, rank, mine, theirs):
 
 @launch.on_cpu("the loopback's two latencies: gloo on CPU tensors, timed with the host clock")
 def rank_times(rank, world_size, sizes, repeats):
-    """One rank: {(pattern, start, size): seconds per repeat}, one-way for the ping-pong."""
+    """One rank: {(pattern, start, size): seconds per repeat}, one-way for the ping-pong. The variants
+    are interleaved, round-robin: try i of each variant in turn, so a slow moment of the machine falls
+    on all of them alike. A back-to-back try starts right after the previous call, without a barrier."""
     out = {}
+    variants = [(kind, start) for kind in ("pingpong", "exchange") for start in ("barrier", "back_to_back")]
     for nbytes in sizes:
         mine, theirs = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-        for kind in ("pingpong", "exchange"):
-            call, per_call = _pattern(kind, rank, mine, theirs), 2 if kind == "pingpong" else 1
+        calls = {kind: _pattern(kind, rank, mine, theirs) for kind in ("pingpong", "exchange")}
+        for call in calls.values():
             call()                                            # warm-up: connections, buffers
-            for start in ("barrier", "back_to_back"):
-                times = []
-                for _ in range(repeats):
-                    if start == "barrier":
-                        dist.barrier()
-                    t0 = time.perf_counter()
-                    call()
-                    times.append((time.perf_counter() - t0) / per_call)
-                out[f"{kind}/{start}/{nbytes}"] = times
+        for kind, start in variants:
+            out[f"{kind}/{start}/{nbytes}"] = []
+        for _ in range(repeats):
+            for kind, start in variants:
+                if start == "barrier":
+                    dist.barrier()
+                t0 = time.perf_counter()
+                calls[kind]()
+                one_way = (time.perf_counter() - t0) / (2 if kind == "pingpong" else 1)
+                out[f"{kind}/{start}/{nbytes}"].append(one_way)
     return out
 
 
 def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
-    """Every variant's small-message latency (median, quartiles and fastest of the slower rank per
-    repeat), the intercepts of lines fitted over ``sizes`` (`alpha_beta.fit_line`, the fit chapter 10
-    uses), and the share of back-to-back round trips of at least one scheduler tick."""
+    """The latency (the fastest of every 8-byte try of the job, with the variant that gave it) and the
+    median of the same tries (under this load); every variant's small-message median, quartiles and
+    fastest (the slower rank per repeat); the intercepts of lines fitted over ``sizes``
+    (`alpha_beta.fit_line`, the fit chapter 10 uses), and the share of back-to-back round trips of at
+    least one scheduler tick."""
     if SMALL not in sizes:
         raise ValueError(f"the sizes must include the {SMALL}-byte latency message, got {list(sizes)}.")
     if repeats < 4:
@@ -98,7 +106,13 @@ def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
             for stat, f in (("fastest", min), ("median", statistics.median))}
     tick = kernel_tick_s()
     trips = [2 * t for t in slowest[f"pingpong/back_to_back/{SMALL}"]]
+    pooled = [(t, v) for v in small for t in slowest[f"{v}/{SMALL}"]]   # every try of the job, 8 bytes
+    fastest, source = min(pooled)
     return {"small_bytes": SMALL, "repeats": repeats, "small": small, "alpha_fits": fits, "tick_s": tick,
+            # the book's latency: the fastest one-way 8-byte try of the job, whichever variant gave it;
+            # the median of the same tries is the latency under this load
+            "latency_s": fastest, "latency_variant": source,
+            "under_load_s": statistics.median(t for t, _ in pooled),
             "pingpong_back_to_back_s": slowest[f"pingpong/back_to_back/{SMALL}"],   # every try, one way
             "tries_s": {v: slowest[f"{v}/{SMALL}"] for v in small},                 # every variant's tries
             "trips_of_a_tick_or_more": None if tick is None else sum(t >= tick for t in trips) / len(trips)}
@@ -107,14 +121,17 @@ def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
 def across_jobs(jobs=4, repeats=20, timeout=180.0):
     """``jobs`` more jobs, one after another, each timing every variant interleaved as `measure` does
     (8 and 1,024 bytes only, under a second each): per variant the range over the jobs of the fastest
-    try and of the median, and the range of the share of back-to-back round trips of a tick or more.
+    try and of the median, the ranges of the latency and of the median over all variants' tries, and
+    the range of the share of back-to-back round trips of a tick or more.
     One job's figures say what that moment cost; the ranges say how far another moment moves them."""
     runs = [measure(sizes=(SMALL, 1024), repeats=repeats, timeout=timeout) for _ in range(jobs)]
     span = lambda xs: (min(xs), max(xs))
     out = {v: {stat: span([r["small"][v][f"{stat}_s"] for r in runs]) for stat in ("fastest", "median")}
            for v in runs[0]["small"]}
     shares = [r["trips_of_a_tick_or_more"] for r in runs]
-    return {"jobs": jobs, "small": out, "tick_share": None if None in shares else span(shares)}
+    return {"jobs": jobs, "small": out, "tick_share": None if None in shares else span(shares),
+            "latency": span([r["latency_s"] for r in runs]),
+            "under_load": span([r["under_load_s"] for r in runs])}
 
 
 def main(argv=None):
@@ -129,6 +146,8 @@ def main(argv=None):
     r = measure(repeats=args.repeats, timeout=args.timeout)
     lines = [f"{k:24s} median {v['median_s'] * 1e6:8.0f} us (quartiles {v['q1_s'] * 1e6:.0f} to "
              f"{v['q3_s'] * 1e6:.0f}), fastest {v['fastest_s'] * 1e6:8.0f} us" for k, v in r["small"].items()]
+    lines.append(f"latency (fastest 8-byte try) {r['latency_s'] * 1e6:.0f} us ({r['latency_variant']}); "
+                 f"median of the same tries, under this load, {r['under_load_s'] * 1e6:.0f} us")
     lines += [f"intercept, {k:24s} {v * 1e6:8.0f} us" for k, v in r["alpha_fits"].items()]
     lines.append(f"scheduler tick {r['tick_s']} s; back-to-back round trips of a tick or more: "
                  f"{r['trips_of_a_tick_or_more']}")

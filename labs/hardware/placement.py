@@ -123,6 +123,18 @@ def plan(model, p, run=LLAMA3_RUN):
     return rows
 
 
+def pod_edges(dims, axis, pod=LLAMA3_POD_GPUS):
+    """Ring edges of ``axis`` (i -> i+1 mod N in each group, one direction) that leave the busiest pod:
+    the flows that share its uplinks at once. PP's interleaved chain of chunks (chunk c on rank c mod
+    p) has the same edges, the wrap-around included."""
+    out = {}
+    for group in dims.groups(axis):
+        for i, r in enumerate(group if len(group) > 1 else []):
+            if r // pod != group[(i + 1) % len(group)] // pod:
+                out[r // pod] = out.get(r // pod, 0) + 1
+    return max(out.values(), default=0)
+
+
 def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=400e12, oversubscription=7):
     """PP against DP, the two groups that leave the node, as time on the critical path.
 
@@ -137,15 +149,18 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=400e12, oversubscription=7):
     all-gather before the chunk's first forward and one fp32 reduce-scatter after its last backward.
     The first chunk's gather waits for nothing to overlap and the last chunk's reduce-scatter has no
     compute left after it: at least (gather + reduce) / v is exposed. The others hide if each
-    chunk's piece fits in the compute between two chunks; the tightest case is one micro-batch of one
-    chunk (the schedule alternating chunks every micro-batch), forward F / (m v), backward B / (m v),
-    with F = 2 P T / (GPUs FLOP/s) and B = 2 F (chapter 1's 6 P T, attention's FLOPs left out), at
-    Table 4's 400 TFLOP/s per GPU. Also how many of Llama 3's pods of 3,072 GPUs (section 3.3.1; 1:7
-    oversubscribed above them) one group of each axis spans, how many of PP's critical sends cross
-    a pod boundary, and a bound: every pod-crossing flow at 1/``oversubscription`` of its port."""
+    chunk's piece fits in its window: a rank's consecutive local chunks are p model chunks apart, so
+    between the last backwards of two of them the last micro-batch's gradient runs through p chunk
+    backwards and p sends, p (B / (m v) + send) at least (forward: p (F / (m v) + send)), with
+    F = 2 P T / (GPUs FLOP/s) and B = 2 F (chapter 1's 6 P T, attention's FLOPs left out), at
+    Table 4's 400 TFLOP/s per GPU. Latencies: every waited-for PP send pays one; a ring all-gather or
+    reduce-scatter over N ranks takes N - 1 steps, each paying one, so DP's exposed pair pays 2(N - 1).
+    Pods: how many of Llama 3's pods of 3,072 GPUs (section 3.3.1) one group of each axis spans, how
+    many of PP's critical sends cross a pod boundary, and per axis the ring edges leaving the busiest
+    pod (`pod_edges`) against its uplinks, 1:7 oversubscribed: 3,072 / 7 ports' worth."""
     rows, d = plan(model, p, run), p.dims
     send = rows["pp"]["payload_bytes"]
-    send_s = send / p.tiers[rows["pp"]["tier"]]
+    send_s = send / p.tiers[rows["pp"]["tier"]] if d.pp > 1 else 0.0
     tokens = run.micro_batch * model.seq * run.micro_batches * d.dp   # a CP group shares a sequence
     forward_s = 2 * model.params() * tokens / (d.world_size * flops_per_gpu)
     dp_bw = p.tiers[rows["dp"]["tier"]]
@@ -155,24 +170,27 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=400e12, oversubscription=7):
     crossing = 2 * sum(pod[c % d.pp] != pod[(c + 1) % d.pp] for c in range(d.pp * run.v - 1))
     chunk_gather_s, chunk_reduce_s = gather / dp_bw / run.v, reduce / dp_bw / run.v
     slots = run.micro_batches * run.v
-    dp_exposed = chunk_gather_s + chunk_reduce_s
-    dp_spans = max(p.group_nodes("dp", LLAMA3_POD_GPUS)) > 1
+    chunk_forward_s, chunk_backward_s = forward_s / slots, 2 * forward_s / slots
+    window_forward_s = d.pp * (chunk_forward_s + send_s)     # p chunk passes and p sends apart
+    window_backward_s = d.pp * (chunk_backward_s + send_s)
     return {"pp_send_bytes": send, "pp_sends_per_step": rows["pp"]["calls"][0][2], "pp_send_s": send_s,
             "pp_critical_sends": critical, "pp_critical_s": critical * send_s,
             "pp_critical_crossing_pods": crossing,
-            "pp_critical_bound_s": (critical + (oversubscription - 1) * crossing) * send_s,
             "dp_bytes": rows["dp"]["bytes_per_rank"], "dp_s": rows["dp"]["seconds"],
             "dp_gather_bytes": gather, "dp_reduce_bytes": reduce, "dp_gather_s": gather / dp_bw,
             "dp_reduce_s": reduce / dp_bw, "forward_s": forward_s, "backward_s": 2 * forward_s,
             "chunk_gather_s": chunk_gather_s, "chunk_reduce_s": chunk_reduce_s,
-            "chunk_forward_s": forward_s / slots, "chunk_backward_s": 2 * forward_s / slots,
-            "chunk_reduce_share": chunk_reduce_s / (2 * forward_s / slots),
-            "chunk_gather_share": chunk_gather_s / (forward_s / slots),
-            "dp_exposed_s": dp_exposed,
-            "dp_exposed_bound_s": dp_exposed * (oversubscription if dp_spans else 1),
+            "chunk_forward_s": chunk_forward_s, "chunk_backward_s": chunk_backward_s,
+            "window_forward_s": window_forward_s, "window_backward_s": window_backward_s,
+            "chunk_reduce_share": chunk_reduce_s / window_backward_s,
+            "chunk_gather_share": chunk_gather_s / window_forward_s,
+            "dp_exposed_s": chunk_gather_s + chunk_reduce_s,
+            "pp_critical_latencies": critical, "dp_exposed_latencies": 2 * (d.dp - 1),
             "dp_gather_share_of_forward": gather / dp_bw / forward_s,
             "dp_reduce_share_of_backward": reduce / dp_bw / (2 * forward_s),
-            "pods_per_group": {a: max(p.group_nodes(a, LLAMA3_POD_GPUS)) for a in LLAMA3_ORDER}}
+            "pods_per_group": {a: max(p.group_nodes(a, LLAMA3_POD_GPUS)) for a in LLAMA3_ORDER},
+            "pod_edges": {a: pod_edges(d, a) for a in LLAMA3_ORDER},
+            "pod_uplink_ports": LLAMA3_POD_GPUS / oversubscription}
 
 
 def _tp_traffic(order):
