@@ -25,17 +25,17 @@ def ring_steps_figure(cp, seq_len, owners, order="zigzag"):
     chunk = table[0][0][1]
     n = seq_len // chunk                                            # chunks of the sequence
     holder = {start // chunk: r for r, chunks in enumerate(table) for start, _ in chunks}
-    fig = plt.figure(figsize=(6.2, 7.0))
-    grid = fig.add_gridspec(3, 2, height_ratios=(0.35, 3, 3), hspace=0.45, wspace=0.15)
+    fig = plt.figure(figsize=(4.8, 6.0))
+    grid = fig.add_gridspec(3, 2, height_ratios=(0.35, 3, 3), hspace=0.6, wspace=0.2)
     strip = fig.add_subplot(grid[0, :])
     for x in range(n):
         strip.add_patch(Rectangle((x, 0), 1, 1, color=_colour(holder[x]), ec="white"))
-        strip.text(x + 0.5, 0.5, str(holder[x]), ha="center", va="center", color="white", fontsize=11)
+        strip.text(x + 0.5, 0.5, str(holder[x]), ha="center", va="center", color="white", fontsize=10)
     strip.set_xlim(0, n)
     strip.set_ylim(0, 1)
     strip.axis("off")
-    strip.set_title(f"the sequence, {order.replace('zigzag', 'zig-zag')} split over cp = {cp} ranks "
-                    "(number = rank)", fontsize=10)
+    strip.set_title(f"the sequence, {order.replace('zigzag', 'zig-zag')} split: chunk = rank",
+                    fontsize=10)
     for step in range(cp):
         ax = fig.add_subplot(grid[1 + step // 2, step % 2])
         for qc in range(n):
@@ -50,12 +50,10 @@ def ring_steps_figure(cp, seq_len, owners, order="zigzag"):
         ax.set_aspect("equal")
         ax.set_xticks([])
         ax.set_yticks([])
-        ax.set_xlabel("keys", fontsize=9)
-        ax.set_ylabel("queries", fontsize=9)
-        ax.set_title(f"step {step}: rank r holds\nK, V of rank r - {step}" if step else
-                     "step 0: each rank's own K, V", fontsize=10)
-    fig.text(0.5, 0.015, "coloured: the tiles computed at this step, by the rank that holds the "
-             "queries; grey: done", ha="center", fontsize=9)
+        ax.set_xlabel("keys", fontsize=10)
+        ax.set_ylabel("queries", fontsize=10)
+        ax.set_title(f"step {step}: K, V of\nrank r - {step}" if step else
+                     "step 0: its own\nK, V", fontsize=10)
     return fig
 
 
@@ -75,8 +73,8 @@ def _matrix(ax, ranks, by, owner_of, title, labels=None):
     ax.set_aspect("equal")
     ax.set_xticks([])
     ax.set_yticks([])
-    ax.set_ylabel("tokens", fontsize=9)
-    ax.set_xlabel(by, fontsize=9)
+    ax.set_ylabel("tokens", fontsize=10)
+    ax.set_xlabel(by, fontsize=10)
     ax.set_title(title, fontsize=10)
 
 
@@ -87,22 +85,20 @@ def split_figure(ranks, kind):
     import matplotlib.pyplot as plt
 
     if kind == "ulysses":
-        fig, axes = plt.subplots(1, 2, figsize=(6.2, 3.4))
+        fig, axes = plt.subplots(1, 2, figsize=(4.8, 3.0))
         sends = [[f"{i}>{j}" if i != j else "kept" for j in range(ranks)] for i in range(ranks)]
-        _matrix(axes[0], ranks, "heads", lambda i, j: i, "before: rank = token block\n"
-                "(block i>j goes to rank j)", sends)
-        _matrix(axes[1], ranks, "heads", lambda i, j: j, "after the all-to-all:\nrank = head group")
-        fig.suptitle(f"Ulysses, cp = {ranks}: each rank keeps 1/cp and sends the rest", fontsize=10)
+        _matrix(axes[0], ranks, "heads", lambda i, j: i, "before: token block\ni>j: to rank j", sends)
+        _matrix(axes[1], ranks, "heads", lambda i, j: j, "after: head group")
+        fig.suptitle(f"Ulysses' all-to-all, cp = {ranks}", fontsize=10)
         fig.tight_layout(rect=(0, 0, 1, 0.93))
         return fig
-    fig, axes = plt.subplots(1, 3, figsize=(6.4, 3.4))
-    _matrix(axes[0], ranks, "hidden", lambda i, j: i, "LayerNorm, dropout:\ns/t tokens each")
-    _matrix(axes[1], ranks, "columns (heads)", lambda i, j: j, "attention, MLP:\n1/t of columns, all s")
-    _matrix(axes[2], ranks, "hidden", lambda i, j: i, "dropout, residual:\ns/t tokens each")
-    for x, text in ((0.345, "$f_\\mathrm{sp}$: all-gather\n(backward:\nreduce-scatter)"),
-                    (0.675, "$g_\\mathrm{sp}$: reduce-scatter\n(backward:\nall-gather)")):
+    fig, axes = plt.subplots(1, 3, figsize=(5.0, 2.9))
+    _matrix(axes[0], ranks, "hidden", lambda i, j: i, "LayerNorm:\ns/t tokens")
+    _matrix(axes[1], ranks, "columns", lambda i, j: j, "attention, MLP:\n1/t of columns")
+    _matrix(axes[2], ranks, "hidden", lambda i, j: i, "dropout, add:\ns/t tokens")
+    for x, text in ((0.35, "$f_\\mathrm{sp}$: all-gather\n(back: reduce-\nscatter)"),
+                    (0.68, "$g_\\mathrm{sp}$: reduce-\nscatter (back:\nall-gather)")):
         fig.text(x, 0.02, text, ha="center", fontsize=9)
-    fig.suptitle(f"Sequence parallelism, t = {ranks}: colour = the rank that holds the block",
-                 fontsize=10)
+    fig.suptitle(f"Sequence parallelism, t = {ranks}: colour = rank", fontsize=10)
     fig.tight_layout(rect=(0, 0.2, 1, 0.95))
     return fig
