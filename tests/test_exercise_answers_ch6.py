@@ -15,7 +15,7 @@ from labs.context_parallel import crossover, methods as cp, sequence_parallel as
 from labs.memory_budget import activations, budget
 
 MIB = 2**20
-S, H, A, T = 2048, 12288, 96, 8                        # GPT-3 175B (Brown et al. 2020, Table 2.1), t = 8
+S, H, A, T = 2048, 12288, 96, 4                        # GPT-3 175B (Brown et al. 2020, Table 2.1), t = 4
 M = 1 * S * H * 2                                      # one bf16 activation of the layer, b = 1
 PEAK = budget.PEAK_FLOPS["H100 SXM, bf16 dense"]
 IB = budget.LINKS["InfiniBand NDR (400 Gb/s)"]
@@ -35,10 +35,10 @@ CASES = [
     (sp, "2", 2 * (T - 1) / T * M / MIB, "the all-gathers only: the reduce-scatters left out"),
     (sp, "2", 4 * M / MIB, "all of M per collective: the ring's (t-1)/t left out"),
     (sp, "2", 4 * 2 * (T - 1) / T * M / MIB, "each of SP's four collectives priced as an all-reduce"),
-    # 3: c >= C/W tokens for the ring to hide its sends
-    (cp, "3", PEAK / IB / 2, "only Q K^T counted, 2hc^2 FLOPs: c >= C/(2W)"),
+    # 3: c >= F/W tokens for the ring to hide its sends
+    (cp, "3", PEAK / IB / 2, "only Q K^T counted, 2hc^2 FLOPs: c >= F/(2W)"),
     (cp, "3", PEAK / 400e9, "NDR's 400 Gb/s read as 400 GB/s"),
-    # 4: with GQA only a_kv/a of the bytes travel: c >= (a_kv/a) C/W
+    # 4: with GQA only a_kv/a of the bytes travel: c >= (a_kv/a) F/W
     (cp, "4", PEAK / IB, "GQA left out: exercise 3's answer"),
     (cp, "4", PEAK / IB * 64 / 8, "a/a_kv instead of a_kv/a: the ratio inverted"),
     # 5: the ratio above which Ulysses sends fewer bytes than the all-gather at cp = 8, a = 64

@@ -232,7 +232,7 @@ EXERCISES = {
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
     "3": [(lambda: _h100_over("InfiniBand NDR (400 Gb/s)") / 2,
-           "only Q K^T counted, 2hc^2 FLOPs: c >= C/(2W)"),
+           "only Q K^T counted, 2hc^2 FLOPs: c >= F/(2W)"),
           (lambda: _h100_over("InfiniBand NDR (400 Gb/s)") / 8, "NDR's 400 Gb/s read as 400 GB/s")],
     "4": [(lambda: _h100_over("InfiniBand NDR (400 Gb/s)"), "GQA left out: exercise 3's answer"),
           (lambda: _h100_over("InfiniBand NDR (400 Gb/s)", kv_fraction=64 / 8),

@@ -3,11 +3,12 @@
 Korthikanti et al. 2022 (arXiv 2205.05198, §4.2.2). Tensor parallelism (`labs.tensor_parallel.blocks`)
 leaves the LayerNorms, the dropouts and the residual adds replicated: every one of the t ranks
 keeps their b*s*h activations in full. Sequence parallelism splits those regions along the
-sequence, each rank holding s/t tokens, and swaps chapter 4's operators for two conjugates:
-g is an all-gather along the sequence in forward and a reduce-scatter in backward (before the
-column-parallel layer), g-bar a reduce-scatter in forward and an all-gather in backward (after the
-row-parallel layer). An all-reduce is a reduce-scatter followed by an all-gather, so the bytes on
-a ring are those of TP; the activations in the sequence-split regions shrink t-fold.
+sequence, each rank holding s/t tokens, and gives chapter 4's f and g new collectives (the book's
+f_sp and g_sp, the paper's g and g-bar): f_sp is an all-gather along the sequence in forward and a
+reduce-scatter in backward (before the column-parallel layer), g_sp a reduce-scatter in forward and
+an all-gather in backward (after the row-parallel layer). An all-reduce is a reduce-scatter followed
+by an all-gather, so the bytes on a ring are those of TP; the activations in the sequence-split
+regions shrink t-fold.
 
 The column-parallel layer keeps only its s/t-token input shard for backward and gathers it again
 there for the weight gradient, as Megatron-LM does (megatron/core/tensor_parallel/layers.py,
@@ -182,25 +183,25 @@ def forward_bytes_per_layer(b, s, h, t, bytes_per_elem=2):
 
 
 # Chapter 6's exercises: GPT-3 175B shapes (Brown et al. 2020, Table 2.1: h = 12288, 96 heads,
-# s = 2048) at t = 8, b = 1; the answers are computed here, so the book never types them.
+# s = 2048) at t = 4, b = 1 (the page works t = 8): computed here, so the book never types them.
 EXERCISES = {
-    "1": lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96, tp=8, sp=True) / 2**20,
-    "2": lambda: forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2**20,
+    "1": lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96, tp=4, sp=True) / 2**20,
+    "2": lambda: forward_bytes_per_layer(1, 2048, 12288, 4)["sp"] / 2**20,
 }
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
-    "1": [(lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96, tp=8) / 2**20,
+    "1": [(lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96, tp=4) / 2**20,
            "the TP-only row sbh(10 + 24/t + 5as/(ht)): the 10sbh left whole"),
-          (lambda: 2048 * 12288 * (34 / 8 + 5 * 96 * 2048 / 12288) / 2**20,
+          (lambda: 2048 * 12288 * (34 / 4 + 5 * 96 * 2048 / 12288) / 2**20,
            "the scores' 5as/h not divided by t"),
           (lambda: activations.gpt3_activation_bytes_per_layer(2048, 1, 12288, 96) / 2**20,
            "the unsplit layer's, not one rank's")],
-    "2": [(lambda: forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2 / 2**20,
+    "2": [(lambda: forward_bytes_per_layer(1, 2048, 12288, 4)["sp"] / 2 / 2**20,
            "the all-gathers only: the reduce-scatters left out"),
-          (lambda: 4 * forward_bytes_per_layer(1, 2048, 12288, 8)["message_bytes"] / 2**20,
+          (lambda: 4 * forward_bytes_per_layer(1, 2048, 12288, 4)["message_bytes"] / 2**20,
            "all of M per collective: the ring's (t-1)/t left out"),
-          (lambda: 2 * forward_bytes_per_layer(1, 2048, 12288, 8)["sp"] / 2**20,
+          (lambda: 2 * forward_bytes_per_layer(1, 2048, 12288, 4)["sp"] / 2**20,
            "each of SP's four collectives priced as an all-reduce")],
 }
 

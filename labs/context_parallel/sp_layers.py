@@ -2,8 +2,9 @@
 
 Korthikanti et al. 2022 (arXiv 2205.05198, §4.2.2). Sequence parallelism splits the regions tensor
 parallelism leaves replicated (LayerNorms, dropouts, residual adds) along the sequence, each of t
-ranks holding s/t tokens, and swaps chapter 4's f and g for two conjugates: g is an all-gather along
-the sequence in forward and a reduce-scatter in backward (before the column-parallel layer), g-bar a
+ranks holding s/t tokens, and gives chapter 4's f and g new collectives (the book's f_sp and g_sp; the
+paper's g and g-bar, whose names the op labels here keep): f_sp is an all-gather along the sequence
+in forward and a reduce-scatter in backward (before the column-parallel layer), g_sp a
 reduce-scatter in forward and an all-gather in backward (after the row-parallel layer). The
 column-parallel layer keeps only its s/t-token input shard for backward and gathers it again there
 (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication; ``regather=False`` keeps the
