@@ -35,7 +35,16 @@ CASES = [
     (rel, "1", JOB_16K * 60, "the MTBF of Llama 3's 16,384-GPU job, not scaled to 100,000 GPUs"),
     (rel, "2", math.sqrt(1 / 60 * JOB_16K) * 60, "sqrt(delta M): Young's factor 2 left out"),
     (rel, "2", math.sqrt(2 * 1 * JOB_16K), "delta in minutes, M in hours"),
+    (rel, "2", rel.daly(1 / 60, JOB_16K) * 60, "Daly's interval, not Young's"),
+    (rel, "2", rel.young(1 / 60, rel.job_mtbf(PER_GPU, 16_000)) * 60, "16,000 GPUs for 16,384"),
 ]
+
+
+@pytest.mark.parametrize("question", sorted(rel.EXERCISES))
+def test_chapter_13_accepts_the_printed_rounding_of_its_answers(question):
+    """The page prints each answer to 0.1 minute; that rounding must pass the tolerance."""
+    answer = rel.EXERCISES[question]()
+    assert rel.check(question, round(answer, 1))
 
 
 @pytest.mark.parametrize("module, question, wrong, mistake", CASES, ids=exercise_cases.ids(CASES))

@@ -15,7 +15,8 @@ built here by hand, beside two of PyTorch's own, on the same DDP and the same da
   on NCCL, ``fp16_compress_hook`` on gloo (DDP refuses the bf16 one in a build without CUDA and NCCL
   2.10, whatever the backend in use); and ``powerSGD_hook``
   (Vogels et al. 2019: each matrix approximated by a rank-r product P Q^T, with error feedback and warm start;
-  1-D tensors all-reduced uncompressed).
+  1-D tensors all-reduced uncompressed), run twice: compressing from step 2, and from a tenth of the
+  steps, as ``PowerSGDState``'s docstring advises.
 
 Two byte counts per step, each named: the payload of the hand hooks' messages (the tensors each
 rank hands to its collectives, `labs.measure.comm`), and the library's wire bytes of the whole
@@ -36,7 +37,7 @@ from labs.failures import bigram
 from labs.launcher import launch
 from labs.measure import comm
 
-METHODS = ("ddp", "half", "powersgd", "int8", "topk_ef", "topk")
+METHODS = ("ddp", "half", "powersgd", "powersgd_late", "int8", "topk_ef", "topk")
 LR, MOMENTUM = 0.02, 0.9
 
 
@@ -83,17 +84,19 @@ def int8_hook(state, bucket):
     return _done(every.view(n, -1).float().sum(0) * (scale / 127) / n)
 
 
-def wrap(method, model, ratio=0.01, rank=1):
-    """DDP around ``model`` with the method's communication hook (none for plain DDP)."""
+def wrap(method, model, ratio=0.01, rank=1, steps=40):
+    """DDP around ``model`` with the method's communication hook (none for plain DDP).
+    ``powersgd`` starts compressing at step 2, the earliest DDP allows with error feedback;
+    ``powersgd_late`` after a tenth of the ``steps``, as ``PowerSGDState``'s docstring advises."""
     ddp = DistributedDataParallel(model)
     if method == "half":   # bf16 needs a CUDA+NCCL 2.10 build (distributed.py, _check_comm_hook)
         nccl = dist.get_backend() == "nccl"
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if nccl
                                else default_hooks.fp16_compress_hook)
-    elif method == "powersgd":
+    elif method in ("powersgd", "powersgd_late"):
+        start = 2 if method == "powersgd" else max(2, steps // 10)
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                            # the smallest DDP allows with error feedback
-                                            start_powerSGD_iter=2)
+                                            start_powerSGD_iter=start)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif method == "int8":
         ddp.register_comm_hook(None, int8_hook)
@@ -111,7 +114,7 @@ def train(rank, world_size, methods, steps, ratio, powersgd_rank):
     torch.set_num_threads(1)
     out, dev = {}, launch.device()
     for method in methods:
-        ddp = wrap(method, tiny.build(bigram.CFG, seed=0, device=dev), ratio, powersgd_rank)
+        ddp = wrap(method, tiny.build(bigram.CFG, seed=0, device=dev), ratio, powersgd_rank, steps)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
         losses, wire_bytes, payload = [], [], []
         for s in range(steps):

@@ -87,11 +87,12 @@ def _outer(kind, params):
     return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 
 
-def one_run(name, rank, address, store, steps, inner, h=None, outer=None):
-    """``steps`` inner steps: torchft DDP (``h`` None: one all-reduce per step) or DiLoCo every ``h``."""
+def one_run(name, rank, address, store, steps, inner, h=None, outer=None, seed=0):
+    """``steps`` inner steps: torchft DDP (``h`` None: one all-reduce per step) or DiLoCo every ``h``;
+    ``seed`` sets the initial weights (the batches are the same for every seed)."""
     from torchft.local_sgd import DiLoCo
-    torch.manual_seed(0)
-    model = tiny.build(bigram.CFG, seed=0)
+    torch.manual_seed(seed)
+    model = tiny.build(bigram.CFG, seed=seed)
     opt = _inner(inner, model.parameters())
     manager = _manager(name, rank, address, store, model, opt)
     counts = _counted(manager)
@@ -135,16 +136,18 @@ RUNS = (("ddp_sgd", "sgd", None, None), ("diloco_h1_sgd", "sgd", 1, "sgd1"),
 @launch.on_cpu("torchft's replica groups here are its ProcessGroupGloo on CPU tensors (on GPUs "
                "torchft gives each replica ProcessGroupNCCL); the launcher's group only spreads the "
                "lighthouse's address")
-def train(rank, world_size, steps, hs):
+def train(rank, world_size, steps, hs, seeds):
     from torch.distributed import TCPStore
     torch.set_num_threads(1)
     address = _lighthouse(rank)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    runs = RUNS + tuple((f"diloco_h{h}", "adamw", h, "nesterov") for h in hs)
+    runs = tuple(r + (0,) for r in RUNS) + tuple(
+        (f"diloco_h{h}" + (f"_seed{seed}" if seed else ""), "adamw", h, "nesterov", seed)
+        for seed in seeds for h in hs)
     out = {}
-    for name, inner, h, outer in runs:
+    for name, inner, h, outer, seed in runs:
         dist.barrier()   # every replica starts the run together
-        out[name] = one_run(name, rank, address, store, steps, inner, h, outer)
+        out[name] = one_run(name, rank, address, store, steps, inner, h, outer, seed)
     return out
 
 
@@ -162,18 +165,22 @@ def bound(steps, weights):
     return 4 * 2.0 ** -24 * float(weights.abs().max()) * steps
 
 
-def diloco(world_size=2, steps=64, hs=(1, 8, 32), timeout=300.0):
-    """DDP and DiLoCo through torchft on ``world_size`` replica groups of one rank each."""
+def diloco(world_size=2, steps=64, hs=(1, 8, 32), seeds=(0,), timeout=300.0):
+    """DDP and DiLoCo through torchft on ``world_size`` replica groups of one rank each; the DiLoCo
+    runs at every H once per initial-weight seed in ``seeds`` (seed 0's runs are ``diloco_h{H}``,
+    another seed's ``diloco_h{H}_seed{seed}``)."""
     if any(h < 1 or steps % h for h in hs):
         raise ValueError(f"--steps {steps} must be a multiple of every H in {hs}: each run ends on a sync.")
-    ranks = launch.spawn(train, world_size, steps, tuple(hs), timeout=timeout)
+    if 0 not in seeds:
+        raise ValueError("seeds must include 0, the seed of the DDP runs it is compared with")
+    ranks = launch.spawn(train, world_size, steps, tuple(hs), tuple(seeds), timeout=timeout)
     r0 = ranks[0]
     agree = {n: all(torch.equal(r[n]["weights"], r0[n]["weights"]) for r in ranks) for n in r0}
     out = {n: {k: v for k, v in run.items() if k != "weights"} | {"replicas_agree": agree[n],
            "bytes_per_step": run["allreduce_bytes"] / steps} for n, run in r0.items()}
     sgd_gap = float((r0["diloco_h1_sgd"]["weights"] - r0["ddp_sgd"]["weights"]).abs().max())
     adam_gap = float((r0["diloco_h1_adamw_sgd1"]["weights"] - r0["ddp_adamw"]["weights"]).abs().max())
-    return {"runs": out, "steps": steps, "hs": list(hs), "world_size": world_size,
+    return {"runs": out, "steps": steps, "hs": list(hs), "seeds": list(seeds), "world_size": world_size,
             "params": r0["ddp_sgd"]["weights"].numel(),
             "h1_sgd_max_weight_diff": sgd_gap, "h1_bound": bound(steps, r0["ddp_sgd"]["weights"]),
             "h1_adam_max_weight_diff": adam_gap}
