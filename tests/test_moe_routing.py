@@ -25,6 +25,33 @@ def test_capacity_priority_first_choices_first():
     assert router.capacity(tokens=3, experts=4, top_k=2, capacity_factor=1.25) == 2  # ceil(1.875)
 
 
+def token_major_keep(idx, cap, experts):
+    """The plausible bug: each expert's queue filled token by token, a token's first and second
+    choice together (token-major), instead of every first choice before any second choice."""
+    onehot = torch.nn.functional.one_hot(idx.reshape(-1), experts)    # (T*k, N), token-major
+    position = (onehot.cumsum(0) * onehot).sum(-1) - 1
+    return (position < cap).view(idx.shape)
+
+
+def test_capacity_priority_is_choice_major_not_token_major():
+    # Token 0 picks [0, 1]; tokens 1 and 2 pick [1, 2]. Capacity 2. Choice-major (the lab, GShard's
+    # Algorithm 1): expert 1's queue is the first choices of tokens 1 and 2, then token 0's second
+    # choice, which overflows; expert 0 holds one pair and expert 2 two, so all else is kept:
+    # keep [[T, F], [T, T], [T, T]]. Token-major (the bug): expert 1's queue is token 0's second
+    # choice, then token 1's first, then token 2's first, which overflows: token 2 loses its first
+    # expert while token 0 keeps its second, [[T, T], [T, T], [F, T]].
+    # (When every token picks the same two experts, as above, both orders keep the same pairs.)
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 3.0, 2.0, 0.0], [0.0, 3.0, 2.0, 0.0]])
+    r = router.route(logits, 2, cap=2)
+    assert r.idx.tolist() == [[0, 1], [1, 2], [1, 2]]
+    assert r.keep.tolist() == [[True, False], [True, True], [True, True]]
+    bug = token_major_keep(r.idx, 2, 4)
+    assert bug.tolist() == [[True, True], [True, True], [False, True]]
+    assert bug.tolist() != r.keep.tolist()                      # this case tells the two apart
+    same = router.route(torch.tensor([[3.0, 2.0, 0.0, 0.0]] * 3), 2, cap=2)
+    assert token_major_keep(same.idx, 2, 4).tolist() == same.keep.tolist()   # the old case does not
+
+
 def test_switch_aux_loss_is_alpha_when_uniform_and_alpha_n_when_collapsed():
     n, k, alpha = 8, 2, 1e-2
     idx = torch.arange(32).view(16, 2) % n  # every expert chosen 4 times
@@ -58,6 +85,10 @@ def test_router_z_loss_formula_and_its_effect_on_the_logits():
     runs = mr.zloss_runs((0.0, 1e-2), steps=80)    # the notebook runs c_z = 1e-3 too
     assert runs[0.0]["z_loss"] > runs[0.0]["first_z_loss"]         # without it, L_z grows
     assert runs[1e-2]["z_loss"] < 0.75 * runs[0.0]["z_loss"]       # with it, L_z falls
+    # logsumexp bounds the largest logit (max <= lse <= max + log N), not the smallest: with the
+    # term the largest logit falls by more than 1, and the largest |logit| is a negative one
+    assert runs[1e-2]["top_logit"] < runs[0.0]["top_logit"] - 1
+    assert -runs[1e-2]["bottom_logit"] > runs[1e-2]["top_logit"] + 1
 
 
 def test_dropless_and_capacity_buffers_equal_their_references_and_flops_follow_the_slots():

@@ -16,6 +16,7 @@ counted.
 counted.
 - `ep_tp`: attention by TP + SP and the MoE by EP over the same ranks (MoE parallel folding), equal to one
 process.
-- `trip_figure`: a token's trip (route, dispatch, experts, combine) drawn on 2 ranks, its rows computed.
+- `trip_figure`: a token's trip (route, dispatch, experts, combine) drawn on 2 ranks, its rows computed; one
+token's node-deduplicating dispatch drawn beside the flat one.
 - `suite`: every multi-rank lab above on one set of ranks, so the notebook starts its ranks once.
 """

@@ -3,9 +3,11 @@
 Capacity (GShard, Lepikhin et al. 2020, section 2.2; Switch, Fedus et al. 2021, section 2.2): every
 expert gets a fixed buffer of C slots, the experts run as one batched product over N x C slots,
 empty slots included, and a (token, expert) pair beyond C is dropped. Dropless (MegaBlocks, Gale et
-al. 2022, arXiv 2211.15841): each expert computes exactly the rows routed to it, a variable-sized
-batch, so nothing is dropped and nothing is padded; MegaBlocks writes the expert computation as
-block-sparse products for the GPU. On a CPU the same computation is a grouped GEMM: one call
+al. 2022, arXiv 2211.15841): each expert computes the rows routed to it, a variable-sized batch, so
+nothing is dropped; MegaBlocks writes the expert computation as block-sparse products for the GPU
+and pads each expert's rows only up to a multiple of its block (megablocks/layers/dmoe.py:
+``ops.round_up(tokens_per_expert, self.blocking)``, blocking = 128), not to a capacity. On a CPU the
+same computation is a grouped GEMM, which pads nothing: one call
 ``torch._grouped_mm(x, w, offs=...)`` multiplies the rows of group g (between offsets) by w[g]
 (torch 2.13 runs it on the CPU, in fp32 and with autograd). Where it is missing, `grouped_mm` falls
 back to one product over a block-diagonal layout (group g's rows in columns g*h ... (g+1)*h),

@@ -97,6 +97,7 @@ def route(logits, top_k, cap=None, bias=None, experts_per_node=None, max_nodes=N
 
 def router_z_loss(logits):
     """Zoph et al. 2022 (ST-MoE), section 3: L_z = (1/T) sum_t (log sum_j exp(x_tj))^2 over the T
-    tokens' router logits x (T, N). It pulls the logits' log-partition toward 0, keeping them small,
-    so that the exponentials of the softmax see small arguments (their motivation: bf16 roundoff)."""
+    tokens' router logits x (T, N). It pulls each token's log-partition toward 0; since
+    max_j x_j <= logsumexp(x) <= max_j x_j + log N, that holds the largest logit near 0 (the
+    exponentials the softmax sums stay small: their motivation, bf16 roundoff), not the smallest."""
     return logits.logsumexp(-1).square().mean()
