@@ -5,7 +5,8 @@ predicted for small layouts and measured from their traces, term by term, in one
 
 In one job both ranks calibrate (`calibrate`): chapter 10's alpha and beta fitted
 (`alpha_beta.fit_line`) to the fastest of timed exchanges between the two ranks (chapter 11's
-`latency.rank_times`), checked against the median exchange at every size before use. Per layout,
+`latency.rank_times`), checked from both sides at every size before use: above the fastest
+exchange over 1.5, under 1.5 times the median. Per layout,
 each rank counts one step's FLOPs (`FlopCounterMode`) and records ``steps`` steps under the
 profiler, each just after timing the model's MLP matmul on its own thread (`gemm_rate`): the
 FLOP/s that step is predicted with, taken at the same moment and load, both ranks at once.
@@ -65,11 +66,15 @@ def calibrate(rank, world_size, repeats=7):
     slowest = {s: [max(r[s][i] for r in every) for i in range(repeats)] for s in SIZES}
     fit = alpha_beta.fit_line(SIZES, [min(slowest[s]) for s in SIZES])
     median = [statistics.median(slowest[s]) for s in SIZES]
-    # the direct check: positive constants whose line lies under 1.5 times the median at every size
-    ok = fit["alpha"] > 0 and fit["beta"] > 0 and all(p <= 1.5 * t for p, t in zip(fit["predicted"], median))
+    fastest = [min(slowest[s]) for s in SIZES]
+    # the direct check, from both sides: positive constants whose line lies, at every size, above
+    # the fastest exchange divided by 1.5 (a fit far too low fails) and under 1.5 times the median
+    ok = fit["alpha"] > 0 and fit["beta"] > 0 and all(
+        lo / 1.5 <= p <= 1.5 * t for p, lo, t in zip(fit["predicted"], fastest, median))
     return {"flops": statistics.median(rates), "flops_spread": (min(rates), max(rates)),
             "threads": torch.get_num_threads(), "alpha": fit["alpha"], "beta": fit["beta"],
-            "median_s": dict(zip(SIZES, median)), "fitted_s": dict(zip(SIZES, fit["predicted"])),
+            "median_s": dict(zip(SIZES, median)),
+            "fastest_s": dict(zip(SIZES, fastest)), "fitted_s": dict(zip(SIZES, fit["predicted"])),
             "checked": ok, "operands": (a, b)}
 
 
