@@ -10,7 +10,7 @@
 4. OPT-1.3B trained in fp32 with AdamW under FSDP FULL_SHARD on 8 ranks: GiB of parameters,
    gradients and optimizer state per rank between steps?
 5. A collective matmul over t = 8 ranks: each chunk's transfer takes 3 ms, each chunk's matmul
-   2 ms. How many ms of communication are exposed (the plain all-gather exposes 21)?
+   2 ms. How many ms of communication are exposed (the same ring without overlap exposes 21)?
 """
 import torch
 import torch.distributed as dist
