@@ -5,8 +5,8 @@ predicted for small layouts and measured from their traces, term by term, in one
 
 In one job both ranks calibrate (`calibrate`): chapter 10's alpha and beta fitted
 (`alpha_beta.fit_line`) to the fastest of timed exchanges between the two ranks (chapter 11's
-`latency.rank_times`), checked from both sides at every size before use: above the fastest
-exchange over 1.5, under 1.5 times the median. Per layout,
+`latency.rank_times`), checked from both sides at every size before use: above half the fastest
+exchange, under 1.5 times the median. Per layout,
 each rank counts one step's FLOPs (`FlopCounterMode`) and records ``steps`` steps under the
 profiler, each just after timing the model's MLP matmul on its own thread (`gemm_rate`): the
 FLOP/s that step is predicted with, taken at the same moment and load, both ranks at once.
@@ -71,9 +71,10 @@ def calibrate(rank, world_size, repeats=7):
     median = [statistics.median(slowest[s]) for s in SIZES]
     fastest = [min(slowest[s]) for s in SIZES]
     # the direct check, from both sides: positive constants whose line lies, at every size, above
-    # the fastest exchange divided by 1.5 (a fit far too low fails) and under 1.5 times the median
+    # half the fastest exchange it was fitted to (a fit far too low fails) and under 1.5 times the
+    # median (a fit far too high fails)
     ok = fit["alpha"] > 0 and fit["beta"] > 0 and all(
-        lo / 1.5 <= p <= 1.5 * t for p, lo, t in zip(fit["predicted"], fastest, median))
+        lo / 2 <= p <= 1.5 * t for p, lo, t in zip(fit["predicted"], fastest, median))
     return {"flops": statistics.median(rates), "flops_spread": (min(rates), max(rates)),
             "threads": torch.get_num_threads(), "alpha": fit["alpha"], "beta": fit["beta"],
             "median_s": dict(zip(SIZES, median)),
