@@ -6,7 +6,8 @@ predicted for small layouts and measured from their traces, term by term, in one
 In one job both ranks calibrate (`calibrate`): chapter 10's alpha and beta fitted
 (`alpha_beta.fit_line`) to the fastest of timed exchanges between the two ranks (chapter 11's
 `latency.rank_times`), checked from both sides at every size before use: above half the fastest
-exchange, under 1.5 times the median. Per layout,
+exchange, under 1.5 times the median (measured again, up to `CALIBRATIONS` times, until it passes;
+a fit that is wrong, not unlucky, fails every time). Per layout,
 each rank counts one step's FLOPs (`FlopCounterMode`) and records ``steps`` steps under the
 profiler, each just after timing the model's MLP matmul on its own thread (`gemm_rate`): the
 FLOP/s that step is predicted with, taken at the same moment and load, both ranks at once.
@@ -47,6 +48,7 @@ SIZES = [4, 16 * 1024, 256 * 1024, 1024 * 1024]      # bytes of the calibration 
 GEMM = (512, 512, 128)                                 # M, N, K: the MLP's first matmul, b s = 512
 TERMS = ("compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "idle_s", "step_s")
 MATMUL_OPS = tuple("aten::" + n for n in eager_traffic.MATMULS)
+CALIBRATIONS = 3        # a calibration failing its check (a burst of load) is measured again, at most 3 times
 
 
 def gemm_rate(a, b, reps=5):
@@ -87,7 +89,11 @@ def calibrate(rank, world_size, repeats=7):
 def rank_run(rank, world_size, layouts, folder, steps=6, warmup=1):
     """One rank: calibrate, then per layout count one step's FLOPs and record ``steps`` steps, each
     just after timing the GEMM again (the FLOP/s that step's prediction uses: same moment, same load)."""
-    cal = calibrate(rank, world_size)
+    for attempt in range(1, CALIBRATIONS + 1):   # both ranks decide alike: the check reads the same data
+        cal = calibrate(rank, world_size)
+        if cal["checked"]:
+            break
+    cal["attempts"] = attempt
     a, b = cal.pop("operands")
     out = []
     for name in layouts:
