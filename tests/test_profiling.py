@@ -64,9 +64,11 @@ def test_exposed_is_the_wait_not_the_issue():
 def test_a_wait_starts_before_gloo_takes_the_collective_up():
     # a synchronous all-reduce: issued [10, 11], queued until gloo's thread runs it [15, 30]; the
     # rank thread waits from 11 to 30. Counting only time with a span open would leave 4 us idle.
+    # The queued collective is in flight (issued, not complete): exposed never exceeds in flight.
     r = one([step(0, 0, 40), op("aten::mm", 0, 10), op("c10d::allreduce_", 10, 11),
              op("gloo:all_reduce", 15, 30, tid=GLOO, cat="user_annotation"), op("aten::mm", 30, 40)])
     assert r["exposed_comm_s"] == pytest.approx(20) and r["idle_s"] == 0
+    assert r["comm_s"] == pytest.approx(20)
 
 
 def test_a_gap_that_no_completion_ends_is_not_a_wait():
@@ -280,6 +282,7 @@ def test_the_collective_matmul_equals_the_plain_layer():
     for r in launch.spawn(collective_matmul.check, 3, 2, 36, 64, 96, timeout=180):
         assert r["shape"] == (2, 36, 32)
         assert r["within_bound"] and not r["misplaced_within_bound"]
+        assert r["control_bitwise_equal"]        # the control ring: same matmuls, only waited first
         assert r["max_abs_error"] <= r["max_bound"]
 
 
@@ -297,6 +300,11 @@ def test_the_exercise_checker_accepts_the_answers_and_refuses_a_wrong_one():
     from labs.profiling import quiz
     assert quiz.EXERCISES["1"]() == pytest.approx(40 / 60)              # 60 in flight, 20 exposed
     assert quiz.EXERCISES["5"]() == 7.0
+    # exercise 2: DDP's own assignment puts the tied embedding (50,272 x 2,048 fp32) in a bucket
+    # of its own, the last reduced: 2 (7/8) 411.8 MB at 50 GB/s; one 25 MiB bucket (0.918 ms) is wrong
+    assert quiz.last_bucket_bytes() == 50272 * 2048 * 4
+    assert quiz.EXERCISES["2"]() == pytest.approx(2 * 7 / 8 * 50272 * 2048 * 4 / 50e9 * 1e3)
+    assert not quiz.check("2", 2 * 7 / 8 * 25 * 2**20 / 50e9 * 1e3)
     assert quiz.opt_params() == 1_315_753_984   # OPT-1.3B's 1,315,758,080 less 2 x 2048 positions
     demo = exercises.demonstrate(quiz.check, quiz.EXERCISES, "1", 20 / 60, "exposed over in flight")
     assert demo["accepted"] == list(quiz.EXERCISES) and demo["refused"]

@@ -53,3 +53,14 @@ def test_bad_layouts_and_too_few_steps_are_refused_before_any_rank_starts():
         pc.run(layouts=("dp 3",))
     with pytest.raises(ValueError, match="at least 6 steps"):
         pc.run(steps=5)
+
+
+def test_the_traffic_model_predicts_the_calls_and_bytes():
+    # chapter 14's traffic model, not the trace: the tiny GPT's 867,072 fp32 gradients in 1 MiB buckets
+    # and the attention masks' broadcast; TP's 4 all-reduces of b s h floats per layer; 1F1B's one
+    # send per micro-batch of b s h floats plus the executor's clock
+    dp, tp, pp = (pc.traffic(n) for n in ("dp 2", "tp 2", "pp 2"))
+    assert dp["gloo:all_reduce"] == {"calls": 4, "bytes": 4 * 867_072}
+    assert dp["gloo:broadcast"]["calls"] == 1
+    assert tp == {"gloo:all_reduce": {"calls": 16, "bytes": 16 * 8 * 64 * 128 * 4}}
+    assert pp["gloo:send"] == pp["gloo:recv"] == {"calls": 4, "bytes": 4 * (2 * 64 * 128 * 4 + 4)}

@@ -10,12 +10,14 @@
 - `figures`: per-rank timelines (compute, exposed, waiting, in flight) drawn from the analysis.
 - `timing`: a ratio of interleaved repeats with a distribution-free interval; a winner only outside 1.
 - `overlap`: two variants in alternating steps under one profiler: DDP's buckets, FSDP2's prefetch.
-- `collective_matmul`: the all-gather matmul as ring steps under the matmuls, equal to the plain layer.
+- `collective_matmul`: the all-gather matmul as ring steps under the matmuls, equal to the plain layer;
+  its control, the same ring with each transfer waited for first.
 - `moe_overlap`: two micro-batches' all-to-alls hidden under each other's compute, equal outputs.
 - `input_pipeline`: a slow data loader, in the loop and in prefetching workers: the input stall.
 - `hta_check`: Holistic Trace Analysis on the same traces: what it reads on the CPU, its GPU breakdowns.
 - `quiz`: the chapter's exercises, each answer computed by the chapter's code, and their checker.
 - `opt_exercise`: OPT-1.3B's shapes under DDP, FSDP2 and FSDP2 + checkpointing: memory, communication.
 - `recorded`: the traces the chapter links, recorded on purpose by one command (the notebook only reads them).
-- `planner_check`: chapter 14's time model calibrated here (FLOP/s, alpha, beta), predicted beside traced.
+- `planner_check`: chapter 14's time and traffic models calibrated here (FLOP/s, alpha, beta), predicted
+  beside traced.
 """

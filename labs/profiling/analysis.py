@@ -6,16 +6,16 @@ Per rank and per step (the `trace.STEP` annotation's window), on the CPU with gl
 - compute: the union of the rank thread's ``aten::`` operators, minus any communication call
   made inside one. Only ATen operators count: a wrapper (an autograd node, a module hook) can hold
   a ``Work.wait()``, which records nothing, and counting the wrapper would call that wait compute.
-- communication in flight ("issued"): the union of every gloo span (on gloo's threads, or a
-  point-to-point message from post to completion) and of the ``c10d::`` issue calls on the rank
-  thread, minus the peer wait below.
-- exposed communication: the time the rank waits on it. A wait records nothing, but it returns when
-  the communication completes: so, the issue calls, and each gap between the rank thread's
-  operators from its start up to the last completion inside it (`waited`). A gap that no
-  completion ends is the interpreter or the scheduler, not a wait: on a CPU the rank thread can be
-  off its core while gloo works, which a GPU's compute kernels never are. (Holistic Trace
-  Analysis's definition for GPU kernels, communication time
-  not overlapped by compute kernels, is what `_gpu_breakdown` uses.)
+- communication in flight ("issued"): issued and not yet complete: the union of every gloo span
+  (on gloo's threads, or a point-to-point message from post to completion), of the ``c10d::``
+  issue calls on the rank thread, and of the rank's waits below (a collective gloo's thread has not
+  yet taken up is queued, still in flight), minus the peer wait below.
+- exposed communication: the time the rank thread computes nothing and waits on communication. A
+  wait records nothing, but it returns when the communication completes: so, the issue calls, and
+  each gap between the rank thread's operators from its start up to the last completion inside it
+  (`waited`). It is part of the communication in flight by construction. A gap that no completion
+  ends is the interpreter or the scheduler, not a wait. (Holistic Trace Analysis's definition for
+  GPU kernels, communication time not overlapped by compute kernels, is what `_gpu_breakdown` uses.)
 - peer wait: the part of a receive before its peer had even posted the matching send (the send
   is found in the peer's trace by source, destination and tag, in order): the rank waits for the
   peer's compute, not for the wire. In a pipeline this is the bubble.
@@ -150,6 +150,7 @@ def breakdown(trace, p2p=None):
     ends += [b for _, b in p2p["transfer"]]              # a collective's, or a message's, completion
     waits = iv.subtract(iv.subtract(p2p["wait"], compute_all), issue)
     exposed_all = iv.subtract(waited(compute_all, issue, comm_all, ends), waits)
+    comm_all = iv.union(comm_all + exposed_all)          # a queued collective waited for is in flight
     loader = iv.union((e["ts"], e["ts"] + e["dur"]) for e in events
                       if e["tid"] == tid and e["name"].startswith(LOADER))
     loader = iv.subtract(iv.subtract(loader, iv.union(compute_all + exposed_all)), waits)

@@ -7,7 +7,11 @@ X_{t-1}] A_i, the gather exposed before the matmul can start. Split it into t ri
 deep learning models", ASPLOS; PyTorch's async tensor parallelism does the same on GPU streams):
 at step k rank i holds the chunk X_c of rank c = i - k (mod t), posts the send of X_c to rank i + 1
 and the receive of X_{c-1} from rank i - 1, and multiplies Y_i[c] = X_c A_i while it travels. Only the
-first chunk's matmul has nothing to hide behind it; every transfer runs under a matmul.
+first chunk's matmul has nothing to hide behind it; every transfer runs under a matmul. The
+control (``overlap=False``) is the same ring with each transfer waited for before the matmul it
+could hide under: the same messages, chunks and matmuls, only the overlap taken away. (Chapter 6's
+layer, a gloo ``all_gather`` with sequence-first transposes and a matmul on a non-contiguous view,
+differs from the ring in more than the overlap, so it is not the control.)
 
 The result is the plain layer's, up to rounding: the plain layer multiplies all t chunks in one
 matmul, the ring one chunk at a time, and a BLAS may sum the h products of an output element in a
@@ -27,9 +31,10 @@ from labs.measure import comm
 from labs.tensor_parallel import megatron
 
 
-def ring_gather_linear(x, weight, bias, group=None):
-    """Y_i = AllGather_seq(x) A_i^T + b in t ring steps, each transfer under the previous chunk's
-    matmul. x (B, s/t, H) this rank's tokens; returns (B, s, out/t), the plain layer's layout."""
+def ring_gather_linear(x, weight, bias, group=None, overlap=True):
+    """Y_i = AllGather_seq(x) A_i^T + b in t ring steps, each transfer under the chunk's matmul
+    (``overlap=False``: each transfer waited for before that matmul). x (B, s/t, H) this rank's
+    tokens; returns (B, s, out/t), the plain layer's layout."""
     t, i = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(t))
     B, rows, _ = x.shape
@@ -42,10 +47,15 @@ def ring_gather_linear(x, weight, bias, group=None):
             incoming = torch.empty_like(current)
             pending = [comm.isend(current, ranks[(i + 1) % t], group=group, tag=k),
                        comm.irecv(incoming, ranks[(i - 1) % t], group=group, tag=k)]
+        if not overlap:                                   # the control: nothing under the transfer
+            for req in pending:
+                req.wait()
         out[:, c * rows:(c + 1) * rows] = F.linear(current, weight, bias)     # (B, s/t, out/t)
-        for req in pending:
-            req.wait()
-        if pending:
+        if overlap:                                       # each request waited for once: a second
+                                                          # wait on these gloo requests hangs
+            for req in pending:
+                req.wait()
+        if k < t - 1:
             current = incoming
     return out
 
@@ -73,8 +83,9 @@ def bound(x_full, weight, bias):
 
 
 def check(rank, world_size, batch=2, seq=64, hidden=128, out_features=64, seed=0):
-    """The ring equals the plain layer within `bound`, on this rank's output; a misplaced chunk
-    does not. Returns the largest error, the largest bound and how many elements match bit for bit."""
+    """The ring equals the plain layer within `bound`, on this rank's output, and the ring without
+    overlap bit for bit (the same matmuls on the same chunks); a misplaced chunk does not. Returns
+    the largest error, the largest bound and how many elements match bit for bit."""
     plain = layers(hidden, out_features, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     x_full = torch.randn(batch, seq, hidden, generator=g).to(launch.device())
@@ -83,19 +94,22 @@ def check(rank, world_size, batch=2, seq=64, hidden=128, out_features=64, seed=0
     with torch.no_grad():
         want = plain(x)
         got = ring_gather_linear(x, plain.weight, plain.bias)
+        control = ring_gather_linear(x, plain.weight, plain.bias, overlap=False)
     limit = bound(x_full, plain.weight, plain.bias)
     err = (got.double() - want.double()).abs()
     rolled = got.roll(rows, dims=1)                     # a ring that writes each chunk one slot off
     return {"max_abs_error": err.max().item(), "max_bound": limit.max().item(),
             "within_bound": bool((err <= limit).all()),
             "bitwise_equal_fraction": (got == want).float().mean().item(),
+            "control_bitwise_equal": bool(torch.equal(got, control)),     # same matmuls, same order
             "misplaced_within_bound": bool(((rolled.double() - want.double()).abs() <= limit).all()),
             "shape": tuple(got.shape)}
 
 
 def steps(rank, world_size, calls=4, batch=4, seq=256, hidden=1024, out_features=512, seed=0):
-    """The two forward passes as profiled steps ("a": the ring, "b": the plain layer), ``calls``
-    layer calls each: a transfer of (s/t) x B x H floats against a matmul of the same rows."""
+    """The two forward passes as profiled steps ("a": the ring with overlap, "b": the same ring,
+    each transfer waited for before its matmul), ``calls`` layer calls each: a transfer of
+    (s/t) x B x H floats against a matmul of the same rows."""
     plain = layers(hidden, out_features, seed=seed)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, seq // world_size, hidden, generator=gen).to(launch.device())
@@ -105,8 +119,8 @@ def steps(rank, world_size, calls=4, batch=4, seq=256, hidden=1024, out_features
             for _ in range(calls):
                 ring_gather_linear(x, plain.weight, plain.bias)
 
-    def gathered():
+    def waited():
         with torch.no_grad():
             for _ in range(calls):
-                plain(x)
-    return {"a": ring, "b": gathered}
+                ring_gather_linear(x, plain.weight, plain.bias, overlap=False)
+    return {"a": ring, "b": waited}

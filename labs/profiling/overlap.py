@@ -11,8 +11,9 @@ as a ratio within one run.
 - `fsdp2`: FSDP2 on one unit per block, each unit's all-gather issued one unit ahead (explicit
   prefetch, asynchronous unshard: `targets.prefetch_one_ahead`) or when the unit runs (FSDP2's
   default on the CPU, where no all-gather stream runs ahead); two copies of the model.
-- the others live with their idea: `collective_matmul` (ring steps against all-gather then
-  matmul), `moe_overlap` (two micro-batches' all-to-alls under each other's compute) and
+- the others live with their idea: `collective_matmul` (ring steps with each transfer under a
+  matmul, against the same ring with each transfer waited for first), `moe_overlap` (two
+  micro-batches' all-to-alls under each other's compute) and
   `input_pipeline` (prefetching loader workers, compared on the input stall instead).
 
 `run` spawns the ranks once for several pairs.
@@ -123,7 +124,8 @@ def fsdp2(rank, world_size, batch_size=2):
 # which: (the two variants' steps, their names, the term compared)
 PAIRS = {"ddp": (ddp, ("overlap on", "overlap off"), "exposed_comm_s"),
          "fsdp2": (fsdp2, ("prefetch one unit ahead", "no prefetch"), "exposed_comm_s"),
-         "matmul": (collective_matmul.steps, ("collective matmul", "all-gather, then matmul"),
+         "matmul": (collective_matmul.steps,
+                    ("ring, transfer under the matmul", "ring, transfer waited first"),
                     "exposed_comm_s"),
          "moe": (moe_overlap.steps, ("two micro-batches overlapped", "one after the other"),
                  "exposed_comm_s"),
@@ -136,7 +138,7 @@ def record(rank, world_size, runs):
             for which, folder, repeats, options in runs]
 
 
-def run(pairs, world_size=2, folder=None, repeats=9, timeout=600, **options):
+def run(pairs, world_size=2, folder=None, repeats=6, timeout=600, **options):
     """Spawn ``world_size`` ranks once and compare each pair of ``pairs`` ("ddp", "fsdp2", "matmul",
     "moe", "input"); traces under ``folder``/<pair>. Returns {pair: `compare`'s result}."""
     for which in pairs:
