@@ -10,8 +10,9 @@ before anything is unpacked; a machine without network makes the screenshot from
 The trace is chapter 15's committed DDP trace (notebooks/traces/15/ddp), its two ranks merged into
 one file, one process per rank (`labs.profiling.practice.merge_traces`). The page
 (tools/trace_viewer/viewer.html) opens it in headless Chromium driven by playwright, every request
-outside the page's own files blocked, zooms on the last ``gloo:all_reduce`` and the milliseconds
-before it, and the screenshot is cropped to the tracks (the rank's thread, gloo's threads).
+outside the page's own files blocked, zooms on rank 0's last ``gloo:all_reduce`` and the 7.5 ms
+before it (the gap where rank 0's thread waits while gloo's threads run the all-reduce), and the
+screenshot is cropped to the tracks (from the time ruler down; toolbar and panels left out).
 
     python tools/trace_screenshot.py          # writes book/images/15-trace-viewer.png
 """
@@ -40,7 +41,8 @@ WHEEL = ("torch_tb_profiler-0.4.3-py3-none-any.whl", "torch-tb-profiler==0.4.3",
 # npm pack webcomponents.js@0.7.24; `npm view webcomponents.js@0.7.24 dist.integrity`
 POLYFILL = ("webcomponents.js-0.7.24.tgz", "webcomponents.js@0.7.24",
             "sha512-YICWfSBmTB1mkhYlSqfTBN6vtunG+sacpzDF13K7fXsj03BGB3QfETF7f0fuMV/P/4GwSr4yiRNeeRk91p5tUg==")
-VIEWPORT = {"width": 640, "height": 400}   # CSS pixels; shot at twice that, saved at 192 dpi
+VIEWPORT = {"width": 500, "height": 400}   # CSS pixels; shot at twice that, saved at 192 dpi:
+# 1000 px shown 390 wide keeps the slices' 9-px names about 7 px high on a phone
 SCALE = 2
 
 
@@ -93,20 +95,21 @@ async def shoot(files, out, chromium="/usr/bin/chromium"):
 
         await context.route("**/*", route)
         page = await context.new_page()
-        page.on("pageerror", lambda e: print("pageerror", e))
+        page.on("pageerror", lambda e: errors.append(str(e)))
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else print(m.text))
         await page.goto("http://viewer.invalid/viewer.html?trace=trace.json&from=gloo:all_reduce"
-                        "&before=9&after=1.5&labels=200&title=DDP,+2+gloo+ranks")
-        await page.wait_for_function("document.title === 'loaded'", timeout=60_000)
+                        "&pid=0&before=7.5&after=1&labels=165&title=DDP,+2+gloo+ranks")
+        try:
+            await page.wait_for_function("document.title === 'loaded'", timeout=60_000)
+        except Exception:
+            sys.exit(f"the viewer did not load: {errors[:3]}")
         await page.wait_for_timeout(500)
-        # the tracks only: from the top of the page down to the analysis panel
-        box = await page.evaluate("""() => {
-            const p = document.querySelector('tr-ui-timeline-view');
-            const a = p.shadowRoot ? p.shadowRoot.querySelector('tr-ui-a-analysis-view') : null;
-            const b = (a || document.querySelector('tr-ui-a-analysis-view'));
-            return b ? b.getBoundingClientRect().top : window.innerHeight; }""")
-        await page.screenshot(path=out, clip={"x": 0, "y": 0, "width": VIEWPORT["width"],
-                                              "height": box if box > 0 else VIEWPORT["height"]})
+        # the tracks only: from the time ruler down (the toolbar and the panels are left out)
+        top = await page.evaluate("""() => {
+            const tv = document.querySelector('tr-ui-timeline-track-view');
+            return tv ? tv.getBoundingClientRect().top : 0; }""")
+        await page.screenshot(path=out, clip={"x": 0, "y": top, "width": VIEWPORT["width"],
+                                              "height": VIEWPORT["height"] - top})
         await browser.close()
     if blocked or errors:
         sys.exit(f"the viewer asked the network for {blocked[:3]} or failed: {errors[:3]}")
