@@ -18,6 +18,8 @@
 - `quiz`: the chapter's exercises, each answer computed by the chapter's code, and their checker.
 - `opt_exercise`: OPT-1.3B's shapes under DDP, FSDP2 and FSDP2 + checkpointing: memory, communication.
 - `recorded`: the traces the chapter links, recorded on purpose by one command (the notebook only reads them).
+- `practice`: torch.profiler as a training loop uses it (schedule, on_trace_ready, prof.step,
+  record_function, key_averages, with_stack) on every rank, and the ranks' traces merged, pid per rank.
 - `planner_check`: chapter 14's time and traffic models calibrated here (FLOP/s, alpha, beta), predicted
   beside traced.
 """

@@ -1,0 +1,74 @@
+"""Chapter 15's practitioner pieces: torch.profiler's schedule in a training loop on 2 gloo ranks, the
+ranks' traces merged, and the CPU memory snapshot in the memory viewer's format."""
+import json
+import pickle
+
+import pytest
+import torch
+
+from labs import model as gpt
+from labs.launcher import launch
+from labs.measure import memory, memory_snapshot
+from labs.profiling import practice
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("practice"))
+    return folder, launch.spawn(practice.profile_loop, 2, folder, wait=1, warmup=1, active=2, timeout=120)
+
+
+def test_schedule_records_exactly_the_active_steps(loop):
+    _, out = loop
+    assert practice.scheduled_active(1, 1, 2) == [2, 3]
+    for r in out:
+        assert r["steps_run"] == 4
+        assert r["traced_steps"] == [2, 3]        # wait (step 0) and warmup (step 1) leave nothing
+        assert r["ready_at"] == [4]               # on_trace_ready once, after the last active step
+        assert len(r["tensorboard_files"]) == 1   # tensorboard_trace_handler's <worker>.<time>.pt.trace.json
+        assert {p: v["count"] for p, v in r["phases"].items()} == dict.fromkeys(practice.PHASES, 2)
+        assert r["stack_frames"] > 0              # with_stack: python_function events in the trace
+        assert "Self CPU" in r["table"] and "c10d::allreduce_" in r["table"]
+
+
+def test_merged_trace_has_both_ranks_with_distinct_pids(loop, tmp_path):
+    _, out = loop
+    merged = practice.merge_traces([r["path"] for r in out], str(tmp_path / "merged.json"))
+    assert merged["ranks"] == [0, 1]
+    events = json.load(open(merged["path"]))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    for rank in (0, 1):
+        mine = [e["name"] for e in events if e["pid"] == rank]
+        steps = sorted(n for n in mine if n.startswith("ProfilerStep#"))
+        assert steps == ["ProfilerStep#2", "ProfilerStep#3"]
+        assert any(n.startswith("gloo:") for n in mine)
+    with pytest.raises(ValueError):
+        practice.merge_traces([out[0]["path"], out[0]["path"]], str(tmp_path / "twice.json"))
+
+
+def _step(m, opt, x, y):
+    loss = m(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_snapshot_peak_is_the_accounting_peak_to_the_byte(tmp_path):
+    cfg = gpt.GPTConfig()
+    m = gpt.build(cfg)
+    opt = torch.optim.AdamW(m.parameters())
+    x, y = gpt.synthetic_batch(cfg, 4, seed=0)
+    _step(m, opt, x, y)   # the optimizer's state exists from here on
+    with memory_snapshot.Recorder(m, opt) as rec:
+        _step(m, opt, x, y)
+    with memory.PeakMemory(m, opt) as ref:
+        _step(m, opt, x, y)
+    snap = pickle.load(open(rec.dump(str(tmp_path / "snapshot.pickle")), "rb"))
+    live = memory_snapshot.replay(snap)
+    assert memory_snapshot.replay_peak(snap) == rec.peak_bytes == ref.peak_bytes
+    assert live[0] == rec.baseline_bytes and live[-1] == rec.end_bytes
+    actions = {e["action"] for e in snap["device_traces"][0]}
+    assert actions == {"segment_alloc", "alloc", "free_requested", "free_completed", "segment_free"}
+    assert all(b["state"] == "active_allocated" for s in snap["segments"] for b in s["blocks"])
+    assert any(e["frames"][0]["name"].startswith("aten.mm") for e in snap["device_traces"][0])
