@@ -45,6 +45,21 @@ def test_a_policy_that_also_saves_the_softmax_is_caught(monkeypatch):
     assert r["activation_bytes"] - r["formula_bytes"] == cfg.n_layer * 2 * cfg.n_head * cfg.seq_len ** 2 * b
 
 
+def test_save_all_recomputes_nothing_and_keeps_the_gradients():
+    """The timing's control: the selective machinery with every output saved reruns no matmul
+    in backward (the FLOPs of "none") and gives "none"'s gradients bit for bit."""
+    from labs.measure import flops
+    cfg, grads, counted = rc.config(), {}, {}
+    for policy in ("none", "save-all"):
+        blocks, x, run = rc._step(cfg, 2, policy, 2, torch.bfloat16)
+        with flops.counting() as fc:
+            run(x).sum().backward()
+        counted[policy] = fc.get_total_flops()
+        grads[policy] = [p.grad for b in blocks for p in b.parameters()] + [x.grad]
+    assert counted["save-all"] == counted["none"]
+    assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads["save-all"]))
+
+
 def test_saved_tensor_hooks_do_not_see_the_policy_cache():
     """Why the lab reads live storages: saved-tensor hooks see the checkpoints' inputs and nothing of
     what the selective policy caches, so they would report "selective" as cheap as "full"."""

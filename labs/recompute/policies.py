@@ -49,12 +49,18 @@ def selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# Timed only: "save-all" runs the selective machinery (a checkpoint whose policy sees every op of the
+# forward, and of its replay in backward) but saves every output, so it recomputes nothing.
+def save_all_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE
+
+
 def config(layers=4, hidden=32, heads=4, seq=16):
     return tiny.GPTConfig(n_layer=layers, hidden=hidden, n_head=heads, seq_len=seq)
 
 
 def check_policy(policy, layers, k):
-    if policy not in POLICIES:
+    if policy not in POLICIES + ("save-all",):
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}.")
     if policy == "every-k" and (k < 1 or layers % k):
         raise ValueError(f"k={k} must divide the {layers} layers; pick a divisor of {layers}.")
@@ -69,8 +75,9 @@ def apply_policy(blocks, policy, k=2):
 
     if policy == "none":
         return segment(blocks)
-    if policy == "selective":
-        ctx = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    if policy in ("selective", "save-all"):
+        rule = selective_policy if policy == "selective" else save_all_policy
+        ctx = functools.partial(create_selective_checkpoint_contexts, rule)
         units = [lambda x, b=b: checkpoint(b, x, use_reentrant=False, context_fn=ctx) for b in blocks]
     else:
         size = 1 if policy == "full" else k
@@ -168,17 +175,19 @@ def timing(cfg=None, batch=4, k=2, repeats=15, dtype=torch.float32, threads=1):
     `labs.measure.intervals` turns the ``repeats`` ratios into a median with its interval and range,
     and a verdict only where the interval excludes 1. One thread: on a shared CPU, threads that wait
     for a busy core time the neighbours, not the policy. One machine, one run: the ratio, not the
-    seconds, is the result."""
+    seconds, is the result. "save-all" (the selective machinery, nothing recomputed) is timed beside
+    them, and ``selective_over_save_all`` is what recomputing the attention core adds to it."""
     intervals.median_ranks(repeats)                     # refuses too few rounds for an interval
     cfg = cfg or config(layers=4, hidden=128, heads=4, seq=128)
-    steps = {p: _step(cfg, batch, p, k, dtype) for p in POLICIES}
-    seconds = {p: [] for p in POLICIES}
+    timed = POLICIES + ("save-all",)
+    steps = {p: _step(cfg, batch, p, k, dtype) for p in timed}
+    seconds = {p: [] for p in timed}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with set_checkpoint_early_stop(False):
             for i in range(repeats + 1):          # rotating order, so a busy moment hits every policy alike
-                order = POLICIES[i % len(POLICIES):] + POLICIES[:i % len(POLICIES)]
+                order = timed[i % len(timed):] + timed[:i % len(timed)]
                 for policy in order:
                     _, x, run = steps[policy]
                     start = time.perf_counter()
@@ -188,11 +197,14 @@ def timing(cfg=None, batch=4, k=2, repeats=15, dtype=torch.float32, threads=1):
     finally:
         torch.set_num_threads(before)
     ratios = {}
-    for p in POLICIES:
+    for p in timed:
         iv = intervals.ratio_interval(seconds[p], seconds["none"])
         iv["verdict"] = intervals.verdict(iv, "faster than none", "slower than none", threads)
         ratios[p] = iv
+    extra = intervals.ratio_interval(seconds["selective"], seconds["save-all"])
+    extra["verdict"] = intervals.verdict(extra, "faster than save-all", "slower than save-all", threads)
     return {"seconds": {p: statistics.median(t) for p, t in seconds.items()}, "ratios": ratios,
+            "selective_over_save_all": extra,
             "ratio_vs_none": {p: iv["median"] for p, iv in ratios.items()}, "repeats": repeats}
 
 
