@@ -22,7 +22,12 @@ def loss_trap(rank, world_size, valid_tokens, seq_len=24, heads=4, head_dim=8, b
     and 0/0 = NaN on a rank whose tokens are all masked, which the ring's backward then carries to
     every rank's dK and dV (Megatron-LM issue #1764).
     "global_count": each rank divides its sum by the count all-reduced over the cp ranks.
-    Returns, per way, the loss (summed over ranks), the max abs gradient error and whether any NaN.
+    Returns, per way, the loss (summed over ranks), this rank's masked sum and count, the max abs
+    gradient error and whether any NaN. The per-token l_t is a test function with a random U: the
+    loss's sign and size mean nothing; what holds by construction is that the per-rank mean is the
+    mean of the ranks' own means, sum_r (S_r / n_r) / cp, and one process's sum_r S_r / sum_r n_r,
+    which weight a token on rank r by 1/(cp n_r) and 1/N: they differ whenever the n_r differ
+    (unless, by chance, every rank's own mean is the same).
     """
     q, k, v, u = methods.inputs(batch, heads, heads, seq_len, head_dim, launch.device())
     m = (torch.arange(seq_len) < valid_tokens).to(q.dtype).to(q.device)   # (T,) loss mask
@@ -47,7 +52,8 @@ def loss_trap(rank, world_size, valid_tokens, seq_len=24, heads=4, head_dim=8, b
         comm.all_reduce(reported)
         # torch's max keeps a NaN (Python's max(0.1, nan) would drop it, depending on the order)
         err = torch.stack([(t.grad - r.grad[:, :, rows]).abs().max() for t, r in zip(mine, leaves)]).max()
-        out[way] = {"loss": reported.item(), "local_count": count.item(), "grad_error": err.item(),
+        out[way] = {"loss": reported.item(), "local_count": count.item(), "local_sum": local.item(),
+                    "grad_error": err.item(),
                     "local_loss_nan": bool(torch.isnan(loss).item()),
                     "grad_nan": any(bool(torch.isnan(t.grad).any()) for t in mine)}
     out["reference_loss"] = ((ref * u).sum((0, 1, 3)) * m).sum().div(m.sum()).item()
