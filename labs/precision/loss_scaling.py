@@ -163,7 +163,7 @@ TRACK_MODES = ("fp32", "bf16", "fp16", "fp16_scaled")
 def track(mode, steps=30, loss_weight=2.0 ** -24, lr=3e-3, seed=0, scale_eps=True, params=False):
     """Train the tiny GPT ``steps`` Adam steps in one precision; return its (unweighted) losses.
 
-    The loss is multiplied by ``loss_weight``: a device that pushes the tiny GPT's gradients below
+    The loss is multiplied by ``loss_weight``: a factor that pushes the tiny GPT's gradients below
     FP16's range (2^-24 and less), so that FP16 must lose them without a loss scale. Modes: fp32;
     bf16 and fp16 under autocast with fp32 weights; fp16_scaled adds `DynamicScaler`.
 
