@@ -38,7 +38,7 @@ def test_loss_scale_rescues_fp16_gradients_and_bf16_never_loses_them():
 
 
 def test_hand_scaler_follows_gradscaler_step_by_step():
-    r = ls.scaler_trace(steps=12, init_scale=2.0 ** 22, growth_interval=3)
+    r = ls.scaler_trace(steps=14, init_scale=2.0 ** 22, growth_interval=3, spike_step=9)
     # same scales, same skips, same weights, bit for bit: both multiply by 1/S (a power of two,
     # exact) and run the same SGD step on the same shapes
     assert r["hand"] == r["torch"] and r["params_equal"]
@@ -51,6 +51,33 @@ def test_hand_scaler_follows_gradscaler_step_by_step():
     first_clean = skipped.index(False)
     assert skipped[first_clean:first_clean + 3] == [False] * 3
     assert scales[first_clean + 3] == 2 * scales[first_clean]
+
+
+class _KeepsCounting(ls.DynamicScaler):
+    """The plausible bug: an overflow halves S but does not restart the clean-step count, and
+    growth fires at >= interval."""
+
+    def update(self):
+        if self.found_inf:
+            self.s *= self.backoff
+        else:
+            self.clean += 1
+            if self.clean >= self.interval:
+                self.s *= self.growth
+                self.clean = 0
+
+
+def test_a_scaler_that_keeps_counting_through_an_overflow_is_caught():
+    r = ls.scaler_trace(steps=14, init_scale=2.0 ** 22, growth_interval=3, spike_step=9)
+    skipped = [s["skipped"] for s in r["torch"]]
+    # the outlier batch overflows one clean step into a run: the count must restart there
+    assert skipped[8:10] == [False, True]
+    wrong, _ = ls._run_scaler(_KeepsCounting(init_scale=2.0 ** 22, growth_interval=3), 14, spike_step=9)
+    assert wrong != r["torch"]
+    # GradScaler grows three clean steps after the overflow; the buggy scaler one step early
+    grew = [t for t in range(10, 13) if r["torch"][t + 1]["scale"] > r["torch"][t]["scale"]]
+    grew_wrong = [t for t in range(10, 13) if wrong[t + 1]["scale"] > wrong[t]["scale"]]
+    assert grew == [12] and grew_wrong == [11]
 
 
 def test_a_scaler_that_never_backs_off_is_caught():

@@ -8,7 +8,7 @@
 - `master_weights`: BF16 weights without an FP32 master (lost updates, stochastic rounding, Kahan);
   FP32 accumulation of 16-bit products.
 - `figures`: the chapter's pictures (bit layouts and ranges, underflow, the loss-scale trace, FP8
-  granularity over draws), drawn from what the lab read or ran.
+  granularity over draws, the scaled FP8 matrix product end to end), drawn from what the lab read or ran.
 - `experiment`: the chapter's command line, one experiment per run.
 - `__main__.py`: ``python -m labs.precision --experiment NAME``, every experiment of the chapter.
 The recipes and their Adam, which chapter 1 already counts, are `labs.memory_budget.recipes`.

@@ -6,6 +6,7 @@
 - `underflow`: a gradient sample against FP16's range, before and after a loss scale.
 - `scaler_trace`: the dynamic loss scale per step, the hand scaler beside GradScaler, skips marked.
 - `granularity`: FP8 per tensor, per row and per block over several draws (`fp8.matmul_error_seeds`).
+- `fp8_gemm`: the scaled FP8 matrix product end to end (tiles and blocks, cast, multiply, promote).
 Every figure is 6.4 inches wide, so its 10-point text stays legible in a phone's column.
 """
 import math
@@ -155,5 +156,54 @@ def granularity(r):
         ax.set_title(title, fontsize=10)
     axes[0].set_xlabel("one scale per")
     axes[1].set_xlabel("one scale per")
+    fig.tight_layout()
+    return fig
+
+
+def fp8_gemm(block=None, fmax=None):
+    """The scaled FP8 matrix product end to end, as DeepSeek-V3 (section 3.3.2) runs it: top, X's
+    1 x 128 tiles and W's 128 x 128 blocks, one scale each, and the K dimension walked 128 at a time;
+    bottom, the pipeline for one output entry: scale and cast to E4M3, multiply and sum 128 products
+    in the tensor core's short accumulator, divide by the two scales and add into FP32, repeat."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    from labs.precision import fp8
+
+    block = block or fp8.BLOCK
+    fmax = fmax or scaling.FMAX
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.set_xlim(0, 10)
+    ax.set_ylim(0, 6.6)
+    ax.axis("off")
+    # top: the operands, K split into groups of `block`
+    for x0, w, h, name, hw, hh, label in ((0.2, 4.4, 1.6, "X (tokens x K)", 1.1, 0.22,
+                                           f"1 x {block} tile:\none scale"),
+                                          (5.4, 4.4, 1.6, "W (outputs x K)", 1.1, 1.1,
+                                           f"{block} x {block}\nblock:\none scale")):
+        y0 = 4.6
+        ax.add_patch(Rectangle((x0, y0), w, h, facecolor="0.93", edgecolor="0.3"))
+        for j in range(1, 4):
+            ax.plot([x0 + j * w / 4] * 2, [y0, y0 + h], color="0.6", lw=0.8, ls=":")
+        ax.add_patch(Rectangle((x0 + w / 4, y0 + h - hh - 0.1), hw, hh, facecolor="tab:blue", alpha=0.7))
+        ax.text(x0, y0 + h + 0.12, name, fontsize=10, weight="bold")
+        ax.text(x0 + w / 4 + hw + 0.1, y0 + h - hh / 2 - 0.1, label, fontsize=9, va="center")
+        ax.text(x0 + w / 2, y0 - 0.25, f"K, in groups of {block}", fontsize=9, ha="center")
+    # bottom: the pipeline for one group of K
+    boxes = ((0.1, f"one scale\nper group:\n{fmax:g} / amax"),
+             (2.1, f"cast x scale\nto E4M3,\nclamp {fmax:g}"),
+             (4.1, f"tensor core:\n{block} products\nin ~14 bits"),
+             (6.1, "divide by\nboth scales,\nadd in FP32"), (8.1, "Y = XW^T,\nwritten\nas BF16"))
+    for x, text in boxes:
+        ax.add_patch(Rectangle((x, 1.2), 1.8, 1.9, facecolor="white", edgecolor="0.3"))
+        ax.text(x + 0.9, 2.15, text, fontsize=9, ha="center", va="center")
+    for x in (1.9, 3.9, 5.9, 7.9):
+        ax.add_patch(FancyArrowPatch((x, 2.15), (x + 0.2, 2.15), arrowstyle="-|>", mutation_scale=10))
+    ax.add_patch(FancyArrowPatch((7.0, 1.2), (5.0, 1.2), connectionstyle="arc3,rad=-0.5",
+                                 arrowstyle="-|>", mutation_scale=10, color="tab:red"))
+    ax.text(6.0, 0.2, f"next {block} of K (FP32 promotion every {block})", fontsize=9, ha="center",
+            color="tab:red")
+    ax.text(5.0, 3.75, "for each output entry, K is summed one group at a time:", fontsize=9,
+            ha="center", style="italic")
     fig.tight_layout()
     return fig

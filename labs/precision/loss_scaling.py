@@ -108,18 +108,23 @@ class DynamicScaler:
                 self.clean = 0
 
 
-def _regression(seed=0):
+def _regression(seed=0, spike_step=None, spike=8.0):
     """A one-layer model run in FP16 under autocast; its targets make dL/dy about 2^-4, so the
-    scaled gradient overflows FP16 (65,504) once S exceeds about 2^20."""
+    scaled gradient overflows FP16 (65,504) once S exceeds about 2^20. At ``spike_step`` the
+    targets are ``spike`` times larger (an outlier batch): its gradients overflow a scale that the
+    other batches pass, in the middle of a run of clean steps."""
     torch.manual_seed(seed)
     net = torch.nn.Linear(16, 16)
     g = torch.Generator().manual_seed(seed)
     batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(32)]
+    if spike_step is not None:
+        x, y = batches[spike_step]
+        batches[spike_step] = (x, y * spike)
     return net, batches
 
 
-def _run_scaler(scaler, steps, init_seed=0):
-    net, batches = _regression(init_seed)
+def _run_scaler(scaler, steps, init_seed=0, spike_step=None):
+    net, batches = _regression(init_seed, spike_step)
     opt = torch.optim.SGD(net.parameters(), lr=1e-2)
     trace = []
     for step in range(steps):
@@ -137,17 +142,19 @@ def _run_scaler(scaler, steps, init_seed=0):
     return trace, [p.detach().clone() for p in net.parameters()]
 
 
-def scaler_trace(steps=12, init_scale=2.0 ** 22, growth_interval=3):
+def scaler_trace(steps=14, init_scale=2.0 ** 22, growth_interval=3, spike_step=9):
     """Run the hand scaler and ``torch.amp.GradScaler("cpu")`` on the same FP16 model and batches.
 
-    Returns {"hand": [{step, scale, skipped}], "torch": [...], "params_equal": bool}; a step is
-    skipped when the weights did not move.
+    The outlier batch at ``spike_step`` overflows one clean step into a run of clean steps, so the
+    trace shows the clean-step count restarting at an overflow (a scaler that kept counting would
+    grow one step early there). Returns {"hand": [{step, scale, skipped}], "torch": [...],
+    "params_equal": bool}; a step is skipped when the weights did not move.
     """
     kw = dict(init_scale=init_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=growth_interval)
-    hand, hand_params = _run_scaler(DynamicScaler(**kw), steps)
-    ref, ref_params = _run_scaler(torch.amp.GradScaler("cpu", **kw), steps)
+    hand, hand_params = _run_scaler(DynamicScaler(**kw), steps, spike_step=spike_step)
+    ref, ref_params = _run_scaler(torch.amp.GradScaler("cpu", **kw), steps, spike_step=spike_step)
     equal = all(torch.equal(a, b) for a, b in zip(hand_params, ref_params))
-    return {"hand": hand, "torch": ref, "params_equal": equal, **kw}
+    return {"hand": hand, "torch": ref, "params_equal": equal, "spike_step": spike_step, **kw}
 
 
 TRACK_MODES = ("fp32", "bf16", "fp16", "fp16_scaled")
@@ -156,7 +163,7 @@ TRACK_MODES = ("fp32", "bf16", "fp16", "fp16_scaled")
 def track(mode, steps=30, loss_weight=2.0 ** -24, lr=3e-3, seed=0, scale_eps=True, params=False):
     """Train the tiny GPT ``steps`` Adam steps in one precision; return its (unweighted) losses.
 
-    The loss is multiplied by ``loss_weight``: a device that pushes the tiny GPT's gradients below
+    The loss is multiplied by ``loss_weight``: a factor that pushes the tiny GPT's gradients below
     FP16's range (2^-24 and less), so that FP16 must lose them without a loss scale. Modes: fp32;
     bf16 and fp16 under autocast with fp32 weights; fp16_scaled adds `DynamicScaler`.
 

@@ -125,10 +125,14 @@ def drifting_activation(steps=40, rows=64, cols=256, growth=1.1, spike_step=20, 
 
 
 def _cast(x, scale):
-    """Per-tensor cast with ``scale``: (dequantised x, saturated count, flushed-to-zero count)."""
+    """Per-tensor cast with ``scale``: (dequantised x, overflowed count, flushed-to-zero count).
+
+    Overflowed is counted from the cast's output, not from a threshold: an element whose FP8 value
+    is more than half of E4M3's top spacing (32 / 2 = 16) away from its scaled value was clamped,
+    since rounding within the range moves a value by half a spacing at most."""
     scaled = x * scale
-    saturated = int((scaled.abs() >= OVERFLOW).sum())
     q = scaled.clamp(-FMAX, FMAX).to(E4M3)
+    saturated = int(((q.float() - scaled).abs() > OVERFLOW - FMAX).sum())
     flushed = int(((q.float() == 0) & (x != 0)).sum())
     return q.float() / scale, saturated, flushed
 
@@ -138,8 +142,10 @@ def drift(history=16, margin=0, **activation):
     with delayed scaling (fmax / max of the last ``history`` amaxes / 2^margin; scale 1 before any
     history, as Transformer Engine starts). Per step: saturated, flushed to zero, relative error.
 
-    The rule the counts must follow: delayed scaling saturates exactly on the steps whose amax
-    exceeds the largest in its window, and after a spike its scale stays small for ``history``
+    The rule the counts must follow: E4M3 rounds any scaled value below 464 (the midpoint to the
+    next step, 480, which it lacks) to 448, so delayed scaling overflows exactly on the steps whose
+    amax exceeds the window's largest by the factor 464 / 448 (3.6 %); a step that beats the
+    window by less rounds without overflow. After a spike its scale stays small for ``history``
     steps, until the spike leaves the window.
     """
     steps = {"current": [], "delayed": []}
@@ -153,15 +159,26 @@ def drift(history=16, margin=0, **activation):
             steps[name].append({"amax": amax, "scale": scale, "saturated": saturated, "flushed": flushed,
                                 "error": ((deq - x).norm() / x.norm()).item()})
         amaxes.append(amax)
-    # the rule, from the amaxes alone: the cast overflows where amax * scale reaches OVERFLOW
+    # the threshold, derived from the format (not measured): amax > top * 464 / 448
     top = [max(amaxes[max(0, t - history):t]) * 2 ** margin if t else FMAX for t in range(len(amaxes))]
     predicted = [t for t, a in enumerate(amaxes) if a * FMAX / top[t] >= OVERFLOW]
+    above = [t for t, a in enumerate(amaxes) if a > top[t]]   # beats the window's largest at all
     return {"history": history, "margin": margin, "amax": amaxes, "steps": steps,
-            "saturating_steps_predicted": predicted,
+            "saturating_steps_predicted": predicted, "above_window_steps": above,
             "saturating_steps": [t for t, s in enumerate(steps["delayed"]) if s["saturated"]],
             "totals": {k: {"saturated": sum(s["saturated"] for s in v),
                            "flushed": sum(s["flushed"] for s in v)}
                        for k, v in steps.items()}}
+
+
+def late_scale_flush(factor=50.0, M=256, K=512, outliers=4, outlier_gain=1000.0, seed=0):
+    """How many entries of `fp8.activations` (outlier channels) a per-tensor scale ``factor`` times
+    too small flushes to zero, beside the right scale (448 / amax): a late scale's cost on
+    activations whose ordinary values already sit near the bottom of E4M3's range."""
+    x = fp8.activations(M, K, outliers, outlier_gain, seed=seed)
+    right = FMAX / x.abs().amax().item()
+    return {"elements": x.numel(), "factor": factor,
+            "flushed_right": _cast(x, right)[2], "flushed_late": _cast(x, right / factor)[2]}
 
 
 def _mx(args):
