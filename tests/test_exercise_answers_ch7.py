@@ -24,7 +24,7 @@ CASES = [
     ("4", BF16 / MIB, "FP8 dispatch forgotten: the bf16 bytes"),
     # one byte per 128-element tile instead of 4: 0.8 % above the scales-forgotten answer
     ("4", 4096 * 8 * 63 / 64 * (7168 + 7168 // 128) / MIB,
-     "one-byte UE8M0 scales (DeepEP's use_ue8m0), not fp32 ones"),
+     "one-byte UE8M0 scales (DeepEP's low-latency use_ue8m0), not fp32 ones"),
     ("5", 4 * P[0], "ep p_1, the second expert on the slowest rank forgotten"),
     ("5", 1.0, "uniform routing assumed: the slowest rank at the mean"),
     ("6", 2 * 31 / 32 * 8 * 50e6 * 2 / 1e9, "the ring over all 32 ranks instead of edp = 4"),

@@ -4,7 +4,7 @@ tested in tests/test_exercise_answers_ch7.py."""
 import pytest
 import torch
 
-from labs.expert_parallel import dropless, moe, moe_routing as mr, router
+from labs.expert_parallel import a2a_tail, dropless, moe, moe_routing as mr, router
 
 # compares floating-point results: `make test` runs it under another CPU's rounding
 pytestmark = pytest.mark.numerics
@@ -113,6 +113,33 @@ def test_grouped_gemm_falls_back_to_one_block_diagonal_product(monkeypatch):
     got = dropless.grouped_mm(x, w, counts)
     assert dropless.grouped_mm.last == "block-diagonal matmul"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)   # zeros added: the same products
+
+
+def inclusion_z(probs, pi, draws=100_000, seed=0):
+    """Each expert's Monte-Carlo inclusion frequency, over ``draws`` tokens routed top-2 by
+    `router.route` from `mr.skewed_logits` (k draws without replacement from ``probs``), against
+    ``pi``: the largest deviation in standard deviations (a token includes expert i or not, so the
+    count is Binomial(draws, pi_i); its s.d. is estimated as sqrt(f (1 - f) / draws) from the
+    frequency f, since a wrong ``pi`` may exceed 1)."""
+    r = router.route(mr.skewed_logits(draws, probs, torch.Generator().manual_seed(seed)), 2)
+    est = torch.bincount(r.idx.reshape(-1), minlength=len(probs)).double() / draws
+    return ((est - pi).abs() / (est * (1 - est) / draws).sqrt()).max().item()
+
+
+def test_inclusion_probability_matches_top_k_draws_and_refuses_k_times_p():
+    # The tail test (tests/test_moe.py) bounds each rank's bytes at 4 s.d. of 2 small batches, so
+    # a plausible bug, pi = k p (k draws with replacement, or the top-1 formula scaled), passes it
+    # at zeta = 1. Here 100,000 draws: one s.d. is at most 0.5 / sqrt(1e5) = 0.0016, and the
+    # test allows 5 s.d. per expert (a chance failure over 8 experts: about 8 * 6e-7). The bug's
+    # gap is largest at expert 1: 2 p_1 - pi_1 = 0.105 at zeta = 1 (p_1 = 0.368, pi_1 = 0.631,
+    # s.d. 0.0015: about 70 s.d., 14 times the allowance) and 0.237 at zeta = 1.5 (about 190 s.d.).
+    for zeta in (1.0, 1.5):
+        p = mr.zipf_probs(8, zeta)
+        pi = a2a_tail.inclusion(p, 2)
+        assert abs(pi.sum().item() - 2) < 1e-12                    # k experts per token
+        assert inclusion_z(p, pi) < 5
+        assert inclusion_z(p, 2 * p) > 10 * 5                      # the k p bug, refused by far
+    assert torch.equal(a2a_tail.inclusion(p, 1), p)                # k = 1: pi = p
 
 
 def test_dropped_fraction_follows_the_load_distribution():

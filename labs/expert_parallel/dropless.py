@@ -127,11 +127,32 @@ def compare(tokens=256, hidden=16, experts=8, top_k=2, ffn=32, skew=1.5, capacit
         return _compare(tokens, hidden, experts, top_k, ffn, skew, capacity_factors, seed)
 
 
+def skewed_batch(layer, tokens, hidden, skew, seed):
+    """(T, h) tokens that share an offset toward ``layer``'s router row 0: a skewed load."""
+    g = torch.Generator().manual_seed(seed + 1)
+    toward = layer.router.weight.detach()[0] / layer.router.weight.detach()[0].norm()
+    return torch.randn(tokens, hidden, generator=g) + skew * toward
+
+
+def dropped_over_seeds(seeds, tokens=256, hidden=16, experts=8, top_k=2, ffn=32, skew=1.5,
+                       capacity_factors=(1.0, 1.25, 2.0)):
+    """Per seed, `compare`'s batch routed only (no expert runs, no FLOPs: the slots, and so the
+    FLOPs, are N * C whatever the seed): pairs dropped at each capacity factor, and the smallest
+    routing margin over the seeds."""
+    out, margin = {}, float("inf")
+    with torch.no_grad():
+        for seed in seeds:
+            for cf in capacity_factors:
+                layer = moe.MoE(hidden, experts, top_k, cf, ffn, seed)
+                r = layer.decide(skewed_batch(layer, tokens, hidden, skew, seed))
+                out[(seed, cf)] = int((~r.keep).sum())
+                margin = min(margin, r.margin)
+    return out, margin
+
+
 def _compare(tokens, hidden, experts, top_k, ffn, skew, capacity_factors, seed):
     ref = moe.MoE(hidden, experts, top_k, None, ffn, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    toward = ref.router.weight.detach()[0] / ref.router.weight.detach()[0].norm()
-    x = torch.randn(tokens, hidden, generator=g) + skew * toward                          # (T, h)
+    x = skewed_batch(ref, tokens, hidden, skew, seed)                                     # (T, h)
     want, ref_flops = _flops(ref, x)
     loads = torch.bincount(ref.routing.idx.reshape(-1), minlength=experts)
     dl = DroplessMoE(hidden, experts, top_k, None, ffn, seed)

@@ -210,8 +210,10 @@ def dispatch_bytes(tokens, top_k, ep, hidden, bytes_per_elem=2, scale_block=None
     each of its T*k (token, expert) rows leaves with probability (ep - 1)/ep, h elements each.
     Combine sends the same back; backward repeats both. With ``scale_block`` (FP8 with 1 x 128
     tiles: the tiles in DeepSeek-V3 section 3.3.2, the FP8 dispatch in section 3.3.3) each row also
-    carries h / scale_block scales of ``scale_bytes`` (fp32 in DeepEP's FP8 dispatch; 1 with its
-    ``use_ue8m0`` option, a power-of-two exponent in one byte)."""
+    carries h / scale_block scales of ``scale_bytes``: 4, fp32, in DeepEP's normal kernels, whose
+    `Buffer.dispatch` takes (FP8 rows, fp32 scales [tokens, h / 128]); 1, a power-of-two exponent
+    (UE8M0), in its low-latency kernels with ``low_latency_dispatch(..., round_scale=True,
+    use_ue8m0=True)``. DeepSeek-V3 (section 3.3.3) says its scales are powers of 2, not how stored."""
     per_row = hidden * bytes_per_elem + (hidden // scale_block * scale_bytes if scale_block else 0)
     return tokens * top_k * (ep - 1) / ep * per_row
 
@@ -242,7 +244,7 @@ MISTAKES = {q: [wrong] for q, wrong in WRONG.items()}
 MISTAKES["2"].append((dispatch_bytes(4096, 8, 64, 7168) / 1e6, "MB taken for MiB"))
 MISTAKES["4"].append((dispatch_bytes(4096, 8, 64, 7168) / 2**20, "FP8 dispatch forgotten: the bf16 bytes"))
 MISTAKES["4"].append((dispatch_bytes(4096, 8, 64, 7168, bytes_per_elem=1, scale_block=128, scale_bytes=1)
-                      / 2**20, "one-byte UE8M0 scales (DeepEP's use_ue8m0), not fp32 ones"))
+                      / 2**20, "one-byte UE8M0 scales (DeepEP's low-latency use_ue8m0), not fp32 ones"))
 # Exercise 4's UE8M0 answer lies 0.8 % above the scales-forgotten one: at the usual 1 % each would be
 # taken for the other, so its answers are checked to 0.3 % (the right one is 2.3 % above the UE8M0 one).
 REL = {"4": 0.003}
