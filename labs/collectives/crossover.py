@@ -100,7 +100,8 @@ def rank_sweep(rank, world_size, fit_sizes, factors, repeats):
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)                # every rank's results
     return {"alpha": used["alpha"], "beta": used["beta"], "fit_sizes": list(fit_sizes),
             "fit_seconds": fastest, "fit_residuals": used["residuals"], "fit_times": fit_times,
-            "intercept": used["intercept"], "line_residuals": used["line_residuals"],
+            "intercept": used["intercept"], "line_beta": used["line_beta"],
+            "line_residuals": used["line_residuals"],
             "fit_median_seconds": [statistics.median(t) for t in fit_times],
             "predicted": m_star, "sizes": sizes, "seconds": times, "exact": bool(ok.item())}
 
@@ -135,7 +136,7 @@ def sweep(world_size, fit_sizes=alpha_beta.FIT_SIZES, factors=FACTORS, repeats=R
 
     Returns alpha (the latency: fastest smallest-size try), beta (fitted with alpha fixed),
     fit_residuals (relative, of alpha + n beta), fit_times (every try), intercept and
-    line_residuals (the free line's: a fit parameter and its residuals), fit_median_seconds,
+    line_beta, line_residuals (the free line's: fit parameters and its residuals), fit_median_seconds,
     predicted (M* in bytes, None for N = 2), sizes, seconds (per algorithm and size, the slowest
     rank's time of each repeat),
     ratios (per size, `intervals.ratio_interval` of doubling / ring, with its verdict), cores,
