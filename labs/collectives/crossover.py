@@ -52,8 +52,9 @@ def _seconds(call):
 
 def _exchange_times(rank, sizes, repeats):
     """Per size, the slowest rank's seconds of each repeat of one exchange with rank XOR 1. The
-    sizes are interleaved, try i of every size in turn (the first size rotating), so a slow moment
-    of the machine, or the job's first seconds, fall on all sizes alike."""
+    sizes are interleaved, swept up and then down in turn, so a slow moment of the machine falls on
+    all sizes alike and every try follows a try of the same or a neighbouring size: a tiny exchange
+    right after the largest one is slow on a loaded machine, every time."""
     dev = launch.device()
     bufs = [(torch.ones(n // 4, device=dev), torch.empty(n // 4, device=dev)) for n in sizes]
     calls = [lambda m=m, t=t: Rounds().exchange(sends=[(m, rank ^ 1)], recvs=[(t, rank ^ 1)])
@@ -62,8 +63,7 @@ def _exchange_times(rank, sizes, repeats):
         call()
     seconds = [[] for _ in sizes]
     for repeat in range(repeats):
-        for j in range(len(sizes)):
-            i = (j + repeat) % len(sizes)
+        for i in (range(len(sizes)) if repeat % 2 == 0 else reversed(range(len(sizes)))):
             seconds[i].append(_seconds(calls[i]))
     return [_slowest(t) for t in seconds]
 
