@@ -180,15 +180,31 @@ def test_measured_crossover_and_sweep_sizes():
 
 
 def test_latency_model_and_bootstrap():
-    """alpha is the fastest try at the smallest size, not the line's intercept; M*'s bootstrap
-    interval holds the estimate and narrows to it when every try is the same."""
-    sizes = [4, 1024, 65536]
-    exact = [[ALPHA + n * BETA] * 5 for n in sizes]
-    m = alpha_beta.model(sizes, [[t[0] * 3] + t[1:] for t in exact])   # one slow try per size
-    assert m["alpha"] == pytest.approx(ALPHA + 4 * BETA) and m["beta"] == pytest.approx(BETA)
-    b = alpha_beta.bootstrap_crossover(sizes, exact, 4, draws=50)
-    assert b["low"] == pytest.approx(b["estimate"]) == pytest.approx(b["high"])
-    assert b["estimate"] == pytest.approx(alpha_beta.crossover(ALPHA + 4 * BETA, BETA, 4))
+    """alpha is the fastest try at the smallest size, neither the median of its tries nor the
+    line's intercept; beta is fitted with alpha held there; M*'s bootstrap interval resamples."""
+    import random
+    sizes = [4, 1024, 65536, 1 << 20]
+    slow = [1.0, 1.6, 2.2, 1.3, 2.9]                   # every try slower than the line but the first
+    m = alpha_beta.model(sizes, [[(ALPHA + n * BETA) * f for f in slow] for n in sizes])
+    assert m["alpha"] == pytest.approx(ALPHA + 4 * BETA, rel=1e-12)   # the minimum; the median is 1.6x
+    # alpha holds the 4 bytes' own 4 beta, so the model sits 4 beta off the line: within 1e-4
+    assert m["beta"] == pytest.approx(BETA, rel=1e-4) and max(map(abs, m["residuals"])) < 1e-4
+    # fastest tries off the line: beta is the one-parameter fit with alpha fixed, its residuals the model's
+    bent = [[ALPHA * 1.0], [ALPHA * 0.8 + 1024 * BETA], [ALPHA + 65536 * BETA * 1.2], [(1 << 20) * BETA]]
+    m = alpha_beta.model(sizes, bent)
+    fastest = [t[0] for t in bent]
+    x, y = [n / t for n, t in zip(sizes, fastest)], [(t - ALPHA) / t for t in fastest]
+    assert m["alpha"] == ALPHA
+    assert m["beta"] == pytest.approx(sum(a * b for a, b in zip(x, y)) / sum(a * a for a in x))
+    assert m["residuals"] == pytest.approx([(t - ALPHA - n * m["beta"]) / t for n, t in zip(sizes, fastest)])
+    assert m["intercept"] != pytest.approx(ALPHA, rel=0.01)          # the free line's, another number
+    # noisy tries: the interval has width and holds the estimate strictly inside
+    rng = random.Random(1)
+    noisy = [[(ALPHA + n * BETA) * (1 + rng.expovariate(3)) for _ in range(9)] for n in sizes]
+    b = alpha_beta.bootstrap_crossover(sizes, noisy, 4, draws=200)
+    assert b["low"] < b["estimate"] < b["high"] and b["draws"] == 200
+    beta = alpha_beta.model(sizes, noisy)["beta"]
+    assert b["estimate"] == pytest.approx(alpha_beta.crossover(min(noisy[0]), beta, 4))
 
 
 def test_pictures_align_rounds():
@@ -210,7 +226,7 @@ def test_crossover_sweep_contract():
     assert len(r["ratios"]) == 3
     assert all(iv["lowest"] <= iv["low"] <= iv["median"] <= iv["high"] <= iv["highest"] for iv in r["ratios"])
     assert r["alpha"] == r["fit_seconds"][0] == min(r["fit_times"][0])   # the latency: fastest, smallest
-    assert r["fit_residuals"] == pytest.approx([(t - r["intercept"] - n * r["beta"]) / t   # the line's
+    assert r["fit_residuals"] == pytest.approx([(t - r["alpha"] - n * r["beta"]) / t   # the model's
                                                 for n, t in zip(r["fit_sizes"], r["fit_seconds"])])
     assert r["model_round_smallest"]["ring"] == pytest.approx(r["alpha"] + 8 / 2 * r["beta"])   # M/N bytes
     assert len(X.table(r).splitlines()) == 4

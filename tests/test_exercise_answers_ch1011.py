@@ -15,7 +15,7 @@ from labs.hardware import placement as P
 from labs.pipeline.stage_balance import stage_layers
 
 M1, M2 = 2 ** 30, 2 ** 20           # the buffers of exercises 10.1 and 10.2
-ALPHA, INV_BETA = 5e-6, 25e9        # exercise 10.3: 5 us, 25 GB/s
+ALPHA, INV_BETA = 5e-6, 25e9        # exercise 10.3: 5 us, 25 GB/s, 16 ranks
 SPLIT = [len(layers) for layers in stage_layers(P.LLAMA3_405B.layers, 16)]
 
 
@@ -32,9 +32,9 @@ CASES = [
     (Chapter10, "2", col.formula("all_reduce", "ring", 8, M2)[1],
      "the ring's 2(N-1)/N M for doubling's M lg N"),
     (Chapter10, "2", M2, "one swap of M: the lg N rounds left out"),
-    (Chapter10, "3", 11 * ALPHA * INV_BETA,
+    (Chapter10, "3", 26 * ALPHA * INV_BETA,
      "the rounds saved times alpha/beta, without the bytes' lg N - 2(N-1)/N"),
-    (Chapter10, "3", (8 - 1 - 3) * ALPHA * INV_BETA / (3 - 2 * 7 / 8),
+    (Chapter10, "3", (16 - 1 - 4) * ALPHA * INV_BETA / (4 - 2 * 15 / 16),
      "the ring's N-1 rounds (one half) for its 2(N-1)"),
     # chapter 11, hardware and placement
     (Chapter11, "11.1", P.ANSWERS["11.1"]() * (P.LLAMA3_405B.layers // 16) / max(SPLIT),

@@ -30,7 +30,7 @@ from labs.launcher import launch, preflight
 
 FIT_SIZES = [4, 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024]   # bytes
 BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-BENCH_SIZES = [4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024]      # bytes, the full buffer S
+BENCH_SIZES = [4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024]      # bytes, the full buffer M
 
 
 def _median_seconds(call, repeats, stat=statistics.median):
@@ -66,14 +66,31 @@ def fit_line(sizes, seconds):
             "residuals": [(s - p) / s for s, p in zip(seconds, predicted)]}
 
 
+def fit_slope(sizes, seconds, alpha):
+    """beta (s/byte) of t = alpha + n beta with alpha fixed (measured, not fitted), minimising the
+    same squared relative errors as `fit_line`: one parameter, so a closed form. With
+    x_i = n_i / t_i and y_i = (t_i - alpha) / t_i, the residual is y_i - beta x_i, and
+    beta = sum(x_i y_i) / sum(x_i^2). Returns beta and residuals ((t - alpha - n beta) / t)."""
+    if len(sizes) != len(seconds) or not any(sizes) or min(seconds) <= 0:
+        raise ValueError(f"a slope needs positive times and a size above 0 bytes, got sizes {list(sizes)} "
+                         f"and times {list(seconds)}.")
+    x = [n / t for n, t in zip(sizes, seconds)]
+    y = [(t - alpha) / t for t in seconds]
+    beta = sum(a * b for a, b in zip(x, y)) / sum(a * a for a in x)
+    return {"beta": beta, "residuals": [(t - alpha - n * beta) / t for n, t in zip(sizes, seconds)]}
+
+
 def model(sizes, tries):
     """The alpha-beta model chapters 10 and 11 use: alpha is the latency, the fastest try at the
-    smallest size; beta is the slope of `fit_line` through the fastest try per size. The line's
-    intercept is returned as a fit parameter, not a latency."""
+    smallest size; beta is fitted through the fastest try per size with alpha held there
+    (`fit_slope`), so alpha + n beta is the model and its residuals are the model's. A line with a
+    free intercept (`fit_line`) is returned beside it: its intercept is a fit parameter, not a
+    latency, and its residuals are the line's."""
     fastest = [min(t) for t in tries]
-    line = fit_line(sizes, fastest)
-    return {"alpha": fastest[sizes.index(min(sizes))], "beta": line["beta"], "intercept": line["alpha"],
-            "residuals": line["residuals"]}
+    alpha = fastest[sizes.index(min(sizes))]
+    used, line = fit_slope(sizes, fastest, alpha), fit_line(sizes, fastest)
+    return {"alpha": alpha, "beta": used["beta"], "residuals": used["residuals"],
+            "intercept": line["alpha"], "line_beta": line["beta"], "line_residuals": line["residuals"]}
 
 
 def bootstrap_crossover(sizes, tries, p, draws=1000, seed=0, level=0.95):
@@ -127,7 +144,7 @@ def crossover(alpha, beta, p):
 
 
 def _library_call(op, s, p):
-    """A zero-argument call of the library's ``op`` on an S-byte buffer (S as nccl-tests counts it)."""
+    """A zero-argument call of the library's ``op`` on an M-byte buffer (nccl-tests' S)."""
     dev = launch.device()
     if op == "all_reduce":
         x = torch.ones(s // 4, device=dev)
@@ -155,10 +172,11 @@ def rank_bench(rank, world_size, ops, sizes, repeats):
 
 
 def bench(world_size, ops=BENCH_OPS, sizes=BENCH_SIZES, repeats=9, timeout=300.0):
-    """Rows of op, nbytes (S), seconds (the median over repeats of the slowest rank's time), low and
-    high (the order statistics that hold that median at 95 %, `labs.measure.intervals`), algbw and
-    busbw (bytes/s, from the median)."""
-    k, _ = intervals.median_ranks(repeats)                 # refuses too few repeats before spawning
+    """Rows of op, nbytes (M, nccl-tests' S), seconds (the median over repeats of the slowest
+    rank's time), low and high (the order statistics that hold that median with probability
+    `coverage`, at least 95 %: 96 % for 9 repeats, `labs.measure.intervals`), algbw and busbw
+    (bytes/s, from the median)."""
+    k, coverage = intervals.median_ranks(repeats)          # refuses too few repeats before spawning
     for s in sizes:
         if s % (4 * world_size):
             raise ValueError(f"size {s} must be a multiple of 4 * world size = {4 * world_size} bytes.")
@@ -171,12 +189,14 @@ def bench(world_size, ops=BENCH_OPS, sizes=BENCH_SIZES, repeats=9, timeout=300.0
             rows.append({"op": op, "nbytes": s, "seconds": seconds,
                          "low": slowest[k - 1], "high": slowest[repeats - k],
                          **bus_bandwidth.bandwidths(s, seconds, world_size, op)})
-    return {"world_size": world_size, "backend": preflight.choose_backend(world_size), "rows": rows}
+    return {"world_size": world_size, "backend": preflight.choose_backend(world_size), "rows": rows,
+            "coverage": coverage}
 
 
 def table(result):
     """nccl-tests' columns: size, time, algbw, busbw (GB/s = 1e9 bytes/s, as nccl-tests prints)."""
-    lines = [f"{'op':>15} {'size B':>10} {'time us':>9} {'95% interval us':>17} "
+    level = f"{100 * result['coverage']:.0f}% interval us"
+    lines = [f"{'op':>15} {'size B':>10} {'time us':>9} {level:>17} "
              f"{'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in result["rows"]:
         lines.append(f"{r['op']:>15} {r['nbytes']:>10} {r['seconds'] * 1e6:>9.0f} "

@@ -8,9 +8,9 @@ measured times cross beside where the model says they should.
 
 In every round of both algorithms all ranks exchange at once, so alpha and beta are fitted here, in
 the same job, on the same N ranks: rank r swaps M bytes with r XOR 1, every pair at once. alpha is
-the latency, the fastest try at the smallest size; beta is the slope of the line fitted by
-relative error through the fastest try per size (`alpha_beta.model`), whose intercept is returned
-as a fit parameter, not a latency.
+the latency, the fastest try at the smallest size; beta is fitted by relative error through the
+fastest try per size with alpha held fixed (`alpha_beta.model`); a line with a free intercept is
+returned beside it, its intercept a fit parameter, not a latency.
 Each time is the slowest rank's (a collective ends when its last rank does). At each size the
 two all-reduces take turns, repeat by repeat, the first of the pair alternating, so each repeat
 gives one paired ratio
@@ -51,15 +51,21 @@ def _seconds(call):
 
 
 def _exchange_times(rank, sizes, repeats):
-    """Per size, the slowest rank's seconds of each repeat of one exchange with rank XOR 1."""
-    out = []
-    for nbytes in sizes:
-        mine = torch.ones(nbytes // 4, device=launch.device())
-        theirs = torch.empty_like(mine)
-        exchange = lambda: Rounds().exchange(sends=[(mine, rank ^ 1)], recvs=[(theirs, rank ^ 1)])
-        exchange()                                            # warm-up: connections, buffers
-        out.append(_slowest([_seconds(exchange) for _ in range(repeats)]))
-    return out
+    """Per size, the slowest rank's seconds of each repeat of one exchange with rank XOR 1. The
+    sizes are interleaved, swept up and then down in turn, so a slow moment of the machine falls on
+    all sizes alike and every try follows a try of the same or a neighbouring size: a tiny exchange
+    right after the largest one is slow on a loaded machine, every time."""
+    dev = launch.device()
+    bufs = [(torch.ones(n // 4, device=dev), torch.empty(n // 4, device=dev)) for n in sizes]
+    calls = [lambda m=m, t=t: Rounds().exchange(sends=[(m, rank ^ 1)], recvs=[(t, rank ^ 1)])
+             for m, t in bufs]
+    for call in calls:                                        # warm-up: connections, buffers
+        call()
+    seconds = [[] for _ in sizes]
+    for repeat in range(repeats):
+        for i in (range(len(sizes)) if repeat % 2 == 0 else reversed(range(len(sizes)))):
+            seconds[i].append(_seconds(calls[i]))
+    return [_slowest(t) for t in seconds]
 
 
 def sweep_sizes(m_star, n, factors=FACTORS):
@@ -94,7 +100,8 @@ def rank_sweep(rank, world_size, fit_sizes, factors, repeats):
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)                # every rank's results
     return {"alpha": used["alpha"], "beta": used["beta"], "fit_sizes": list(fit_sizes),
             "fit_seconds": fastest, "fit_residuals": used["residuals"], "fit_times": fit_times,
-            "intercept": used["intercept"],
+            "intercept": used["intercept"], "line_beta": used["line_beta"],
+            "line_residuals": used["line_residuals"],
             "fit_median_seconds": [statistics.median(t) for t in fit_times],
             "predicted": m_star, "sizes": sizes, "seconds": times, "exact": bool(ok.item())}
 
@@ -127,8 +134,9 @@ def describe(where, at):
 def sweep(world_size, fit_sizes=alpha_beta.FIT_SIZES, factors=FACTORS, repeats=REPEATS, timeout=300.0):
     """Fit, predict and time on ``world_size`` ranks; the predicted and the measured crossover.
 
-    Returns alpha (the latency: fastest smallest-size try), beta, fit_residuals (relative),
-    fit_times (every try), intercept (the free fit's, a fit parameter), fit_median_seconds,
+    Returns alpha (the latency: fastest smallest-size try), beta (fitted with alpha fixed),
+    fit_residuals (relative, of alpha + n beta), fit_times (every try), intercept and
+    line_beta, line_residuals (the free line's: fit parameters and its residuals), fit_median_seconds,
     predicted (M* in bytes, None for N = 2), sizes, seconds (per algorithm and size, the slowest
     rank's time of each repeat),
     ratios (per size, `intervals.ratio_interval` of doubling / ring, with its verdict), cores,

@@ -197,7 +197,7 @@ def every(world_size, numel, timeout=120.0):
 EXERCISES = {
     "1": lambda: formula("all_reduce", "ring", 8, 2 ** 30)[1],                 # bytes one rank sends
     "2": lambda: formula("all_reduce", "recursive_doubling", 8, 2 ** 20)[1],   # bytes one rank sends
-    "3": lambda: alpha_beta.crossover(5e-6, 1 / 25e9, 8),                      # n*, bytes
+    "3": lambda: alpha_beta.crossover(5e-6, 1 / 25e9, 16),                     # n*, bytes
 }
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
@@ -207,9 +207,9 @@ MISTAKES = {
     "2": [(lambda: formula("all_reduce", "ring", 8, 2 ** 20)[1],
            "the ring's 2(N-1)/N M for doubling's M lg N"),
           (2 ** 20, "one swap of M: the lg N rounds left out")],
-    "3": [(lambda: (2 * 7 - 3) * 5e-6 * 25e9,
+    "3": [(lambda: (2 * 15 - 4) * 5e-6 * 25e9,
            "the rounds saved times alpha/beta, without the bytes' lg N - 2(N-1)/N"),
-          (lambda: (8 - 1 - 3) * 5e-6 * 25e9 / (3 - 2 * 7 / 8),
+          (lambda: (16 - 1 - 4) * 5e-6 * 25e9 / (4 - 2 * 15 / 16),
            "the ring's N-1 rounds (one half) for its 2(N-1)")],
 }
 
