@@ -28,8 +28,8 @@ CASES = [
     (rc, "1", (2 * A * S / H) / (32 + 2 * A * S / H),
      "the dropout-free count sbh(32 + 2as/h) for a layer with dropout"),
     (rc, "2", rc.selective_at_scale()["korthikanti_flops_added"] * 100,
-     "Korthikanti et al.'s figure, which counts "
-     "the attention products' forward and backward again"),
+     "Korthikanti et al.'s 2.7 % (their Appendix A count); the question asks for one extra "
+     "forward of the two attention products"),
     (rc, "2", 100 / 3, "full recomputation's third"),
     (rc, "3", 1024 // 64, "the micro-batch of 2 left out: 1024 / dp"),
 ]

@@ -1,7 +1,8 @@
 """Chapter 9: recomputation policies keep the bytes and cost the FLOPs the formulas say, and leave the
 gradients unchanged; gradient accumulation equals the full batch, clipping acts once on the sum,
-offloading keeps only the input. no_sync under DDP and FSDP and recomputation under 1F1B (one spawn
-each) are asserted in the notebook only, which runs them anyway."""
+offloading keeps only the input. no_sync under DDP and FSDP and recomputation under 1F1B are asserted
+in the notebook at 2 ranks, where 1 - 1/N = 1/N and min(p - s, m) = m - s; here FSDP's extra gradient
+memory and 1F1B's micro-batches in flight are checked at 3 ranks, where those pairs differ."""
 import json
 
 import pytest
@@ -133,6 +134,33 @@ def test_offloading_keeps_only_the_input_and_moves_every_saved_tensor():
     assert r["saved_tensor_bytes"] > o["none"]["kept_bytes"]    # a tensor saved by two ops moves twice
     assert o["hand offload"]["peak_bytes"] < o["none"]["peak_bytes"]
     assert o["torch save_on_cpu"]["kept_bytes"] == o["none"]["kept_bytes"]    # on a CPU, .cpu() moves nothing
+
+
+def test_fsdp_without_sync_holds_the_unsharded_rest_of_the_gradients_at_three_ranks():
+    """At N = 3 the gradients held beyond the synchronised run's shard are (1 - 1/N) = 2/3 of the full
+    gradients (a little less: shards are padded), not 1/N; at N = 2 the two are equal."""
+    fs = acc.fsdp_no_sync(world_size=3, accumulation=2, batch=1)
+    full, n = fs["unsharded_grad_bytes"], 3
+    for kind in ("hand", "fsdp2"):
+        for rank in fs["ranks"]:
+            quiet, loud = rank[f"{kind}, no sync until the last"], rank[f"{kind}, sync every micro-batch"]
+            extra = quiet["held_after_micro_batch"][0] - loud["held_after_micro_batch"][0]
+            assert abs(extra / full - (1 - 1 / n)) < 0.02, (kind, extra, full)
+            assert quiet["held_after_micro_batch"][-1] == loud["held_after_micro_batch"][-1], kind
+            assert quiet["max_param_diff_vs_one_process"] < 1e-6, kind
+
+
+def test_1f1b_holds_min_p_minus_s_and_m_micro_batches_at_p3_m6():
+    """At p = 3, m = 6 stage s holds min(p - s, m) = 3, 2, 1 micro-batches, where m - s would give 6, 5,
+    4; the held peak is that count times one micro-batch's bytes, with and without recomputation."""
+    pp = pm.run_policy(world_size=3, m=6, layers_per_stage=1, batch=1)
+    for policy, stages in pp["policies"].items():
+        assert [r["in_flight_peak"] for r in stages] == [3, 2, 1], policy
+        for r in stages:
+            assert r["held_peak_bytes"] == r["in_flight_peak"] * r["one_micro_batch_bytes"], policy
+            assert r["max_abs_error_grad"] < 1e-5, policy
+    assert all(f["one_micro_batch_bytes"] < n["one_micro_batch_bytes"]
+               for f, n in zip(pp["policies"]["full"], pp["policies"]["none"]))
 
 
 def test_bad_input_of_the_distributed_labs_is_one_sentence_before_any_process_starts():

@@ -2,8 +2,8 @@
 
 - `accumulation_vs_full_batch`: micro-batches of unequal token counts against the full batch
   (chapter 2's token-weighted loss, `labs.data_parallel.loss_reduction`).
-- `no_sync_counts`: chapter 2's hand DDP with and without ``no_sync``: all-reduce calls and the
-  payload bytes handed to them, per optimizer step.
+- `no_sync_counts`: chapter 2's hand DDP with and without ``no_sync``: all-reduce calls (one per
+  gradient bucket) and the payload bytes handed to them, per optimizer step.
 - `fsdp_no_sync`: FSDP2 (``set_requires_gradient_sync``) and chapter 3's hand FSDP (the same switch)
   accumulating A micro-batches with the reduce-scatter in every micro-batch or only in the last:
   counted messages of the hand rings per micro-batch and per step, the live bytes held between
@@ -39,7 +39,8 @@ def _no_sync_counts(rank, world_size, accumulation, steps):
     for name, acc, use in (("no_accumulation", 1, True), ("no_sync", accumulation, True),
                            ("sync_every_micro_batch", accumulation, False)):
         r = ddp.run(rank, world_size, steps=steps, accumulation=acc, use_no_sync=use)
-        out[name] = {"allreduce_calls": r["allreduce_calls"], "payload_bytes": r["allreduce_payload_bytes"],
+        out[name] = {"allreduce_calls": r["allreduce_calls"], "buckets": r["buckets"],
+                     "payload_bytes": r["allreduce_payload_bytes"],
                      "calls_per_step": r["allreduce_calls"] // steps,
                      "payload_bytes_per_step": r["allreduce_payload_bytes"] // steps,
                      "max_param_diff_vs_single_process": r["max_param_diff_vs_single_process"]}
