@@ -16,7 +16,7 @@ built here by hand, beside two of PyTorch's own, on the same DDP and the same da
   2.10, whatever the backend in use); and ``powerSGD_hook``
   (Vogels et al. 2019: each matrix approximated by a rank-r product P Q^T, with error feedback and warm start;
   1-D tensors all-reduced uncompressed), run twice: compressing from step 2, and from a tenth of the
-  steps, as ``PowerSGDState``'s docstring advises.
+  steps, where ``PowerSGDState``'s docstring suggests starting (later starts are not tried).
 
 Two byte counts per step, each named: the payload of the hand hooks' messages (the tensors each
 rank hands to its collectives, `labs.measure.comm`), and the library's wire bytes of the whole
@@ -87,7 +87,8 @@ def int8_hook(state, bucket):
 def wrap(method, model, ratio=0.01, rank=1, steps=40):
     """DDP around ``model`` with the method's communication hook (none for plain DDP).
     ``powersgd`` starts compressing at step 2, the earliest DDP allows with error feedback;
-    ``powersgd_late`` after a tenth of the ``steps``, as ``PowerSGDState``'s docstring advises."""
+    ``powersgd_late`` after a tenth of the ``steps``, where ``PowerSGDState``'s docstring suggests
+    starting."""
     ddp = DistributedDataParallel(model)
     if method == "half":   # bf16 needs a CUDA+NCCL 2.10 build (distributed.py, _check_comm_hook)
         nccl = dist.get_backend() == "nccl"

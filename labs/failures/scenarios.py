@@ -86,11 +86,12 @@ def hang_rank(rank, world_size, folder, hang_rank_, hang_step, barrier_s=None, i
     """Train; rank ``hang_rank_`` hangs before step ``hang_step``: in its own code, or ``inside`` a
     recv whose send never comes (the others wait in the all-reduce). With ``barrier_s``, every step
     starts with ``dist.monitored_barrier`` (rank 0 names the rank that did not arrive in time);
-    without, the flight recorder (TORCH_FR_BUFFER_SIZE, read when a group is made) is on."""
+    without, the flight recorder is dumped. It is on by default; TORCH_FR_BUFFER_SIZE would have to
+    be set before the launcher's init_process_group, since each process reads it once, when its
+    recorder is first used (making the first group), so it is left at its default of 2,000 entries."""
     _write(folder, f"pid{rank}", os.getpid())
     group = None
     if not barrier_s:
-        os.environ["TORCH_FR_BUFFER_SIZE"] = "64"
         group = dist.new_group(list(range(world_size)))
         threading.Thread(target=_record_flight, args=(folder, rank), daemon=True).start()
     model, opt = ft.make_model()
