@@ -29,7 +29,8 @@ def test_memory_viewer_offline(tmp_path):
         pytest.skip("no Chromium on this machine")
     for name in ("MemoryViz.js", memory_viewer.D3[0]):
         if not os.path.isfile(os.path.join(memory_viewer.CACHE, name)):
-            pytest.skip(f"{name} is not in {memory_viewer.CACHE}: run tools/memory_viewer.py once")
+            pytest.skip(f"{name} is not in {memory_viewer.CACHE} (MemoryViz.js: pytorch/pytorch's "
+                        f"{memory_viewer.PATH} at {memory_viewer.COMMIT[:12]}, not committed)")
     snapshot, peak = memory_viewer.record_tiny_step()
     assert pickle.loads(snapshot)["device_traces"][0]
     assert snapshot[:2] == b"\x80\x04"            # protocol 4: MemoryViz.js reads 2 to 4

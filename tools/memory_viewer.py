@@ -1,14 +1,16 @@
-"""PyTorch's memory viewer, offline, on the tiny model's training step (chapter 15).
+"""PyTorch's memory viewer, offline, on the tiny model's training step (chapter 15): a reader's tool.
 
 On a GPU, practitioners record the allocator's history (`torch.cuda.memory._record_memory_history()`),
-dump it (`_dump_snapshot(path)`) and open the pickle in PyTorch's memory viewer, MemoryViz.js
-(`torch.cuda._memory_viz.trace_plot` writes a page that imports it from cdn.jsdelivr.net, and
-MemoryViz.js imports d3 from cdn.skypack.dev). This tool writes the same page with nothing from
-another host:
+dump it (`_dump_snapshot(path)`) and open the pickle in PyTorch's memory viewer, MemoryViz.js: drag
+it onto pytorch.org/memory_viz, or `python -m torch.cuda._memory_viz trace_plot snap.pickle -o
+snap.html`, whose page imports MemoryViz.js from cdn.jsdelivr.net (and MemoryViz.js imports d3 from
+cdn.skypack.dev). This tool writes the same page with nothing from another host:
 
-- ``MemoryViz.js``: pytorch/pytorch's ``torch/utils/viz/MemoryViz.js`` at commit ``COMMIT`` (not in
-  the torch wheel), byte for byte, checked against the pinned sha256 in the cache
-  ``.cache/memory_viz/`` (git-ignored; fetched from GitHub at that commit when missing);
+- ``MemoryViz.js``: pytorch/pytorch's ``torch/utils/viz/MemoryViz.js``. It is in no package
+  registry and not in the torch wheel, and the book does not commit it, so the site does not use
+  this tool. Give it with ``--viewer path/to/pytorch/torch/utils/viz/MemoryViz.js`` (a PyTorch
+  source checkout), copied as is; or put commit ``COMMIT``'s file in ``.cache/memory_viz/``
+  (git-ignored), where it is checked against the pinned sha256 (the screenshot's was that file);
 - d3 v5's one-file build, ``dist/d3.min.js`` from npm's ``d3@5.16.0`` (`npm pack`, sha512 pinned,
   cached beside it), loaded as the global ``d3``;
 - ``d3-shim.js`` (tools/memory_viz/): the five d3 modules MemoryViz.js imports, as one ES module
@@ -18,13 +20,19 @@ another host:
   Timeline')``, the pickle padded to a multiple of 3 bytes as `_format_viz` does), importing
   ``./MemoryViz.js``; the snapshot is `labs.measure.memory_snapshot.Recorder`'s for one AdamW step
   of the tiny model (labs/model.py), a pickle of protocol 4 (MemoryViz.js's own unpickler reads
-  protocols 2 to 4).
+  protocols 2 to 4), or the reader's own with ``--snapshot snap.pickle``.
 
-The site build runs it as a local extension (`_config.yml`): the page lands in
-``_build/html/memory-viewer/`` (index.html, the two scripts, the shim, both licences).
+    python tools/memory_viewer.py --viewer ~/pytorch/torch/utils/viz/MemoryViz.js [--snapshot snap.pickle]
+        # writes _build/memory-viewer/: open its index.html (your own pickle can be dropped on it)
+    python tools/memory_viewer.py --screenshot book/images/15-memory-viewer.png   # the book's picture
 
-    python tools/memory_viewer.py            # writes _build/memory-viewer/ and
-                                             # book/images/15-memory-viewer.png
+The screenshot (book/images/15-memory-viewer.png, 1120 x 766 px at 192 dpi) is that page in
+headless Chromium with every request outside the folder blocked, MemoryViz.js at ``COMMIT``
+unchanged; its axis labels are drawn larger than the page draws them (`SHOT_STYLE`), and the
+pointer hovers one 8 KiB block (`HOVER`) so the viewer's caption under the plot names the
+Recorder's frame for it (``aten:0:aten.clone.default``). Its y axis is scaled to the snapshot's
+peak: tests/test_memory_viewer.py reads that peak back from the ticks and checks it equals
+``Recorder.peak_bytes`` to the byte.
 """
 import argparse
 import asyncio
@@ -39,7 +47,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
@@ -52,7 +59,6 @@ SCREENSHOT = os.path.join(ROOT, "book", "images", "15-memory-viewer.png")
 REPO, PATH = "pytorch/pytorch", "torch/utils/viz/MemoryViz.js"
 COMMIT = "c4b5ac720f8359f20813826d66b5e880bfdf07ca"
 MEMORYVIZ_SHA256 = "c8e54f61f27074a69c366beec6dcb8ba36493545b3f9e340563f06f828d253d2"
-MEMORYVIZ_URL = f"https://raw.githubusercontent.com/{REPO}/{COMMIT}/{PATH}"
 # npm pack d3@5.16.0; `npm view d3@5.16.0 dist.integrity`
 D3 = ("d3-5.16.0.tgz", "d3@5.16.0",
       "sha512-4PL5hHaHwX4m7Zr1UapXW23apo6pexCgdetdJ5kTmADpG/7T9Gkxw0M0tf/pjoB63ezCCm0u5UaFYy2aMt0Mcw==")
@@ -74,23 +80,23 @@ def _sha512(data):
     return "sha512-" + base64.b64encode(hashlib.sha512(data).digest()).decode()
 
 
-def memoryviz(cache=CACHE):
-    """MemoryViz.js's bytes from the cache (fetched from GitHub at ``COMMIT`` when missing), checked."""
+NO_VIEWER = ("MemoryViz.js is not here: pass --viewer path/to/pytorch/torch/utils/viz/MemoryViz.js "
+             "from a PyTorch source checkout, or open your snapshot at pytorch.org/memory_viz instead.")
+
+
+def memoryviz(viewer=None, cache=CACHE):
+    """MemoryViz.js's bytes: the reader's file ``viewer`` as is, else the cache's, checked against
+    the pinned sha256; neither: `MemoryVizError` saying what to do."""
+    if viewer is not None:
+        if not os.path.isfile(viewer):
+            raise MemoryVizError(f"{viewer} is not a file. {NO_VIEWER}")
+        return open(viewer, "rb").read()
     path = os.path.join(cache, "MemoryViz.js")
     if not os.path.isfile(path):
-        os.makedirs(cache, exist_ok=True)
-        try:
-            with urllib.request.urlopen(MEMORYVIZ_URL, timeout=30) as r:
-                data = r.read()
-        except OSError as e:
-            raise MemoryVizError(
-                f"MemoryViz.js is not in {cache} and GitHub did not answer ({e}); put {REPO}'s {PATH} "
-                f"at commit {COMMIT} there (sha256 {MEMORYVIZ_SHA256[:16]}...)") from None
-        with open(path, "wb") as f:
-            f.write(data)
+        raise MemoryVizError(NO_VIEWER)
     data = open(path, "rb").read()
     if hashlib.sha256(data).hexdigest() != MEMORYVIZ_SHA256:
-        raise MemoryVizError(f"{path} does not have the pinned sha256: delete it and run again")
+        raise MemoryVizError(f"{path} does not have the pinned sha256: delete it, or pass --viewer")
     return data
 
 
@@ -128,9 +134,9 @@ def _pytorch_license():
             f"https://github.com/{REPO}/blob/{COMMIT}/LICENSE\n").encode()
 
 
-def assets(cache=CACHE):
+def assets(viewer=None, cache=CACHE):
     """{name: bytes} of everything the page loads besides itself."""
-    files = {"MemoryViz.js": memoryviz(cache), "d3-shim.js": open(SHIM, "rb").read()}
+    files = {"MemoryViz.js": memoryviz(viewer, cache), "d3-shim.js": open(SHIM, "rb").read()}
     files.update(d3_files(cache))
     files["LICENSE-pytorch.txt"] = _pytorch_license()
     return files
@@ -165,10 +171,16 @@ def record_tiny_step():
     return pickle.dumps(snap, protocol=4), rec.peak_bytes
 
 
-def page(snapshot, title="PyTorch's memory viewer, offline: the tiny model's training step"):
+TINY = ("tiny-step.pickle", """PyTorch's memory viewer (MemoryViz.js) on one AdamW step of the book's
+tiny model, recorded on the CPU by <code>labs.measure.memory_snapshot.Recorder</code>: live bytes after
+every allocation and free, each band one tensor.""")
+
+
+def page(snapshot, name=TINY[0], note=TINY[1],
+         title="PyTorch's memory viewer, offline"):
     """index.html: `_memory_viz.py`'s template with local imports (an import map for d3)."""
     buffer = snapshot + b"\x00" * (3 - len(snapshot) % 3)     # as torch.cuda._memory_viz._format_viz
-    files = json.dumps([{"name": "tiny-step.pickle", "base64": base64.b64encode(buffer).decode()}])
+    files = json.dumps([{"name": name, "base64": base64.b64encode(buffer).decode()}])
     imports = json.dumps({"imports": {url: "./d3-shim.js" for url in D3_IMPORTS}}, indent=1)
     return f"""<!DOCTYPE html>
 <!-- Written by tools/memory_viewer.py: PyTorch's MemoryViz.js ({REPO} {PATH} at {COMMIT[:12]},
@@ -185,9 +197,7 @@ p.dtm-note {{ font-size: 13px; margin: 6px 0; }}</style>
 </script>
 </head>
 <body>
-<p class="dtm-note">PyTorch's memory viewer (MemoryViz.js) on one AdamW step of the book's tiny model,
-recorded on the CPU by <code>labs.measure.memory_snapshot.Recorder</code>: live bytes after every
-allocation and free, each band one tensor. Drag a file onto the page to open your own
+<p class="dtm-note">{note} Drag a file onto the page to open your own
 <code>_dump_snapshot</code> pickle; nothing leaves your browser.</p>
 <script type="module">
 import {{add_local_files}} from "./MemoryViz.js"
@@ -199,13 +209,16 @@ add_local_files(local_files, {json.dumps(VIEW)})
 """
 
 
-def write(folder, snapshot=None, files=None):
-    """The page and its files in ``folder`` (made); returns the peak bytes when it recorded."""
+def write(folder, snapshot=None, files=None, name=None):
+    """The page and its files in ``folder`` (made); returns the peak bytes when it recorded.
+    ``name``: the reader's snapshot file's name, shown by the viewer."""
     peak = None
     if snapshot is None:
         snapshot, peak = record_tiny_step()
     files = dict(files or assets())
-    files["index.html"] = page(snapshot).encode()
+    shown = page(snapshot) if name is None else page(snapshot, name, f"PyTorch's memory viewer "
+                                                     f"(MemoryViz.js) on <code>{name}</code>.")
+    files["index.html"] = shown.encode()
     os.makedirs(folder, exist_ok=True)
     for name, data in files.items():
         with open(os.path.join(folder, name), "wb") as f:
@@ -327,17 +340,24 @@ async def _shoot(page_, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--viewer", help="MemoryViz.js from a PyTorch source checkout "
+                    "(torch/utils/viz/MemoryViz.js); default: the cache's pinned copy")
+    ap.add_argument("--snapshot", help="your own _dump_snapshot pickle (default: the tiny model's step)")
     ap.add_argument("--out", default=OUT, help="folder for the page (default _build/memory-viewer)")
-    ap.add_argument("--screenshot", default=SCREENSHOT)
-    ap.add_argument("--no-screenshot", action="store_true")
+    ap.add_argument("--screenshot",
+                    help=f"also take the picture (the book's: {os.path.relpath(SCREENSHOT, ROOT)})")
     ap.add_argument("--chromium", default="/usr/bin/chromium")
     args = ap.parse_args(argv)
+    snapshot = name = None
+    if args.snapshot:
+        with open(args.snapshot, "rb") as f:
+            snapshot, name = f.read(), os.path.basename(args.snapshot)
     try:
-        peak = write(args.out)
+        peak = write(args.out, snapshot=snapshot, files=assets(args.viewer), name=name)
     except MemoryVizError as e:
         sys.exit(f"error: {e}")
-    print(f"{args.out}: peak {peak} bytes")
-    if args.no_screenshot:
+    print(f"{args.out}/index.html" + ("" if peak is None else f": peak {peak} bytes"))
+    if not args.screenshot:
         return
     os.makedirs(os.path.dirname(args.screenshot), exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -349,31 +369,6 @@ def main(argv=None):
         from PIL import Image
         Image.open(shot).save(args.screenshot, dpi=(96 * SCALE, 96 * SCALE), optimize=True)
     print(args.screenshot)
-
-
-# -- the site build: a local extension (_config.yml), the page written into _build/html ---------
-def _check(app):
-    if app.builder.format != "html":
-        return
-    from sphinx.errors import ExtensionError
-    try:
-        app.dtm_memory_viz = assets()
-    except MemoryVizError as e:
-        raise ExtensionError(str(e)) from None
-
-
-def _write(app, exception):
-    if exception is not None or app.builder.format != "html":
-        return
-    target = os.path.join(app.outdir, SITE_FOLDER)
-    shutil.rmtree(target, ignore_errors=True)
-    write(target, files=app.dtm_memory_viz)
-
-
-def setup(app):
-    app.connect("builder-inited", _check)
-    app.connect("build-finished", _write)
-    return {"parallel_read_safe": True, "parallel_write_safe": True}
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ def profile_loop(rank, world_size, folder, wait=1, warmup=1, active=2, batch=4, 
     """On one rank: the tiny model under DDP, trained for the schedule's steps under torch.profiler.
 
     Returns the chrome trace's path, the steps it recorded (its ``ProfilerStep#N`` events), the
-    TensorBoard handler's files, the ``key_averages`` table and its rows for the phases."""
+    TensorBoard handler's files, the ``key_averages`` table, its rows as (name, calls, ``sort_by``
+    in us), and its rows for the phases."""
     os.makedirs(folder, exist_ok=True)
     cfg = gpt.GPTConfig()
     model = DDP(gpt.build(cfg, seed=0))
@@ -91,10 +92,12 @@ def profile_loop(rank, world_size, folder, wait=1, warmup=1, active=2, batch=4, 
     table = averages.table(sort_by=sort_by, row_limit=row_limit)
     files = sorted(glob.glob(os.path.join(tb_dir, f"rank{rank}.*.pt.trace.json")))
     path = files[-1] if handler == "tensorboard" else chrome
+    top = sorted(averages, key=lambda e: -getattr(e, sort_by))[:row_limit]
+    rows = [(e.key, e.count, getattr(e, sort_by)) for e in top]   # the table's rows, us
     phases = {e.key: {"count": e.count, "cpu_time_total_us": e.cpu_time_total} for e in averages
               if e.key in PHASES}
     return {"rank": rank, "path": path, "traced_steps": profiler_steps(path), "ready_at": ready,
-            "tensorboard_files": files, "table": table, "phases": phases, "steps_run": n,
+            "tensorboard_files": files, "table": table, "rows": rows, "phases": phases, "steps_run": n,
             "scheduled": scheduled_active(wait, warmup, active),
             "stack_frames": sum(1 for e in _events(path) if e.get("cat") == "python_function")}
 
