@@ -17,9 +17,15 @@ synced. Checked on every rank:
   (2N - 1) u sum |terms| (Higham 2002, section 4.2);
 - no byte sent inside ``no_sync``;
 - the synced backward's bytes against a ring all-reduce of every gradient once: the all-reduces run
-  as chapter 2's hand rings (`hand_collectives`), 2(N-1)/N 4 Psi per rank whatever the buckets;
-- the buckets: at most as many all-reduces as buckets of ``bucket_cap_bytes`` (one per gradient
-  pays the latency term once per parameter).
+  as chapter 2's hand rings (`hand_collectives`), 2(N-1)/N 4 Psi per rank when N divides every
+  bucket (true here: N = 2 and even bucket sizes); otherwise each bucket's chunks round apart;
+- the buckets: exactly as many all-reduces as the cap implies, filling buckets in reverse parameter
+  order and closing one once it holds ``bucket_cap_bytes`` or more (`HandDDP._make_buckets`, DDP's
+  rule); one per gradient pays the latency term once per parameter, one for everything overlaps
+  nothing;
+- the overlap: the grader's own hook, registered before the reader's, notes how many all-reduces
+  had started when each gradient became ready; the first bucket's must start before the last
+  gradient is ready, or no communication overlaps backward.
 """
 import copy
 
@@ -31,7 +37,7 @@ from labs.formulas import costs
 from labs.measure import comm
 from labs.puzzles import grader
 
-IN, HID, OUT, BATCH, CAP = 4, 8, 2, 3, 64
+IN, HID, OUT, BATCH, CAP = 4, 6, 2, 3, 64  # Psi = 44: not ZeRO-1's 58, so no number is shared
 U = 2.0**-24
 HINT_HANG = ("every rank makes the same all-reduces in the same order: launch the buckets in bucket order, "
              "and skip them on every rank under no_sync.")
@@ -56,16 +62,21 @@ def loss(model, rank, micro):
 def check(rank, world_size, fn):
     """On one rank: micro-batch 0 under no_sync, micro-batch 1 synced, bytes counted for each."""
     model = copy.deepcopy(net())
+    tally, ready = [], []  # all-reduces started when each gradient was ready, in backward's order
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: ready.append((name, tally[0].calls("all_reduce"))) if tally else None)
     with hand_collectives():
         wrapped = fn(model, CAP)
         with comm.counting() as quiet:
             with wrapped.no_sync():
                 loss(model, rank, 0).backward()
         with comm.counting() as synced:
+            tally.append(synced)
             loss(model, rank, 1).backward()
     return {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
             "quiet_bytes": quiet.bytes_sent, "bytes": synced.bytes_sent,
-            "calls": synced.ops.get("all_reduce", {}).get("calls", 0)}
+            "calls": synced.ops.get("all_reduce", {}).get("calls", 0), "ready": ready}
 
 
 def one_process(world_size):
@@ -96,8 +107,8 @@ def grade(fn, world_size=2, deadline=15.0):
             got = res["grads"][name]
             err = (got - want).abs()
             exact = exact and bool((err == 0).all())
-            if (err > bound[name]).any():
-                i = int((err - bound[name]).argmax())
+            if grader.exceeds(err, bound[name]).any():
+                i = grader.worst(err, bound[name])
                 return grader.Grade(False, [
                     f"rank {r}'s gradient of {name} differs from one process at element {i}: "
                     f"{got.reshape(-1)[i].item():.6g}, the average over ranks is "
@@ -120,13 +131,25 @@ def grade(fn, world_size=2, deadline=15.0):
                 f"{abs(more):,} bytes {'too many' if more > 0 else 'too few'}"],
                 "put each gradient in exactly one bucket and all-reduce each bucket once, with "
                 "comm.all_reduce.")
-    buckets = len(HandDDP._make_buckets(list(net().parameters()), CAP))
+    model = net()
+    names = {id(p): n for n, p in model.named_parameters()}
+    plan = [[names[id(p)] for p in b.params] for b in HandDDP._make_buckets(list(model.parameters()), CAP)]
+    buckets = len(plan)
     for r, res in enumerate(results):
-        if res["calls"] > buckets:
+        if res["calls"] != buckets:
             return grader.Grade(False, [
-                f"rank {r} made {res['calls']} all-reduces; {CAP}-byte buckets need {buckets}"],
-                "pack the gradients into buckets of about bucket_cap_bytes: each all-reduce pays the "
-                "latency term once.")
+                f"rank {r} made {res['calls']} all-reduce(s) in the synced backward; {CAP}-byte buckets "
+                f"filled in reverse order make {buckets}: {'; '.join(', '.join(b) for b in plan)}"],
+                "pack the gradients into buckets of bucket_cap_bytes, in reverse parameter order, closing "
+                "one once it holds the cap or more; all-reduce each bucket once, when its gradients are "
+                "ready: each all-reduce pays the latency term once.")
+        last, started = res["ready"][-1] if res["ready"] else ("?", 0)
+        if buckets > 1 and started == 0:
+            return grader.Grade(False, [
+                f"rank {r} started no all-reduce before its last gradient ({last}) was ready: the "
+                f"{buckets} buckets all wait for the end of backward, so no communication overlaps it"],
+                "launch a bucket's all-reduce from the hook of its last gradient, as soon as the bucket "
+                "is full, not when the whole backward is done.")
     how = "bitwise" if exact else "within (2N-1) u sum|terms|"
     return grader.Grade(True, [
         f"bucketed DDP on {world_size} ranks, Psi = {m // 4} fp32 gradients, {CAP}-byte buckets, "

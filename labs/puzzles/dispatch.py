@@ -10,11 +10,17 @@ sends each output row back (combine) and adds gate times row into the token's ou
 themselves exchanged first. The reference is chapter 7's `labs.expert_parallel.moe.ExpertParallelMoE`.
 
 The routing is skewed on purpose (expert 0's balancing bias raised): expert 0 gets every token's
-first choice, several times an even share T k / N. Checked on every rank, forward only:
+first choice, twice an even share T k / N (16 of 32 rows, an even share 8). Checked on every rank,
+forward only:
 - the output against one process running the whole layer in float64, within the float32 dot-product
   bound through both expert layers (Higham 2002, section 3.1): 2 (h + f + 4) u times the sum over the
-  token's experts of g (( |x| |W1| + |b1| ) |W2| + |b2|); where a token differs, the grader finds
-  which expert's term is missing or wrong;
+  token's experts of g (( |x| |W1| + |b1| ) |W2| + |b2|). The factor, to first order: the first
+  layer's dot product of length h plus its bias is off by (h + 1) u times its |.| sum, GELU's slope
+  (at most 1.13) carries that on, its own rounding adds u |GELU(z)| <= u |z|, the second layer's
+  length f plus its bias adds (f + 1) u, the gate's product and the top-k sum u each: at most
+  (1.13 (h + 1) + f + 4) u times the scale, which 2 (h + f + 4) u covers with room for the
+  second-order terms. NaN is refused by name. Where a token differs, the grader finds which expert's term
+  is missing or wrong (a mistake is recognised within the bound plus 1e-6, far below the gaps);
 - the bytes: dispatch sends the rows this rank routes to other ranks' experts, combine returns the
   rows its experts got from other ranks, h fp32 values each (formula bytes of the library call,
   which sends exactly those rows), plus the split sizes (at most N int64 per rank).
@@ -80,11 +86,19 @@ def grade(fn, world_size=2, deadline=15.0):
     routes = [one_process(r) for r in range(world_size)]
     load = torch.bincount(torch.cat([idx.reshape(-1) for idx, *_ in routes]), minlength=EXPERTS)
     for r, (res, (idx, gates, terms, bound)) in enumerate(zip(results, routes)):
+        wrong_type = grader.not_tensor(r, res["out"], (TOKENS, HIDDEN), "your layer")
+        if wrong_type:
+            return wrong_type
         err = (res["out"].double() - terms.sum(1)).abs()
-        bad = (err > bound).any(1).nonzero().reshape(-1)
+        bad = grader.exceeds(err, bound).any(1).nonzero().reshape(-1)
         if len(bad):
             t = int(bad[0])
             got = res["out"][t].double()
+            if got.isnan().any():
+                return grader.Grade(False, [f"rank {r}'s token {t} output is NaN (experts "
+                                            f"{idx[t].tolist()})"],
+                                    "a NaN is never a rounding error: look for a torch.empty buffer read "
+                                    "before anything was written into it, or 0/0.")
             return grader.Grade(False, [f"rank {r}'s token {t} differs from one process: "
                                         + _which(got, terms[t], idx[t], gates[t], bound[t])],
                                 _hint(got, terms[t], idx[t], load, world_size, r))

@@ -11,15 +11,22 @@ that lives in an importable module (the book's own lab, the reference) travels b
 `run` starts the ranks with `labs.launcher.launch.spawn` and a deadline: a rank that hangs is named
 from its heartbeat with the call it waits in (``recv``, ``wait``, ``all_reduce``), a rank that
 raises is named with its exception. Every answer is a `Grade`: ``pass: ...`` with what was
-checked, or ``not yet: ...`` naming the difference, then ``hint: ...``.
+checked, or ``not yet: ...`` naming the difference, then ``hint: ...``. The hint of a hung run
+follows its cause: a deadlock, a rank that returned early, a rank busy outside any communication
+call, or ranks still starting (the machine, not the code). `exceeds` is the one comparison every
+value check uses: NaN compares false, so ``err > bound`` would let a NaN pass.
 """
+import ast
 import dataclasses
 import importlib
 import inspect
 import linecache
+import os
 import re
 import textwrap
 import types
+
+import torch
 
 from labs.launcher import launch
 
@@ -36,6 +43,8 @@ class Carried:
     name: str
     source: str
     names: dict
+    first_line: int = 1  # the def's line in the reader's file or cell: tracebacks count from there
+    origin: str = "its cell"
 
     def materialize(self):
         namespace = {"__name__": f"puzzle_{self.name}"}
@@ -50,8 +59,11 @@ class Carried:
             else:
                 namespace[key] = value
         filename = f"<your {self.name}>"
-        linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
-        exec(compile(self.source, filename, "exec"), namespace)
+        lines = ["\n"] * (self.first_line - 1) + self.source.splitlines(True)
+        linecache.cache[filename] = (len(self.source), None, lines, filename)
+        tree = ast.parse(self.source)
+        ast.increment_lineno(tree, self.first_line - 1)
+        exec(compile(tree, filename, "exec"), namespace)
         return namespace[self.name]
 
 
@@ -81,6 +93,8 @@ def carry(fn, _seen=None):
         return fn
     try:
         source = textwrap.dedent(inspect.getsource(fn))
+        first = inspect.getsourcelines(fn)[1]
+        path = inspect.getsourcefile(fn) or ""
     except (OSError, TypeError) as exc:
         raise ValueError(f"cannot read the source of {fn.__qualname__} ({exc}); define it with def in a "
                          "cell or a file.") from None
@@ -99,7 +113,19 @@ def carry(fn, _seen=None):
             names[key] = ("object", (value.__module__, value.__qualname__))
         elif isinstance(value, types.FunctionType):
             names[key] = ("carried", carry(value, seen))
-    return Carried(fn.__name__, source, names)
+    cell = "ipykernel" in path or path.startswith("<") or not os.path.exists(path)
+    return Carried(fn.__name__, source, names, max(first, 1), "its cell" if cell else os.path.basename(path))
+
+
+def _origins(fn, out=None):
+    """name -> where its lines are counted ("its cell" or a file name), for fn and its carried helpers."""
+    out = {} if out is None else out
+    if isinstance(fn, Carried):
+        out[fn.name] = fn.origin
+        for kind, value in fn.names.values():
+            if kind == "carried":
+                _origins(value, out)
+    return out
 
 
 def _importable_object(obj):
@@ -143,6 +169,31 @@ class Grade:
         printer.text(str(self))
 
 
+def exceeds(err, bound):
+    """Where ``err`` is above ``bound`` or NaN: NaN compares false, so ``err > bound`` lets it pass."""
+    return ~(err <= bound)
+
+
+def worst(err, bound):
+    """The flat index of the first NaN in ``err`` if there is one, else of the largest excess."""
+    err = torch.as_tensor(err).reshape(-1)
+    nan = torch.isnan(err).nonzero()
+    if len(nan):
+        return int(nan[0])
+    return int((err - torch.as_tensor(bound).reshape(-1).expand_as(err)).argmax())
+
+
+def not_tensor(rank, got, shape, what="your function"):
+    """A `Grade` when a rank's answer is not a tensor of ``shape``, else None."""
+    if isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(shape):
+        return None
+    kind = (f"a tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor)
+            else "None" if got is None else f"a {type(got).__name__}")
+    return Grade(False, [f"{what} returned {kind} on rank {rank}; the answer is a tensor of shape "
+                         f"{tuple(shape)}"],
+                 "return the result (a function without a return statement returns None).")
+
+
 def _on_ranks(rank, world_size, module, check, fn, kwargs):
     """What every rank runs: rebuild the reader's function, then the puzzle's check on this rank."""
     return getattr(importlib.import_module(module), check)(rank, world_size, materialize(fn), **kwargs)
@@ -150,40 +201,86 @@ def _on_ranks(rank, world_size, module, check, fn, kwargs):
 
 def run(check, fn, world_size, deadline, hint_hang, **kwargs):
     """Run ``check(rank, world_size, fn, **kwargs)`` on ranks; a list of per-rank results, or a `Grade`
-    naming the rank that raised or hung."""
-    carried = carry(fn) if callable(fn) else fn  # data (a schedule) travels as it is
-    try:
-        return launch.spawn(_on_ranks, world_size, check.__module__, check.__name__, carried, kwargs,
-                            timeout=deadline, backend="gloo")
-    except launch.RankTimeout as exc:
-        return Grade(False, [f"deadline of {deadline:g} s passed: " + _hang(exc)], hint_hang)
-    except launch.RankError as exc:
-        return Grade(False, [_raised(exc)], _hint_raised(exc))
+    naming the rank that raised or hung, with a hint chosen by the cause (``hint_hang``: the
+    puzzle's own, for a deadlock)."""
+    carried = carry(fn) if callable(fn) else fn  # data travels as it is
+    origins = _origins(carried)
+    for attempt in range(2):
+        try:
+            return launch.spawn(_on_ranks, world_size, check.__module__, check.__name__, carried, kwargs,
+                                timeout=deadline, backend="gloo")
+        except launch.RankTimeout as exc:
+            line, cause = _hang(exc, world_size, origins)
+            if cause == "starting" and attempt == 0:
+                continue  # the ranks never reached the reader's code: a slow start, run it once more
+            return Grade(False, [f"deadline of {deadline:g} s passed: " + line], _HINTS.get(cause, hint_hang))
+        except launch.RankError as exc:
+            return Grade(False, [_raised(exc, origins)], _hint_raised(exc))
 
 
-def _hang(exc):
-    """The launcher's verdict in one line: which rank hung, which call it and the others wait in,
-    and the reader's line each stuck rank was on (from the stacks the launcher collected)."""
+_HINTS = {
+    "returned": ("every rank takes part in every step: a rank that returns before it has sent what its "
+                 "peers wait for leaves them waiting forever."),
+    "busy": ("that rank was running your code, outside any communication call: a loop that never ends, "
+             "or work too slow for the deadline."),
+    "starting": ("nothing in your code is at fault: the ranks had not all started by the deadline (a busy "
+                 "machine); run the grader again, or pass it a larger deadline=..."),
+}
+
+
+def _at(found, origins):
+    name, line = found[-1]
+    return f" (your {name}, line {line} of {origins.get(name, 'its cell')})"
+
+
+def _hang(exc, world_size, origins=None):
+    """The launcher's verdict in one line, and its cause: which rank hung, which call it and the
+    others wait in, the reader's line each stuck rank was on (from the stacks the launcher collected,
+    each paired with the rank it names), and the ranks that already returned."""
+    origins = origins or {}
     head, _, stacks = str(exc).partition("\n\n")
-    lines = {}
-    for block in re.split(r"--- rank (\d+) was here ---", stacks)[1:]:
-        lines.setdefault(len(lines), re.findall(r'File "<your (\w+)>", line (\d+)', block))
-    where = {r: f" (your {found[-1][0]}, line {found[-1][1]})" for r, found in zip(exc.ranks, lines.values())
-             if found}
+    parts = re.split(r"--- rank (\d+) was here ---", stacks)[1:]
+    where = {}
+    for rank, block in zip(parts[0::2], parts[1::2]):
+        found = re.findall(r'File "<your (\w+)>", line (\d+)', block)
+        if found:  # faulthandler lists the innermost call first
+            where[int(rank)] = _at(found[:1], origins)
+    returned = sorted(set(range(world_size)) - set(exc.ranks))
+    late = re.findall(r"rank (\d+) of \d+ did not finish within [\d.]+ s: it (?:was still starting|had not "
+                      r"started)", head)
+    if late:
+        return (f"rank{'s' if len(late) > 1 else ''} {_and(late)} had not finished starting (importing "
+                "torch, joining the group): the machine was slow, not your code", "starting")
     deadlock = re.search(r"ranks (.*) of \d+ did not finish", head)
+    if returned:
+        stuck = ([s.split(" in ") for s in deadlock.group(1).split(", ")] if deadlock
+                 else [[str(r), "a call"] for r in exc.ranks])
+        return (f"rank{'s' if len(returned) > 1 else ''} {_and(returned)} returned while "
+                + "; ".join(f"rank {r} waits in {c}{where.get(int(r), '')}" for r, c in stuck)
+                + f": {'they' if len(returned) > 1 else 'it'} never sent what the others wait for",
+                "returned")
     if deadlock and "deadlock" in head:
         stuck = [s.split(" in ") for s in deadlock.group(1).split(", ")]
         return ("every rank waits, none sends: a deadlock; " +
-                "; ".join(f"rank {r} in {c}{where.get(int(r), '')}" for r, c in stuck))
+                "; ".join(f"rank {r} in {c}{where.get(int(r), '')}" for r, c in stuck)), "deadlock"
+    cause = "busy" if "outside any collective" in head or "stopped running Python" in head else "deadlock"
     head = re.sub(r" did not finish within [\d.]+ s", " hung", head.replace("; all ranks were stopped.", ""))
-    text = " ".join(line.strip("() ") for line in head.splitlines())
-    return text + "".join(f"; rank {r} was at{w}" for r, w in sorted(where.items()))
+    head = re.sub(r"\w+ \(<your (\w+)>:(\d+)\)",
+                  lambda m: f"your {m[1]}, line {m[2]} of {origins.get(m[1], 'its cell')}", head)
+    text = "; ".join(line.strip("() ") for line in head.splitlines())
+    named = {int(r) for r in re.findall(r"rank (\d+) of \d+ hung: it was in your", text)}
+    return text + "".join(f"; rank {r} was at{w}" for r, w in sorted(where.items()) if r not in named), cause
 
 
-def _raised(exc):
+def _and(items):
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _raised(exc, origins=None):
     head, _, detail = str(exc).partition("\n\n")
     where = re.findall(r'File "<your (\w+)>", line (\d+)', detail)
-    at = f" (your {where[-1][0]}, line {where[-1][1]})" if where else ""
+    at = _at(where, origins or {}) if where else ""
     head = head.splitlines()[0]
     if " raised NotImplementedError" in head:  # a stub raises on every rank: which came first is luck
         head = "your function" + head[head.index(" raised"):]

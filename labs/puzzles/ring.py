@@ -49,14 +49,21 @@ def grade(fn, world_size=3, numel=12, deadline=10.0):
     chunks = comm.ring_chunks(numel, world_size)
     starts = [sum(chunks[:k]) for k in range(world_size)]
     for r, out in enumerate(results):
+        if torch.equal(out["result"], rank_input(r, numel)):
+            return grader.Grade(False, [f"rank {r}'s input tensor was not changed: the all-reduce sums "
+                                        "into it, in place"],
+                                "add the arriving chunks into views of tensor itself (tensor.split gives "
+                                "views); a result returned or summed in a copy is lost.")
+    for r, out in enumerate(results):
         err = (out["result"].double() - exact).abs()
-        if (err > bound).any():
-            i = int((err / bound).argmax())
+        if grader.exceeds(err, bound).any():
+            i = grader.worst(err, bound)
             k = max(j for j in range(world_size) if starts[j] <= i)
+            value = "NaN" if err[i].isnan() else f"{out['result'][i].item():.4g}"
             return grader.Grade(False, [
                 f"rank {r} holds the wrong sum in chunk {k} "
                 f"(elements {starts[k]}..{starts[k] + chunks[k] - 1}): "
-                f"element {i} is {out['result'][i].item():.4g}, one process says {exact[i].item():.4g}"],
+                f"element {i} is {value}, one process says {exact[i].item():.4g}"],
                 _hint_wrong(out["result"], inputs, k, starts[k], chunks[k]))
     for r, out in enumerate(results[1:], 1):
         if not torch.equal(out["result"], results[0]["result"]):
@@ -89,13 +96,16 @@ def grade(fn, world_size=3, numel=12, deadline=10.0):
 def _hint_wrong(result, inputs, k, start, size):
     """Which inputs chunk k of the result actually holds, when it is a sum of some of them."""
     got = result[start:start + size].double()
+    if got.isnan().any():
+        return ("a NaN is never a rounding error: it came from an operation on your rank (a torch.empty "
+                "buffer added before anything was received into it, or 0/0 or inf - inf).")
     n = len(inputs)
     for mask in range(1, 2**n):
         part = sum(inputs[j][start:start + size] for j in range(n) if mask >> j & 1)
         if torch.allclose(got, part, atol=1e-5):
             ranks = [j for j in range(n) if mask >> j & 1]
             return (f"chunk {k} holds the sum of ranks {ranks} only: in reduce-scatter step s rank r "
-                    f"sends chunk (r - 1 - s) mod N and adds its own input to chunk (r - 2 - s) mod N "
-                    f"as it arrives.")
+                    f"sends chunk (r - 1 - s) mod N, and the chunk that arrives from its left is added "
+                    f"into its own chunk (r - 2 - s) mod N.")
     return ("check the chunk indices: in reduce-scatter step s rank r sends chunk (r - 1 - s) mod N; "
             "in all-gather step s it sends chunk (r - s) mod N.")

@@ -15,8 +15,11 @@ Checked on every rank, forward only, against one process's causal attention in f
 - each output row within a float32 bound: a score's dot product of length d is off by at most
   d u S (S: the largest sum_l |q_l k_l| / sqrt(d)), which moves a softmax weight by a factor of at
   most e^(2 d u S), so the row by 2 d u S max|v|; the exponentials, a sum of up to T terms and N
-  merges add (T + 3N + 4) u max|v|. Where a row differs the grader names the likeliest cause: the
-  mask shifted by a block, blocks summed without renormalising, or K/V never rotated;
+  merges add (T + 3N + 4) u max|v|. NaN is refused by name (a row whose every key is masked). Where
+  a row differs the grader names the likeliest cause: the mask shifted by a block, later ranks'
+  blocks attended to, blocks summed without renormalising, K/V never rotated, or K/V received but
+  the rank's own block used; a mistake is recognised within the bound plus 1e-6, an absolute slack
+  far below the gaps between these variants;
 - the bytes: N - 1 hops of this rank's-size K and V blocks, 2 (N-1) 4 t d per rank
   (`ring_attention.ring_bytes`).
 """
@@ -75,6 +78,13 @@ def variants(world_size, rank):
     diag = torch.arange(t)[:, None] >= torch.arange(t)[None, :]
     own = attention(q, blocks[rank][1], blocks[rank][2], diag)
     out["has only its own K/V block"] = own
+    if rank + 1 < world_size:
+        later = cols >= rank * t + t
+        out["attends to keys of later ranks' blocks"] = attention(q, k, v, (cols <= rows) | later)
+    if rank:  # the ring turned, but each step used the rank's own K and V instead of the block it held
+        mine = [blocks[rank][i].repeat(rank + 1, 1) for i in (1, 2)]
+        seen = torch.cat([diag] + [torch.ones(t, t, dtype=torch.bool)] * rank, 1)
+        out["received K/V but used its own block at every step"] = attention(q, *mine, seen)
     out["sums the blocks' softmaxes without renormalising"] = own + sum(
         attention(q, blocks[b][1], blocks[b][2], torch.ones(t, t, dtype=torch.bool)) for b in range(rank))
     scale = (q.abs() @ k.abs().T).max() / math.sqrt(D)
@@ -83,6 +93,11 @@ def variants(world_size, rank):
 
 
 HINTS = {
+    "attends to keys of later ranks' blocks": (
+        "a block from a later rank (owner > r) holds only future keys: skip it, do not attend to it."),
+    "received K/V but used its own block at every step": (
+        "after each wait, compute with the block that arrived (k, v = k_next, v_next), not with the "
+        "rank's own k and v."),
     "sees one block ahead": ("the causal mask is off by one block: skip the blocks of later ranks "
                              "(owner > r), mask only your own block (owner == r), take earlier ones whole."),
     "misses its own block": "the causal mask is off by one block: your own block (owner == r) is attended "
@@ -103,12 +118,20 @@ def grade(fn, world_size=3, deadline=15.0):
     for r, res in enumerate(results):
         out, bound = variants(world_size, r)
         got = res["out"]
-        if tuple(got.shape) != (t, D):
-            return grader.Grade(False, [f"rank {r} returned shape {tuple(got.shape)}; its queries' output "
-                                        f"is ({t}, {D})"], "return one row per query of this rank's block.")
+        wrong_type = grader.not_tensor(r, got, (t, D), "your ring_attention")
+        if wrong_type:
+            return wrong_type
         err = (got.double() - out["right"]).abs().amax(1)
-        if (err > bound).any():
-            i = int(err.argmax())
+        if grader.exceeds(err, bound).any():
+            i = grader.worst(err, bound)
+            if err[i].isnan():
+                return grader.Grade(False, [
+                    f"rank {r}'s output row {i} (query position {r * t + i}) is NaN: a row whose every key "
+                    "is masked has softmax 0/0, and the merge keeps the NaN (NaN x 0 is NaN)"],
+                    "skip a later rank's block (owner > r) instead of masking all of it with -inf; your "
+                    "own block's triangular mask leaves every row at least one key.")
+            # a mistake need only be recognised, not graded: its float32 rounding differs from the
+            # float64 variant's by about the bound, and 1e-6 more is far below the gaps between variants
             cause = next((name for name, o in out.items() if name != "right"
                           and ((got.double() - o).abs().amax(1) <= bound + 1e-6).all()), None)
             line = (f"rank {r}'s output row {i} (query position {r * t + i}) differs from one process's "

@@ -10,7 +10,11 @@ all-gather the updated slices into every rank's parameters. Collectives go throu
 `labs.zero.sharded_optimizer.ShardedOptimizer` with ``stage=1`` (`reference`).
 
 The gradients are fixed inputs (the loss is sum(p * G) with G drawn per rank and step), so the
-weights cannot feed back into them and the check needs no drift bound. Checked on every rank:
+weights cannot feed back into them and the check needs no drift bound. They are drawn of the size
+of Adam's eps (1e-8 times a normal draw): for gradients far above eps Adam's step
+m / (sqrt(v) + eps) is nearly scale-invariant, and a gradient N times the average (the /N
+forgotten) would move a weight by only about lr eps / |g|, far below the bound; at |g| ~ eps it
+moves it by a good fraction of lr. Checked on every rank:
 - the weights after 2 steps against one process running ``torch.optim.Adam`` on the average of the
   ranks' gradients: bitwise where Adam runs on the slice (the reference: the same elementwise ops;
   with N = 2 the sum of two gradients has one order); a hand-written Adam rounds in another order,
@@ -18,9 +22,11 @@ weights cannot feed back into them and the check needs no drift bound. Checked o
   |Adam step| / lr, `labs.zero.adam_drift.adam_step_bound`, about 1 at t = 1, 2);
 - the bytes: each step a reduce-scatter and an all-gather of Psi fp32 elements, counted message by
   message as chapter 2's hand rings (`hand_collectives`): 2 (N-1)/N 4 Psi per rank per step;
-- the optimizer state the rank keeps (storages still alive after the steps that are neither weights
-  nor gradients, `labs.measure.memory.PeakMemory`): Adam's m and v for its slice, 8 Psi/N bytes,
-  plus 4 bytes per parameter tensor for the step counters ``torch.optim.Adam`` keeps.
+- what the rank keeps after the steps (storages still alive that are neither weights nor gradients,
+  `labs.measure.memory.PeakMemory`, named by size when there are too many): Adam's m and v for its
+  slice, 8 Psi/N bytes, plus up to 4 bytes per parameter tensor for the step counters
+  ``torch.optim.Adam`` keeps. Anything else kept between steps counts too (a full flat gradient
+  buffer, 4 Psi), since the grader drops ``.grad`` after each step.
 """
 import torch
 
@@ -33,6 +39,7 @@ from labs.zero.sharded_optimizer import ShardedOptimizer
 SHAPES = ((6, 4), (6,), (4, 6), (4,))  # Psi = 58: rank 0's slice ends inside the second tensor
 NAMES = ("fc.weight", "fc.bias", "proj.weight", "proj.bias")
 STEPS, LR, U = 2, 1e-2, 2.0**-24
+SCALE = 1e-8  # gradients of the size of Adam's eps: the step depends on their scale
 HINT_HANG = ("every rank makes the same collectives in the same order: one reduce-scatter, then one "
              "all-gather, with shards of the same size.")
 
@@ -57,7 +64,7 @@ def weights():
 
 def gradient(rank, step):
     g = torch.Generator().manual_seed(100 * step + rank)
-    return [torch.randn(s, generator=g) for s in SHAPES]
+    return [torch.randn(s, generator=g) * SCALE for s in SHAPES]
 
 
 def check(rank, world_size, fn):
@@ -72,17 +79,20 @@ def check(rank, world_size, fn):
                 for p in params:
                     p.grad = None
         kept = mem.end_bytes - memory.storage_bytes(params)
+        mine = {p.untyped_storage()._cdata for p in params}
+        sizes = sorted((n for key, (_, n) in mem.live.items() if key not in mine), reverse=True)
     return {"weights": [p.detach().clone() for p in params], "bytes_sent": tally.bytes_sent,
-            "ops": {op: e["calls"] for op, e in tally.ops.items() if e["calls"]}, "kept": kept}
+            "ops": {op: e["calls"] for op, e in tally.ops.items() if e["calls"]}, "kept": kept,
+            "kept_sizes": sizes}
 
 
-def one_process(world_size):
+def one_process(world_size, divide=True):
     params = [torch.nn.Parameter(w) for w in weights()]
     opt = torch.optim.Adam(params, lr=LR)
     for t in range(STEPS):
         grads = [gradient(r, t) for r in range(world_size)]
         for i, p in enumerate(params):
-            p.grad = sum(g[i] for g in grads) / world_size
+            p.grad = sum(g[i] for g in grads) / (world_size if divide else 1)
         opt.step()
     return [p.detach() for p in params]
 
@@ -102,9 +112,17 @@ def grade(fn, world_size=2, deadline=15.0):
             err = (got - ref).abs().reshape(-1)
             bound = STEPS * U * ref.abs().reshape(-1) + slack
             exact = exact and bool((err == 0).all())
-            if (err > bound).any():
-                i = int((err - bound).argmax())
+            if grader.exceeds(err, bound).any():
+                i = grader.worst(err, bound)
                 owner = (offset + i) // shard
+                if _matches(res["weights"], one_process(world_size, divide=False), slack):
+                    return grader.Grade(False, [
+                        f"rank {r}'s weights are the ones Adam gives for a gradient N = {world_size} times "
+                        f"the average: the reduce-scattered gradient was never divided by N ({name}, "
+                        f"element {i}: {got.reshape(-1)[i].item():.6g}, one process says "
+                        f"{ref.reshape(-1)[i].item():.6g})"],
+                        "reduce_scatter sums the ranks' gradients: divide your slice by N before Adam. "
+                        "With large gradients Adam's step hides the factor; these are of the size of eps.")
                 return grader.Grade(False, [
                     f"rank {r}'s {name} differs from one process at element {i} (in rank {owner}'s slice): "
                     f"{got.reshape(-1)[i].item():.6g}, one process says {ref.reshape(-1)[i].item():.6g} "
@@ -127,10 +145,15 @@ def grade(fn, world_size=2, deadline=15.0):
     state = 8 * shard
     for r, res in enumerate(results):
         if res["kept"] > state + 4 * len(SHAPES):
+            sizes = res["kept_sizes"]
             return grader.Grade(False, [
-                f"rank {r} keeps {res['kept']:,} bytes of optimizer state between steps; ZeRO-1 keeps "
-                f"Adam's m and v for its slice, 8 Psi/N = {state:,} bytes: "
-                f"{res['kept'] - state:,} bytes too many"],
+                f"rank {r} keeps {res['kept']:,} bytes alive after the steps besides the weights (tensors "
+                f"of {', '.join(f'{n:,}' for n in sizes[:6])}{', ...' if len(sizes) > 6 else ''} bytes); "
+                f"ZeRO-1 keeps Adam's m and v for its slice, 8 Psi/N = {state:,} bytes, and at most "
+                f"{4 * len(SHAPES)} bytes of step counters: {res['kept'] - state:,} bytes too many"],
+                f"a tensor of 4 Psi = {4 * psi} bytes is kept: a flat gradient buffer or a full moment; "
+                "build the flat gradient inside step() so that it is freed, and keep m and v for this "
+                "rank's slice only." if 4 * psi in sizes else
                 "keep m and v for this rank's slice only (Psi/N elements each); the full Adam state on "
                 "every rank is plain data parallelism, 8 Psi per rank.")
     how = "bitwise" if exact else "within u |w| + 16 u lr S(t) per step"
@@ -140,8 +163,17 @@ def grade(fn, world_size=2, deadline=15.0):
         f"weights: one process's ({how}) on every rank",
         f"bytes sent per rank per step: 2(N-1)/N 4 Psi = {want_bytes // STEPS:,}, counted message by "
         f"message",
-        f"optimizer state kept per rank: {', '.join(str(res['kept']) for res in results)} bytes: "
-        f"8 Psi/N = {state:,} plus Adam's step counters"])
+        f"kept per rank after the steps: {', '.join(str(res['kept']) for res in results)} bytes: "
+        f"m and v for the slice, 8 Psi/N = {state:,}, plus "
+        + (f"{', '.join(str(res['kept'] - state) for res in results)} bytes of Adam's step counters (4 per "
+           "tensor it steps)" if any(res["kept"] > state for res in results)
+           else "no step counter tensor (up to 4 bytes per parameter tensor allowed)")
+        + "; at N = 2, 8 Psi/N and the bytes per step, 2(N-1)/N 4 Psi, are both 4 Psi"])
+
+
+def _matches(weights, want, slack):
+    return all(not grader.exceeds((got - ref).abs(), STEPS * U * ref.abs() + slack).any()
+               for got, ref in zip(weights, want))
 
 
 def _ops(ops):
