@@ -46,9 +46,9 @@ CASES = [
     (cp, "4", 2 * PEAK / IB * 64 / 8, "a/a_kv instead of a_kv/a: the ratio inverted"),
     (cp, "4", PEAK / IB * 8 / 64, "(a_kv/a) F/W: the full-tile condition, the causal half tiles left out"),
     # 5: the ratio above which Ulysses sends fewer bytes than the all-gather at cp = 8, a = 64
-    (cp, "5", 1 / 8, "1/cp: Ulysses' (cp-1)/cp share taken for the crossover"),
+    (cp, "5", 1 / 8, "1/cp (Ulysses' (cp-1)/cp share taken for the crossover) or cp/a (where Ulysses "
+                     "starts copying KV heads), both 1/8 here"),
     (cp, "5", float(crossover.crossover("ring", 8, 64)), "the ring's crossover, not the all-gather's"),
-    (cp, "5", 8 / 64, "cp/a, where Ulysses starts copying KV heads"),
 ]
 
 
@@ -75,6 +75,20 @@ def test_two_significant_digits_of_exercise_5_are_accepted(capsys):
     """1/7 to two digits, 0.14, misses by 2 %: accepted; 0.15 (5 %) and 1/8 are not."""
     assert cp.check_answer("5", 0.14) and cp.check_answer(5, 0.143)
     assert not cp.check_answer("5", 0.15) and not cp.check_answer("5", 1 / 8)
+
+
+def test_exercise_5_is_a_ratio_and_no_unit_slip_is_named(capsys):
+    """8/64 = 1/8 is one mistake with two names, said once; 1/7 over GiB/GB, which the 3.5 %
+    tolerance would match, is refused without a unit named; a factor 2 still is."""
+    assert not cp.check_answer("5", 8 / 64)
+    assert capsys.readouterr().out.count("1/8") == 1
+    gib = 2**30 / 1e9
+    for wrong in (1 / 7 / gib, 1 / 7 * gib, 0.1375):
+        assert not cp.check_answer("5", wrong)
+        out = capsys.readouterr().out
+        assert "mixed up" not in out and "unit prefix" not in out, out
+    assert not cp.check_answer("5", 2 / 7)
+    assert "a factor 2 too many" in capsys.readouterr().out
 
 
 def test_every_exercise_of_chapter_6_has_a_wrong_answer_tested():

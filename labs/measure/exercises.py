@@ -92,23 +92,25 @@ def miss(answer, expected):
     return f"{way} by a factor {factor(ratio)}" if large else f"{percent(ratio)} {way}"
 
 
-def mistakes_matched(answer, expected, mistakes, rel):
-    """What the chapter's ``mistakes`` that give ``answer`` are (else the first slip that does)."""
+def mistakes_matched(answer, expected, mistakes, rel, slips=None):
+    """What the chapter's ``mistakes`` that give ``answer`` are (else the first of ``slips``, by
+    default `SLIPS`, that does)."""
     found = []
     for value, what in mistakes:
         value = value() if callable(value) else value
         hit = answer == value if isinstance(value, int) else close(answer, value, rel)
         if hit and value != expected and what not in found:
             found.append(what)
-    for ratio, what in SLIPS if expected and not found else ():
+    for ratio, what in (SLIPS if slips is None else slips) if expected and not found else ():
         slip = expected * ratio  # a count only slips by a whole factor: 14 GPUs for 13 is no GiB
         if (answer == slip) if isinstance(expected, int) else close(answer, slip, rel):
             return [what]
     return found
 
 
-def verdict(answers, question, answer, rel=0.01, mistakes=None):
-    """(whether ``answer`` is right, the one-line verdict) for ``answers[question]``."""
+def verdict(answers, question, answer, rel=0.01, mistakes=None, slips=None):
+    """(whether ``answer`` is right, the one-line verdict) for ``answers[question]``; ``slips``
+    replaces `SLIPS` where a unit slip means nothing (a ratio)."""
     key = question_key(answers, question)
     value = as_number(key, answer)
     expected = answers[key]()
@@ -118,7 +120,7 @@ def verdict(answers, question, answer, rel=0.01, mistakes=None):
     if exact and value.is_integer():
         value = int(value)
     text = f"exercise {key}: not yet, {miss(value, expected)}"
-    found = mistakes_matched(value, expected, (mistakes or {}).get(key, ()), rel)
+    found = mistakes_matched(value, expected, (mistakes or {}).get(key, ()), rel, slips)
     if found:
         which = "this mistake gives" if len(found) == 1 else "each of these mistakes gives"
         text += f"; that is what {which}: {'; or '.join(found)}"
@@ -127,10 +129,10 @@ def verdict(answers, question, answer, rel=0.01, mistakes=None):
     return False, text
 
 
-def check(answers, question, answer, rel=0.01, mistakes=None):
+def check(answers, question, answer, rel=0.01, mistakes=None, slips=None):
     """True when ``answer`` is ``answers[question]()`` (exactly for a count, else within ``rel``);
     prints the verdict: correct, or which way and how far it misses and the mistake it matches."""
-    ok, text = verdict(answers, question, answer, rel, mistakes)
+    ok, text = verdict(answers, question, answer, rel, mistakes, slips)
     print(text)
     return ok
 
