@@ -18,8 +18,9 @@ def placed(order=P.ORDER, gpus_per_node=8, **degrees):
     return P.Placement(ParallelDims(**degrees, order=order), gpus_per_node=gpus_per_node)
 
 
-def test_tp_four_times_chattier_crosses_in_the_reversed_order_only():
-    """TP with 4x the bytes, nodes of 2: counted by destination == the calculator, in both orders."""
+def test_tp_crosses_in_the_reversed_order_only():
+    """TP with 4x the bytes, nodes of 2: counted by destination == the calculator, in both orders;
+    which group crosses the node boundary flips with the order."""
     numel = {"tp": 4 * NUMEL, "cp": NUMEL, "pp": NUMEL, "dp": NUMEL}
     totals = []
     for order in (P.ORDER, tuple(reversed(P.ORDER))):
@@ -27,6 +28,9 @@ def test_tp_four_times_chattier_crosses_in_the_reversed_order_only():
         assert r["counted"] == r["formula"], order
         totals.append(r)
     assert totals[0]["counted"]["tp"] == 0 < totals[1]["counted"]["tp"]
+    assert totals[1]["counted"]["dp"] == 0 < totals[0]["counted"]["dp"]
+    # a bookkeeping check, not a finding: the crossing bytes are TP's alone in one order and DP's alone
+    # in the other, so their ratio is the 4 chosen in `numel` above
     assert sum(totals[1]["counted"].values()) == 4 * sum(totals[0]["counted"].values())
 
 
@@ -151,15 +155,25 @@ def test_dp_exposes_one_chunk_each_way_and_the_micro_batch_split_sets_only_the_s
     assert e["dp_exposed_s"] == pytest.approx(6 * shard / port)
     assert e["chunk_reduce_share"] == pytest.approx(4 * shard / port / (pp * (chunk_back + send)))
     assert e["chunk_reduce_share"] < 0.1 and e["dp_exposed_s"] < e["pp_critical_s"]
-    # latencies on the critical path: 254 waited-for sends; two 128-rank rings of 127 steps each
-    assert e["pp_critical_latencies"] == 2 * (pp * v - 1) == e["dp_exposed_latencies"] == 2 * 127
+    # latencies on the critical path: one per waited-for send, 2(pv - 1); one per ring step of the
+    # exposed gather and reduce-scatter, 2(dp - 1). Equal here only because pv = dp = 128: Table 4's
+    # 8,192-GPU row (DP 64) gives DP 126 against PP's 254
+    assert e["pp_critical_latencies"] == 2 * (pp * v - 1) == 254
+    assert e["dp_exposed_latencies"] == 2 * (dp - 1) == 254
+    dp64 = P.exposed(P.LLAMA3_405B, placed(tp=8, pp=16, dp=64))
+    assert (dp64["pp_critical_latencies"], dp64["dp_exposed_latencies"]) == (2 * (pp * v - 1), 2 * 63)
     assert e["pp_critical_crossing_pods"] == 0
     # Llama 3's order: each of the 128 DP groups spans 6 pods and has one ring edge leaving each;
     # 128 flows fit in a pod's uplinks, 3,072 / 7 ports' worth
     assert e["pod_edges"] == {"tp": 0, "cp": 0, "pp": 0, "dp": 16384 // dp}
     assert 128 < 3072 / 7 == e["pod_uplink_ports"]
     swapped = P.exposed(P.LLAMA3_405B, placed(("tp", "cp", "ep", "dp", "pp"), tp=8, pp=16, dp=128))
-    assert 0 < swapped["pp_critical_crossing_pods"] < swapped["pp_critical_sends"]
+    # swapped, PP's stride is tp dp = 1,024, so a pod of 3,072 holds 3 members in a row: pods
+    # [0,0,0,1,1,1,2,2,2,3,3,3,4,4,4,5]; of the ring's 16 edges those after members 2, 5, 8, 11, 14
+    # and the wrap 15 -> 0 cross, 6. The chain's 127 boundaries, boundary c on edge c mod 16, run 7
+    # times round (42 crossings) and then over edges 0-14 (5 more): 47 each way, 94. Without the
+    # wrap, 5 per round: 40 each way, 80
+    assert swapped["pp_critical_crossing_pods"] == 94
     assert swapped["pod_edges"] == {"tp": 0, "cp": 0, "pp": 16384 // pp, "dp": 0}   # one per PP group
     base = P.plan(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
     run = dataclasses.replace(P.LLAMA3_RUN, micro_batch=4, micro_batches=4)
@@ -167,3 +181,31 @@ def test_dp_exposes_one_chunk_each_way_and_the_micro_batch_split_sets_only_the_s
     assert all(four[a]["bytes_per_rank"] == base[a]["bytes_per_rank"] for a in ("tp", "pp", "dp"))
     assert P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS), run)["pp_critical_s"] == pytest.approx(
         4 * e["pp_critical_s"])
+
+
+def _pod_edges_without_wrap(dims, axis, pod):
+    """`placement.pod_edges` as it would be if the ring's wrap-around edge were dropped."""
+    out = {}
+    for group in dims.groups(axis):
+        for a, b in zip(group, group[1:]):
+            if a // pod != b // pod:
+                out[a // pod] = out.get(a // pod, 0) + 1
+    return max(out.values(), default=0)
+
+
+def test_pod_edges_count_the_wrap_around_edge():
+    """PP = 3, DP = 2, pods of 2 GPUs: PP groups [0, 1, 2] and [3, 4, 5], pods {0, 1}, {2, 3}, {4, 5}.
+    Edges leaving a pod: 1 -> 2 and the wrap 2 -> 0 (first group), 3 -> 4 and the wrap 5 -> 3 (second).
+    Pod 1 sends 2 -> 0 and 3 -> 4: 2 edges; without the wraps no pod sends more than 1. Dropping the
+    wrap would also turn the swapped Llama 3 layout's 94 crossings into 80 (above)."""
+    d = ParallelDims(pp=3, dp=2)
+    assert d.groups("pp") == [[0, 1, 2], [3, 4, 5]]
+    assert P.pod_edges(d, "pp", pod=2) == 2
+    assert _pod_edges_without_wrap(d, "pp", 2) == 1            # the variant without the wrap fails
+    # on Llama 3's swapped layout the wrap does not change the busiest pod's count, hence the small case
+    swapped = ParallelDims(tp=8, pp=16, dp=128, order=("tp", "cp", "ep", "dp", "pp"))
+    assert P.pod_edges(swapped, "pp") == _pod_edges_without_wrap(swapped, "pp", 3072) == 1024
+    # but it does change the chain's crossings: 94 with it (pinned above), 80 without
+    pods = [r // 3072 for r in swapped.groups("pp")[0]]
+    no_wrap = 2 * sum(c % 16 < 15 and pods[c % 16] != pods[c % 16 + 1] for c in range(16 * 8 - 1))
+    assert no_wrap == 80 != P.exposed(P.LLAMA3_405B, P.Placement(swapped))["pp_critical_crossing_pods"]

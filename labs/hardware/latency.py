@@ -13,8 +13,10 @@ more jobs to show how far another moment moves each figure:
 
 - the pattern: ping-pong (one-way = round trip / 2) or simultaneous exchange;
 - the start: each timing after a barrier (both processes just woken and running), or back to
-  back, right after the previous call, where a message may have to wake a process that went to
-  sleep waiting for it;
+  back, without a barrier: right after the previous variant's try in the round-robin (a back-to-back
+  ping-pong follows one timed after a barrier), so the receiving rank's timer also runs while the
+  previous message is in flight, and a message may have to wake a process that went to sleep
+  waiting for it;
 - the statistic: median (with its quartiles, the spread) or fastest of the repeats;
 - the estimate: the time of a small message, or the intercept of a line fitted over sizes by
   chapter 10's `alpha_beta.fit_line` (least squares on relative errors).
@@ -62,7 +64,8 @@ def _pattern(kind, rank, mine, theirs):
 def rank_times(rank, world_size, sizes, repeats):
     """One rank: {(pattern, start, size): seconds per repeat}, one-way for the ping-pong. The variants
     are interleaved, round-robin: try i of each variant in turn, so a slow moment of the machine falls
-    on all of them alike. A back-to-back try starts right after the previous call, without a barrier."""
+    on all of them alike. A back-to-back try starts without a barrier, right after this rank finished the
+    previous variant's try."""
     out = {}
     variants = [(kind, start) for kind in ("pingpong", "exchange") for start in ("barrier", "back_to_back")]
     for nbytes in sizes:
