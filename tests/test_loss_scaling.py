@@ -119,3 +119,25 @@ def test_exercise_answers_agree_with_a_cast():
     s = ls.EXERCISES["1"]()
     assert (torch.tensor(2.0 ** -30 * s, dtype=torch.float16).item()
             == torch.finfo(torch.float16).smallest_normal)
+
+
+def test_what_bf16_autocast_keeps_in_fp32_in_the_tiny_gpt():
+    # the page's claim, on this build: CPU autocast runs the matrix products in bf16; layer norm is
+    # fp32 because its input, the residual stream, is fp32 (autocast does not lower it on CPU), the
+    # attention softmax runs in bf16, and the loss is fp32 because the model casts its logits
+    from labs import model
+    cfg = model.GPTConfig()
+    net = model.build(cfg)
+    seen = {}
+    for name, m in net.named_modules():
+        if isinstance(m, (torch.nn.LayerNorm, torch.nn.Linear)):
+            m.register_forward_hook(lambda mod, i, o, name=name: seen.setdefault(name, o.dtype) and None)
+    x, y = model.synthetic_batch(cfg, 2, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = net(x, y)
+        scores = torch.nn.functional.linear(torch.randn(2, 8), torch.randn(8, 8))
+        assert scores.dtype == torch.bfloat16 and scores.softmax(-1).dtype == torch.bfloat16
+        assert torch.nn.functional.layer_norm(scores, (8,)).dtype == torch.bfloat16
+    assert loss.dtype == torch.float32
+    assert {seen[k] for k in seen if k.endswith(("ln1", "ln2", "ln_f"))} == {torch.float32}
+    assert {seen[k] for k in seen if isinstance(net.get_submodule(k), torch.nn.Linear)} == {torch.bfloat16}

@@ -30,8 +30,11 @@ def formats():
     """Each format's layout from torch.finfo: bits, exponent/mantissa bits, max, smallest normal,
     smallest subnormal (= smallest normal * eps) and eps (the gap after 1.0). Both ends are checked
     by casting: the smallest subnormal survives and half of it rounds to zero; the max survives and
-    the next number of its spacing, max + 2^(floor(log2 max) - mantissa), does not (inf, or NaN for
-    E4M3, which has no inf), so a max or a mantissa width misread from finfo would fail here."""
+    the next number of its spacing, max + 2^(floor(log2 max) - mantissa), does not, so a max or a
+    mantissa width misread from finfo would fail here. What it becomes is recorded ("above_max"):
+    inf where the format has one; E4M3 has none, and the OCP OFP8 specification (v1.0, section 5.2)
+    lets a conversion either saturate to 448 or give NaN, so either is accepted and the one this
+    build does is returned (with 10^4 times the max checked the same way)."""
     out = {}
     for name, dtype in DTYPES.items():
         fi = torch.finfo(dtype)
@@ -40,9 +43,13 @@ def formats():
         assert _survives(subnormal, dtype) and not _survives(subnormal / 2, dtype)
         top_step = 2.0 ** (math.floor(math.log2(fi.max)) - mantissa)
         assert _survives(fi.max, dtype) and not _survives(fi.max + top_step, dtype)
+        over = torch.tensor([fi.max + top_step, 1e4 * fi.max], dtype=torch.float64).to(dtype).double()
+        above = next((k for k, hit in (("inf", over.isinf()), ("max", over == fi.max), ("nan", over.isnan()))
+                      if hit.all()), None)
+        assert above == "inf" or (dtype == torch.float8_e4m3fn and above in ("max", "nan")), (name, over)
         out[name] = {"bits": fi.bits, "exponent_bits": fi.bits - 1 - mantissa, "mantissa_bits": mantissa,
                      "max": fi.max, "smallest_normal": fi.smallest_normal,
-                     "smallest_subnormal": subnormal, "eps": fi.eps}
+                     "smallest_subnormal": subnormal, "eps": fi.eps, "above_max": above}
     return out
 
 

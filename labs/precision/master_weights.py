@@ -99,9 +99,13 @@ def dot_accumulation(Ks=(64, 256, 1024, 4096), rows=64, seed=0):
     """Mean relative error of BF16 dot products of length K against the exact sum: products added in
     a BF16 accumulator (rounded after every addition), in an FP32 one (rounded to bf16 once, at the
     end, as Micikevicius et al. 2018 section 3.3 write the result), and by torch's bf16 matmul.
-    Operands are |N(0, 1)|, so the sum grows with K and every addition meets a larger partial sum."""
+    Operands are |N(0, 1)|, so the sum grows with K and every addition meets a larger partial sum.
+    ``fp32_unrounded`` is the FP32 accumulator's error before that final rounding: for K positive
+    terms added left to right it is at most gamma = (K - 1) u / (1 - (K - 1) u) of the sum, u = 2^-24
+    (Higham 2002, "Accuracy and Stability of Numerical Algorithms", section 4.2),
+    while the one rounding to bf16 moves a value by up to 2^-9, which therefore dominates."""
     g = torch.Generator().manual_seed(seed)
-    out = {"K": list(Ks), "bf16": [], "fp32": [], "torch_matmul": []}
+    out = {"K": list(Ks), "bf16": [], "fp32": [], "fp32_unrounded": [], "torch_matmul": []}
     for K in Ks:
         a = torch.randn(rows, K, generator=g).abs().to(BF16)
         b = torch.randn(rows, K, generator=g).abs().to(BF16)
@@ -112,7 +116,8 @@ def dot_accumulation(Ks=(64, 256, 1024, 4096), rows=64, seed=0):
             acc16 = (acc16.float() + prods[:, k]).to(BF16)
             acc32 = acc32 + prods[:, k]
         lib = (a.unsqueeze(1) @ b.unsqueeze(2)).reshape(rows)   # (R,): torch's bf16 product
-        for key, got in (("bf16", acc16), ("fp32", acc32.to(BF16)), ("torch_matmul", lib)):
+        for key, got in (("bf16", acc16), ("fp32", acc32.to(BF16)), ("fp32_unrounded", acc32),
+                         ("torch_matmul", lib)):
             out[key].append(((got.double() - exact).abs() / exact).mean().item())
     return out
 

@@ -25,8 +25,11 @@ from labs.precision import fp8
 
 E4M3 = torch.float8_e4m3fn
 FMAX = torch.finfo(E4M3).max   # 448
-# Above 448 the next E4M3 step would be 480: a scaled value below the midpoint 464 rounds to 448 as
-# any value rounds; one at or above it has overflowed, and only the clamp keeps it at 448.
+# Above 448 the next E4M3 step would be 480 if the exponent went on: rounding to nearest takes a
+# scaled value up to the midpoint 464 (a tie, to the even 448) to 448 as it rounds any value; one
+# above 464 has overflowed. What a cast then does is the conversion's choice (saturate to 448 or NaN,
+# OCP OFP8 v1.0 section 5.2); the lab clamps to 448 before every cast, so "overflowed" below always
+# means |scaled value| > 464: the clamp's count, a threshold derived from the format.
 OVERFLOW = FMAX + 16
 EMAX_ELEM = 8                  # exponent of E4M3's largest normal, 448 = 1.75 * 2^8
 MX_BLOCK = 32
@@ -58,7 +61,7 @@ def mx_quantize(x, rounding="floor"):
         raise ValueError(f"rounding must be 'floor' or 'ceil', got {rounding!r}.")
     e = e.clamp(-127, 127)                                                   # E8M0's range
     scaled = blocks / torch.exp2(e.float())                                  # exact: a power of two
-    saturated = int((scaled.abs() >= OVERFLOW).sum())
+    saturated = int((scaled.abs() > OVERFLOW).sum())   # the clamp's count
     q = scaled.clamp(-FMAX, FMAX).to(E4M3).reshape(M, K)
     scale = torch.exp2(e.float()).reshape(M, K // MX_BLOCK).to(torch.float8_e8m0fnu)
     return q, scale, saturated
@@ -71,15 +74,18 @@ def mx_dequantize(q, scale):
 
 def tile_quantize(x, power_of_two=False):
     """DeepSeek-V3's 1x128 tiles: one fp32 scale per tile (optionally rounded down to a power of two,
-    as V3 does for some activations, section 3.3.3). Returns (q, scale (M, K/128) fp32, saturated)."""
+    as V3 does for some activations, section 3.3.3). Returns (q, scale (M, K/128) fp32, saturated).
+    A scale of 448 / amax (or a power of two below it) puts each tile's amax at or under 448, so
+    nothing saturates by construction; the count is taken anyway, as for the MX blocks."""
     M, K = x.shape
     tiles = x.float().reshape(M, K // fp8.BLOCK, fp8.BLOCK)
     amax = tiles.abs().amax(dim=2, keepdim=True).clamp_min(2.0 ** -126)
     scale = FMAX / amax                                                     # encode: x * scale
     if power_of_two:
         scale = torch.exp2(_floor_log2(scale).float())
-    q = (tiles * scale).clamp(-FMAX, FMAX).to(E4M3).reshape(M, K)
-    return q, scale.reshape(M, K // fp8.BLOCK), 0
+    scaled = tiles * scale
+    q = scaled.clamp(-FMAX, FMAX).to(E4M3).reshape(M, K)
+    return q, scale.reshape(M, K // fp8.BLOCK), int((scaled.abs() > OVERFLOW).sum())
 
 
 def tile_dequantize(q, scale):
@@ -127,12 +133,13 @@ def drifting_activation(steps=40, rows=64, cols=256, growth=1.1, spike_step=20, 
 def _cast(x, scale):
     """Per-tensor cast with ``scale``: (dequantised x, overflowed count, flushed-to-zero count).
 
-    Overflowed is counted from the cast's output, not from a threshold: an element whose FP8 value
-    is more than half of E4M3's top spacing (32 / 2 = 16) away from its scaled value was clamped,
-    since rounding within the range moves a value by half a spacing at most."""
+    Overflowed is the clamp's count, |x * scale| > 464 (`OVERFLOW`). Counting from the clamped
+    cast's output instead (an FP8 value more than 16, half the top spacing, from its scaled value)
+    gives the same number by construction, so either way it is the format's threshold applied to
+    the scaled values, not a measurement of the cast."""
     scaled = x * scale
     q = scaled.clamp(-FMAX, FMAX).to(E4M3)
-    saturated = int(((q.float() - scaled).abs() > OVERFLOW - FMAX).sum())
+    saturated = int((scaled.abs() > OVERFLOW).sum())
     flushed = int(((q.float() == 0) & (x != 0)).sum())
     return q.float() / scale, saturated, flushed
 
@@ -142,11 +149,13 @@ def drift(history=16, margin=0, **activation):
     with delayed scaling (fmax / max of the last ``history`` amaxes / 2^margin; scale 1 before any
     history, as Transformer Engine starts). Per step: saturated, flushed to zero, relative error.
 
-    The rule the counts must follow: E4M3 rounds any scaled value below 464 (the midpoint to the
-    next step, 480, which it lacks) to 448, so delayed scaling overflows exactly on the steps whose
-    amax exceeds the window's largest by the factor 464 / 448 (3.6 %); a step that beats the
-    window by less rounds without overflow. After a spike its scale stays small for ``history``
-    steps, until the spike leaves the window.
+    The prediction beside the counts: rounding to nearest takes any scaled value up to 464 (the
+    midpoint to 480, the step E4M3 lacks) to 448, so delayed scaling overflows exactly on the steps
+    whose amax exceeds the window's largest by the factor 464 / 448 (3.6 %); a step that beats the
+    window by less rounds without overflow. Both sides apply the same threshold (per element to the
+    scaled values, per step to the amaxes), so their agreement checks the window's bookkeeping (which
+    amaxes set each step's scale), not the format. After a spike the scale stays small for
+    ``history`` steps, until the spike leaves the window.
     """
     steps = {"current": [], "delayed": []}
     amaxes = []
@@ -161,7 +170,7 @@ def drift(history=16, margin=0, **activation):
         amaxes.append(amax)
     # the threshold, derived from the format (not measured): amax > top * 464 / 448
     top = [max(amaxes[max(0, t - history):t]) * 2 ** margin if t else FMAX for t in range(len(amaxes))]
-    predicted = [t for t, a in enumerate(amaxes) if a * FMAX / top[t] >= OVERFLOW]
+    predicted = [t for t, a in enumerate(amaxes) if a * FMAX / top[t] > OVERFLOW]
     above = [t for t, a in enumerate(amaxes) if a > top[t]]   # beats the window's largest at all
     return {"history": history, "margin": margin, "amax": amaxes, "steps": steps,
             "saturating_steps_predicted": predicted, "above_window_steps": above,
