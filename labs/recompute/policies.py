@@ -232,11 +232,12 @@ def notes_claims(h=12288, a=96, s=2048, layers=96, batch=32):
 # --- at scale: the GPT-3 setting of Korthikanti et al. 2022 -------------------------------------
 
 def selective_at_scale(h=12288, a=96, s=2048, layers=96, vocab=51200, dropout=True):
-    """Selective recomputation on a GPT-3 175B layer (h = 12288, a = 96, s = 2048, L = 96; Brown et
-    al. 2020, Table 2.1; V = 51200 as in Korthikanti et al. 2022, Table 3), from the formulas the lab
-    proves on the tiny stack: the share of a layer's activation bytes it removes (Table 2: 5as/h of
-    34 + 5as/h with dropout, 2as/h of 32 + 2as/h without) and the matmul FLOPs it adds to a training
-    step: one more forward of q k^T and scores @ v, 4hs of 72h^2 + 12hs per token and layer.
+    """Selective recomputation on a GPT-3 175B layer (h = 12288, a = 96, L = 96: Brown et al. 2020,
+    Table 2.1; s = 2048, their context window, Section 2.1; V = 51200 as in Korthikanti et al. 2022,
+    Table 3), from the formulas the lab proves on the tiny stack: the share of a layer's activation
+    bytes it removes (Table 2: 5as/h of 34 + 5as/h with dropout, 2as/h of 32 + 2as/h without) and
+    the matmul FLOPs it adds to a training step: one more forward of q k^T and scores @ v, 4hs of
+    72h^2 + 12hs per token and layer.
 
     Korthikanti et al.'s own figure (2.7 %, Section 5) comes from their Appendix A, where the
     hardware FLOPs with selective recomputation are 72BsLh^2 (1 + s/(3h) + V/(12hL)) against the
