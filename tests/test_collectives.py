@@ -203,6 +203,8 @@ def test_latency_model_and_bootstrap():
     noisy = [[(ALPHA + n * BETA) * (1 + rng.expovariate(3)) for _ in range(9)] for n in sizes]
     b = alpha_beta.bootstrap_crossover(sizes, noisy, 4, draws=200)
     assert b["low"] < b["estimate"] < b["high"] and b["draws"] == 200
+    # the level is what the code claims: the share of the draws' M* within [low, high], not a coverage
+    assert 0.95 <= b["share"] <= 0.96
     beta = alpha_beta.model(sizes, noisy)["beta"]
     assert b["estimate"] == pytest.approx(alpha_beta.crossover(min(noisy[0]), beta, 4))
 

@@ -29,6 +29,7 @@ CASES = [
     # chapter 10, the collectives toolkit
     (Chapter10, "1", M1, "the payload M for what the ring sends, 2(N-1)/N M"),
     (Chapter10, "1", 2 * M1, "2M: the ring's (N-1)/N left out"),
+    (Chapter10, "1", 2 * 7 / 8 * 1e9, "GB for GiB: M is 2^30 bytes, not 10^9"),
     (Chapter10, "2", col.formula("all_reduce", "ring", 8, M2)[1],
      "the ring's 2(N-1)/N M for doubling's M lg N"),
     (Chapter10, "2", M2, "one swap of M: the lg N rounds left out"),

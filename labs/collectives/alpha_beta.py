@@ -94,9 +94,11 @@ def model(sizes, tries):
 
 
 def bootstrap_crossover(sizes, tries, p, draws=1000, seed=0, level=0.95):
-    """M* with a percentile bootstrap interval: each draw resamples every size's tries with
-    replacement and refits `model`. A minimum resamples poorly (it often repeats), so the interval
-    is a lower bound on the uncertainty, not a guarantee. Returns estimate, low, high, draws."""
+    """M* with a resampling spread: each draw resamples every size's tries with replacement and
+    refits `model`; low and high bound the middle ``level`` of the draws' M*. A spread, with no
+    coverage claim: alpha is a minimum, and a resampled minimum is never below the sample's, so the
+    draws lean one way and the spread is shifted and too narrow to be a confidence interval.
+    Returns estimate, low, high, draws and share (the draws' share within [low, high])."""
     rng = random.Random(seed)
     base = model(sizes, tries)
     stars = []
@@ -105,11 +107,12 @@ def bootstrap_crossover(sizes, tries, p, draws=1000, seed=0, level=0.95):
         stars.append(crossover(m["alpha"], m["beta"], p) or float("nan"))
     stars = [x for x in stars if x == x]                     # a draw with beta <= 0 has no M*
     if not stars:
-        return {"estimate": None, "low": None, "high": None, "draws": 0}
+        return {"estimate": None, "low": None, "high": None, "draws": 0, "share": None}
     draws = len(stars)
     stars.sort()
     lo, hi = stars[int((1 - level) / 2 * draws)], stars[int((1 + level) / 2 * draws) - 1]
-    return {"estimate": crossover(base["alpha"], base["beta"], p), "low": lo, "high": hi, "draws": draws}
+    return {"estimate": crossover(base["alpha"], base["beta"], p), "low": lo, "high": hi, "draws": draws,
+            "share": sum(lo <= x <= hi for x in stars) / draws}
 
 
 def doubling_rounds(p):
@@ -175,7 +178,9 @@ def bench(world_size, ops=BENCH_OPS, sizes=BENCH_SIZES, repeats=9, timeout=300.0
     """Rows of op, nbytes (M, nccl-tests' S), seconds (the median over repeats of the slowest
     rank's time), low and high (the order statistics that hold that median with probability
     `coverage`, at least 95 %: 96 % for 9 repeats, `labs.measure.intervals`), algbw and busbw
-    (bytes/s, from the median)."""
+    (bytes/s, from the median). Each (op, size) is timed in its own block, one after another, not
+    interleaved and not paired: a change of load between blocks moves a whole block, so intervals
+    that do not overlap still do not order two sizes; overlapping ones say "not ordered"."""
     k, coverage = intervals.median_ranks(repeats)          # refuses too few repeats before spawning
     for s in sizes:
         if s % (4 * world_size):

@@ -53,13 +53,14 @@ def _seconds(call):
 def _exchange_times(rank, sizes, repeats):
     """Per size, the slowest rank's seconds of each repeat of one exchange with rank XOR 1. The
     sizes are interleaved, swept up and then down in turn, so a slow moment of the machine falls on
-    all sizes alike and every try follows a try of the same or a neighbouring size: a tiny exchange
-    right after the largest one is slow on a loaded machine, every time."""
+    all sizes alike, and every try, the first included, follows a try of the same or a neighbouring
+    size (the warm-up sweeps down, ending at the smallest): a tiny exchange timed right after the
+    largest one can be slow on a loaded machine."""
     dev = launch.device()
     bufs = [(torch.ones(n // 4, device=dev), torch.empty(n // 4, device=dev)) for n in sizes]
     calls = [lambda m=m, t=t: Rounds().exchange(sends=[(m, rank ^ 1)], recvs=[(t, rank ^ 1)])
              for m, t in bufs]
-    for call in calls:                                        # warm-up: connections, buffers
+    for call in reversed(calls):                 # warm-up, largest first: repeat 0 starts where it ends
         call()
     seconds = [[] for _ in sizes]
     for repeat in range(repeats):

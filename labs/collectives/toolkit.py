@@ -203,7 +203,9 @@ EXERCISES = {
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
     "1": [(2 ** 30, "the payload M for what the ring sends, 2(N-1)/N M"),
-          (2 * 2 ** 30, "2M: the ring's (N-1)/N left out")],
+          (2 * 2 ** 30, "2M: the ring's (N-1)/N left out"),
+          (lambda: formula("all_reduce", "ring", 8, 2 ** 30)[1] / 2 ** 30 * 1e9,
+           "GB for GiB: M is 2^30 bytes, not 10^9")],
     "2": [(lambda: formula("all_reduce", "ring", 8, 2 ** 20)[1],
            "the ring's 2(N-1)/N M for doubling's M lg N"),
           (2 ** 20, "one swap of M: the lg N rounds left out")],
