@@ -272,8 +272,10 @@ MISTAKES = {
     "1": [(lambda: selective_at_scale(dropout=False)["memory_removed"],
            "the dropout-free count sbh(32 + 2as/h) for a layer with dropout")],
     "2": [(lambda: selective_at_scale()["korthikanti_flops_added"] * 100,
-           "Korthikanti et al.'s 2.7 % (their Appendix A count); the question asks for one extra forward "
-          "of the two attention products"),
+           "about 2.7 %: the attention products counted again in backward (Korthikanti et al.'s Appendix A "
+          "count), or backward's factor 2 left out of the denominator, 4hs/(24h^2 + 4hs), which lands "
+          "within 0.4 % of it; the question asks for one extra forward of the two attention products "
+          "over a whole step's FLOPs"),
           (lambda: selective_at_scale()["full_flops_added"] * 100, "full recomputation's third")],
     "3": [(1024 // 64, "the micro-batch of 2 left out: 1024 / dp")],
 }
