@@ -117,7 +117,8 @@ def bootstrap_crossover(sizes, tries, p, draws=1000, seed=0, level=0.95):
 
 def doubling_rounds(p):
     """Rounds on recursive doubling's critical path: lg p, plus the fold and unfold of the
-    r = p - 2^floor(lg p) extra ranks when p is not a power of two (TRG 2005, section 4)."""
+    r = p - 2^floor(lg p) extra ranks when p is not a power of two (MPICH's whole-buffer fold;
+    TRG 2005, section 4, swap half-buffers)."""
     lg = p.bit_length() - 1
     return lg if p & (p - 1) == 0 else lg + 2
 

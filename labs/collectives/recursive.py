@@ -1,8 +1,9 @@
 """Chapter 10: recursive doubling and halving, and Rabenseifner's all-reduce, on any number of ranks.
 
-Thakur, Rabenseifner & Gropp (2005), section 4: pairing rank r with r XOR 2^k needs a power of
-two, so with p' = 2^floor(lg p) and r = p - p' the first 2r ranks fold pairwise first (MPICH's
-approach): each even rank i < 2r hands its data to rank i + 1 and sits out; the p' ranks left
+Pairing rank r with r XOR 2^k needs a power of two (Thakur, Rabenseifner & Gropp 2005, section 4,
+who fold by swapping half-buffers), so with p' = 2^floor(lg p) and r = p - p' the first 2r ranks fold
+pairwise first, as MPICH's recursive-doubling all-reduce does, whole buffers: each even rank
+i < 2r hands its data to rank i + 1 and sits out; the p' ranks left
 (virtual rank v: i // 2 for odd i < 2r, i - r above) run the power-of-two algorithm; at the end
 each odd rank i < 2r hands the even rank i - 1 its result (unfold). Two extra rounds, and the
 folded data travels twice. Virtual rank v owns the blocks [start(v), start(v + 1)) of the buffer,

@@ -21,7 +21,8 @@ per reduced byte):
 
 Recursive doubling and halving pair rank r with r XOR 2^k, so they need a power of two; on any other
 p, with p2 = 2^floor(lg p) and r = p - p2, the first 2r ranks fold pairwise onto p2 and unfold at
-the end (TRG 2005, section 4; MPICH): two more rounds, and the folded data sent twice
+the end (MPICH's whole-buffer fold; TRG 2005, section 4, swap half-buffers): two more rounds,
+and the folded data sent twice
 (`labs.collectives.recursive`, `formula`). Every message goes through `labs.measure.comm`, so
 `bytes_sent` are counted messages, and `rounds` are the exchanges a rank took part in, counted by
 one `Rounds` for every algorithm. Chapter 2's ring (`labs.data_parallel.hand_ring`), separate code,
@@ -58,8 +59,8 @@ def formula(op, algorithm, p, n):
 
 
 def _folded(op, algorithm, p, n):
-    """Rounds, most bytes one rank sends, and all bytes, with r ranks folded onto p2 = 2^lg2 (TRG 2005
-    section 4): the fold and the unfold are one round each and carry, per folded pair, the whole
+    """Rounds, most bytes one rank sends, and all bytes, with r ranks folded onto p2 = 2^lg2 (MPICH's
+    whole-buffer fold): the fold and the unfold are one round each and carry, per folded pair, the whole
     buffer n (all-reduce, reduce-scatter's fold, all-gather's unfold) or one block k = n/p. In the
     all-gather and reduce-scatter virtual rank v speaks for blocks [s(v), s(v+1)), s(v) = v + min(v, r)."""
     p2, r = recursive.layout(p)
