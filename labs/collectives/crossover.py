@@ -86,13 +86,18 @@ def rank_sweep(rank, world_size, fit_sizes, factors, repeats):
              else sorted({-(-n // step) * step for n in fit_sizes}))
     times, exact = {a: [] for a in ALGORITHMS}, True
     for nbytes in sizes:
-        x = torch.ones(nbytes // 4, device=launch.device())
+        # distinct small integers per element and rank, so a block sent or added in the wrong place
+        # shows; every partial sum stays below 2^24, so any order of the additions is exact in fp32
+        index = torch.arange(nbytes // 4, device=launch.device()) % 1024
+        start = (index + 1024 * rank).float()
+        expected = (world_size * index + 1024 * world_size * (world_size - 1) // 2).float()
+        x = start.clone()
         per_repeat = {a: [] for a in ALGORITHMS}
         for repeat in range(repeats + 1):                    # repeat 0: warm-up, not kept
             for name in (ALGORITHMS if repeat % 2 else ALGORITHMS[::-1]):   # who goes first alternates
-                x.fill_(1.0)
+                x.copy_(start)
                 seconds = _seconds(lambda: algorithms.HAND["all_reduce", name](x, Rounds()))
-                exact = exact and bool((x == world_size).all())   # N ones summed: exactly N in fp32
+                exact = exact and torch.equal(x, expected)
                 if repeat:
                     per_repeat[name].append(seconds)
         for name in ALGORITHMS:
