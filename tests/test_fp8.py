@@ -156,11 +156,32 @@ def test_stochastic_rounding_is_unbiased_between_two_neighbours():
     assert abs(up - 0.25) < 4 * (0.25 * 0.75 / x.numel()) ** 0.5    # four binomial standard deviations
 
 
+def _rounds_to_nearest(r, key):
+    """Each row within half a bf16 ulp (2^-8 of the value) plus the FP32 sum's own bound g, and the
+    mean over rows below 0.55 * 2^-8. Rounding to nearest leaves an absolute error spread over
+    [0, ulp/2], a mean relative error of about 2^-9 * E[1/m] <= 2^-9 for a significand m in [1, 2)
+    (2^-9 ln 2 for uniform m); chopping (round toward zero) spreads it over [0, ulp), about
+    2^-8 ln 2 = 0.69 * 2^-8. Measured on these 64 rows: 0.37-0.41 * 2^-8 and 0.67-0.74 * 2^-8."""
+    gamma = [(k - 1) * 2 ** -24 / (1 - (k - 1) * 2 ** -24) for k in r["K"]]
+    rows_ok = all(e < 2 ** -8 * (1 + g) + g for g, row in zip(gamma, r["rows"][key]) for e in row)
+    return rows_ok and all(m < 0.55 * 2 ** -8 for m in r[key])
+
+
+def _chop_to_bf16(x):                                # the bug: round toward zero (drop the low 16 bits)
+    return (x.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
 def test_fp32_accumulation_of_bf16_products_and_torchs_matmul_agree():
-    r = mw.dot_accumulation(Ks=(64, 2048), rows=16)
-    assert all(e < 2 ** -8 for e in r["fp32"] + r["torch_matmul"])   # one rounding to bf16 at the end
+    r = mw.dot_accumulation(Ks=(64, 2048), rows=64)
+    assert _rounds_to_nearest(r, "fp32") and _rounds_to_nearest(r, "torch_matmul")  # one rounding
     assert all(e < (k - 1) * 2 ** -24 for k, e in zip(r["K"], r["fp32_unrounded"]))  # before it
     assert r["bf16"][1] > 0.1 > r["bf16"][0]                           # a bf16 accumulator swamps
+
+
+def test_the_rounding_check_fails_a_chopping_bug():
+    r = mw.dot_accumulation(Ks=(64, 2048), rows=64, to_bf16=_chop_to_bf16)
+    assert not _rounds_to_nearest(r, "fp32")
+    assert all(m > 0.55 * 2 ** -8 for m in r["fp32"])                  # the mean alone catches it
 
 
 def test_cli_runs_the_issue_command_line():

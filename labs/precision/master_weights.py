@@ -95,7 +95,7 @@ def lost_updates(steps=300, lr=0.01, n=4096, spread=0.2, seed=0):
     return out
 
 
-def dot_accumulation(Ks=(64, 256, 1024, 4096), rows=64, seed=0):
+def dot_accumulation(Ks=(64, 256, 1024, 4096), rows=64, seed=0, to_bf16=lambda x: x.to(BF16)):
     """Mean relative error of BF16 dot products of length K against the exact sum: products added in
     a BF16 accumulator (rounded after every addition), in an FP32 one (rounded to bf16 once, at the
     end, as Micikevicius et al. 2018 section 3.3 write the result), and by torch's bf16 matmul.
@@ -103,9 +103,12 @@ def dot_accumulation(Ks=(64, 256, 1024, 4096), rows=64, seed=0):
     ``fp32_unrounded`` is the FP32 accumulator's error before that final rounding: for K positive
     terms added left to right it is at most gamma = (K - 1) u / (1 - (K - 1) u) of the sum, u = 2^-24
     (Higham 2002, "Accuracy and Stability of Numerical Algorithms", section 4.2),
-    while the one rounding to bf16 moves a value by up to 2^-9, which therefore dominates."""
+    while the one rounding to bf16 (8 significant bits, eps 2^-7) moves a value by up to half an ulp,
+    2^-8 of it, which therefore dominates. ``rows`` holds each row's error for the bf16-rounded
+    results; ``to_bf16`` is that final rounding (the tests pass a round-toward-zero one, which must fail)."""
     g = torch.Generator().manual_seed(seed)
-    out = {"K": list(Ks), "bf16": [], "fp32": [], "fp32_unrounded": [], "torch_matmul": []}
+    out = {"K": list(Ks), "bf16": [], "fp32": [], "fp32_unrounded": [], "torch_matmul": [],
+           "rows": {"fp32": [], "torch_matmul": []}}
     for K in Ks:
         a = torch.randn(rows, K, generator=g).abs().to(BF16)
         b = torch.randn(rows, K, generator=g).abs().to(BF16)
@@ -116,9 +119,12 @@ def dot_accumulation(Ks=(64, 256, 1024, 4096), rows=64, seed=0):
             acc16 = (acc16.float() + prods[:, k]).to(BF16)
             acc32 = acc32 + prods[:, k]
         lib = (a.unsqueeze(1) @ b.unsqueeze(2)).reshape(rows)   # (R,): torch's bf16 product
-        for key, got in (("bf16", acc16), ("fp32", acc32.to(BF16)), ("fp32_unrounded", acc32),
+        for key, got in (("bf16", acc16), ("fp32", to_bf16(acc32)), ("fp32_unrounded", acc32),
                          ("torch_matmul", lib)):
-            out[key].append(((got.double() - exact).abs() / exact).mean().item())
+            err = (got.double() - exact).abs() / exact
+            out[key].append(err.mean().item())
+            if key in out["rows"]:
+                out["rows"][key].append(err.tolist())
     return out
 
 
