@@ -311,4 +311,8 @@ def _raised(exc, origins=None):
 def _hint_raised(exc):
     if "NotImplementedError" in str(exc).split("\n")[0]:
         return "replace the stub's raise with your code; the statement above says what each rank gets."
+    if "SIGABRT" in str(exc).split("\n")[0]:
+        return ("a rank aborted inside the communication library: most often a message whose size differs "
+                "from the receive buffer posted for it (gloo aborts on that); check that each step sends and "
+                "receives the same chunk, and that uneven chunks (comm.ring_chunks) are sized per index.")
     return "read the exception above: the line it names is in your function."
