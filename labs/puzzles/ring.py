@@ -18,10 +18,11 @@ Checked on every rank:
   reduce-scatter and every chunk but its right neighbour's in the all-gather,
   2M - chunk_r - chunk_(r+1) bytes (`labs.measure.comm.ring_allreduce_elements`), 2(N-1)/N M when
   N divides the buffer (`labs.formulas.costs`);
-- the ring itself: every message rank r sends goes to rank r + 1 and every one it receives comes
-  from rank r - 1 (the peers `comm` logs). A direct all-reduce, each chunk sent straight to its
-  owner and the sums straight back, sends the same bytes per rank but talks to N - 1 peers; the
-  first message that leaves the ring is named.
+- the ring itself, checked before the bytes: every message rank r sends goes to rank r + 1 and
+  every one it receives comes from rank r - 1 (the peers `comm` logs). A direct all-reduce, each
+  chunk sent straight to its owner and the sums straight back, sends about the ring's bytes per
+  rank (exactly when N divides the buffer) but talks to N - 1 peers; the first message that leaves
+  the ring is named.
 """
 import torch
 
