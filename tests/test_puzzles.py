@@ -80,17 +80,61 @@ def ring_recv_first(tensor):
     comm.send(tensor, (r + 1) % n)
 
 
+def ring_direct(tensor):
+    """The referee's: each chunk straight to its owner, the sums straight back: not a ring."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = list(tensor.split(comm.ring_chunks(tensor.numel(), n)))
+    bufs = {j: torch.empty_like(chunks[r]) for j in range(n) if j != r}
+    reqs = [comm.isend(chunks[j], j) for j in bufs] + [comm.irecv(bufs[j], j) for j in bufs]
+    for q in reqs:
+        q.wait()
+    for j in sorted(bufs):
+        chunks[r].add_(bufs[j])
+    reqs = [comm.isend(chunks[r], j) for j in bufs] + [comm.irecv(chunks[j], j) for j in bufs]
+    for q in reqs:
+        q.wait()
+
+
+def ring_even_only(tensor):
+    """The referee's: a ring that assumes N divides numel (view(N, -1))."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = list(tensor.view(n, -1))
+    for s in range(n - 1):
+        k = (r - 2 - s) % n
+        a = torch.empty_like(chunks[k])
+        for q in [comm.isend(chunks[(r - 1 - s) % n], (r + 1) % n), comm.irecv(a, (r - 1) % n)]:
+            q.wait()
+        chunks[k].add_(a)
+    for s in range(n - 1):
+        left, right = (r - 1) % n, (r + 1) % n
+        reqs = [comm.isend(chunks[(r - s) % n], right), comm.irecv(chunks[(r - 1 - s) % n], left)]
+        for q in reqs:
+            q.wait()
+
+
 def test_ring_passes_chapter_2s_ring():
     text = _passes(ring.grade(ring_allreduce))
-    assert "2(N-1)/N M = 64 bytes" in text
+    assert "2M - chunk_r - chunk_(r+1) = 68, 72, 68 bytes" in text and "each to rank r + 1" in text
+
+
+def test_ring_refuses_a_direct_allreduce_by_its_peers():
+    _refused(ring.grade(ring_direct), "rank 0's message 2 (send, 16 bytes) went to rank 2",
+             "sends only to r + 1 = 1", "N - 1 peers at once")
+
+
+def test_ring_refuses_a_ring_for_even_chunks_only():
+    _refused(ring.grade(ring_even_only), "raised RuntimeError", "ring_even_only, line")
 
 
 def test_ring_refuses_the_wrong_chunk():
-    _refused(ring.grade(ring_wrong_chunk), "holds the wrong sum in chunk", "chunk indices")
+    # at 12 elements every chunk has the same size, so the wrong one is received and summed; at the
+    # grader's 13 the sizes differ and gloo aborts, which the hint names
+    _refused(ring.grade(ring_wrong_chunk, numel=12), "holds the wrong sum in chunk", "chunk indices")
 
 
 def test_ring_refuses_the_naive_allreduce_by_its_bytes():
-    _refused(ring.grade(ring_naive), "rank 0 sent 96 bytes", "the ring sends 64: 32 bytes too many")
+    _refused(ring.grade(ring_naive), "rank 0's message 1 (recv, 52 bytes) came from rank 1",
+             "it sent 104 bytes, the ring 68", "the naive all-reduce")
 
 
 def test_ring_names_the_deadlock_and_the_call():
@@ -127,7 +171,8 @@ def ring_rank1_sleeps(tensor):
 
 
 def test_ring_refuses_nan():
-    _refused(ring.grade(ring_nan), "element 5 is NaN", "a NaN is never a rounding error")
+    _refused(ring.grade(ring_nan), "rank 0's result element 5 is NaN", "a NaN is never a rounding error",
+             "a division by a count that is zero")
 
 
 def test_ring_refuses_a_ring_on_a_copy():
@@ -292,6 +337,23 @@ def test_zero1_refuses_a_gradient_never_divided_by_n():
              "divide your slice by N")
 
 
+def zero1_keeps_param_copy(params, lr):
+    """The referee's: the step's flat copy of the weights kept between steps."""
+    params = list(params)
+    kept = []
+    inner = zero1_hand(params, lr)
+
+    def step():
+        inner()
+        kept[:] = [torch.cat([p.detach().reshape(-1) for p in params])]
+    return step
+
+
+def test_zero1_names_a_kept_copy_of_the_weights():
+    _refused(zero1.grade(zero1_keeps_param_copy), "keeps 464 bytes alive after the steps",
+             "holds a copy of the weights")
+
+
 def test_zero1_names_a_kept_flat_gradient_buffer():
     _refused(zero1.grade(zero1_keeps_flat_grad), "keeps 464 bytes alive after the steps", "232",
              "a tensor of 4 Psi = 232 bytes is kept: a flat gradient buffer")
@@ -370,6 +432,22 @@ def lambda_free_ok(mlp, group):
     return _tp_mlp(mlp)
 
 
+def mlp_nan(mlp, group):
+    """The referee's: a right split whose output gets one NaN element."""
+    mlp = parallelize_mlp(mlp, group)
+    forward = mlp.forward
+
+    def poisoned(x):
+        z = forward(x)
+        return torch.cat([torch.full((1,), float("nan")), z.reshape(-1)[1:]]).view_as(z)
+    mlp.forward = poisoned
+    return mlp
+
+
+def test_mlp_names_a_nan():
+    _refused(mlp.grade(mlp_nan), "rank 0's output element 0 is NaN", "a division by a count that is zero")
+
+
 def test_mlp_refuses_g_twice():
     _refused(mlp.grade(mlp_g_twice), "rank 0's output differs", "N times too large")
 
@@ -414,11 +492,28 @@ def test_schedule_runs_the_builder_under_the_deadline():
 
 
 def test_schedule_passes_chapter_5s_1f1b():
-    assert "bubble: (p-1)/m = 1/4" in _passes(schedule.grade(one_f_one_b))
+    assert "bubble: (p-1)/m = 1/2" in _passes(schedule.grade(one_f_one_b))
+
+
+def schedule_for_two_stages(p, m):
+    """The referee's: a warm-up written for p = 2 (stage 0 one forward, the others none)."""
+    lists = []
+    for s in range(p):
+        w = 1 if s == 0 else 0
+        acts = [Action("F", i) for i in range(w)]
+        for i in range(m - w):
+            acts += [Action("F", w + i), Action("B", i)]
+        lists.append(acts + [Action("B", i) for i in range(m - w, m)])
+    return lists
+
+
+def test_schedule_refuses_a_warmup_for_two_stages_only():
+    _refused(schedule.grade(schedule_for_two_stages), "the bubble is 5/4", "(p-1)/m = 1/2",
+             "min(p - 1 - s, m) warm-up forwards")
 
 
 def test_schedule_refuses_gpipe_by_its_memory():
-    _refused(schedule.grade(gpipe), "stage 0 held 4 micro-batches", "holds min(p - s, m) = 2",
+    _refused(schedule.grade(gpipe), "stage 0 held 4 micro-batches", "holds min(p - s, m) = 3",
              "bytes too many")
 
 
@@ -511,7 +606,8 @@ def moe_nan(moe, group):
 
 
 def test_dispatch_refuses_nan():
-    _refused(dispatch.grade(moe_nan), "rank 0's token 0 output is NaN", "a NaN is never a rounding error")
+    _refused(dispatch.grade(moe_nan), "rank 0's output token 0 (experts", "is NaN",
+             "a NaN is never a rounding error")
 
 
 def test_dispatch_passes_chapter_7s_expert_parallel_moe():
@@ -541,8 +637,8 @@ def test_dispatch_refuses_every_token_to_every_rank_by_its_bytes():
 class _HandDDP:
     """A reader's DDP (the notebook's solution), a switch per mistake."""
 
-    def __init__(self, model, cap, average=True, obey_no_sync=True, eager=False, at_end=False):
-        self.n, self.sync = dist.get_world_size(), True
+    def __init__(self, model, cap, average=True, obey_no_sync=True, eager=False, at_end=False, nan=False):
+        self.n, self.sync, self.nan = dist.get_world_size(), True, nan
         self.average, self.obey, self.eager, self.at_end = average, obey_no_sync, eager, at_end
         self.buckets, size = [[]], 0
         for p in reversed(list(model.parameters())):
@@ -577,6 +673,8 @@ class _HandDDP:
             comm.all_reduce(flat)
             if self.average:
                 flat /= self.n
+            if self.nan:
+                flat[0] = float("nan")
             for q, g in zip(bucket, flat.split([q.numel() for q in bucket])):
                 if q.grad is not None:
                     q.grad.copy_(g.view_as(q))
@@ -656,6 +754,58 @@ def test_ddp_refuses_buckets_that_wait_for_the_end_of_backward():
              "no communication overlaps it", "from the hook of its last gradient")
 
 
+def ddp_never_resets(model, bucket_cap_bytes):
+    """The referee's: bucket counters that count down and are never re-armed: right for the first
+    synced backward only; the second sends nothing."""
+    n, sync = dist.get_world_size(), [True]
+    buckets, size = [[]], 0
+    for p in reversed(list(model.parameters())):
+        if size >= bucket_cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b}
+    pending = [len(b) for b in buckets]
+
+    def hook(p):
+        if not sync[0]:
+            return
+        i = bucket_of[id(p)]
+        pending[i] -= 1
+        if pending[i] == 0:
+            flat = torch.cat([q.grad.reshape(-1) for q in buckets[i]]) / n
+            comm.all_reduce(flat)
+            for q, g in zip(buckets[i], flat.split([q.numel() for q in buckets[i]])):
+                q.grad.copy_(g.view_as(q))
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    @contextlib.contextmanager
+    def no_sync():
+        sync[0] = False
+        try:
+            yield
+        finally:
+            sync[0] = True
+    return types.SimpleNamespace(no_sync=no_sync)
+
+
+def test_ddp_refuses_counters_never_rearmed_at_the_second_synced_backward():
+    _refused(ddp.grade(ddp_never_resets), "after the second synced backward", "differs from one process",
+             "re-arm its count of ready gradients")
+
+
+def ddp_nan(model, cap):
+    return _HandDDP(model, cap, nan=True)
+
+
+def test_ddp_names_a_nan():
+    _refused(ddp.grade(ddp_nan), "rank 0's gradient of 0.weight element 0 is NaN",
+             "a softmax over a row that is all -inf")
+
+
 def test_ddp_passes_chapter_2s_hand_ddp():
     text = _passes(ddp.grade(ddp.reference))
     assert "(bitwise)" in text and "= 176 per rank" in text and "in 2 all-reduce(s)" in text
@@ -680,7 +830,7 @@ def test_ddp_refuses_a_bucket_reduced_before_its_gradients_are_ready():
 
 # ---- puzzle 4: an FSDP unit ------------------------------------------------------------------
 
-def _fsdp_unit(module, free=True, regather=True, all_reduce=False):
+def _fsdp_unit(module, free=True, regather=True, all_reduce=False, free_after_backward=True):
     """A reader's FSDP unit (the notebook's solution), a switch per mistake."""
     n, r = dist.get_world_size(), dist.get_rank()
     names, params = list(module._parameters), list(module._parameters.values())
@@ -722,7 +872,8 @@ def _fsdp_unit(module, free=True, regather=True, all_reduce=False):
                 out = torch.empty(k)
                 comm.reduce_scatter(out, g)
                 shard.grad = out / n
-            release()
+            if free_after_backward:
+                release()
 
     release()
     module.register_forward_pre_hook(gather)
@@ -764,6 +915,16 @@ def test_fsdp_refuses_weights_never_freed_by_the_peak():
     # it holds the other unit's weights too, 4 x 136 = 544 bytes, 256 more than the message buffer's
     # allowance (288): storages are counted, so the margin is the same on every run
     _refused(fsdp.grade(fsdp_never_freed), "at its peak in forward", "256 bytes too many")
+
+
+def fsdp_keeps_after_backward(module):
+    """The referee's: freed after forward, but the full weights stay gathered after backward."""
+    return _fsdp_unit(module, free_after_backward=False)
+
+
+def test_fsdp_refuses_full_weights_kept_after_backward():
+    _refused(fsdp.grade(fsdp_keeps_after_backward), "holds 1,120 bytes after backward",
+             "4 Psi_u = 576 + 544, are still gathered", "832 bytes too many", "keeps only the shard")
 
 
 def test_fsdp_refuses_an_all_reduce_for_the_reduce_scatter():
@@ -886,8 +1047,32 @@ def test_ring_attention_names_kv_received_but_unused():
 
 
 def test_ring_attention_refuses_nan_rows():
-    _refused(ring_attn.grade(ring_attention_masks_future_with_inf), "rank 0's output row 0",
-             "is NaN: a row whose every key is masked", "instead of masking all of it")
+    _refused(ring_attn.grade(ring_attention_masks_future_with_inf), "rank 0's output row 0 (query position 0)"
+             " is NaN in every column, as a softmax over keys that are all masked",
+             "instead of masking all of it")
+
+
+def ring_attention_allgather(q, k, v):
+    """The referee's: K and V sent straight to every rank, full causal attention at once."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    t = q.shape[0]
+    ks, vs = [torch.empty_like(k) for _ in range(n)], [torch.empty_like(v) for _ in range(n)]
+    ks[r], vs[r] = k, v
+    reqs = []
+    for j in range(n):
+        if j != r:
+            reqs += [comm.isend(k, j), comm.isend(v, j), comm.irecv(ks[j], j), comm.irecv(vs[j], j)]
+    for x in reqs:
+        x.wait()
+    rows, cols = torch.arange(r * t, r * t + t)[:, None], torch.arange(n * t)[None, :]
+    s = (q @ torch.cat(ks).T) * q.shape[1] ** -0.5
+    return torch.softmax(s.masked_fill(cols > rows, float("-inf")), -1) @ torch.cat(vs)
+
+
+def test_ring_attention_refuses_kv_sent_to_every_rank_by_its_peers():
+    _refused(ring_attn.grade(ring_attention_allgather),
+             "rank 0's message 3 (recv, 128 bytes) came from rank 1", "only to r + 1 = 1",
+             "holds two at a time")
 
 
 def test_ring_attention_refuses_none():

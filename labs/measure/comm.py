@@ -4,9 +4,9 @@ Every lab talks through these wrappers. The book never mixes the three kinds, an
 `Tally` (`comm.counting()`):
 
 - **counted messages** (`bytes_sent`, `bytes_received`): every point-to-point message, counted
-  as it is posted. A hand collective (inside `substituted`: chapter 2's ring reduce-scatter,
-  all-gather and all-reduce built from `isend`/`irecv`, `labs.data_parallel.hand_ring`) is counted
-  message by message, under its collective's name.
+  as it is posted and logged with its peer (`messages`). A hand collective (inside `substituted`:
+  chapter 2's ring reduce-scatter, all-gather and all-reduce built from `isend`/`irecv`,
+  `labs.data_parallel.hand_ring`) is counted message by message, under its collective's name.
 - **formula bytes** (`formula_bytes_sent`, `formula_bytes_received`): what the bandwidth-optimal
   ring would move for a *library* collective (the definition behind nccl-tests' "bus bandwidth"):
   for M bytes on N ranks all-reduce sends 2(N-1)/N * M per rank, all-gather and reduce-scatter
@@ -57,6 +57,7 @@ class Tally:
         self.wire_missing = []    # why some collectives' wire bytes are not in wire_bytes_sent
         self.ops = defaultdict(lambda: dict.fromkeys(FIELDS, 0) | {"payloads": []})
         self.sent_to = defaultdict(int)   # counted bytes sent, per destination (global rank)
+        self.messages = []                # point-to-point messages as posted: (kind, peer, bytes)
 
     def call(self, op, payload):
         self.ops[op]["calls"] += 1
@@ -188,15 +189,12 @@ class Completed:
     def __init__(self, tensor):
         self.future = torch.futures.Future()
         self.future.set_result([tensor])
+        self.get_future = lambda: self.future
 
     def wait(self, timeout=None):
         return True
 
-    def is_completed(self):
-        return True
-
-    def get_future(self):
-        return self.future
+    is_completed = wait
 
 
 @contextlib.contextmanager
@@ -284,11 +282,14 @@ def all_to_all(output, input, group=None, async_op=False, output_split_sizes=Non
 
 # ---- point-to-point: counted messages ----------------------------------------------------------
 
-def _message(default_op, peer=None, **fields):
+def _message(default_op, peer=None, src=None, **fields):
     """Count one message, under the hand collective that sends it if there is one; a sent one also
     under its destination ``peer`` (a global rank), which tells the group it went through."""
-    for tally in _active if peer is not None else ():
-        tally.sent_to[peer] += fields["bytes_sent"]
+    entry = ("send", peer) if peer is not None else ("recv", src)
+    for tally in _active:  # each message logged with its peer: ("send", dst, bytes) or ("recv", src, bytes)
+        tally.messages.append(entry + (sum(fields.values()),))
+        if peer is not None:
+            tally.sent_to[peer] += fields["bytes_sent"]
     if not _op_name:
         _call(default_op, sum(fields.values()))
     _add(_op_name[-1] if _op_name else default_op, **fields)
@@ -300,7 +301,7 @@ def send(tensor, dst, group=None):
 
 
 def recv(tensor, src, group=None):
-    _message("recv", bytes_received=_nbytes(tensor))
+    _message("recv", src=src, bytes_received=_nbytes(tensor))
     dist.recv(tensor, src=src, group=group)
 
 
@@ -310,7 +311,7 @@ def isend(tensor, dst, group=None, tag=0):
 
 
 def irecv(tensor, src, group=None, tag=0):
-    _message("recv", bytes_received=_nbytes(tensor))
+    _message("recv", src=src, bytes_received=_nbytes(tensor))
     return dist.irecv(tensor, src=src, group=group, tag=tag)
 
 

@@ -8,15 +8,17 @@ whose gradients are all ready is all-reduced with ``comm.all_reduce`` and divide
 backward ends, ``.grad`` holds the average over ranks. The reference is chapter 2's
 `labs.data_parallel.hand_ddp.HandDDP`.
 
-The grader's step is one accumulation of 2 micro-batches: the first under ``no_sync``, the second
-synced. Checked on every rank:
+The grader runs three backwards on one wrapper: an accumulation of 2 micro-batches, the first under
+``no_sync``, the second synced; then, the gradients dropped (``p.grad = None``), a second synced
+backward of a third micro-batch. A hook whose per-bucket counters are not re-armed after each
+all-reduce is right once and silent the second time. Checked on every rank, for both synced backwards:
 - each gradient against one process that averages the ranks' accumulated gradients. Where the
   same float32 ops run in the same order (the reference: autograd's accumulation, then a sum of
   N = 2 values, which has one order, and an exact division by 2) it is bitwise; a hook that sums
   the 2N micro-batch terms in another order may differ by the bound of a sum of 2N floats,
-  (2N - 1) u sum |terms| (Higham 2002, section 4.2);
+  (2N - 1) u sum |terms| (Higham 2002, section 4.2); a NaN is named as a NaN (`grader.nan_in`);
 - no byte sent inside ``no_sync``;
-- the synced backward's bytes against a ring all-reduce of every gradient once: the all-reduces run
+- each synced backward's bytes against a ring all-reduce of every gradient once: the all-reduces run
   as chapter 2's hand rings (`hand_collectives`), 2(N-1)/N 4 Psi per rank when N divides every
   bucket (true here: N = 2 and even bucket sizes); otherwise each bucket's chunks round apart;
 - the buckets: exactly as many all-reduces as the cap implies, filling buckets in reverse parameter
@@ -60,31 +62,37 @@ def loss(model, rank, micro):
 
 
 def check(rank, world_size, fn):
-    """On one rank: micro-batch 0 under no_sync, micro-batch 1 synced, bytes counted for each."""
+    """On one rank: micro-batch 0 under no_sync, micro-batch 1 synced, then the gradients dropped and
+    micro-batch 2 synced; gradients and bytes of each synced backward."""
     model = copy.deepcopy(net())
-    tally, ready = [], []  # all-reduces started when each gradient was ready, in backward's order
+    tally, ready = [], []  # all-reduces started when each gradient was ready, in the first synced backward
     for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(
-            lambda p, name=name: ready.append((name, tally[0].calls("all_reduce"))) if tally else None)
+        p.register_post_accumulate_grad_hook(lambda p, name=name: ready.append(
+            (name, tally[0].calls("all_reduce"))) if len(tally) == 1 else None)
+    out = {"ready": ready, "steps": []}
     with hand_collectives():
         wrapped = fn(model, CAP)
         with comm.counting() as quiet:
             with wrapped.no_sync():
                 loss(model, rank, 0).backward()
-        with comm.counting() as synced:
-            tally.append(synced)
-            loss(model, rank, 1).backward()
-    return {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-            "quiet_bytes": quiet.bytes_sent, "bytes": synced.bytes_sent,
-            "calls": synced.ops.get("all_reduce", {}).get("calls", 0), "ready": ready}
+        out["quiet_bytes"] = quiet.bytes_sent
+        for micro in (1, 2):
+            with comm.counting() as synced:
+                tally.append(synced)
+                loss(model, rank, micro).backward()
+            out["steps"].append({"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                                 "bytes": synced.bytes_sent, "calls": synced.calls("all_reduce")})
+            for p in model.parameters():
+                p.grad = None
+    return out
 
 
-def one_process(world_size):
-    """Each rank's accumulated gradients, computed here, and their average."""
+def one_process(world_size, micros=(0, 1)):
+    """Each rank's gradients accumulated over ``micros``, computed here, and their average."""
     local, size = [], {}
     for r in range(world_size):
         model = net()
-        for micro in range(2):
+        for micro in micros:
             before = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
                       for n, p in model.named_parameters()}
             loss(model, r, micro).backward()
@@ -92,7 +100,7 @@ def one_process(world_size):
                 size[n] = size.get(n, 0) + (p.grad - before[n]).abs()
         local.append({n: p.grad for n, p in model.named_parameters()})
     avg = {n: sum(g[n] for g in local) / world_size for n in local[0]}
-    bound = {n: (2 * world_size - 1) * U * s / world_size for n, s in size.items()}
+    bound = {n: (len(micros) * world_size - 1) * U * s / world_size for n, s in size.items()}
     return local, avg, bound
 
 
@@ -100,20 +108,25 @@ def grade(fn, world_size=2, deadline=15.0):
     results = grader.run(check, fn, world_size, deadline, HINT_HANG)
     if isinstance(results, grader.Grade):
         return results
-    local, avg, bound = one_process(world_size)
     exact = True
-    for r, res in enumerate(results):
-        for name, want in avg.items():
-            got = res["grads"][name]
-            err = (got - want).abs()
-            exact = exact and bool((err == 0).all())
-            if grader.exceeds(err, bound[name]).any():
-                i = grader.worst(err, bound[name])
-                return grader.Grade(False, [
-                    f"rank {r}'s gradient of {name} differs from one process at element {i}: "
-                    f"{got.reshape(-1)[i].item():.6g}, the average over ranks is "
-                    f"{want.reshape(-1)[i].item():.6g} (off by {err.reshape(-1)[i].item():.2g})"],
-                    _hint_grad(got, want, local[r][name], world_size))
+    for step, micros in enumerate(((0, 1), (2,))):
+        local, avg, bound = one_process(world_size, micros)
+        when = " after the second synced backward (micro-batch 2, .grad dropped before it)" if step else ""
+        for r, res in enumerate(results):
+            for name, want in avg.items():
+                got = res["steps"][step]["grads"][name]
+                nan = grader.nan_in(r, f"gradient of {name}{when}", got)
+                if nan:
+                    return nan
+                err = (got - want).abs()
+                exact = exact and bool((err == 0).all())
+                if grader.exceeds(err, bound[name]).any():
+                    i = grader.worst(err, bound[name])
+                    return grader.Grade(False, [
+                        f"rank {r}'s gradient of {name}{when} differs from one process at element {i}: "
+                        f"{got.reshape(-1)[i].item():.6g}, the average over ranks is "
+                        f"{want.reshape(-1)[i].item():.6g} (off by {err.reshape(-1)[i].item():.2g})"],
+                        _hint_grad(got, want, local[r][name], world_size, step))
     m = 4 * sum(g.numel() for g in avg.values())
     want_bytes = costs.sent("all_reduce", m, world_size)
     for r, res in enumerate(results):
@@ -123,22 +136,25 @@ def grade(fn, world_size=2, deadline=15.0):
                 f"should send none: {res['quiet_bytes']:,} bytes too many"],
                 "under no_sync the hook must return without communicating; the gradients add up in "
                 ".grad, and the synced micro-batch's all-reduce averages the sum once.")
-        if res["bytes"] != want_bytes:
-            more = res["bytes"] - want_bytes
-            return grader.Grade(False, [
-                f"rank {r} sent {res['bytes']:,} bytes in the synced backward ({res['calls']} all-reduces); "
-                f"one ring all-reduce of every gradient, 2(N-1)/N 4 Psi, is {want_bytes:,}: "
-                f"{abs(more):,} bytes {'too many' if more > 0 else 'too few'}"],
-                "put each gradient in exactly one bucket and all-reduce each bucket once, with "
-                "comm.all_reduce.")
+        for step, got in enumerate(res["steps"]):
+            if got["bytes"] != want_bytes:
+                more = got["bytes"] - want_bytes
+                return grader.Grade(False, [
+                    f"rank {r} sent {got['bytes']:,} bytes in the {('first', 'second')[step]} synced "
+                    f"backward ({got['calls']} all-reduces); one ring all-reduce of every gradient, "
+                    f"2(N-1)/N 4 Psi, is {want_bytes:,}: {abs(more):,} bytes "
+                    f"{'too many' if more > 0 else 'too few'}"],
+                    "put each gradient in exactly one bucket and all-reduce each bucket once per synced "
+                    "backward, with comm.all_reduce.")
     model = net()
     names = {id(p): n for n, p in model.named_parameters()}
     plan = [[names[id(p)] for p in b.params] for b in HandDDP._make_buckets(list(model.parameters()), CAP)]
     buckets = len(plan)
     for r, res in enumerate(results):
-        if res["calls"] != buckets:
+        calls = next((step["calls"] for step in res["steps"] if step["calls"] != buckets), buckets)
+        if calls != buckets:
             return grader.Grade(False, [
-                f"rank {r} made {res['calls']} all-reduce(s) in the synced backward; {CAP}-byte buckets "
+                f"rank {r} made {calls} all-reduce(s) in a synced backward; {CAP}-byte buckets "
                 f"filled in reverse order make {buckets}: {'; '.join(', '.join(b) for b in plan)}"],
                 "pack the gradients into buckets of bucket_cap_bytes, in reverse parameter order, closing "
                 "one once it holds the cap or more; all-reduce each bucket once, when its gradients are "
@@ -153,14 +169,18 @@ def grade(fn, world_size=2, deadline=15.0):
     how = "bitwise" if exact else "within (2N-1) u sum|terms|"
     return grader.Grade(True, [
         f"bucketed DDP on {world_size} ranks, Psi = {m // 4} fp32 gradients, {CAP}-byte buckets, "
-        "2 micro-batches, the first under no_sync",
-        f"gradients: the average over ranks of the accumulated gradients ({how}) on every rank",
-        f"bytes: none inside no_sync; 2(N-1)/N 4 Psi = {want_bytes:,} per rank in the synced backward, "
-        f"in {results[0]['calls']} all-reduce(s), counted message by message"])
+        "3 backwards: one under no_sync, then two synced",
+        f"gradients: the average over ranks of the accumulated gradients ({how}) on every rank, "
+        "after each synced backward",
+        f"bytes: none inside no_sync; 2(N-1)/N 4 Psi = {want_bytes:,} per rank in each synced backward, "
+        f"in {results[0]['steps'][0]['calls']} all-reduce(s), counted message by message"])
 
 
-def _hint_grad(got, want, mine, n):
+def _hint_grad(got, want, mine, n, step=0):
     got, want, mine = got.double(), want.double(), mine.double()
+    if step and torch.allclose(got, mine, rtol=1e-5, atol=1e-7):
+        return ("the first synced backward was averaged, the second was not: after a bucket's all-reduce, "
+                "re-arm its count of ready gradients (DDP resets it before every backward).")
     if torch.allclose(got, n * want, rtol=1e-5, atol=1e-7):
         return f"the gradient is N = {n} times the average: divide the bucket by N (summed, not averaged)."
     if torch.allclose(got, mine, rtol=1e-5, atol=1e-7):

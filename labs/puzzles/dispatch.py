@@ -19,8 +19,9 @@ forward only:
   (at most 1.13) carries that on, its own rounding adds u |GELU(z)| <= u |z|, the second layer's
   length f plus its bias adds (f + 1) u, the gate's product and the top-k sum u each: at most
   (1.13 (h + 1) + f + 4) u times the scale, which 2 (h + f + 4) u covers with room for the
-  second-order terms. NaN is refused by name. Where a token differs, the grader finds which expert's term
-  is missing or wrong (a mistake is recognised within the bound plus 1e-6, far below the gaps);
+  second-order terms. A NaN is named as a NaN (`grader.nan_in`). Where a token differs, the
+  grader finds which expert's term is missing or wrong (a mistake is recognised within the bound
+  plus 1e-6, far below the gaps);
 - the bytes: dispatch sends the rows this rank routes to other ranks' experts, combine returns the
   rows its experts got from other ranks, h fp32 values each (formula bytes of the library call,
   which sends exactly those rows), plus the split sizes (at most N int64 per rank).
@@ -89,16 +90,15 @@ def grade(fn, world_size=2, deadline=15.0):
         wrong_type = grader.not_tensor(r, res["out"], (TOKENS, HIDDEN), "your layer")
         if wrong_type:
             return wrong_type
+        nan = grader.nan_in(r, "output", res["out"], "token", rows=True,
+                            where=lambda t: f" (experts {idx[t].tolist()})")
+        if nan:
+            return nan
         err = (res["out"].double() - terms.sum(1)).abs()
         bad = grader.exceeds(err, bound).any(1).nonzero().reshape(-1)
         if len(bad):
             t = int(bad[0])
             got = res["out"][t].double()
-            if got.isnan().any():
-                return grader.Grade(False, [f"rank {r}'s token {t} output is NaN (experts "
-                                            f"{idx[t].tolist()})"],
-                                    "a NaN is never a rounding error: look for a torch.empty buffer read "
-                                    "before anything was written into it, or 0/0.")
             return grader.Grade(False, [f"rank {r}'s token {t} differs from one process: "
                                         + _which(got, terms[t], idx[t], gates[t], bound[t])],
                                 _hint(got, terms[t], idx[t], load, world_size, r))

@@ -14,7 +14,7 @@ The grader wraps the two linear layers of a tiny MLP as two units and runs one f
 2 ranks, each with its own batch. Checked on every rank:
 - each shard's gradient against one process's average gradient, same slice: the same float32 ops
   in the same order, then a sum of N = 2 values, so bitwise is expected; the grader allows the bound
-  of a sum of N floats, (N - 1) u sum |g_r| (Higham 2002, section 4.2);
+  of a sum of N floats, (N - 1) u sum |g_r| (Higham 2002, section 4.2); a NaN is named (`grader.nan_in`);
 - the peak during forward (`labs.measure.memory.PeakMemory`, storages counted as they live): above
   the shards, at most everything that may be alive at once: the largest unit's full weights,
   4 Psi_u, the hand all-gather's message buffer (4 Psi_u/N) and what the forward itself holds,
@@ -22,6 +22,10 @@ The grader wraps the two linear layers of a tiny MLP as two units and runs one f
   holds the other unit's weights too, 4 Psi_u' more, which exceeds the message buffer's allowance
   by 4 Psi_u' - 4 Psi_u/N (256 bytes here); storages are counted, not sampled from the allocator,
   so that margin does not move from run to run;
+- what is alive after backward (`PeakMemory` around it, its end), besides the shards, their
+  gradients, the batch and the loss: at most a message buffer (4 Psi_u/N) and what one process's
+  backward leaves besides its weights and gradients (measured: none). A unit that keeps its full
+  weights gathered after its reduce-scatter holds 4 Psi_u per unit more, and is named;
 - the bytes: per unit an all-gather before forward and another before backward, a reduce-scatter
   after backward, each (N-1)/N 4 Psi_u, counted as chapter 2's hand rings (`hand_collectives`).
 """
@@ -64,9 +68,11 @@ def check(rank, world_size, fn):
         shards = [list(fn(model[i])) for i in UNITS]
         with comm.counting() as fwd, memory.PeakMemory(model, shards, x, y) as mem:
             loss = torch.nn.functional.mse_loss(model(x), y)
-        with comm.counting() as bwd:
+        with comm.counting() as bwd, memory.PeakMemory(model, shards, x, y, loss) as after:
             loss.backward()
-    return {"grads": [[None if t.grad is None else t.grad.reshape(-1).clone() for t in s] for s in shards],
+    mine = [t for s in shards for t in s]
+    return {"after": after.end_bytes - memory.storage_bytes(mine + [t.grad for t in mine] + [x, y, loss]),
+            "grads": [[None if t.grad is None else t.grad.reshape(-1).clone() for t in s] for s in shards],
             "sizes": [[t.numel() for t in s] for s in shards], "shard_bytes": memory.storage_bytes(
                 [t for s in shards for t in s]), "peak": mem.peak_bytes,
             "above": mem.peak_bytes - memory.storage_bytes([t for s in shards for t in s] + [x, y]),
@@ -75,7 +81,8 @@ def check(rank, world_size, fn):
 
 
 def one_process(world_size):
-    """The average gradient of each unit (flat), the bound of each element, and the forward's own peak."""
+    """The average gradient of each unit (flat), the bound of each element, the forward's own peak, and
+    what one process's backward leaves alive besides weights, gradients, batch and loss."""
     grads, size = [], []
     for r in range(world_size):
         model = net()
@@ -87,8 +94,12 @@ def one_process(world_size):
     model = net()
     x, y = batch(0)
     with memory.PeakMemory(model, x, y) as mem:
-        torch.nn.functional.mse_loss(model(x), y)
-    return avg, size, mem.peak_bytes - mem.baseline_bytes
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    with memory.PeakMemory(model, x, y, loss) as after:
+        loss.backward()
+    params = list(model.parameters())
+    left = after.end_bytes - memory.storage_bytes(params + [p.grad for p in params] + [x, y, loss])
+    return avg, size, mem.peak_bytes - mem.baseline_bytes, left
 
 
 def grade(fn, world_size=2, deadline=15.0):
@@ -99,7 +110,7 @@ def grade(fn, world_size=2, deadline=15.0):
                             "again before the unit's backward (a hook on the output's gradient), and free "
                             "them after the reduce-scatter.")
         return results
-    avg, bound, act = one_process(world_size)
+    avg, bound, act, left = one_process(world_size)
     psi = [a.numel() for a in avg]
     for r, res in enumerate(results):
         for u, (grads, sizes) in enumerate(zip(res["grads"], res["sizes"])):
@@ -112,6 +123,9 @@ def grade(fn, world_size=2, deadline=15.0):
                     "flatten the unit's parameters, keep slice r of N as a tensor that requires grad, "
                     "return it, and put the reduce-scattered gradient / N in its .grad.")
             got, want, b = torch.cat(grads), avg[u][r * k:(r + 1) * k], bound[u][r * k:(r + 1) * k]
+            nan = grader.nan_in(r, f"unit {u} gradient shard", got)
+            if nan:
+                return nan
             err = (got - want).abs()
             if grader.exceeds(err, b).any():
                 i = grader.worst(err, b)
@@ -135,6 +149,18 @@ def grade(fn, world_size=2, deadline=15.0):
                 f"{allowed:,}: {above - allowed:,} bytes too many"],
                 "free each unit's full weights right after its forward (untyped_storage().resize_(0)): "
                 "FSDP holds one unit's weights at a time, not the whole model's.")
+    buffer = 4 * max(psi) // world_size
+    for r, res in enumerate(results):
+        if res["after"] > left + buffer:
+            kept = [u for u in range(len(psi)) if 4 * psi[u] <= res["after"]]
+            units = (f"; the units' full weights, 4 Psi_u = {' + '.join(f'{4 * psi[u]:,}' for u in kept)}, "
+                     "are still gathered" if sum(4 * psi[u] for u in kept) == res["after"] else "")
+            return grader.Grade(False, [
+                f"rank {r} holds {res['after']:,} bytes after backward besides its shards, their gradients "
+                f"and its batch{units}; a message buffer ({buffer}) and what one process's backward leaves "
+                f"({left}) allow {left + buffer:,}: {res['after'] - left - buffer:,} bytes too many"],
+                "free each unit's full weights once its gradients are reduce-scattered "
+                "(untyped_storage().resize_(0)): after backward FSDP keeps only the shard and its gradient.")
     gather = [4 * p * (world_size - 1) // world_size for p in psi]
     want_f, want_b = sum(gather), 2 * sum(gather)
     for r, res in enumerate(results):
@@ -156,6 +182,8 @@ def grade(fn, world_size=2, deadline=15.0):
         f"bytes, within {allowed:,} = one unit's full weights 4 Psi_u ({4 * max(psi):,}) + a message "
         f"buffer 4 Psi_u/N ({4 * max(psi) // world_size}) + the forward's own peak in one process "
         f"({act:,})",
+        f"after backward, besides the shards and their gradients: "
+        f"{', '.join(str(res['after']) for res in results)} bytes (the full weights freed)",
         f"bytes per rank: forward {want_f:,} (an all-gather per unit), backward {want_b:,} (an all-gather "
         "and a reduce-scatter per unit), each (N-1)/N 4 Psi_u"])
 

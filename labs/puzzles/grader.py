@@ -14,7 +14,8 @@ raises is named with its exception. Every answer is a `Grade`: ``pass: ...`` wit
 checked, or ``not yet: ...`` naming the difference, then ``hint: ...``. The hint of a hung run
 follows its cause: a deadlock, a rank that returned early, a rank busy outside any communication
 call, or ranks still starting (the machine, not the code). `exceeds` is the one comparison every
-value check uses: NaN compares false, so ``err > bound`` would let a NaN pass.
+value check uses: NaN compares false, so ``err > bound`` would let a NaN pass. `nan_in` is the one
+NaN branch every grader takes first, before its hints that name a cause: a NaN is named as a NaN.
 """
 import ast
 import dataclasses
@@ -183,6 +184,26 @@ def worst(err, bound):
     return int((err - torch.as_tensor(bound).reshape(-1).expand_as(err)).argmax())
 
 
+NAN_HINT = ("a NaN is never a rounding error: an operation on your rank made it. It usually comes from a "
+            "division by a count that is zero, a softmax over a row that is all -inf (0/0), or a "
+            "torch.empty buffer read before anything was written into it (or inf - inf).")
+
+
+def nan_in(who, what, got, unit="element", rows=False, where=None):
+    """A `Grade` naming the first NaN in ``got`` ("rank r's <what> <unit> i is NaN"), else None.
+    ``who``: a rank number or a name; ``rows``: name the first row (dim 0) holding a NaN instead of
+    the flat element; ``where(i)``: a note after the index."""
+    if not isinstance(got, torch.Tensor) or not got.is_floating_point():
+        return None
+    nan = torch.isnan(got)
+    nan = nan.reshape(nan.shape[0], -1).any(1) if rows and got.dim() else nan.reshape(-1)
+    if not nan.any():
+        return None
+    i = int(nan.nonzero()[0])
+    who = f"rank {who}" if isinstance(who, int) else who
+    return Grade(False, [f"{who}'s {what} {unit} {i}{where(i) if where else ''} is NaN"], NAN_HINT)
+
+
 def not_tensor(rank, got, shape, what="your function"):
     """A `Grade` when a rank's answer is not a tensor of ``shape``, else None."""
     if isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(shape):
@@ -290,4 +311,8 @@ def _raised(exc, origins=None):
 def _hint_raised(exc):
     if "NotImplementedError" in str(exc).split("\n")[0]:
         return "replace the stub's raise with your code; the statement above says what each rank gets."
+    if "SIGABRT" in str(exc).split("\n")[0]:
+        return ("a rank aborted inside the communication library: most often a message whose size differs "
+                "from the receive buffer posted for it (gloo aborts on that); check that each step sends and "
+                "receives the same chunk, and that uneven chunks (comm.ring_chunks) are sized per index.")
     return "read the exception above: the line it names is in your function."

@@ -15,13 +15,17 @@ Checked on every rank, forward only, against one process's causal attention in f
 - each output row within a float32 bound: a score's dot product of length d is off by at most
   d u S (S: the largest sum_l |q_l k_l| / sqrt(d)), which moves a softmax weight by a factor of at
   most e^(2 d u S), so the row by 2 d u S max|v|; the exponentials, a sum of up to T terms and N
-  merges add (T + 3N + 4) u max|v|. NaN is refused by name (a row whose every key is masked). Where
+  merges add (T + 3N + 4) u max|v|. A NaN is named as a NaN (`grader.nan_in`); a row NaN in every
+  column is what a softmax over keys all masked gives (0/0), and only then is that cause named. Where
   a row differs the grader names the likeliest cause: the mask shifted by a block, later ranks'
   blocks attended to, blocks summed without renormalising, K/V never rotated, or K/V received but
   the rank's own block used; a mistake is recognised within the bound plus 1e-6, an absolute slack
   far below the gaps between these variants;
 - the bytes: N - 1 hops of this rank's-size K and V blocks, 2 (N-1) 4 t d per rank
-  (`ring_attention.ring_bytes`).
+  (`ring_attention.ring_bytes`);
+- the ring: every block rank r sends goes to rank r + 1 and every one it receives comes from rank
+  r - 1 (the peers `comm` logs). Sending K and V straight to every rank sends the same bytes and
+  gives the same output, but holds all N blocks at once, which the ring exists to avoid.
 """
 import math
 
@@ -53,7 +57,7 @@ def check(rank, world_size, fn):
     q, k, v = qkv(rank)
     with torch.no_grad(), comm.counting() as tally:
         out = fn(q.clone(), k.clone(), v.clone())
-    return {"out": out, "bytes_sent": tally.bytes_sent, "sends": tally.calls("send")}
+    return {"out": out, "bytes_sent": tally.bytes_sent, "sends": tally.calls("send"), "log": tally.messages}
 
 
 def attention(q, k, v, visible):
@@ -121,15 +125,19 @@ def grade(fn, world_size=3, deadline=15.0):
         wrong_type = grader.not_tensor(r, got, (t, D), "your ring_attention")
         if wrong_type:
             return wrong_type
+        nan = grader.nan_in(r, "output", got, "row", rows=True,
+                            where=lambda i: f" (query position {r * t + i})")
+        if nan:
+            i = int(got.isnan().any(1).nonzero()[0])
+            if got[i].isnan().all():  # every column: the softmax of a row whose keys are all masked
+                nan.lines[0] += (" in every column, as a softmax over keys that are all masked gives (0/0), "
+                                 "and the merge keeps it (NaN x 0 is NaN)")
+                nan.hint = ("skip a later rank's block (owner > r) instead of masking all of it with -inf; "
+                            "your own block's triangular mask leaves every row at least one key.")
+            return nan
         err = (got.double() - out["right"]).abs().amax(1)
         if grader.exceeds(err, bound).any():
             i = grader.worst(err, bound)
-            if err[i].isnan():
-                return grader.Grade(False, [
-                    f"rank {r}'s output row {i} (query position {r * t + i}) is NaN: a row whose every key "
-                    "is masked has softmax 0/0, and the merge keeps the NaN (NaN x 0 is NaN)"],
-                    "skip a later rank's block (owner > r) instead of masking all of it with -inf; your "
-                    "own block's triangular mask leaves every row at least one key.")
             # a mistake need only be recognised, not graded: its float32 rounding differs from the
             # float64 variant's by about the bound, and 1e-6 more is far below the gaps between variants
             cause = next((name for name, o in out.items() if name != "right"
@@ -150,7 +158,18 @@ def grade(fn, world_size=3, deadline=15.0):
                 f"{'too many' if more > 0 else 'too few'}"],
                 "send the block you hold, K and V, once per step, N - 1 steps; the last block need "
                 "not travel on.")
+    for r, res in enumerate(results):
+        for j, (kind, peer, nbytes) in enumerate(res["log"]):
+            if peer != ((r + 1) % world_size if kind == "send" else (r - 1) % world_size):
+                way = "went to" if kind == "send" else "came from"
+                return grader.Grade(False, [
+                    f"rank {r}'s message {j + 1} ({kind}, {nbytes} bytes) {way} rank {peer}: in the ring "
+                    f"rank r sends K and V only to r + 1 = {(r + 1) % world_size} and receives only from "
+                    f"r - 1 = {(r - 1) % world_size}"],
+                    "the same bytes sent to every rank at once gather all N blocks on each rank; the ring "
+                    "holds two at a time: the one in use and the next, arriving from the left.")
     return grader.Grade(True, [
         f"causal ring attention, {world_size} ranks of t = {t} tokens, d = {D}",
         "every row: one process's causal attention within the float32 bound, on every rank",
-        f"bytes per rank: K and V passed N - 1 times, 2 (N-1) 4 t d = {want:,}, counted message by message"])
+        f"bytes per rank: K and V passed N - 1 times, 2 (N-1) 4 t d = {want:,}, counted message by message, "
+        "each to rank r + 1"])

@@ -3,8 +3,10 @@
 The reader writes ``one_f_one_b(p, m)``: one list of actions per stage, ``Action("F", i)`` or
 ``Action("B", i)`` for micro-batch i (`labs.formulas.schedules.Action`). The grader runs the lists
 with chapter 5's executor (`labs.pipeline.executor.Executor`: real sends and receives of the tiny
-GPT's activations between p gloo ranks, a logical clock of F = 1 and B = 2 work units). The
-reference is chapter 5's `labs.formulas.schedules.one_f_one_b`.
+GPT's activations between p gloo ranks, a logical clock of F = 1 and B = 2 work units), at p = 3
+stages and m = 4 micro-batches: at p = 2 a warm-up written for two stages (stage 0 one forward, the
+others none) passes, at p = 3 it deadlocks. The reference is chapter 5's
+`labs.formulas.schedules.one_f_one_b`.
 
 Checked:
 - the reader's function runs on the ranks, under the deadline (a loop that never ends stops there,
@@ -15,7 +17,8 @@ Checked:
 - the gradients against one process that runs the micro-batches one at a time, loss / m each, and
   accumulates them in the order the stage runs its backwards: bitwise, since each micro-batch's F
   and B are the same float32 operations on the same values (a stage boundary only copies the
-  activation and its gradient) and ``.grad`` adds them up in the same order;
+  activation and its gradient) and ``.grad`` adds them up in the same order; a NaN is named as a
+  NaN (`grader.nan_in`);
 - the bubble in work units against the formula (p - 1)/m over ideal compute (Narayanan et al. 2021);
 - the memory: the most micro-batches whose activations each stage holds, at most min(p - s, m),
   with the activation bytes the executor measured.
@@ -53,8 +56,10 @@ def check(rank, world_size, fn, m, batch_size=1):
         x, y = data[i]
         (ref(x, y) / m).backward()
     want = dict(ref.named_parameters())
+    nan = next(((n, q.grad) for n, q in piece.named if q.grad.isnan().any()), None)
     error = torch.stack([(q.grad - want[n].grad).abs().max() for n, q in piece.named]).max().item()
-    return {"clock": ex.clock, "peak": ex.peak, "peak_bytes": ex.peak_bytes, "error": error, "lists": lists}
+    return {"clock": ex.clock, "peak": ex.peak, "peak_bytes": ex.peak_bytes, "error": error, "lists": lists,
+            "nan": nan}
 
 
 def _stuck(lists):
@@ -91,7 +96,7 @@ def _valid(lists, p, m):
     return None
 
 
-def grade(fn, p=2, m=4, deadline=15.0):
+def grade(fn, p=3, m=4, deadline=15.0):
     results = grader.run(check, fn, p, deadline, HINT_HANG, m=m)
     if isinstance(results, grader.Grade):
         if results.hint == HINT_HANG:
@@ -104,6 +109,8 @@ def grade(fn, p=2, m=4, deadline=15.0):
         return grader.Grade(False, [results[0]["invalid"]],
                             "each stage runs F then B of every micro-batch exactly once.")
     for s, r in enumerate(results):
+        if r["nan"]:
+            return grader.nan_in(f"stage {s}", f"gradient of {r['nan'][0]}", r["nan"][1])
         if not r["error"] == 0:
             return grader.Grade(False, [f"stage {s}'s gradients differ from one process by {r['error']:.2g}"
                                         " (one process runs the same micro-batches in the stage's "
@@ -114,7 +121,8 @@ def grade(fn, p=2, m=4, deadline=15.0):
     bubble, want = Fraction(total - busy).limit_denominator(1000) / busy, Fraction(p - 1, m)
     if bubble != want:
         return grader.Grade(False, [f"the bubble is {bubble} of ideal compute; 1F1B's is (p-1)/m = {want}"],
-                            "start each stage's backward as soon as its warm-up forwards are done.")
+                            "stage s runs min(p - 1 - s, m) warm-up forwards, then one forward and one "
+                            "backward in turn: a warm-up written for one p stalls the stages at another.")
     for s, r in enumerate(results):
         allowed = min(p - s, m)
         if r["peak"] > allowed:

@@ -26,7 +26,8 @@ moves it by a good fraction of lr. Checked on every rank:
   `labs.measure.memory.PeakMemory`, named by size when there are too many): Adam's m and v for its
   slice, 8 Psi/N bytes, plus up to 4 bytes per parameter tensor for the step counters
   ``torch.optim.Adam`` keeps. Anything else kept between steps counts too (a full flat gradient
-  buffer, 4 Psi), since the grader drops ``.grad`` after each step.
+  buffer, 4 Psi, or a flat copy of the weights, named as such when its bytes equal theirs), since the
+  grader drops ``.grad`` after each step. A NaN in the weights is named as a NaN (`grader.nan_in`).
 """
 import torch
 
@@ -80,10 +81,13 @@ def check(rank, world_size, fn):
                     p.grad = None
         kept = mem.end_bytes - memory.storage_bytes(params)
         mine = {p.untyped_storage()._cdata for p in params}
-        sizes = sorted((n for key, (_, n) in mem.live.items() if key not in mine), reverse=True)
+        live = [(ref(), n) for key, (ref, n) in list(mem.live.items()) if key not in mine]
+    sizes = sorted((n for _, n in live), reverse=True)
+    flat = torch.cat([p.detach().reshape(-1) for p in params])  # a kept storage equal to it: a copy
+    copies = sum(n == 4 * flat.numel() and torch.equal(torch.empty(0).set_(s), flat) for s, n in live if s)
     return {"weights": [p.detach().clone() for p in params], "bytes_sent": tally.bytes_sent,
             "ops": {op: e["calls"] for op, e in tally.ops.items() if e["calls"]}, "kept": kept,
-            "kept_sizes": sizes}
+            "kept_sizes": sizes, "weight_copies": copies}
 
 
 def one_process(world_size, divide=True):
@@ -109,6 +113,9 @@ def grade(fn, world_size=2, deadline=15.0):
     for r, res in enumerate(results):
         offset = 0
         for name, got, ref in zip(NAMES, res["weights"], want):
+            nan = grader.nan_in(r, name, got)
+            if nan:
+                return nan
             err = (got - ref).abs().reshape(-1)
             bound = STEPS * U * ref.abs().reshape(-1) + slack
             exact = exact and bool((err == 0).all())
@@ -151,6 +158,9 @@ def grade(fn, world_size=2, deadline=15.0):
                 f"of {', '.join(f'{n:,}' for n in sizes[:6])}{', ...' if len(sizes) > 6 else ''} bytes); "
                 f"ZeRO-1 keeps Adam's m and v for its slice, 8 Psi/N = {state:,} bytes, and at most "
                 f"{4 * len(SHAPES)} bytes of step counters: {res['kept'] - state:,} bytes too many"],
+                f"a tensor of 4 Psi = {4 * psi} bytes kept between steps holds a copy of the weights: the "
+                "parameters are the weights; build the flat copy inside step() so that it is freed."
+                if res["weight_copies"] else
                 f"a tensor of 4 Psi = {4 * psi} bytes is kept: a flat gradient buffer or a full moment; "
                 "build the flat gradient inside step() so that it is freed, and keep m and v for this "
                 "rank's slice only." if 4 * psi in sizes else
