@@ -42,6 +42,25 @@ def test_interval_arithmetic():
     assert iv.length(iv.clip([(0, 3), (5, 10)], (1, 7))) == 4
 
 
+def gpu(i, start, end, kernels):
+    """A one-step GPU trace: the step's CPU annotation, its GPU window, and (name, start, end) kernels."""
+    return [step(i, start, end), op(f"{trace.STEP}#{i}", start, end, tid=7, cat="gpu_user_annotation")] + [
+        op(name, a, b, tid=7, cat="kernel") for name, a, b in kernels]
+
+
+def test_gpu_communication_under_a_compute_kernel_is_hidden():
+    # a GEMM 0-1000 us with a NCCL all-reduce 200-800 us beside it: all of it hidden (HTA's overlap 100 %)
+    t = one(gpu(0, 0, 1000, [("sm90_gemm", 0, 1000), ("ncclDevKernel_AllReduce", 200, 800)]))
+    assert t["comm_s"] == pytest.approx(600) and t["compute_s"] == pytest.approx(1000)
+    assert t["exposed_comm_s"] == pytest.approx(0) and t["overlap_fraction"] == pytest.approx(1.0)
+
+
+def test_gpu_communication_after_compute_is_exposed():
+    t = one(gpu(0, 0, 1000, [("sm90_gemm", 0, 500), ("ncclDevKernel_AllReduce", 500, 800)]))
+    assert t["exposed_comm_s"] == pytest.approx(300) and t["overlap_fraction"] == pytest.approx(0.0)
+    assert t["idle_s"] == pytest.approx(200)
+
+
 def test_nested_operators_count_once():
     # aten::linear holds aten::addmm: 10 us of compute, not 18
     r = one([step(0, 0, 20), op("aten::linear", 0, 10), op("aten::addmm", 1, 9)])

@@ -197,8 +197,9 @@ def _gpu_breakdown(events, windows):
                    if e["cat"] == "gpu_user_annotation" and e["name"].startswith(STEP + "#")}
     kernels = [e for e in events if e["cat"] in KERNELS]
     comm = iv.union((e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower())
-    compute = iv.subtract(iv.union((e["ts"], e["ts"] + e["dur"]) for e in kernels
-                                   if "nccl" not in e["name"].lower()), comm)
+    # every non-NCCL kernel is compute, also where a NCCL kernel runs beside it: the exposed
+    # communication, NCCL time not under any compute kernel, is then comm minus compute (HTA's)
+    compute = iv.union((e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower())
     out = []
     for i, a, b in windows:
         w = gpu_windows.get(i, (a, b))
