@@ -28,7 +28,10 @@ def test_schedule_records_exactly_the_active_steps(loop):
         assert len(r["tensorboard_files"]) == 1   # tensorboard_trace_handler's <worker>.<time>.pt.trace.json
         assert {p: v["count"] for p, v in r["phases"].items()} == dict.fromkeys(practice.PHASES, 2)
         assert r["stack_frames"] > 0              # with_stack: python_function events in the trace
-        assert "Self CPU" in r["table"] and "c10d::allreduce_" in r["table"]
+        assert "Self CPU" in r["table"] and len(r["rows"]) == 8   # key_averages().table, row_limit 8
+        # DDP's all-reduce is in the trace; whether it makes the table's top 8 depends on the load
+        names = {e.get("name", "") for e in json.load(open(r["path"]))["traceEvents"]}
+        assert any("allreduce" in n for n in names), sorted(names)[:20]
 
 
 def test_merged_trace_has_both_ranks_with_distinct_pids(loop, tmp_path):
