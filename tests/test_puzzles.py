@@ -138,8 +138,8 @@ def test_ring_refuses_the_naive_allreduce_by_its_bytes():
 
 
 def test_ring_names_the_deadlock_and_the_call():
-    # a deadline of 8 s: the launcher counts it from the spawn, and a slow start is retried once
-    _refused(ring.grade(ring_recv_first, deadline=8), "deadline of 8 s", "deadlock", "in recv")
+    # a deadline of 5 s: the launcher counts it from the spawn, and a slow start is retried once
+    _refused(ring.grade(ring_recv_first, deadline=5), "deadline of 5 s", "deadlock", "in recv")
 
 
 def ring_nan(tensor):
@@ -180,14 +180,14 @@ def test_ring_refuses_a_ring_on_a_copy():
 
 
 def test_ring_names_the_rank_that_returned():
-    _refused(ring.grade(ring_rank0_returns, deadline=8), "rank 0 returned while rank 1 waits",
+    _refused(ring.grade(ring_rank0_returns, deadline=5), "rank 0 returned while rank 1 waits",
              "never sent what the others wait for", "a rank that returns before it has sent")
 
 
 def test_ring_names_the_busy_rank_at_its_own_line():
     lines, first = inspect.getsourcelines(ring_rank1_sleeps)
     line = first + next(i for i, text in enumerate(lines) if "time.sleep" in text)
-    text = _refused(ring.grade(ring_rank1_sleeps, deadline=8),
+    text = _refused(ring.grade(ring_rank1_sleeps, deadline=5),
                     f"rank 1 of 3 hung: it was in your ring_rank1_sleeps, line {line} of test_puzzles.py",
                     "outside any communication call")
     assert f"rank 0 was at (your ring_rank1_sleeps, line {line}" not in text, text
@@ -487,7 +487,7 @@ def schedule_builder_sleeps(p, m):
 
 
 def test_schedule_runs_the_builder_under_the_deadline():
-    _refused(schedule.grade(schedule_builder_sleeps, deadline=8), "your schedule_builder_sleeps, line",
+    _refused(schedule.grade(schedule_builder_sleeps, deadline=5), "your schedule_builder_sleeps, line",
              "outside any communication call")
 
 
@@ -518,7 +518,7 @@ def test_schedule_refuses_gpipe_by_its_memory():
 
 
 def test_schedule_names_the_deadlock():
-    _refused(schedule.grade(schedule_warmup_backwards, deadline=8), "deadline of 8 s",
+    _refused(schedule.grade(schedule_warmup_backwards, deadline=5), "deadline of 5 s",
              "stage 0 waits in B0 for stage 1's B0", "stage 1 waits in F1 for stage 0's F1")
 
 

@@ -215,6 +215,8 @@ def not_tensor(rank, got, shape, what="your function"):
                  "return the result (a function without a return statement returns None).")
 
 
+@launch.on_cpu("the puzzles are graded on gloo on every machine: the counted messages, the bytes and "
+               "the peak memory are the CPU's, and a reader's tensors need not be on a device")
 def _on_ranks(rank, world_size, module, check, fn, kwargs):
     """What every rank runs: rebuild the reader's function, then the puzzle's check on this rank."""
     return getattr(importlib.import_module(module), check)(rank, world_size, materialize(fn), **kwargs)
