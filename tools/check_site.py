@@ -118,6 +118,8 @@ async () => {
     untypeset: Array.from(document.querySelectorAll('span.math, div.math'))
       .filter(e => !e.querySelector('mjx-container')).map(e => e.textContent.trim().slice(0, 80)),
     brokenImages: imgs.filter(img => img.naturalWidth === 0).map(img => img.getAttribute('src')),
+    undrawn: Array.from(document.querySelectorAll('.dtm-memory'))
+      .filter(e => !e.dataset.peak).map(e => e.dataset.snapshot),
     links: Array.from(document.querySelectorAll('a[href]'), a => a.href),
     ids: Array.from(document.querySelectorAll('[id]'), e => e.id)
       .concat(Array.from(document.querySelectorAll('a[name]'), e => e.name)),
@@ -363,6 +365,8 @@ def check_desktop(site, page, info):
         site.add(page, f"MathJax error: {err[:200]}")
     for src in info["brokenImages"]:
         site.add(page, f"broken image: {src}")
+    for name in info["undrawn"]:
+        site.add(page, f"memory timeline not drawn: {name}")
     for line in info["overflow"]:
         site.add(page, f"output cut off at the right edge: {line.strip()[:100]}")
     for line in info["wideCode"]:
