@@ -7,7 +7,8 @@ sharded-matmul notation of Austin et al. (2025, *How to Scale Your Model*, Part 
     X[(bs)_tp, h] -> all-gather -> X[bs, h] . W_in[h, (h_ff)_tp] -> Y[bs, (h_ff)_tp]
                  . W_out[(h_ff)_tp, h] -> Z[bs, h]{partial} -> reduce-scatter -> Z[(bs)_tp, h]
 
-(b s tokens, h_ff the MLP width; a subscript tp marks the dimension split over the tp ranks.) Between blocks each rank then holds only its T/tp tokens: sequence parallelism (chapter 6).
+(b s tokens, h_ff the MLP width; a subscript tp marks the dimension split over the tp ranks.)
+Between blocks each rank then holds only its b s / tp tokens: sequence parallelism (chapter 6).
 
 `check` runs both forms of the forward on the same weights beside the unsharded MLP and counts
 each collective through `labs.measure.comm` (payloads read from the tensors handed to it; bytes
