@@ -90,3 +90,27 @@ def test_layer_costs_at_70b_scale():
     assert c["matmul_flops"] == 2 * layer / 8 * 4096
     assert c["attention_flops"] == 4 * 4096**2 * 8192 / 8
     assert tp.check("1", 64) and not tp.check("1", 256)
+
+
+@pytest.mark.numerics
+def test_the_all_gather_reduce_scatter_form_equals_the_all_reduce_form():
+    from labs.tensor_parallel import forms
+    b, s, h = 2, 8, 48
+    for r in launch.spawn(forms.check, 2, b, s, h, timeout=120):
+        assert max(r["error_allreduce"], r["error_ag_rs"]) < TOL, r
+        ar, ag, rs = r["allreduce"]["all_reduce"], r["ag_rs"]["all_gather"], r["ag_rs"]["reduce_scatter"]
+        # the partial sums go into the all-reduce and into the reduce-scatter; the all-gather
+        # takes this rank's b*s/tp tokens
+        assert ar["payloads"] == rs["payloads"] == [b * s * h * 4] and ag["payloads"] == [b * s * h * 2]
+        # ring formula: a reduce-scatter and an all-gather send what one all-reduce sends
+        assert ag["formula_bytes_sent"] + rs["formula_bytes_sent"] == ar["formula_bytes_sent"]
+
+
+def test_the_collective_matmul_picture_follows_the_ring_formula():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labs.tensor_parallel import forms
+    for t, x, mm in ((4, 3.0, 2.0), (3, 1.0, 2.0)):
+        fig, end = forms.draw_async(t, x, mm)
+        assert end["no overlap"] == (t - 1) * x + t * mm
+        assert end["collective matmul"] == (t - 1) * max(x, mm) + mm
