@@ -45,6 +45,7 @@ AUDITED = {2: [
     ("labs.tensor_parallel.blocks.check_blocks", (), {}),
     ("labs.tensor_parallel.blocks.dtensor_mlp", (), {}),
     ("labs.tensor_parallel.blocks.message_bytes", ([(1, 8, 48)],), {}),
+    ("labs.tensor_parallel.forms.forms", ([(1, 8, 48)],), {}),
     ("labs.tensor_parallel.blocks.train", (1,), {}),
     ("labs.tensor_parallel.gqa_parallel.check_many", ((1, 2),), {}),
     ("labs.tensor_parallel.tp_limits.measure_layer", (), {}),

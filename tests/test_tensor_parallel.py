@@ -44,8 +44,12 @@ def test_a_tp_that_does_not_divide_is_refused():
 
 
 def test_all_reduce_carries_activations_not_weights():
+    from labs.tensor_parallel import forms
     shapes = [(1, 8, 48), (2, 8, 48), (2, 16, 48), (2, 16, 96)]
-    rows = launch.spawn(tp.message_bytes, 2, shapes, timeout=120)[0]
+    job = launch.spawn(forms.forms, 2, shapes, timeout=120)   # the notebook's one start of 2 ranks
+    rows = job[0]["payloads"]
+    for r in job:
+        _check_forms(r["forms"], 2, 8, 48)
     assert [r["calls"] for r in rows] == [1] * len(shapes)
     assert [r["shape"] for r in rows] == [(b, s, h) for b, s, h in shapes]
     assert [r["message_bytes"] for r in rows] == [b * s * h * 4 for b, s, h in shapes]  # linear in h, not h^2
@@ -90,3 +94,24 @@ def test_layer_costs_at_70b_scale():
     assert c["matmul_flops"] == 2 * layer / 8 * 4096
     assert c["attention_flops"] == 4 * 4096**2 * 8192 / 8
     assert tp.check("1", 64) and not tp.check("1", 256)
+
+
+
+def _check_forms(r, b, s, h):
+    """The MLP's two forms (`forms.check`): each equals the unsharded MLP; the partial sums go into
+    the all-reduce and into the reduce-scatter, the all-gather takes this rank's b*s/2 tokens; by the
+    ring formula a reduce-scatter and an all-gather send what one all-reduce sends."""
+    assert max(r["error_allreduce"], r["error_ag_rs"]) < TOL, r
+    ar, ag, rs = r["allreduce"]["all_reduce"], r["ag_rs"]["all_gather"], r["ag_rs"]["reduce_scatter"]
+    assert ar["payloads"] == rs["payloads"] == [b * s * h * 4] and ag["payloads"] == [b * s * h * 2]
+    assert ag["formula_bytes_sent"] + rs["formula_bytes_sent"] == ar["formula_bytes_sent"]
+
+
+def test_the_collective_matmul_picture_follows_the_ring_formula():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labs.tensor_parallel import forms
+    for t, x, mm in ((4, 3.0, 2.0), (3, 1.0, 2.0)):
+        fig, end = forms.draw_async(t, x, mm)
+        assert end["no overlap"] == (t - 1) * x + t * mm
+        assert end["collective matmul"] == (t - 1) * max(x, mm) + mm
