@@ -94,3 +94,17 @@ def test_zero3_bandwidth_formula_matches_the_counted_bytes_per_parameter(run):
                                             * 6 * ex["params"] / ex["flops_per_token"], rel=1e-12)
     with pytest.raises(ValueError, match="positive"):
         hsdp.zero3_bandwidth(p_pad, 6 * p_pad, 0, WORLD)
+
+
+def test_zero3_inter_node_bytes_are_counted_per_node():
+    # ranks node by node: a ring crosses each node boundary once, so one rank's bytes leave a node,
+    # over the node's 8 rail NICs; HSDP's advantage per node is 3(N-1)/N over 2(r-1)/r, not 1.5 s
+    assert hsdp.ring_crossings_per_node(64, 8) == 1
+    assert hsdp.ring_crossings_per_node(8, 8) == 0
+    ex = hsdp.worked_example()
+    assert ex["node_bytes"] == ex["step_bytes"]
+    assert ex["node_nic"] == 8 * ex["nic"]
+    assert ex["bandwidth"] == pytest.approx(ex["node_bytes"] / ex["compute_s"])
+    r, n = ex["n"] // ex["node"], ex["n"]
+    assert ex["bandwidth"] / ex["hsdp_bandwidth"] == pytest.approx(3 * (n - 1) / n / (2 * (r - 1) / r))
+    assert 1.5 < ex["bandwidth"] / ex["hsdp_bandwidth"] < 1.75

@@ -221,37 +221,51 @@ def hsdp_vs_full(rank, world_size, shard=2, steps=2, lr=1e-3):
 NIC_400G = 400e9 / 8   # bytes/s
 
 
+def ring_crossings_per_node(n, node):
+    """Ring neighbours on different nodes, per node, for a ring of ``n`` ranks placed node by node
+    (rank r on node r // node, chapter 11's layout): each crossing carries one rank's per-ring bytes."""
+    nodes = [r // node for r in range(n)]
+    return sum(nodes[i] != nodes[(i + 1) % n] for i in range(n)) / max(1, -(-n // node))
+
+
 def zero3_bandwidth(params, flops_per_token, tokens_per_rank, n, mfu=0.4, peak=H100_BF16_DENSE,
-                    elem=BF16, nic=NIC_400G):
-    """Formula: the bandwidth per rank at which ZeRO-3's step communication takes as long as its
+                    elem=BF16, nic=NIC_400G, node=8):
+    """Formula: the inter-node bandwidth at which ZeRO-3's step communication takes as long as its
     compute. Per step a rank sends 3 (n-1)/n elem P bytes (all-gather fwd + bwd, reduce-scatter)
-    and computes flops_per_token x T FLOPs at mfu x peak FLOP/s; with flops_per_token = 6P this
-    is B = (n-1)/n x (elem/2) x mfu x peak / T: the model size cancels, only T counts.
-    Returns bytes per step, seconds of compute, the bandwidth needed, and the T at which a
-    ``nic`` suffices (``tokens_at_nic``)."""
+    and computes flops_per_token x T FLOPs at mfu x peak FLOP/s. With the ranks placed node by node
+    a ring crosses each node's boundary once (`ring_crossings_per_node`): one rank's bytes leave a
+    node per ring, however the library splits them over rings, spread over the node's ``node``
+    rail NICs (chapter 11). Returns the bytes per rank per step, those leaving a node, seconds of
+    compute, the node's bandwidth needed and its NICs' (``node_nic``), and the T from which they
+    suffice (``tokens_at_nic``). With flops_per_token = 6P the model size cancels; only T counts."""
     if min(params, flops_per_token, tokens_per_rank, mfu, peak) <= 0 or n < 2:
         raise ValueError("params, flops_per_token, tokens_per_rank, mfu and peak must be "
                          "positive and n >= 2.")
     model = elem * params
     step_bytes = float(2 * costs.sent("all_gather", model, n) + costs.sent("reduce_scatter", model, n))
+    node_bytes = step_bytes * ring_crossings_per_node(n, node)
     compute_s = flops_per_token * tokens_per_rank / (mfu * peak)
-    need = step_bytes / compute_s
-    return {"step_bytes": step_bytes, "compute_s": compute_s, "bandwidth": need, "nic": nic,
-            "nic_ratio": need / nic, "tokens_at_nic": need * tokens_per_rank / nic}
+    need = node_bytes / compute_s
+    return {"step_bytes": step_bytes, "node_bytes": node_bytes, "compute_s": compute_s,
+            "bandwidth": need, "nic": nic, "node_nic": node * nic, "nic_ratio": need / (node * nic),
+            "tokens_at_nic": need * tokens_per_rank / (node * nic)}
 
 
 def worked_example(model="70B", seq=4096, micro_batch=2, n=64, mfu=0.4, node=8):
     """`zero3_bandwidth` for a published shape (`labs.memory_budget.budget.MODELS`), its FLOPs per token from
     chapter 1 (`labs.memory_budget.compute.flops_per_token`, attention included); beside it HSDP with a node
-    of ``node`` GPUs as the shard group: only 2 (r-1)/r elem P / node bytes per rank cross nodes."""
+    of ``node`` GPUs as the shard group (Delta = 1, inside a node by chapter 11's rule) and the
+    replicate group of stride ``node`` (one rank per node, each on its own rail): 2 (r-1)/r elem P /
+    node bytes per rank cross nodes, ``node`` times that per node."""
     from labs.memory_budget.budget import MODELS
     from labs.memory_budget.compute import arch_matmul_params, flops_per_token
     arch = MODELS[model]
     per_token = flops_per_token(arch_matmul_params(arch), arch.layers, arch.hidden, seq)["total"]
-    out = zero3_bandwidth(arch.params(), per_token, seq * micro_batch, n, mfu)
+    out = zero3_bandwidth(arch.params(), per_token, seq * micro_batch, n, mfu, node=node)
     r = n // node
     out["hsdp_cross_bytes"] = 2 * (r - 1) * BF16 * arch.params() / (r * node)
-    out["hsdp_bandwidth"] = out["hsdp_cross_bytes"] / out["compute_s"]
+    out["hsdp_node_bytes"] = node * out["hsdp_cross_bytes"]
+    out["hsdp_bandwidth"] = out["hsdp_node_bytes"] / out["compute_s"]
     return {**out, "model": model, "params": arch.params(), "flops_per_token": per_token, "seq": seq,
             "micro_batch": micro_batch, "n": n, "mfu": mfu, "node": node,
             "tokens_per_rank": seq * micro_batch}

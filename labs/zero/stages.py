@@ -23,9 +23,7 @@ import dataclasses
 
 import torch
 
-from labs.memory_budget import budget
-from labs.formulas import costs
-from labs.measure import comm, exercises, memory
+from labs.measure import comm, memory
 from labs.data_parallel import hand_ring
 from labs.zero import adam_drift, fsdp
 from labs.launcher import launch
@@ -33,22 +31,11 @@ from labs import model as tiny
 from labs.dims import ParallelDims
 from labs.groups import device_mesh
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
+from labs.zero.answers import EXERCISES, MISTAKES, check, formula_bytes, formula_comm  # noqa: F401
 
 STAGES = (0, 1, 2, 3)
 BF16 = 2
 _REFERENCES = {}  # single_process's results, per process
-
-
-def formula_bytes(stage, padded, n):
-    """Chapter 1's per-rank formulas, on the padded element count."""
-    per_param = {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
-    return per_param * padded
-
-
-def formula_comm(stage, padded, n, zero1_allreduce=False):
-    """Bytes each rank sends per step: {2, 2, 2, 3} passes of (N-1)/N x Psi x 2 bytes (`measure.costs`)."""
-    passes = 3 if stage == 3 or (stage == 1 and zero1_allreduce) else 2
-    return passes * costs.sent("all_gather", padded * BF16, n)
 
 
 def _batch(cfg, step, rank, batch_size, device):
@@ -268,21 +255,6 @@ def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None
             out[str(stage)][str(a)] = {"bytes_sent": _bytes_sent(tally, collectives),
                                        "ops": tally.as_dict()["ops"]}
     return out
-
-
-# Chapter 3's exercises, and the answers the usual mistakes give (the checker names them), computed here.
-EXERCISES = {"1": lambda: budget.state_gb("70B", 64, zero_stage=2),
-             "2": lambda: formula_comm(3, budget.MODELS["13B"].params(), 8) / budget.GB,
-             "3": lambda: budget.lowest_zero_stage("13B", 8, 0.1, seq=4096, micro_batch=8, recompute="full")}
-MISTAKES = {"1": [(lambda: budget.state_gb("70B", 64, 2, "bf16_no_master"),
-                   "2 + 10/N bytes per parameter: the 12-byte recipe, without the fp32 master copy"),
-                  (lambda: budget.state_gb("70B", 64, 1), "ZeRO-1's 4 + 12/N: the gradients left whole"),
-                  budget.nominal("70B", EXERCISES["1"])],
-            "2": [(lambda: formula_comm(0, budget.MODELS["13B"].params(), 8) / budget.GB,
-                   "DDP's bytes: ZeRO-3's extra all-gather left out")],
-            "3": [(lambda: budget.lowest_zero_stage("13B", 8, 0.0, seq=4096, micro_batch=8, recompute="full"),
-                   "stage 1: it fits in 80 GiB, but with no room for buffers, logits and fragmentation")]}
-check = exercises.checker(EXERCISES, MISTAKES)
 
 
 def main(argv=None):
