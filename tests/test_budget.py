@@ -217,7 +217,7 @@ def test_the_nominal_parameter_count_is_named_though_it_is_inside_the_tolerance(
 
 def test_memory_over_two_steps_adds_up_to_the_peak_and_peaks_where_the_page_says():
     from labs.memory_budget import step_memory
-    tl = step_memory.step_timeline(steps=2, batch_size=2)
+    tl = step_memory.step_timeline(steps=2, batch_size=2, cfg=model.GPTConfig(n_layer=1))
     phase = dict(tl["phases"])
     assert tl["curve_peak_bytes"] == tl["peak_bytes"]
     assert {k: tl["end"][k] for k in ("weights", "gradients", "optimizer_state")} == {
