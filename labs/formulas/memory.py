@@ -53,7 +53,7 @@ RECIPES = {
     "fp32": Recipe("float32", master=False, grad_buffer=False, keep_grads=True,
                    about="plain fp32: the weights are their own master copy"),
     "bf16_no_master": Recipe("bfloat16", master=False, grad_buffer=False, keep_grads=True,
-                             about="bf16 weights updated in place, fp32 m and v (the notes' 12 bytes)"),
+                             about="bf16 weights updated in place, fp32 m and v (a 2 + 2 + 8 budget)"),
 }
 
 

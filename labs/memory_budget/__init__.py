@@ -11,5 +11,7 @@ The formulas (the model shape, recipes, activations, FLOPs, the calculator) are 
 - `zero_paper`: the ZeRO paper's Table 1, every published entry, and its communication volumes.
 - `fused_swiglu`: a fused SwiGLU keeps 6sbf bytes, not 8sbf: autograd's saved bytes against the formula (used
 by chapter 14).
+- `step_memory`: memory over two training steps by kind (weights, gradients, Adam's state, activations),
+  and the sequence length at which a Llama model's activations pass its model state.
 - `calculator`: the slider calculator for a reader in JupyterLab, the same numbers as tables on the site.
 """
