@@ -64,7 +64,7 @@ def test_peak_in_flight(p, m):
 
 
 def test_zb_h1_is_the_papers_figure_3():
-    # Qi et al. 2023, Figure 3 (top), p = 4, m = 8: each character is one unit of time, the
+    # Qi et al. 2024, Figure 3 (top), p = 4, m = 8: each character is one unit of time, the
     # micro-batch (1-based) of the F, B or W run then, "." an idle unit.
     figure = ["1234...11522633744855667788",
               ".123..142153264375486576878",
@@ -145,6 +145,8 @@ def test_bad_schedules_are_refused():
         executor.split(executor.tiny.build(executor.config()), 5)
     with pytest.raises(ValueError, match="no counterpart of 'greedy-bfw'"):
         torch_pipelining.library(0, 2, "greedy-bfw")
+    with pytest.raises(ValueError, match="exactly two chunks per rank"):
+        torch_pipelining.library(0, 2, "zb-v", 4, 1)
 
 
 def _peak_bytes(actions, chunks, split):
@@ -208,10 +210,15 @@ def test_1f1b_stage_0_holds_all_layers_and_zb_h1_keeps_its_peak(runs):
 
 @pytest.mark.numerics
 def test_torch_pipelining_gives_the_same_gradients():
-    configs = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 2)]
+    from labs.pipeline import v_schedules
+    configs = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 2),
+               ("zb-v", 4, 2), ("dualpipe-v", 4, 2)]
     results = launch.spawn(torch_pipelining.libraries, 2, configs, timeout=180)
-    for i, (name, _, _) in enumerate(configs):
+    for i, (name, m, _) in enumerate(configs):
         assert max(r[i]["max_abs_error_grad"] for r in results) < TOL, name
+        if name in v_schedules.CLASSES:   # the order simulated is the order the library ran
+            flat = [[a for step in rank for a in step] for rank in v_schedules.library_order(name, 2, m)]
+            assert results[0][i]["order"] == flat, name
 
 
 def test_command_line_contract():

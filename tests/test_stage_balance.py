@@ -44,3 +44,11 @@ def test_llama3_405b_split_and_pace():
     assert llama["max_stage"] == 8 * r["layer_flops"] < eq["max_stage"]
     with pytest.raises(ValueError, match="equally"):
         sb.equal(sb.config(n_layer=7), 4)
+
+
+def test_time_splits_pairs_every_stage_of_both_splits():
+    cfg = sb.config(hidden=64, n_layer=8)
+    t = sb.time_splits(cfg, p=4, repeats=3)
+    assert set(t) == {"equal", "balanced"}
+    for runs in t.values():
+        assert len(runs) == 3 and all(len(r) == 4 and min(r) > 0 for r in runs)

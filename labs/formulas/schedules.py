@@ -11,7 +11,7 @@ Bubbles, each formula named by its source:
       fraction" t_pb / t_id = (p-1)/m, bubble over ideal compute, derived for GPipe's schedule
       and the same for 1F1B (PipeDream-Flush). Over the total: x / (1 + x) = (p-1)/(m+p-1).
   Interleaved 1F1B (ibid. §2.2.2): (1/v) (p-1)/m over ideal.
-  ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241, §2.1 and Table 2):
+  ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv 2401.10241, §2.1 and Table 2):
       the bubble is (p-1)(T_F + T_B - T_W), against 1F1B's (p-1)(T_F + T_B + T_W). At
       T_F = T_B = T_W = 1: stage 0 runs p forwards, then waits for micro-batch 0's B, which
       leaves stage p-1 at time p + 1 and takes one unit per stage back: it starts on stage 0 at
@@ -84,7 +84,7 @@ def interleaved(p, m, v):
 
 
 def zb_h1(p, m):
-    """ZB-H1 (Qi et al. 2023, §2.1 and Figure 3, top): 1F1B's order of F and B, with each W deferred.
+    """ZB-H1 (Qi et al. 2024, §2.1 and Figure 3, top): 1F1B's order of F and B, with each W deferred.
 
     Stage s runs W of micro-batch i right after B of micro-batch i + s, and its last s W passes
     after its last B: they fill the cool-down bubble that 1F1B leaves there. Deferring by s keeps

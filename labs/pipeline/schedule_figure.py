@@ -9,7 +9,7 @@ for a phone's column; `x_max` puts several schedules on one time scale.
 
 # F, B, W in blue, orange, green; an interleaved schedule's chunk 1 in a lighter shade of its kind
 SHADES = {("F", 0): "tab:blue", ("F", 1): "lightskyblue", ("B", 0): "tab:orange",
-          ("B", 1): "navajowhite", ("W", 0): "tab:green"}
+          ("B", 1): "navajowhite", ("W", 0): "tab:green", ("W", 1): "lightgreen"}
 NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
 
 

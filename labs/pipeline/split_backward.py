@@ -1,6 +1,6 @@
 """Chapter 5: the backward pass split into B (input gradient) and W (weight gradient).
 
-Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241), §1 and Figure 1: a linear
+Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241), §1 and Figure 1: a linear
 layer y = x A^T + b has a backward of two matmuls, dx = dy A (B: the previous stage waits for it)
 and dA = dy^T x (W: only the optimizer waits for it). A pipeline that runs W later can fill its
 bubbles with it (`labs.formulas.schedules.zb_h1`).

@@ -142,6 +142,32 @@ def measure(cfg=None, p=4, batch_size=2, repeats=3, timed=True):
     return out
 
 
+def time_splits(cfg=None, p=4, batch_size=2, repeats=7):
+    """Forward + backward seconds of every stage of the ``equal`` and the ``balanced`` split, timed in
+    turns: each repeat times every stage of one split, then of the other (the order alternating),
+    so a burst of load falls on both. Returns per split a list of ``repeats`` lists of per-stage
+    seconds, after one untimed warm-up round (`labs.measure.intervals` pairs them)."""
+    cfg = cfg or config()
+    net = tiny.build(cfg, seed=0)
+    x, y = tiny.synthetic_batch(cfg, batch_size, seed=0)
+    h, work = cfg.hidden, {}
+    for name, counts in (("equal", equal(cfg, p)), ("balanced", balanced(cfg, p))):
+        work[name] = [(piece, (x if piece.first else torch.randn(*x.shape, h, requires_grad=True), y),
+                       None if piece.last else torch.randn(*x.shape, h)) for piece in pieces(net, counts)]
+    out = {name: [] for name in work}
+    for k in range(repeats + 1):
+        for name in (("equal", "balanced") if k % 2 else ("balanced", "equal")):
+            times = []
+            for piece, args, grad in work[name]:
+                t0 = time.perf_counter()
+                torch.autograd.backward(piece(*args), grad)
+                times.append(time.perf_counter() - t0)
+                piece.zero_grad(set_to_none=True)
+            if k:                                 # round 0 warms up autograd and the allocator
+                out[name].append(times)
+    return out
+
+
 def llama3_405b(m=16, p=16):
     """Per-stage FLOPs per sequence of 8,192 tokens (formula, `compute.flops_per_token` per layer
     at s = 8,192; head 6hV forward + backward; embedding 0) for three splits, and 1F1B on them.
