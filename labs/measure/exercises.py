@@ -111,9 +111,10 @@ def mistakes_matched(answer, expected, mistakes, rel, slips=None):
 
 
 def mistakes_inside(answer, expected, mistakes, rel):
-    """For an ``answer`` the tolerance would accept: the chapter's mistakes whose answer lies within
-    ``rel`` of ``expected`` and nearer to ``answer`` than ``expected`` is (the nominal 13e9 for Llama-2 13B's 13.016e9 is 0.12 % off): the
-    tolerance would accept them, so the checker tests them first."""
+    """For an ``answer`` the tolerance would accept: the chapter's mistakes whose answer lies
+    within ``rel`` of ``expected`` and nearer to ``answer`` than ``expected`` is (the nominal 13e9
+    for Llama-2 13B's 13.016e9 is 0.12 % off): the tolerance would accept them, so the checker
+    tests them first."""
     found = []
     if not close(answer, expected, rel):  # outside the tolerance the usual matching names it
         return found
