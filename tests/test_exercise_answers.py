@@ -51,8 +51,12 @@ CASES = [
     # chapter 4, tensor parallel
     (blocks, "1", blocks.layer_costs("70B", 8)["hh_weight_bytes"] / 2**20,
      "sized by the h x h weight, not by b s h"),
-    (blocks, "2", blocks.layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3 / 8,
-     "400 Gb/s read as 400 GB/s"),
+    (blocks, "2", blocks.layer_costs("70B", 16, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
+     "one NIC's 50 GB/s for the whole ring: the node has 8 NICs and the ring uses them all"),
+    (blocks, "2", blocks.layer_costs("70B", 16, link=blocks.TWO_NODES)["comm_s"] * 1e3 / 8,
+     "400 Gb/s per NIC read as 400 GB/s"),
+    (blocks, "2", blocks.layer_costs("70B", 8, link=blocks.TWO_NODES)["comm_s"] * 1e3,
+     "tp = 8's ring factor 2 x 7/8; at tp = 16 it is 2 x 15/16"),
     # chapter 5, pipeline parallel
     (problems, "1", schedules.formula("1f1b", 16, 48)["over_ideal"],
      "(p-1)/m: the bubble over the ideal time, not the total"),

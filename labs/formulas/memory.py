@@ -216,7 +216,11 @@ def fewest_gpus(model, zero_stage, activations=True, limit=1024, gpu_gib=GPU_GIB
 
 # Link speeds, one direction, from vendors' specifications (bytes/s; NVMe: a fast drive's read rate).
 LINKS = {"PCIe 4.0 x16": 32e9, "PCIe 5.0 x16": 64e9, "NVMe drive (PCIe 4.0 x4)": 7e9,
-         "NVLink 4 (H100)": 450e9, "InfiniBand NDR (400 Gb/s)": 50e9}
+         "NVLink 4 (H100)": 450e9, "InfiniBand NDR (400 Gb/s)": 50e9,
+         # a ring across H100 nodes that uses all 8 NDR NICs of each node at once (one per GPU, one
+         # NCCL channel per rail): the node's egress, 8 x 50 GB/s, the figure Austin et al. 2025,
+         # Part 12 ("Rooflines for LLM Scaling on GPUs") use beyond a node (400e9)
+         "InfiniBand NDR, 8 NICs per node": 8 * 50e9}
 
 
 PEAK_FLOPS = {"H100 SXM, bf16 dense": 989e12}

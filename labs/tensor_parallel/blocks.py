@@ -169,9 +169,10 @@ def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100
     / tp) * b * s (Kaplan et al. 2020, §2.1), plus the two s x s attention matmuls, q k^T and scores
     times v, 4 * b * s^2 * h / tp (Narayanan et al. 2021, arXiv 2104.04473, FLOPs appendix; a causal
     kernel can skip about half of them, not counted here).
-    hh_weight_bytes: one h x h weight in bf16, h^2 * 2 bytes (128 MiB at h = 8192), the size the
-    notes gave the all-reduce; weights never travel in tensor parallelism.
-    Link speeds are one direction and the peak is dense bf16, from the vendors' data sheets.
+    hh_weight_bytes: one h x h weight in bf16, h^2 * 2 bytes (128 MiB at h = 8192), the size a
+    common shortcut gives the all-reduce; weights never travel in tensor parallelism.
+    Link speeds are one direction and the peak is dense bf16, from the vendors' data sheets; a ring
+    across nodes moves at the nodes' egress, `tp_limits.ring_bandwidth`.
     """
     from labs.memory_budget import budget
     arch = budget.MODELS[model]
@@ -187,17 +188,22 @@ def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100
 
 
 # Chapter 4's exercises: the answers are computed here, so the book never types them.
+TWO_NODES = "InfiniBand NDR, 8 NICs per node"     # tp = 16 on two 8-GPU nodes: tp_limits.ring_bandwidth
 EXERCISES = {
     "1": lambda: layer_costs("70B", 8)["message_bytes"] / 2**20,
-    "2": lambda: layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
+    "2": lambda: layer_costs("70B", 16, link=TWO_NODES)["comm_s"] * 1e3,
 }
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
     "1": [(lambda: layer_costs("70B", 8)["hh_weight_bytes"] / 2**20,
            "sized by the h x h weight, not by b s h")],
-    "2": [(lambda: layer_costs("70B", 8, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3 / 8,
-           "400 Gb/s read as 400 GB/s")],
+    "2": [(lambda: layer_costs("70B", 16, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
+           "one NIC's 50 GB/s for the whole ring: the node has 8 NICs and the ring uses them all"),
+          (lambda: layer_costs("70B", 16, link=TWO_NODES)["comm_s"] * 1e3 / 8,
+           "400 Gb/s per NIC read as 400 GB/s"),
+          (lambda: layer_costs("70B", 8, link=TWO_NODES)["comm_s"] * 1e3,
+           "tp = 8's ring factor 2 x 7/8; at tp = 16 it is 2 x 15/16")],
 }
 
 

@@ -1,26 +1,28 @@
 """Chapter 4: when tensor parallelism stops paying, the communication/compute condition per layer.
 
-The argument of Austin et al., "How to Scale Your Model" (2025), Part 5 ("How to Parallelize a
-Transformer for Training"), tensor parallelism section: per layer, TP's communication is a fixed
-number of activation-sized collectives while its compute shrinks as 1/tp; once T_comm exceeds
-T_math no overlap can hide it. Written
-for the Megatron layer of `labs.tensor_parallel.blocks` (Shoeybi et al. 2019, §3), forward pass:
+The book's own derivation, after the argument of Austin et al., "How to Scale Your Model" (2025):
+per layer, TP's communication is a fixed number of activation-sized collectives while its compute
+shrinks as 1/tp; once T_comm exceeds T_math no overlap can hide it. (Their Part 5 derives the TPU
+version for the MLP alone; Part 12, "How to Think About GPUs", the GPU one, Y < F W / C in their
+symbols, F the MLP width.) Written for the Megatron layer of `labs.tensor_parallel.blocks`
+(Shoeybi et al. 2019, §3), forward pass, e bytes per element:
 
-    T_comm = 2 all-reduces x 2(tp-1)/tp x b s h B / W          (B bytes per element, W a link's
-                                                                 one-direction bandwidth)
-    T_math = (2 P_layer b s + 4 b s^2 h) / (tp F)              (F the device's peak FLOP/s)
+    T_comm = 2 all-reduces x 2(tp-1)/tp x b s h e / W          (W the ring's one-direction
+                                                                 bandwidth per GPU, `ring_bandwidth`)
+    T_math = (2 P_layer b s + 4 b s^2 h) / (tp C)              (C the device's peak FLOP/s)
 
-    T_comm / T_math = 2 (tp-1) h B F / (W (P_layer + 2 s h))     (`ratio`)
+    T_comm / T_math = 2 (tp-1) h e C / (W (P_layer + 2 s h))     (`ratio`)
 
 b cancels: a bigger micro-batch does not help, because the messages grow with it. With
-P_layer ~ 12 h^2 and s << h, the ratio is (tp-1) F / (3 h W) for B = 2: it grows with tp, falls
+P_layer ~ 12 h^2 and s << h, the ratio is (tp-1) C / (3 h W) for e = 2: it grows with tp, falls
 with h and with the link bandwidth. The crossover, T_comm = T_math, is
 
-    tp* = 1 + W (P_layer + 2 s h) / (2 B h F)  ~  1 + 3 h W / F    (`crossover_tp`)
+    tp* = 1 + W (P_layer + 2 s h) / (2 e h C)  ~  1 + 3 h W / C    (`crossover_tp`)
 
 A training step adds the backward: 2 more all-reduces (f's) and twice the forward FLOPs, so the
 step's ratio is 2/3 of the forward's. Layer sizes and hardware figures are those of
 `labs.tensor_parallel.blocks.layer_costs` (which this file reuses) and `labs.memory_budget.budget`.
+Across nodes W is not one NIC's 50 GB/s: see `ring_bandwidth`.
 
     python -m labs.tensor_parallel.tp_limits --model 70B --json
 """
@@ -30,13 +32,29 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from labs.memory_budget import budget
-from labs.measure import comm
 from labs.launcher import launch
 from labs import model as tiny
 from labs.tensor_parallel import blocks as tpl, megatron
 
 NVLINK, INFINIBAND = "NVLink 4 (H100)", "InfiniBand NDR (400 Gb/s)"
+TWO_NODES = tpl.TWO_NODES    # the ring of tp = 16 over two 8-GPU nodes
 DEVICE = "H100 SXM, bf16 dense"
+
+
+def ring_bandwidth(nodes, group_gpus_per_node, gpus_per_node=8):
+    """W for a tp ring over ``nodes`` nodes with ``group_gpus_per_node`` of its GPUs on each.
+
+    On one node the ring runs on NVLink. Across nodes NCCL runs one ring per channel and spreads the
+    channels over the NICs (rails): each of the group's GPUs has its own NDR NIC, so the ring's data
+    leaves a node through all of them at once, each crossing carrying 1/channels of it. W is then
+    min(NVLink, NICs in use x 50 GB/s): 400 GB/s for full 8-GPU nodes (Austin et al. 2025, Part 12,
+    "Rooflines for LLM Scaling on GPUs": an H100 node's egress, 400e9), and one NIC's 50 GB/s only
+    when each rank of the group sits on a node of its own."""
+    if nodes < 1 or not 1 <= group_gpus_per_node <= gpus_per_node:
+        raise ValueError(f"need nodes >= 1 and 1 <= GPUs of the group per node <= {gpus_per_node}, got "
+                         f"nodes={nodes}, {group_gpus_per_node} per node.")
+    nvlink, nic = budget.LINKS[NVLINK], budget.LINKS[INFINIBAND]
+    return nvlink if nodes == 1 else min(nvlink, group_gpus_per_node * nic)
 
 
 def ratio(h, tp, bandwidth, peak_flops, seq=4096, layer_params=None, bytes_per_elem=2):
@@ -54,7 +72,8 @@ def crossover_tp(h, bandwidth, peak_flops, seq=4096, layer_params=None, bytes_pe
     return 1 + 1 / (per_tp * (2 / 3 if step else 1))
 
 
-def condition(model="70B", links=(NVLINK, INFINIBAND), tps=(1, 2, 4, 8, 16, 32, 64), seq=4096, micro_batch=1,
+def condition(model="70B", links=(NVLINK, TWO_NODES, INFINIBAND), tps=(1, 2, 4, 8, 16, 32, 64), seq=4096,
+              micro_batch=1,
               device=DEVICE):
     """Per link: one row per tp (comm_s, compute_s, ratio, ratio_step from `layer_costs`), the crossover
     tp* (forward and step) and ``first_comm_bound_tp``, the first tp in ``tps`` whose forward ratio >= 1."""
@@ -78,18 +97,18 @@ def condition(model="70B", links=(NVLINK, INFINIBAND), tps=(1, 2, 4, 8, 16, 32, 
     return out
 
 
-def crossover_table(models=("7B", "13B", "70B", "405B"), links=(NVLINK, INFINIBAND), seq=4096, device=DEVICE):
-    """tp* for each model and link: how h moves the crossover (it grows about as 3 h W / F)."""
+def crossover_table(models=("7B", "13B", "70B", "405B"), links=(NVLINK, TWO_NODES, INFINIBAND), seq=4096,
+                    device=DEVICE):
+    """tp* for each model and link: how h moves the crossover (it grows about as 3 h W / C)."""
     return [{"model": m, "hidden": budget.MODELS[m].hidden,
              **{link: crossover_tp(budget.MODELS[m].hidden, budget.LINKS[link], budget.PEAK_FLOPS[device],
                                    seq, budget.MODELS[m].layer_params()) for link in links}} for m in models]
 
 
-def measure_layer(rank, world_size, b=2, s=8, hidden=48, link=NVLINK, device=DEVICE):
-    """The tiny GPT layer under TP, forward: FLOPs counted (FlopCounterMode) and all-reduce payloads
-    read from the tensors g hands the collective, turned into T_comm / T_math at ``link`` and
-    ``device`` speeds, beside the closed form (`ratio`, B = 4: this layer runs in fp32). Ranks other
-    than 0 return only their payloads."""
+def measure_layer(rank, world_size, b=2, s=8, hidden=48):
+    """The tiny GPT layer under TP, forward: FLOPs counted (FlopCounterMode) beside the closed form's
+    (2 * 12 h^2 b s + 4 b s^2 h) / tp, and the all-reduce payloads read from the tensors g hands the
+    collective. Ranks other than 0 return only their payloads."""
     cfg = tpl.config(hidden=hidden, n_layer=1)
     megatron.check_degree(cfg, world_size)
     block = megatron.apply_tensor_parallel(tiny.build(cfg, seed=0, device=launch.device())).blocks[0]
@@ -101,16 +120,10 @@ def measure_layer(rank, world_size, b=2, s=8, hidden=48, link=NVLINK, device=DEV
         block(x)
     if rank:
         return {"payloads": [c["bytes"] for c in log]}
-    measured = counter.get_total_flops()
-    # what a ring sends per rank for each measured payload, 2(tp-1)/tp of it
-    sent = sum(comm.ring_allreduce_elements(c["numel"], world_size, rank) * c["element_size"] for c in log)
-    bw, peak = budget.LINKS[link], budget.PEAK_FLOPS[device]
     matmul_weights = 12 * hidden * hidden                            # qkv 3h^2, proj h^2, fc 4h^2, proj 4h^2
-    return {"flops": measured,
+    return {"flops": counter.get_total_flops(),
             "flops_formula": (2 * matmul_weights * b * s + 4 * b * s * s * hidden) // world_size,
-            "payloads": [c["bytes"] for c in log], "sent_bytes": sent, "element_size": x.element_size(),
-            "ratio_measured": (sent / bw) / (measured / peak),
-            "ratio_formula": ratio(hidden, world_size, bw, peak, s, matmul_weights, x.element_size())}
+            "payloads": [c["bytes"] for c in log], "element_size": x.element_size()}
 
 
 def main(argv=None):
