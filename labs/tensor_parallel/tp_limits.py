@@ -9,15 +9,15 @@ symbols, F the MLP width.) Written for the Megatron layer of `labs.tensor_parall
 
     T_comm = 2 all-reduces x 2(tp-1)/tp x b s h e / W          (W the ring's one-direction
                                                                  bandwidth per GPU, `ring_bandwidth`)
-    T_math = (2 P_layer b s + 4 b s^2 h) / (tp C)              (C the device's peak FLOP/s)
+    T_math = (2 P_layer b s + 4 b s^2 h) / (tp F_peak)              (F_peak the device's peak FLOP/s)
 
-    T_comm / T_math = 2 (tp-1) h e C / (W (P_layer + 2 s h))     (`ratio`)
+    T_comm / T_math = 2 (tp-1) h e F_peak / (W (P_layer + 2 s h))     (`ratio`)
 
 b cancels: a bigger micro-batch does not help, because the messages grow with it. With
-P_layer ~ 12 h^2 and s << h, the ratio is (tp-1) C / (3 h W) for e = 2: it grows with tp, falls
+P_layer ~ 12 h^2 and s << h, the ratio is (tp-1) F_peak / (3 h W) for e = 2: it grows with tp, falls
 with h and with the link bandwidth. The crossover, T_comm = T_math, is
 
-    tp* = 1 + W (P_layer + 2 s h) / (2 e h C)  ~  1 + 3 h W / C    (`crossover_tp`)
+    tp* = 1 + W (P_layer + 2 s h) / (2 e h F_peak)  ~  1 + 3 h W / F_peak    (`crossover_tp`)
 
 A training step adds the backward: 2 more all-reduces (f's) and twice the forward FLOPs, so the
 step's ratio is 2/3 of the forward's. Layer sizes and hardware figures are those of
@@ -99,7 +99,7 @@ def condition(model="70B", links=(NVLINK, TWO_NODES, INFINIBAND), tps=(1, 2, 4, 
 
 def crossover_table(models=("7B", "13B", "70B", "405B"), links=(NVLINK, TWO_NODES, INFINIBAND), seq=4096,
                     device=DEVICE):
-    """tp* for each model and link: how h moves the crossover (it grows about as 3 h W / C)."""
+    """tp* for each model and link: how h moves the crossover (it grows about as 3 h W / F_peak)."""
     return [{"model": m, "hidden": budget.MODELS[m].hidden,
              **{link: crossover_tp(budget.MODELS[m].hidden, budget.LINKS[link], budget.PEAK_FLOPS[device],
                                    seq, budget.MODELS[m].layer_params()) for link in links}} for m in models]
