@@ -111,3 +111,31 @@ def test_eight_ranks_with_uneven_chunks():
     results = launch.spawn(ra.run, 8, 1001, "ring", 1, timeout=180)
     assert max(r["max_abs_error"] for r in results) < TOL
     assert sum(r["bytes_sent"] for r in results) == 2 * 7 * 1001 * 4
+
+
+def test_a_fitted_alpha_stands_only_where_it_is_a_latency():
+    """Chapter 2 prints a fitted alpha only where 0 <= alpha and its 2(N-1) steps fit in the
+    fastest time of the smallest message; a negative intercept, or one larger than the whole
+    small message, says the fit does not resolve alpha."""
+    assert ra.resolved_alpha(-15.8e-3, 1e-3, 2) is None
+    assert ra.resolved_alpha(2e-3, 1e-3, 2) is None
+    assert ra.resolved_alpha(0.3e-3, 1e-3, 3) is None          # 4 steps x 0.3 ms > 1 ms
+    assert ra.resolved_alpha(0.2e-3, 1e-3, 3) == 0.2e-3
+    assert ra.resolved_alpha(0.0, 1e-3, 2) == 0.0
+
+
+def test_the_fit_recovers_a_known_line():
+    sizes = [4096, 65536, 2**20, 2**24]
+    alpha, beta = 50e-6, 1 / 5e9
+    secs = [2 * 3 * alpha + 2 * 3 / 4 * m * beta for m in sizes]
+    a, b = ra.alpha_beta_fit(sizes, secs, 4)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+
+
+def test_data_parallel_is_compute_bound_above_peak_flops_over_link_bandwidth():
+    """Backward's 4 Psi FLOPs per token against the ring's 2(N-1)/N * 2 Psi bytes per GPU."""
+    f, w = 989e12, 450e9
+    assert ra.compute_bound_tokens(f, w) == pytest.approx(f / w)
+    tokens = ra.compute_bound_tokens(f, w, n=8)
+    psi = 8e9
+    assert 4 * psi * tokens / f == pytest.approx(2 * 7 / 8 * 2 * psi / w)

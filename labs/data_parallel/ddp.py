@@ -202,9 +202,10 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
     A four-layer model (h = 128) in 1 MiB buckets. Per mode, medians over ``steps`` steps after two
     warm-up steps: step_s (backward start to averaged gradients), backward_s (autograd alone),
     exposed_comm_s (end of autograd to end of the last all-reduce); step_ratio_off_over_on > 1 is
-    what overlap buys. first_start_s: each step's earliest all-reduce start relative to the end of
-    autograd, never negative with overlap off. timeline: the mode's last step, per bucket
-    ready/start/done in seconds since backward started.
+    what overlap buys; step_all_s: each step's time, in order (step i on and step i off ran one
+    after the other: a pair for `labs.measure.intervals`). first_start_s: each step's earliest
+    all-reduce start relative to the end of autograd, never negative with overlap off. timeline:
+    the mode's last step, per bucket ready/start/done in seconds since backward started.
     """
     cfg = tiny.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, hidden=128)
     net = tiny.build(cfg, seed=0, device=launch.device())
@@ -220,6 +221,7 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
         out[mode] = {"step_s": statistics.median(r["finish_end"] for r in rs),
                      "backward_s": statistics.median(r["backward_end"] for r in rs),
                      "exposed_comm_s": statistics.median(r["exposed_comm"] for r in rs),
+                     "step_all_s": [r["finish_end"] for r in rs],
                      "first_start_s": [min(b["start"] for b in r["buckets"]) - r["backward_end"] for r in rs],
                      "timeline": rs[-1]}
     return dict(out, buckets=len(ddp.buckets), params=tiny.num_params(net),

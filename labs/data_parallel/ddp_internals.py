@@ -156,7 +156,8 @@ def unused(rank, world_size, skip=3, steps=2):
 
 def walk_cost(rank, world_size, depth=48, width=16, steps=12):
     """Median forward+backward seconds with find_unused_parameters True and False, alternating
-    steps, on a deep narrow model (many graph nodes, little arithmetic: the walk shows)."""
+    steps, on a deep narrow model (many graph nodes, little arithmetic: the walk shows); the
+    ``..._all_s`` lists keep every step in order, step i of each flag a pair."""
     def build():
         torch.manual_seed(0)
         return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth))).to(launch.device())
@@ -170,7 +171,8 @@ def walk_cost(rank, world_size, depth=48, width=16, steps=12):
         if step >= 2:
             times[flag].append(timing.now() - start)
     on, off = statistics.median(times[True]), statistics.median(times[False])
-    return {"find_unused_s": on, "plain_s": off, "ratio": on / off, "depth": depth}
+    return {"find_unused_s": on, "plain_s": off, "ratio": on / off, "depth": depth,
+            "find_unused_all_s": times[True], "plain_all_s": times[False]}
 
 
 def rounding_bound(local_grads, u):

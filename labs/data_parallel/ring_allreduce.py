@@ -120,11 +120,34 @@ def alpha_beta_fit(sizes_bytes, seconds, n):
     return intercept / (2 * (n - 1)), slope / float(costs.factor("all_reduce", n))
 
 
+def resolved_alpha(alpha, fastest_smallest_s, n):
+    """A fitted alpha, or None where the fit does not resolve it.
+
+    The intercept of a line through times dominated by large messages can come out negative, or
+    larger than the smallest message's whole time; neither is a latency. So alpha stands only
+    where 0 <= alpha and its 2(N-1) steps fit in the fastest time of the smallest message."""
+    return alpha if 0 <= alpha and 2 * (n - 1) * alpha <= fastest_smallest_s else None
+
+
+def compute_bound_tokens(peak_flops, link_bytes_per_s, n=None):
+    """Tokens per GPU per step above which backward hides data parallelism's all-reduce.
+
+    Backward does about 4 Psi FLOPs per token (twice the forward's 2 Psi); the ring all-reduce of
+    bf16 gradients (2 Psi bytes) sends 2(N-1)/N * 2 Psi bytes per GPU. Psi cancels:
+    4 Psi T / F >= 2(N-1)/N * 2 Psi / W  <=>  T >= (N-1)/N * F / W, and F / W for large N."""
+    factor = 1.0 if n is None else (n - 1) / n
+    return factor * peak_flops / link_bytes_per_s
+
+
 # Chapter 2's exercises: the answers are computed here, so the book never types them.
 EXERCISES = {
     "1": lambda: 2 * 7 / 8 * 14e9 / 1e9,              # GB sent per GPU: ring, N = 8, M = 14 GB
     "2": lambda: 2 * 7 / 8 * 14e9 / 450e9 * 1e3,      # ms at 450 GB/s per direction, no latency
     "3": lambda: 7 * 14e9 / 1e9,                      # GB the naive root sends for the same job
+    "4": lambda: compute_bound_tokens(989e12, 50e9),  # tokens per GPU: H100 across nodes, 50 GB/s
+    "5": lambda: 2 * 7 * 1000,                        # alpha terms: 1,000 tensors, N = 8, one each
+    "6": lambda: 1,                                   # all-reduces per step, 8 micro-batches, no_sync
+    "7": lambda: (1 / (2 * 10)) / (1 / 40),           # weight of a token in a 10-token micro-batch
 }
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
@@ -133,28 +156,42 @@ MISTAKES = {
           (2 * 14.0, "2M: the ring's (N-1)/N left out")],
     "2": [(lambda: 2 * 7 / 8 * 14e9 / 900e9 * 1e3, "NVLink's 900 GB/s counts both directions: 450 each way")],
     "3": [(8 * 14.0, "the root sending to itself too: N M instead of (N-1) M")],
+    "4": [(lambda: compute_bound_tokens(989e12, 450e9),
+           "NVLink's 450 GB/s: across nodes each GPU has its own 50 GB/s NIC"),
+          (lambda: 989e12 / 50e9 * 3 / 2, "the whole step's 6 Psi FLOPs per token against the "
+           "all-reduce: only backward's 4 Psi can hide it")],
+    "5": [(7 * 1000, "only the reduce-scatter's N-1 steps: the all-gather has as many"),
+          (1000, "the ring's 2(N-1) steps per all-reduce left out")],
+    "6": [(8, "one all-reduce per micro-batch: that is what no_sync avoids")],
+    "7": [(1.0, "the naive and the true weights are the same only when every count is equal"),
+          ((1 / (2 * 30)) / (1 / 40), "a token on rank 1, with 30 tokens: it is weighed less")],
 }
-
-
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
     return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
 def bench(rank, world_size, sizes_bytes, repeats=5, algorithms=("ring", "library")):
-    """Median seconds per all-reduce for each size (fp32) and algorithm, measured in one run."""
+    """Seconds per all-reduce for each size (fp32) and algorithm, the algorithms interleaved.
+
+    Repeat by repeat the algorithms run in turns (the order alternating), so a burst of load
+    falls on both; ``out[f"{algorithm}:{size}"]`` is the median and ``...:all`` every repeat, in
+    order, so that repeat i of two algorithms is a pair (`labs.measure.intervals`)."""
     out = {}
     for nbytes in sizes_bytes:
         buf = torch.ones(nbytes // 4, device=launch.device())
+        times = {a: [] for a in algorithms}
         for algorithm in algorithms:
             allreduce(buf, algorithm)  # warm-up: connections, allocations
-            times = []
-            for _ in range(repeats):
+        for i in range(repeats):
+            for algorithm in (algorithms if i % 2 == 0 else algorithms[::-1]):
                 dist.barrier()
                 start = timing.now()
                 allreduce(buf, algorithm)
-                times.append(timing.now() - start)
-            out[f"{algorithm}:{nbytes}"] = statistics.median(times)
+                times[algorithm].append(timing.now() - start)
+        for algorithm in algorithms:
+            out[f"{algorithm}:{nbytes}"] = statistics.median(times[algorithm])
+            out[f"{algorithm}:{nbytes}:all"] = times[algorithm]
     return out
 
 

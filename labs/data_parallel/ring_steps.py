@@ -6,7 +6,8 @@ added to it, is a bit mask of those ranks (int64 sums are exact). The ring's `on
 each rank every chunk as it arrives; the trace keeps which chunk it was, whose inputs it holds
 and the bytes counted so far (`labs.measure.comm`). Nothing is taken from the algorithm's
 description: `draw` pictures the holdings the messages carried, so the picture cannot disagree
-with the run.
+with the run. `draw_schemes` sets the naive all-reduce beside the ring, each rank labelled with
+the bytes it sent, counted.
 
     python -m labs.data_parallel.ring_steps --world-size 4 --json
 """
@@ -99,6 +100,45 @@ def draw(traces):
             side.set_visible(False)
     fig.suptitle(f"Ring all-reduce on {n} ranks: how many ranks' inputs each chunk holds\n"
                  "(red: the chunk that arrived from the left neighbour in that step)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def draw_schemes(naive_sent, ring_sent, buffer_bytes):
+    """The two all-reduces side by side on N ranks placed on a circle, each rank labelled with the
+    bytes it sent (counted messages, one list per scheme): naive, every rank to rank 0 and back;
+    ring, each rank to its right neighbour only."""
+    import math
+    import matplotlib.pyplot as plt
+
+    n = len(ring_sent)
+    pos = [(math.sin(2 * math.pi * r / n), math.cos(2 * math.pi * r / n)) for r in range(n)]
+    fig, axes = plt.subplots(1, 2, figsize=(6.4, 3.6))
+    arrow = dict(arrowstyle="-|>", lw=1.6, shrinkA=17, shrinkB=17, mutation_scale=14)
+    for ax, title, sent in ((axes[0], "naive: all to rank 0, and back", naive_sent),
+                            (axes[1], "ring: each to its right neighbour", ring_sent)):
+        if sent is naive_sent:
+            for r in range(1, n):
+                ax.annotate("", pos[0], pos[r], arrowprops=dict(arrow, color="tab:orange",
+                                                                connectionstyle="arc3,rad=0.15"))
+                ax.annotate("", pos[r], pos[0], arrowprops=dict(arrow, color="tab:red",
+                                                                connectionstyle="arc3,rad=0.15"))
+        else:
+            for r in range(n):
+                ax.annotate("", pos[(r + 1) % n], pos[r],
+                            arrowprops=dict(arrow, color="tab:blue", connectionstyle="arc3,rad=-0.25"))
+        for r, (x, y) in enumerate(pos):
+            ax.add_patch(plt.Circle((x, y), 0.2, facecolor="0.92", edgecolor="k", zorder=3))
+            ax.text(x, y, str(r), ha="center", va="center", fontsize=11, zorder=4)
+            ax.text(1.5 * x, 1.42 * y, f"{sent[r] / buffer_bytes:.2g}M", ha="center",
+                    va="center", fontsize=10, color="k")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlim(-1.8, 1.8)
+        ax.set_ylim(-1.75, 1.75)
+        ax.set_aspect("equal")
+        ax.axis("off")
+    fig.suptitle(f"All-reduce on {n} ranks: bytes each rank sent (counted),\n"
+                 f"in units of its buffer M = {buffer_bytes:,} bytes", fontsize=10)
     fig.tight_layout()
     return fig
 
