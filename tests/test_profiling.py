@@ -247,6 +247,19 @@ def test_span_bytes_are_the_buckets(real):
     assert row["bytes"] == params and row["calls"] == int(row["calls"]) > 1
 
 
+def test_the_hand_fsdp_all_reduces_its_padded_buffers():
+    # on 2 ranks no unit needs padding and padded = unpadded; on 3 every unit pads, so a hand FSDP
+    # that forgot to pad would send the unpadded bytes and fail here (3 ranks on 2 cores: bytes only)
+    from labs import model as tiny
+    from labs.profiling import lab, targets
+    want = targets.fsdp_unit_bytes(tiny.build(targets.config()), 3)
+    assert want["padded"] > want["unpadded"]
+    r = lab.run("fsdp", 3, steps=1, warmup=1, memory=False, timeout=300)
+    for rk in r["ranks"]:
+        assert "gloo:reduce_scatter" not in rk["comm_by_op"]
+        assert rk["comm_by_op"]["gloo:all_reduce"]["bytes"] == want["padded"], rk["comm_by_op"]
+
+
 @pytest.mark.parametrize("args, message", [
     (("--lab", "tp", "--world-size", "3"), "divisible"),
     (("--lab", "3d", "--world-size", "2"), "multiple of 4"),

@@ -71,7 +71,52 @@ def test_snapshot_peak_is_the_accounting_peak_to_the_byte(tmp_path):
     live = memory_snapshot.replay(snap)
     assert memory_snapshot.replay_peak(snap) == rec.peak_bytes == ref.peak_bytes
     assert live[0] == rec.baseline_bytes and live[-1] == rec.end_bytes
+    assert memory_snapshot.lost(snap, rec) == []
+    assert len(snap["device_traces"][0]) == 2 * rec.allocations + 3 * rec.frees
     actions = {e["action"] for e in snap["device_traces"][0]}
     assert actions == {"segment_alloc", "alloc", "free_requested", "free_completed", "segment_free"}
     assert all(b["state"] == "active_allocated" for s in snap["segments"] for b in s["blocks"])
     assert any(e["frames"][0]["name"].startswith("aten.mm") for e in snap["device_traces"][0])
+
+
+def _without_transients(snap):
+    """The snapshot with every block that is allocated and freed on one side of the peak dropped:
+    start, end and peak unchanged, most of the events gone."""
+    events = snap["device_traces"][0]
+    live, best, at = memory_snapshot.replay(snap)[0], None, None
+    born, gone = {}, {}
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live += e["size"]
+            born[e["addr"]] = i
+        elif e["action"] == "free_completed":
+            live -= e["size"]
+            gone[e["addr"]] = i
+        if e["action"] in ("alloc", "free_completed") and (best is None or live > best):
+            best, at = live, i
+    drop = {a for a, i in born.items() if a in gone and (gone[a] < at or i > at)}
+    kept = [e for e in events if e["addr"] not in drop]
+    return {"segments": snap["segments"], "device_traces": [kept]}, len(drop)
+
+
+def test_a_snapshot_that_drops_short_lived_blocks_is_caught():
+    cfg = gpt.GPTConfig()
+    m = gpt.build(cfg, seed=0)
+    opt = torch.optim.AdamW(m.parameters())
+    x, y = gpt.synthetic_batch(cfg, 4, seed=0)
+    _step(m, opt, x, y)
+    with memory_snapshot.Recorder(m, opt) as rec:
+        _step(m, opt, x, y)
+    snap = rec.snapshot()
+    thin, dropped = _without_transients(snap)
+    live = memory_snapshot.replay(thin)
+    assert dropped > 0
+    # start, end and peak alone cannot see it ...
+    assert (live[0], live[-1], max(live)) == (rec.baseline_bytes, rec.end_bytes, rec.peak_bytes)
+    # ... the event count and the whole curve can
+    problems = memory_snapshot.lost(thin, rec)
+    assert any("events" in p for p in problems) and any("curve" in p for p in problems), problems
+    # a file that keeps every block but drops the segment events fails on the count alone
+    bare = [e for e in snap["device_traces"][0] if e["action"] != "segment_free"]
+    problems = memory_snapshot.lost({"segments": snap["segments"], "device_traces": [bare]}, rec)
+    assert len(problems) == 1 and "events" in problems[0], problems

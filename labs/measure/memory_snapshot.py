@@ -18,13 +18,16 @@ On the CPU there is no caching allocator to ask, so `Recorder` writes the same f
 book's own storage accounting (`labs.measure.memory.PeakMemory`): every storage an ATen operator
 makes is one block in its own segment, allocated when the operator returns it and freed when
 Python frees it, and the frame is the operator that made it. The snapshot's peak (`replay_peak`,
-the viewer's replay done in Python) is the accounting's ``peak_bytes`` to the byte.
+the viewer's replay done in Python) is the accounting's ``peak_bytes`` to the byte, and `lost`
+checks more than the peak: the event count (2 per allocation, 3 per free) and the whole replayed
+curve against the accounting's own running totals, so a file that drops a short-lived block fails.
 
     with memory_snapshot.Recorder(model, optimizer) as rec:
         loss = model(x, y); loss.backward(); optimizer.step()
     rec.snapshot()                 # {"segments": [...], "device_traces": [[...]]}
     rec.dump("snapshot.pickle")    # the file `_dump_snapshot` would write
     replay_peak(rec.snapshot()) == rec.peak_bytes
+    lost(rec.snapshot(), rec) == []   # what the file lost against the accounting: nothing
 
 Addresses are the recorder's own (one counter, never reused), not the machine's: the viewer needs
 them only to pair an allocation with its free. No allocator rounding, no cache of freed blocks:
@@ -48,6 +51,13 @@ class Recorder(PeakMemory):
         self.addr = {}              # storage key -> (address, bytes, frames)
         self._next = itertools.count(1)
         self._segments = None
+        self.totals = []            # PeakMemory's live bytes after each change it made, in order
+        self.allocations = self.frees = 0   # the changes the accounting saw, by kind
+
+    def _change(self, delta):
+        super()._change(delta)
+        if delta:
+            self.totals.append(self.baseline_bytes + self.net)
 
     def _frames(self, baseline):
         name = "(held when recording started)" if baseline else (self._op or "?")
@@ -77,10 +87,12 @@ class Recorder(PeakMemory):
         known = key in self.live
         super()._track(storage, baseline)
         if not known and (self._active or baseline):
+            self.allocations += not baseline
             self._alloc(key, storage.nbytes(), baseline)
 
     def _freed(self, key):
         if self._active and key in self.live and key in self.addr:
+            self.frees += 1
             self._free(key)
         super()._freed(key)
 
@@ -89,7 +101,10 @@ class Recorder(PeakMemory):
         entry = self.live.get(key)
         if entry is not None and key in self.addr and storage.nbytes() != entry[1]:
             self._free(key)                       # a resize: the old block goes, a new one comes
+            self.frees += 1
             if storage.nbytes():
+                self.totals.append(self.baseline_bytes + self.net - entry[1])   # between the two
+                self.allocations += 1
                 self._alloc(key, storage.nbytes(), baseline=False)
         super()._resized(storage)
 
@@ -146,6 +161,37 @@ def replay(snapshot, device=0):
         else:
             continue
         out.append(live)
+    return out
+
+
+def _steps(curve):
+    """The curve without repeated neighbours (a zero-byte block moves nothing)."""
+    return [x for i, x in enumerate(curve) if i == 0 or x != curve[i - 1]]
+
+
+def lost(snapshot, recorder, device=0):
+    """What the file lost against the `Recorder` that wrote it, one sentence per difference; [] when
+    nothing. Checked: the number of events (2 per allocation, 3 per free the accounting counted),
+    and the whole replayed curve against the accounting's running totals, start, end and peak
+    included. A file that drops a block alive only between two other events keeps its start, end
+    and peak, and fails here."""
+    events = snapshot["device_traces"][device]
+    out = []
+    want = 2 * recorder.allocations + 3 * recorder.frees
+    if len(events) != want:
+        out.append(f"{len(events)} events, not 2 x {recorder.allocations} allocations "
+                   f"+ 3 x {recorder.frees} frees = {want}.")
+    live = replay(snapshot, device)
+    ends = (live[0], live[-1], max(live))
+    if ends != (recorder.baseline_bytes, recorder.end_bytes, recorder.peak_bytes):
+        out.append(f"start, end, peak {ends} are not the accounting's "
+                   f"{(recorder.baseline_bytes, recorder.end_bytes, recorder.peak_bytes)}.")
+    curve, totals = _steps(live), _steps([recorder.baseline_bytes] + recorder.totals)
+    if curve != totals:
+        first = next((i for i, (a, b) in enumerate(zip(curve, totals)) if a != b),
+                     min(len(curve), len(totals)))
+        out.append(f"the replayed curve ({len(curve)} steps) leaves the accounting's "
+                   f"({len(totals)} steps) at step {first}.")
     return out
 
 

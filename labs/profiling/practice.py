@@ -20,7 +20,9 @@ loop's phases (forward, backward, optimizer) so they show as spans in the trace 
 Each rank writes its own file, with its own process id; a practitioner reading a multi-rank run
 merges them (`merge_traces`): every event of rank r gets pid r and the process is named "rank r".
 The ranks' timestamps come from one clock on one machine (the same host here); across machines the
-clocks differ by their offset, which a merge must subtract first (HTA aligns on the first collective).
+clocks differ by their offset, which a merge must subtract first. HTA 0.5.0 does not: it subtracts
+one timestamp, the earliest of all ranks, from every rank (`Trace._align_all_ranks`), so it too
+assumes the ranks share a clock.
 """
 import glob
 import gzip

@@ -42,6 +42,17 @@ def config(n_layer=4):
     return tiny.GPTConfig(vocab_size=256, seq_len=64, n_layer=n_layer, n_head=4, hidden=128)
 
 
+def fsdp_unit_bytes(net, world_size, elem=4):
+    """The hand FSDP's all-reduce bytes per step (its reduce-scatters, which gloo runs as all-reduces
+    of the whole buffer): each unit's flat buffer, padded and not padded to a multiple of the ranks.
+    Units: one per block, the root the rest. The two differ only where some unit's element count is
+    not a multiple of ``world_size`` (on 3 ranks, every unit of `config`'s model)."""
+    units = [sum(p.numel() for p in blk.parameters()) for blk in net.blocks]
+    units.append(sum(p.numel() for p in net.parameters()) - sum(units))
+    return {"padded": elem * sum(-(-n // world_size) * world_size for n in units),
+            "unpadded": elem * sum(units)}
+
+
 def check(lab, world_size, microbatches=4):
     """Refuse, in one sentence and before any rank starts, a lab the world size cannot run."""
     if lab not in LABS:
