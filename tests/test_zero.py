@@ -43,6 +43,10 @@ def test_bytes_held_and_sent_equal_the_formulas(world_size, two_ranks, three_ran
         for r in (r[key] for r in results):
             assert r["comm_kind"] == "counted messages"   # hand rings: every message counted as sent
             assert r["held"]["total"] == stages.formula_bytes(stage, padded, world_size), key
+            # every storage reachable from the model, optimizer and HandFSDP is counted, or is a
+            # step counter or a module buffer: nothing held outside the listed categories
+            held = r["held"]
+            assert held["reachable"] == held["total"] + held["step_counters"] + held["buffers"], key
             want = stages.formula_comm(stage, padded, world_size, key == "1-allreduce")
             assert r["comm_bytes_per_step"] == want, key
             assert r["grad_rel_error_vs_single_process"] < GRAD_TOL, key
@@ -193,3 +197,25 @@ def test_prefetch_layout_keeps_durations_and_holds_two_blocks():
         for lane in (("ag", "rs"), ("fwd", "bwd")):
             spans = sorted((s, e) for _, k, s, e in out if k in lane)
             assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
+
+
+def test_reachable_bytes_sees_a_copy_held_bytes_does_not_list():
+    net = torch.nn.Linear(8, 8)
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    held = stages.held_bytes(net, opt)
+    assert stages.reachable_bytes(net, opt) == held["total"] + held["step_counters"]
+    net.cache = net.weight.detach().clone()     # a leak: a full copy kept in another attribute
+    assert stages.held_bytes(net, opt)["total"] == held["total"]
+    assert stages.reachable_bytes(net, opt) == held["total"] + held["step_counters"] + 8 * 8 * 4
+
+
+def test_toy_gradient_check_refuses_a_skipped_all_reduce_and_a_wrong_average():
+    # the sharp check the unseen model is held to at N = 3 (the drift bound passes both mistakes)
+    from labs.zero import unseen_model as toy
+    want = toy.toy_reference(3, 1)["first_grad"]
+    alone = toy.toy_reference(1, 1)["first_grad"]     # rank 0's batch only: no all-reduce
+    assert toy.grad_error([(k, 0, g.reshape(-1)) for k, g in alone.items()], want) > 0.1
+    assert toy.grad_error([(k, 0, 3 * g.reshape(-1)) for k, g in want.items()], want) > 0.1
+    assert toy.grad_error([(k, 0, g.reshape(-1)) for k, g in want.items()], want) == 0

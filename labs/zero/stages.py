@@ -8,8 +8,8 @@ sends, with the ring's (N-1)/N factor and Psi bf16 elements (2 bytes each):
 - DDP (stage 0): all-reduce of the gradients, 2(N-1)/N * 2Psi bytes;
 - ZeRO-1 and 2: reduce-scatter of the gradients + all-gather of the updated weights: the same;
 - ZeRO-3: all-gather before forward, again before backward, reduce-scatter: 3(N-1)/N * 2Psi, 1.5x.
-With A micro-batches per step, DDP and ZeRO-1 still reduce once, ZeRO-2 reduce-scatters A times ((A+1)/2 x
-DDP), ZeRO-3 does all three A times (3A/2 x DDP): `accumulation`.
+With m micro-batches per step, DDP and ZeRO-1 still reduce once, ZeRO-2 reduce-scatters m times ((m+1)/2 x
+DDP), ZeRO-3 does all three m times (3m/2 x DDP): `accumulation`.
 
 Stages 0-2 are `sharded_optimizer.ShardedOptimizer` around ``torch.optim.Adam``, stage 3 `fsdp.HandFSDP`:
 this lab trains the tiny GPT under each and under FSDP2 (`run`, `all_stages`, `accumulation`, `fsdp2`),
@@ -20,6 +20,7 @@ run every collective as chapter 2's ring of point-to-point messages: their bytes
 """
 import contextlib
 import dataclasses
+import types
 
 import torch
 
@@ -74,6 +75,31 @@ def held_bytes(net, opt):
     out["total"] = sum(out.values())
     out["step_counters"] = memory.storage_bytes([t for t in state if t.dim() == 0], seen)
     return out
+
+
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+           str, bytes, int, float, torch.dtype, torch.device)
+
+
+def reachable_bytes(*roots):
+    """Bytes of every distinct storage reachable from ``roots`` (a tensor's ``.grad`` included)
+    through attributes, dicts, lists, tuples and sets, not through functions, modules or classes:
+    `held_bytes`'s cross-check. It sees a buffer `held_bytes` does not list (a gathered weight never
+    freed, a copy cached in an attribute); a tensor held only in a hook's closure it does not."""
+    seen, todo, tensors = set(), list(roots), []
+    while todo:
+        obj = todo.pop()
+        if obj is None or isinstance(obj, _OPAQUE) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        tensors += [obj, obj.grad] if torch.is_tensor(obj) else []
+        if isinstance(obj, dict):
+            todo += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+        elif hasattr(obj, "__dict__"):
+            todo += list(vars(obj).values())
+    return memory.storage_bytes(tensors)
 
 
 def _shard_grads(net, opt):
@@ -172,7 +198,8 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
     """Train with one stage; report bytes held between steps, the peak during the last step, bytes
     sent per step, and the distance to one process.
 
-    Result: numel, padded (the sharded element count, padding included), held (`held_bytes`),
+    Result: numel, padded (the sharded element count, padding included), held (`held_bytes`, with
+    the module's buffers and `reachable_bytes` of the model, optimizer and HandFSDP beside it),
     peak (`memory.PeakMemory.result` over the last step: zero_grad, forward, backward, step),
     comm_bytes_per_step and comm_ops_per_step (the last step's, from `labs.measure.comm`), comm_kind (what
     those bytes are: with ``collectives="hand"`` every collective is a hand ring of point-to-point
@@ -187,6 +214,7 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
     losses, tally, window = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives,
                                    after_first_backward=lambda: first.append(_shard_grads(net, opt)))
     held = held_bytes(net, opt)
+    held.update(buffers=memory.storage_bytes(net.buffers()), reachable=reachable_bytes(net, opt, hand))
     params = _working_weights(net, hand, cfg)
     reference, ref_grad = single_process(cfg, steps, batch_size, world_size, lr)
     padded = sum(b.padded for b in (opt.buckets if hand is None else hand.units))
@@ -233,11 +261,11 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, c
 
 
 def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None, collectives="hand"):
-    """Bytes each rank sends in one optimizer step that accumulates A micro-batches (dispute 3).
+    """Bytes each rank sends in one optimizer step that accumulates m micro-batches.
 
     DDP and ZeRO-1 reduce once per optimizer step (gradients accumulate locally, as under DDP's
     ``no_sync``); ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 also gathers the weights twice
-    every micro-batch. Result: {stage: {A: {"bytes_sent", "ops": {op: calls and bytes}}}}, keys as
+    every micro-batch. Result: {stage: {m: {"bytes_sent", "ops": {op: calls and bytes}}}}, keys as
     strings; the bytes are counted messages of the hand rings (``collectives="hand"``) or the
     formula bytes of the library's collectives ("library"), as in `run`.
     """

@@ -14,6 +14,7 @@ import torch
 from labs.dims import ParallelDims
 from labs.groups import device_mesh
 from labs.launcher import launch
+from labs.zero import stages
 from labs.zero.fsdp import HandFSDP, fully_shard_units
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
 
@@ -59,6 +60,8 @@ def toy_model():
 def toy_reference(world_size, steps=4, lr=1e-3, batch_size=2):
     """One process, fp32 master + bf16 compute, every rank's batch as one micro-batch of gradient
     accumulation (the sum of bf16 gradients, then / N): data parallelism's single-process twin.
+    Result: losses, params (the fp32 masters at the end) and first_grad ({name: the first step's
+    averaged fp32 gradient}, what `grad_error` holds each scheme's to).
 
     It runs on one intra-op thread, as each spawned rank does: CPU kernels split reductions (a
     LayerNorm's weight gradient) by thread, so another thread count rounds differently."""
@@ -74,7 +77,7 @@ def _toy_reference(world_size, steps, lr, batch_size):
     master = toy_model()
     work = toy_model().to(torch.bfloat16)        # the bf16 copy forward and backward use
     opt = torch.optim.Adam([p for p in master.parameters() if p.requires_grad], lr=lr)
-    losses = []
+    losses, first_grad = [], None
     for step in range(steps):
         losses.append([])
         for r in range(world_size):
@@ -86,10 +89,29 @@ def _toy_reference(world_size, steps, lr, batch_size):
             for m, w in zip(master.parameters(), work.parameters()):
                 m.grad = None if w.grad is None else (w.grad / world_size).float()
                 w.grad = None
+            if step == 0:
+                first_grad = {k: v.grad.clone() for k, v in master.named_parameters() if v.grad is not None}
             opt.step()
             for m, w in zip(master.parameters(), work.parameters()):
                 w.copy_(m)
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in master.named_parameters()}}
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in master.named_parameters()},
+            "first_grad": first_grad}
+
+
+def grad_error(pieces, reference_grad):
+    """Max |a rank's averaged gradient - one process's| over its pieces ((name, offset, gradient),
+    as `train_toy` reports them), relative to the largest gradient: a few 2^-8 for bf16 sums in
+    another order, about 1 for a replica that skipped the all-reduce or averaged with a wrong 1/N."""
+    return stages._grad_error(pieces, reference_grad)
+
+
+def _first_grads(net, opt, scheme):
+    """(name, offset, averaged gradient) for what this rank updates, between backward and step;
+    FSDP2's gradients are DTensors, gathered whole (a collective every rank calls)."""
+    if scheme == "fsdp2":
+        return [(k, 0, p.grad.full_tensor().reshape(-1).cpu()) for k, p in net.named_parameters()
+                if p.grad is not None]
+    return [(k, o, g.cpu()) for k, o, g in stages._shard_grads(net, opt)]
 
 
 SCHEMES = ("zero1", "zero2", "fsdp", "fsdp2")
@@ -100,7 +122,8 @@ def train_toy(rank, world_size, scheme, steps=4, lr=1e-3, batch_size=2):
     sharded optimizer), "fsdp" (this file) or "fsdp2". Result: losses (this rank's, per step),
     params ({name: full fp32 master weights}), unsharded_bytes_after_step (hand FSDP: bytes of
     full weights still allocated after the step, 0 when every unit freed its gather),
-    max_units_gathered (hand FSDP: the most units holding full weights at any moment)."""
+    max_units_gathered (hand FSDP: the most units holding full weights at any moment),
+    first_grads (the first step's averaged gradient of what this rank updates, for `grad_error`)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; use one of {', '.join(SCHEMES)}.")
     dev = launch.device()
@@ -117,12 +140,13 @@ def train_toy(rank, world_size, scheme, steps=4, lr=1e-3, batch_size=2):
         mesh = device_mesh(ParallelDims(dp=world_size), dev.type)["dp"]
         fully_shard_units(net, units, mesh, torch.bfloat16)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
-    losses = []  # this rank's loss at each step
+    losses, first = [], None  # this rank's loss at each step
     for step in range(steps):
         x, y, aux = toy_batch(step, rank, batch_size)
         opt.zero_grad()
         loss = net(x.to(dev), y.to(dev), use_aux=aux)
         loss.backward()
+        first = _first_grads(net, opt, scheme) if step == 0 else first
         opt.step()
         losses.append(loss.item())
     unsharded_bytes, most = 0, None
@@ -137,7 +161,7 @@ def train_toy(rank, world_size, scheme, steps=4, lr=1e-3, batch_size=2):
         params = {k: masters[v] if v in masters else v.detach().float() for k, v in net.named_parameters()}
     params = {k: v.cpu() for k, v in params.items()}
     return {"losses": losses, "params": params, "unsharded_bytes_after_step": unsharded_bytes,
-            "max_units_gathered": most}
+            "max_units_gathered": most, "first_grads": first}
 
 
 def train_toy_all(rank, world_size, steps=4):
