@@ -22,16 +22,17 @@ MAX_LINES = 320
 MAX_LOOSE = 3
 SHARED = {"labs.launcher", "labs.measure", "labs.formulas"}   # what every chapter uses
 TOP = {"labs.model", "labs.groups", "labs.dims"}      # the tiny model, the degrees, their process groups
-APPS = {"labs.gpu"}
+APPS = {"labs.gpu"}                                   # commands on top of the chapters; nothing imports them
 # A chapter that uses a later chapter's lab, each with the reason; the later one never imports it back
 # (test_a_later_chapter_used_earlier_never_imports_it_back).
 LATER_OK = {("labs.profiling", "labs.threed"): "chapter 15 profiles the 3D run that chapter 17 builds and "
-                                               "proves; chapter 17 uses nothing of chapter 15"}                                   # commands on top of the chapters; nothing imports them
+                                               "proves; chapter 17 uses nothing of chapter 15"}
 CHAPTERS = {"labs.memory_budget": 1, "labs.data_parallel": 2, "labs.zero": 3, "labs.tensor_parallel": 4,
             "labs.pipeline": 5, "labs.context_parallel": 6, "labs.expert_parallel": 7, "labs.precision": 8,
             "labs.recompute": 9, "labs.collectives": 10, "labs.hardware": 11, "labs.checkpointing": 12,
             "labs.failures": 13, "labs.planning": 14,
-            "labs.profiling": 15, "labs.puzzles": 16, "labs.threed": 17}
+            "labs.profiling": 15, "labs.puzzles": 16,
+            "labs.threed": 17}
 
 
 # ---- the graph ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Chapter 14: 3D and 4D training from the earlier chapters' pieces, equal to one process within the
+"""Chapter 17: 3D and 4D training from the earlier chapters' pieces, equal to one process within the
 derived drift bound; bytes per group counted against the prediction; broken layouts beyond the bound."""
 import pytest
 import torch

@@ -1,6 +1,7 @@
 """Chapter 17, training in 3D, equal to one process: the earlier chapters' pieces (ZeRO-1, Megatron's
-tensor parallelism, 1F1B, all-gather context parallelism) composed on one rank grid, trained against one
-process within a derived rounding bound, their bytes counted per group, and PyTorch's own 3D stack beside them.
+tensor parallelism, 1F1B, all-gather context parallelism) composed on one rank grid, trained against
+one process within a derived rounding bound, their bytes counted per group, and PyTorch's own 3D
+stack beside them.
 
 - `layout3d`: the degrees a 3D run (dp, tp, pp, cp) accepts, its data, one process's run, the bytes per group
 predicted.

@@ -1,4 +1,4 @@
-"""Chapter 14: drift or bug? The bound a correct layout's losses stay within, and broken layouts beyond it.
+"""Chapter 17: drift or bug? The bound a correct layout's losses stay within, and broken layouts beyond it.
 
 A correct layout runs one process's arithmetic with its sums in another order, so its loss at step
 t differs from one process's by about (first order in the unit roundoff u)

@@ -1,4 +1,4 @@
-"""Chapter 14: the layouts the 3D and 4D labs accept, their data, one process's run, the bytes predicted.
+"""Chapter 17: the layouts the 3D and 4D labs accept, their data, one process's run, the bytes predicted.
 
 A layout is a `labs.dims.ParallelDims` of four degrees, dp x pp x cp x tp = world_size (Llama 3's
 order, tp fastest), which checks them; `check` refuses one that does not divide the model, in one

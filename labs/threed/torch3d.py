@@ -1,4 +1,4 @@
-"""Chapter 14: the same 3D layout with PyTorch's own pieces, and an audit of what they send per group.
+"""Chapter 17: the same 3D layout with PyTorch's own pieces, and an audit of what they send per group.
 
 One 3D ``DeviceMesh`` (dims dp, pp, tp: the layout's grid, tp fastest, built by `labs.groups.device_mesh`),
 and on it, applied from outside to the plain tiny GPT's stage:

@@ -1,4 +1,4 @@
-"""Chapter 14: the tiny GPT trained on dp x tp x pp (and cp) processes, built from chapters 3 to 6's pieces.
+"""Chapter 17: the tiny GPT trained on dp x tp x pp (and cp) processes, built from chapters 3 to 6's pieces.
 
 Every rank takes its place on the layout's grid (`labs.dims.ParallelDims`, its process groups from
 `labs.groups`) and applies, from outside, to the plain model (`build_rank`):
