@@ -16,6 +16,7 @@ reverse; `tests/test_layout.py` checks it):
     collectives/      chapter 10         hardware/         chapter 11         checkpointing/   chapter 12
     failures/         chapter 13         planning/         chapter 14         profiling/       chapter 15
     puzzles/          chapter 16 (build it yourself: the reader's code graded on real ranks)
+    threed/           chapter 17 (training in 3D: the chapters' pieces composed, equal to one process)
     gpu/              the GPU recording command, on top of them all
 
 Every lab runs multi-process through `labs.launcher.launch` and returns a plain result dict that

@@ -107,9 +107,9 @@ NOT_AUDITED = {
         "labs.collectives.toolkit.rank_every", "labs.collectives.toolkit.rank_rs_then_ag",
         "labs.collectives.toolkit.rank_run"],
         "chapter 10: audited clean once by hand (2 ranks); left out of the test run for time"),
-    **dict.fromkeys(["labs.hardware.boundary.simulate", "labs.planning.torch3d.train",
-                     "labs.planning.train3d.train"],
-                    "chapters 11 and 14: 8-rank layouts, too slow under the audit on this machine"),
+    **dict.fromkeys(["labs.hardware.boundary.simulate", "labs.threed.torch3d.train",
+                     "labs.threed.train3d.train"],
+                    "chapters 11 and 17: 8-rank layouts, too slow under the audit on this machine"),
     "labs.pipeline.torch_pipelining.libraries": "torch.distributed.pipelining's own schedules: "
                                                 "not audited yet",
     "labs.context_parallel.jobs.lab": "chapter 6's notebook job, made of methods.check and hybrid.check, "

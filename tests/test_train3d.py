@@ -1,10 +1,10 @@
-"""Chapter 14: 3D and 4D training from the earlier chapters' pieces, equal to one process within the
+"""Chapter 17: 3D and 4D training from the earlier chapters' pieces, equal to one process within the
 derived drift bound; bytes per group counted against the prediction; broken layouts beyond the bound."""
 import pytest
 import torch
 
 from labs.dims import ParallelDims
-from labs.planning import drift, layout3d, torch3d, train3d
+from labs.threed import drift, layout3d, torch3d, train3d
 
 # The tests marked `numerics` compare floating-point results: `make test` runs them under
 # another CPU's rounding. The refusals run once.
@@ -114,7 +114,7 @@ def test_adam_drift_bounds_adams_answer_to_perturbed_gradients(decay):
 
 
 def test_bf16_has_no_useful_worst_case_bound_and_degrees_are_refused():
-    from labs.planning import rounding
+    from labs.threed import rounding
     assert rounding.gamma(256, drift.BF16) == float("inf")      # 256 u = 1: no bound at all
     assert rounding.gamma(64, drift.BF16) > 1000 * rounding.gamma(64, drift.FP32)
     for degrees, words in (({"tp": 3}, "heads"), ({"pp": 3}, "layers"), ({"cp": 3}, "zig-zag")):

@@ -1,5 +1,5 @@
 """Chapter 14, planning a real layout: a planner built from the earlier chapters' formulas, checked
-against published runs; then the layouts composed, trained and held to one process.
+against published runs. The layouts it plans are trained on real ranks in chapter 17 (`labs.threed`).
 
 The planner itself is torch-free, in `labs.formulas.planning` (the site runs it in the reader's browser);
 this package checks it and runs what it plans.
@@ -19,12 +19,4 @@ what the planner counts.
 - `flop_count`: DeepSeek-V3's TFLOP/s per GPU derived from its GPU hours, its FLOPs per token term by term.
 - `quiz`: the notes' readiness quiz, each question with a number answered by the planner or a chapter, and its
 checker.
-- `layout3d`: the degrees a 3D run (dp, tp, pp, cp) accepts, its data, one process's run, the bytes per group
-predicted.
-- `train3d`: the tiny GPT on dp x tp x pp and dp x cp x tp ranks from chapters 3-6's hand pieces, bytes
-counted per group.
-- `torch3d`: the same 3D layout with DeviceMesh, parallelize_module, fully_shard and pipelining, its bytes
-audited.
-- `rounding`: the first-order rounding bound of reordered sums, op by op, on one process's step.
-- `drift`: the loss bound a correct layout stays within, and broken layouts that leave it.
 """

@@ -89,7 +89,7 @@ def evaluate_recipe(recipe, table=None):
     out = {"recipe": recipe, "row": row, "fits": row["fits"], "tokens_per_gpu_s": tokens_per_gpu_s(recipe.job,
                                                                                                    row),
            "memory_gib": sum(row["memory"].values()) / GIB, "best": result["ranked"][:3],
-           "of": len(result["ranked"])}
+           "of": len(result["ranked"]), "result": result}
     if row["plan"].offload:                     # the 16-bit weights are 2 bytes per parameter of the shard
         need = offload.host_bytes(row["memory"]["weights"] / 2, recipe.job.cluster.gpus_per_node)
         out["host_gib"], out["host_fits"] = need / GIB, need <= recipe.job.cluster.host_bytes

@@ -11,8 +11,8 @@ Each is the chapter's own piece, applied from outside to the tiny GPT, unchanged
   one unit ahead (explicit prefetch, asynchronous unshard), the default waits for each in turn;
 - ``tp``: chapter 4's Megatron tensor parallelism over all ranks;
 - ``1f1b``, ``gpipe``: chapter 5's executor running the schedule on ``world_size`` stages;
-- ``3d``: chapter 14's tiny GPT on dp x tp x pp (tp = pp = 2) with ZeRO-1, every collective a
-  hand ring of counted messages (`labs.planning.train3d`).
+- ``3d``: chapter 17's tiny GPT on dp x tp x pp (tp = pp = 2) with ZeRO-1, every collective a
+  hand ring of counted messages (`labs.threed.train3d`).
 """
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from labs.data_parallel.hand_ddp import HandDDP
 from labs.launcher import launch
 from labs.formulas import schedules
 from labs.pipeline import executor
-from labs.planning import layout3d, train3d
+from labs.threed import layout3d, train3d
 from labs.tensor_parallel import megatron
 from labs.zero.fsdp import HandFSDP, fully_shard_units
 from labs.zero.sharded_optimizer import ShardedOptimizer

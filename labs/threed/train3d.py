@@ -1,4 +1,4 @@
-"""Chapter 14: the tiny GPT trained on dp x tp x pp (and cp) processes, built from chapters 3 to 6's pieces.
+"""Chapter 17: the tiny GPT trained on dp x tp x pp (and cp) processes, built from chapters 3 to 6's pieces.
 
 Every rank takes its place on the layout's grid (`labs.dims.ParallelDims`, its process groups from
 `labs.groups`) and applies, from outside, to the plain model (`build_rank`):
@@ -13,8 +13,8 @@ Every rank takes its place on the layout's grid (`labs.dims.ParallelDims`, its p
 Every collective runs as chapter 2's hand ring (`hand_ring.hand_collectives`), so every byte is a
 counted message, and each message's destination says which group carried it (`bytes_by_group`).
 
-    python -m labs.planning.train3d --dp 2 --tp 2 --pp 2 --json
-    python -m labs.planning.train3d --dp 2 --cp 2 --tp 2 --json
+    python -m labs.threed.train3d --dp 2 --tp 2 --pp 2 --json
+    python -m labs.threed.train3d --dp 2 --cp 2 --tp 2 --json
 """
 import os
 
@@ -31,7 +31,7 @@ from labs.launcher import launch
 from labs.measure import comm
 from labs.formulas import schedules
 from labs.pipeline import executor
-from labs.planning import layout3d
+from labs.threed import layout3d
 from labs.tensor_parallel import megatron
 from labs.zero.sharded_optimizer import ShardedOptimizer
 

@@ -1,4 +1,4 @@
-"""Chapter 14: the layouts the 3D and 4D labs accept, their data, one process's run, the bytes predicted.
+"""Chapter 17: the layouts the 3D and 4D labs accept, their data, one process's run, the bytes predicted.
 
 A layout is a `labs.dims.ParallelDims` of four degrees, dp x pp x cp x tp = world_size (Llama 3's
 order, tp fastest), which checks them; `check` refuses one that does not divide the model, in one
@@ -36,7 +36,7 @@ from labs.tensor_parallel import megatron
 AXES = ("dp", "tp", "pp", "cp")   # the degrees a 3D/4D run takes
 FP32 = 4
 # The chapter's run: 3 Adam steps of m = 2 micro-batches of b = 1 sequence per replica. Few tokens
-# keep the drift bound tight (it grows with the tokens a gradient adds up, `labs.planning.drift`).
+# keep the drift bound tight (it grows with the tokens a gradient adds up, `labs.threed.drift`).
 STEPS, LR, MICRO_BATCH, MICROBATCHES = 3, 1e-2, 1, 2
 # The variant trained with Adam's coupled weight decay (L2: lambda w added to the gradient before
 # the moments, torch.optim.Adam's weight_decay), the setting in which a gradient's scale shows.
@@ -83,7 +83,7 @@ def reference(cfg, dp, m, micro_batch, steps, lr, watch=None, weight_decay=0.0):
     weight decay ``weight_decay``, as torch.optim.Adam's).
 
     Returns the mean loss of every step. ``watch(net)``, if given, makes a context manager (a
-    `labs.planning.rounding.Rounding`) that is kept per step, with the loss's gradient ("grads") and
+    `labs.threed.rounding.Rounding`) that is kept per step, with the loss's gradient ("grads") and
     the gradient Adam sees ("adam_grads": plus weight_decay * w)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,11 +1,11 @@
-"""Chapter 14: drift or bug? The bound a correct layout's losses stay within, and broken layouts beyond it.
+"""Chapter 17: drift or bug? The bound a correct layout's losses stay within, and broken layouts beyond it.
 
 A correct layout runs one process's arithmetic with its sums in another order, so its loss at step
 t differs from one process's by about (first order in the unit roundoff u)
 
     B_t = F_t + sum_i |g_t,i| dw_t,i
 
-- F_t, reduction order in the forward: `labs.planning.rounding` adds up 2 gamma_K <|dL/dy|, |A||B|>
+- F_t, reduction order in the forward: `labs.threed.rounding` adds up 2 gamma_K <|dL/dy|, |A||B|>
   over the ops this layout reorders (`reordered`): the transformer blocks' matmuls under tp > 1;
   under cp > 1 also the head, the attention matmuls and softmax, and the mean of the cross
   entropy. dp and pp alone change no forward sum (each micro-batch runs the same ops).
@@ -40,7 +40,7 @@ is g + lambda w, whose direction the factor dp changes, and the same bug leaves 
 import torch
 
 from labs.dims import ParallelDims
-from labs.planning import layout3d, rounding, train3d
+from labs.threed import layout3d, rounding, train3d
 from labs.zero.adam_drift import adam_step_bound
 
 FP32, BF16 = 2.0 ** -24, 2.0 ** -8

@@ -1,4 +1,4 @@
-"""Chapter 14: how far two runs that add the same numbers in another order can be apart, op by op.
+"""Chapter 17: how far two runs that add the same numbers in another order can be apart, op by op.
 
 A layout computes what one process computes; only the order of its floating-point sums changes
 (a row-parallel matmul adds tp partial sums, context parallelism attends block by block, data

@@ -1,4 +1,4 @@
-"""Chapter 14: the same 3D layout with PyTorch's own pieces, and an audit of what they send per group.
+"""Chapter 17: the same 3D layout with PyTorch's own pieces, and an audit of what they send per group.
 
 One 3D ``DeviceMesh`` (dims dp, pp, tp: the layout's grid, tp fastest, built by `labs.groups.device_mesh`),
 and on it, applied from outside to the plain tiny GPT's stage:
@@ -15,7 +15,7 @@ TorchDispatchMode sees every c10d op and functional collective, with its process
 call's payload (the tensor it was called with) and ring formula bytes (`labs.formulas.costs`) land on
 the group they ran on.
 
-    python -m labs.planning.torch3d --dp 2 --tp 2 --pp 2 --json
+    python -m labs.threed.torch3d --dp 2 --tp 2 --pp 2 --json
 """
 from collections import defaultdict
 
@@ -30,7 +30,7 @@ from labs.launcher import launch
 from labs.formulas import costs
 from labs.measure import comm
 from labs.pipeline.executor import cross_entropy, split
-from labs.planning import layout3d
+from labs.threed import layout3d
 from labs.tensor_parallel import megatron
 
 SILENT = {"c10d.recv_.default", "_c10d_functional.wait_tensor.default",
