@@ -163,6 +163,14 @@ def test_the_lab_measures_what_the_calculator_says_on_three_ranks():
         assert len({r["recipes"][name]["param_checksum"] for r in results}) == 1
     for row in results[0]["activations"]:
         assert row["measured"] == row["formula"] + row["layernorm_stats"]
+    # gloo's wire at N = 3, where a ring differs from a direct exchange: every rank's bytes
+    # summed equal gloo's ring model (its 2(N-1)M plus each message's preambles) exactly
+    for name in ("mixed", "fp32", "mixed_fp32_accum"):
+        wires = [r["recipes"][name]["allreduce_wire_bytes"] for r in results]
+        assert None not in wires or sys.platform != "linux", name  # gloo's wire is readable
+        if None not in wires:
+            sizes = results[0]["recipes"][name]["allreduce_sizes"]
+            assert sum(wires) == budget.gloo_wire_all_ranks(sizes, 3), name
     for name, rows in results[2]["llama_activations"].items():
         assert [r["measured"] for r in rows] == [r["formula"] for r in rows], name
 
@@ -224,6 +232,33 @@ def test_memory_over_two_steps_adds_up_to_the_peak_and_peaks_where_the_page_says
         "weights": 2.0, "gradients": 2.0, "optimizer_state": 12.0}
     assert not any(tl["optimizer_state"][:phase["optimizer 1"]])
     assert phase["backward 2"] <= tl["peak_index"] < phase["optimizer 2"]
+
+
+def test_where_the_step_peaks_depends_on_zero_grad_but_the_bound_holds():
+    """With gradients freed between steps (torch.optim's default, set_to_none=True) and b = 1 the
+    highest point is step 1's optimizer step, not step 2's backward: "the peak sits at the start of
+    backward" is not a rule. What holds in every setting is 16 bytes of state plus the most that
+    activations and temporaries take at once; freed gradients are still counted as gradients."""
+    from labs.memory_budget import step_memory
+    for b, to_none in ((2, False), (1, True), (2, True)):
+        tl = step_memory.step_timeline(steps=2, batch_size=b, cfg=model.GPTConfig(n_layer=1),
+                                       set_to_none=to_none)
+        phase, i = dict(tl["phases"]), tl["peak_index"]
+        assert tl["peak_bytes"] / tl["numel"] <= 16 + max(tl["other"]) / tl["numel"] + 1e-12
+        if to_none:  # step 1's gradients are marked gradients until they are freed
+            assert tl["gradients"][phase["optimizer 1"]] == tl["gradients"][-1]
+            assert tl["gradients"][phase["backward 2"]] == 0
+        if (b, to_none) == (1, True):
+            assert phase["optimizer 1"] <= i < phase["forward 2"]
+
+
+def test_torch_adam_keeps_no_master_copy_on_bf16_weights():
+    """Measured, not built: torch.optim.Adam on bf16 weights keeps bf16 m and v and one fp32 step
+    per parameter tensor (torch/optim/adam.py, _init_group): 2 + 2 + 4 bytes plus the steps, not 16."""
+    r = recipes.weigh_torch_adam(cfg=model.GPTConfig(n_layer=1))
+    assert r["held"]["optimizer_state"] == 4 * r["numel"] + 4 * r["tensors"]
+    assert r["held"]["total"] < 16 * r["numel"]
+    assert r["dtypes"] == ["exp_avg bfloat16", "exp_avg_sq bfloat16", "step float32"]
 
 
 def test_activations_pass_the_state_where_the_bisection_says():

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from labs.measure import comm, exercises, memory
+from labs.measure import comm, exercises, memory, wire
 from labs.launcher import launch
 from labs import model as tiny
 from labs.memory_budget import recipes as mixed_precision  # `recipes` names a parameter below
@@ -51,9 +51,11 @@ def data_parallel_step(cfg, recipe, rank, batch_size):
     opt = mixed_precision.prepare(net, recipe)
     x, y = tiny.synthetic_batch(cfg, batch_size, seed=rank, device=dev)  # each rank its own data
     net(x, y).backward()
+    sizes = []  # (bytes, element size) of each all-reduce, for gloo's wire model
     with comm.counting(wire=True) as tally:  # wire: what gloo wrote to its sockets, per call
         for p in net.parameters():  # the gradient the optimizer will read
             g = p.main_grad if opt.recipe.grad_buffer else p.grad
+            sizes.append((g.numel() * g.element_size(), g.element_size()))
             comm.all_reduce(g)
             g.div_(torch.distributed.get_world_size())
     opt.step()
@@ -65,6 +67,7 @@ def data_parallel_step(cfg, recipe, rank, batch_size):
             "allreduce_payload_bytes": tally.payload_bytes,
             "allreduce_formula_bytes": tally.formula_bytes_sent, "allreduce_calls": tally.calls("all_reduce"),
             "allreduce_wire_bytes": tally.wire_bytes_sent if not tally.wire_missing else None,
+            "allreduce_sizes": sizes,
             "param_checksum": checksum, "cuda_peak_bytes": memory.cuda_peak_bytes()}
 
 
@@ -76,6 +79,15 @@ def measure(rank, world_size, recipes=tuple(mixed_precision.RECIPES), shapes=((1
     act_cfg = tiny.GPTConfig(dropout=0.1)  # the GPT-3 formula assumes dropout everywhere
     return {"recipes": result, "activations": measure_activations(act_cfg, shapes, device=launch.device()),
             "llama_activations": measure_llama(shapes, device=launch.device())}
+
+
+def gloo_wire_all_ranks(sizes, world_size):
+    """Bytes all ranks together write for these all-reduces under gloo's ring, from gloo's source.
+
+    ``sizes``: (bytes, element size) per call, as `data_parallel_step` records them. The model is
+    `labs.measure.wire.gloo_allreduce_all_ranks`: the ring's 2(N-1)M and every message's preambles.
+    """
+    return sum(wire.gloo_allreduce_all_ranks(nbytes, world_size, es) for nbytes, es in sizes)
 
 
 def state_gb(model, world_size, zero_stage, recipe="mixed"):

@@ -13,7 +13,8 @@ per sequence, b sequences, hidden h and vocabulary V:
                          (plus the loss and total weight, 8 bytes, and a copy of the targets, 8sb,
                          when they arrive as a non-contiguous slice, as `synthetic_batch`'s do)
 
-At a 128K vocabulary (Llama 3: V = 128,256; Llama Team 2024, arXiv 2407.21783, §3.2 and Table 3)
+At a 128K vocabulary (Llama Team 2024, arXiv 2407.21783, §3.2 and Table 3, which prints 128,000;
+V = 128,256 is the released Llama 3 config's vocab_size)
 the 4sbV kept for backward is, at s = 8192, about as much as a whole Llama block keeps: `at_scale`.
 Vocabulary-parallel cross-entropy (Megatron, chapter 4) divides all of it by tp; fused or chunked
 cross-entropy kernels never write the fp32 copies.

@@ -10,6 +10,9 @@ optimizer.
 """
 
 import torch
+
+from labs import model as tiny
+from labs.measure import memory
 from labs.formulas.memory import (  # the formulas' home is the torch-free core
     FP32 as FP32, RECIPES as RECIPES, Recipe as Recipe, recipe as recipe)
 
@@ -78,3 +81,24 @@ def prepare(model, name, lr=1e-3):
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
             p.register_post_accumulate_grad_hook(_accumulate_into_buffer(r))
     return Adam(model.parameters(), r, lr=lr)
+
+
+def weigh_torch_adam(cls="Adam", cfg=None, batch_size=2):
+    """Weigh ``torch.optim.Adam`` (or ``AdamW``) after one step on the tiny GPT in bf16: a measurement.
+
+    torch's Adam keeps no master copy: its ``exp_avg`` and ``exp_avg_sq`` are ``zeros_like(p)``,
+    in the parameter's dtype, and ``step`` is one fp32 scalar tensor per parameter tensor
+    (torch/optim/adam.py, ``_init_group``, torch 2.13). Returns bytes by kind (`memory.state_bytes`),
+    ``numel``, ``tensors`` (parameter tensors) and ``dtypes`` of the state, as torch made them.
+    """
+    cfg = cfg or tiny.GPTConfig()
+    net = tiny.build(cfg, seed=0).to(torch.bfloat16)
+    opt = getattr(torch.optim, cls)(net.parameters(), lr=1e-3)
+    x, y = tiny.synthetic_batch(cfg, batch_size, seed=0)
+    net(x, y).backward()
+    opt.step()
+    params = list(net.parameters())
+    dtypes = sorted({f"{k} {v.dtype}".replace("torch.", "") for s in opt.state.values()
+                     for k, v in s.items()})
+    return {"held": memory.state_bytes(net, opt), "numel": sum(p.numel() for p in params),
+            "tensors": len(params), "dtypes": dtypes}

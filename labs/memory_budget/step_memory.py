@@ -4,7 +4,11 @@
 `labs.measure.memory.PeakMemory` (the book's live-storage high-water mark) and records, after every
 ATen operator, the live bytes of each kind: the bf16 weights, the gradients, the optimizer's fp32
 state (master copy, Adam's m and v) and everything else (activations and the step's temporaries).
-The optimizer is built when the first step runs, as ``torch.optim.Adam`` creates its state lazily.
+The optimizer is built when the first step runs, as ``torch.optim.Adam`` creates its state lazily
+(its contents are the recipe's: fp32 master, m and v; torch's own Adam keeps m and v in the weights'
+dtype and no master copy, `recipes.weigh_torch_adam`). Between steps the gradients are zeroed in
+place (the `mixed` recipe keeps its buffers, ``zero_grad(set_to_none=False)``) or, with
+``set_to_none=True``, freed as ``torch.optim``'s ``zero_grad`` does by default since torch 2.0.
 
 `crossover_seq` is a formula: the sequence length at which a Llama model's activations (all L
 layers, micro-batch 1) pass its 16-byte model state.
@@ -19,7 +23,8 @@ from labs.formulas.shape import ModelShape
 from labs.measure import memory
 from labs.memory_budget import recipes
 
-# Llama Team 2024 (arXiv 2407.21783), Table 3: 8B and 70B shapes, 128K vocabulary, 8 KV heads.
+# Llama Team 2024 (arXiv 2407.21783), Table 3: 8B and 70B shapes, 8 KV heads, a vocabulary of
+# 128K (Table 3 prints 128,000); V = 128,256 is the released config's vocab_size.
 LLAMA3 = {
     "Llama 3 8B": ModelShape("Llama 3 8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
                              vocab=128256, seq=8192),
@@ -50,14 +55,14 @@ class _Lifetimes(memory.PeakMemory):
         super()._freed(key)
 
 
-def step_timeline(steps=2, batch_size=8, recipe="mixed", cfg=None):
+def step_timeline(steps=2, batch_size=8, recipe="mixed", cfg=None, set_to_none=False):
     """Live bytes by kind after every operator of ``steps`` training steps, and the phase marks.
 
     Returns {"weights", "gradients", "optimizer_state", "other"}: lists, one value per operator
     (weights: the parameters' storages; other: activations, temporaries, the batch, the buffers);
     "phases": [(name, first operator index)]; "peak_bytes" (PeakMemory's own high-water mark) and
     "peak_index" (where the curve reaches it); "numel"; "end": bytes per parameter of each kind when
-    the last step ends.
+    the last step ends. ``set_to_none``: free the gradients between steps instead of zeroing them.
     """
     cfg = cfg or tiny.GPTConfig()
     net = tiny.build(cfg, seed=0)
@@ -76,17 +81,22 @@ def step_timeline(steps=2, batch_size=8, recipe="mixed", cfg=None):
             if opt is None:  # created at the first step, as torch.optim.Adam does
                 opt = recipes.Adam(net.parameters(), r)
             opt.step()
-            if step < steps:
-                opt.zero_grad()
+            if step < steps and not set_to_none:
+                opt.zero_grad()  # in place: the gradient storages stay allocated
+            elif step < steps:
+                for p in net.parameters():  # mark them gradients before they are freed
+                    mem._open[p.grad.untyped_storage()._cdata].append("gradients")
+                    p.grad = None
         grads = {p.grad.untyped_storage()._cdata for p in net.parameters()}
         state = {t.untyped_storage()._cdata for t in opt.state_dict_tensors()}
         n = len(mem.timeline)
         kinds = {k: [0] * n for k in ("gradients", "optimizer_state", "other")}
-        for key, first, last, nbytes in mem.spans:
+        for key, first, last, nbytes, *tag in mem.spans:
             # a storage alive at the end is classified by what holds it then; keys of freed
-            # storages may have been reused, so they are never looked up
-            kind = ("other" if last is not None else "gradients" if key in grads else
-                    "optimizer_state" if key in state else "other")
+            # storages may have been reused, so they are never looked up (freed gradients are
+            # tagged when they are freed)
+            kind = (tag[0] if tag else "other" if last is not None else "gradients" if key in grads
+                    else "optimizer_state" if key in state else "other")
             kinds[kind][first] += nbytes  # differences here, summed below
             if last is not None and last < n:
                 kinds[kind][last] -= nbytes

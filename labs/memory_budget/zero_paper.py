@@ -32,8 +32,9 @@ def offload_seconds(psi, link):
 
 # ZeRO paper (Rajbhandari et al. 2019), Table 1: GB per device (K = 12) by DP degree, for three
 # model sizes, the published values. Stage 1 = P_os, 2 = P_os+g, 3 = P_os+g+p. The columns print
-# by different rules: 7.5B rounds half up to three significant figures (41.25 -> 41.3, 30.35 ->
-# 30.4); 128B and 1T truncate (513.5 -> 513, 4187.5 -> 4187, 15.625 -> 15.6).
+# by different rules, each entry at its own printed decimal places (`matches_paper` quantizes to
+# them): 7.5B rounds half up (41.25 -> 41.3, 0.46875 -> 0.47); 128B and 1T truncate (513.5 -> 513,
+# 4187.5 -> 4187, 15.625 -> 15.6).
 ZERO_PAPER_DP = [1, 4, 16, 64, 256, 1024]
 ZERO_PAPER_COLUMNS = {
     "7.5B": {"psi": 7.5e9, "printing": "round",
@@ -63,8 +64,8 @@ def zero_table1(psi=ZERO_PAPER_PSI):
 
 
 def matches_paper(computed, published, printing="round"):
-    """Equal at the precision the paper prints each value, by the column's rule: "round" (half up,
-    41.25 -> 41.3) or "truncate" (toward zero, 513.5 -> 513)."""
+    """Equal at the decimal places the paper prints each value with, by the column's rule: "round"
+    (half up, 41.25 -> 41.3) or "truncate" (toward zero, 513.5 -> 513)."""
     if printing not in ("round", "truncate"):
         raise ValueError(f"printing must be 'round' or 'truncate', got {printing!r}.")
     mode = ROUND_HALF_UP if printing == "round" else ROUND_DOWN
