@@ -196,7 +196,7 @@ def test_1f1b_stage_0_holds_all_layers_and_zb_h1_keeps_its_peak(runs):
         # p micro-batches of L/p layers on stage 0: L layers' worth, whatever p is
         assert one["activation_bytes_peak"][0] == p * first["activation_bytes_F"]
         assert one["activation_bytes_peak"][0] == cfg.n_layer * per_layer + p * indices
-        # ZB-H1 (Qi et al. §2.3): stage s holds (p - s) M_B + s M_W, below stage 0's p M_B
+        # ZB-H1 (Qi et al. §2.1; the counts in §2.3): stage s holds (p - s) M_B + s M_W, below stage 0's p M_B
         assert zb["activation_bytes_peak"] == [(p - s) * c[0]["activation_bytes_F"] + s
                                                * c[0]["activation_bytes_W"]
                                                for s, c in enumerate(zb["piece_costs"])]
