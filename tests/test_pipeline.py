@@ -196,7 +196,7 @@ def test_1f1b_stage_0_holds_all_layers_and_zb_h1_keeps_its_peak(runs):
         # p micro-batches of L/p layers on stage 0: L layers' worth, whatever p is
         assert one["activation_bytes_peak"][0] == p * first["activation_bytes_F"]
         assert one["activation_bytes_peak"][0] == cfg.n_layer * per_layer + p * indices
-        # ZB-H1 (Qi et al. §2.3): stage s holds (p - s) M_B + s M_W, below stage 0's p M_B
+        # ZB-H1 (Qi et al. §2.1; the counts in §2.3): stage s holds (p - s) M_B + s M_W, below stage 0's p M_B
         assert zb["activation_bytes_peak"] == [(p - s) * c[0]["activation_bytes_F"] + s
                                                * c[0]["activation_bytes_W"]
                                                for s, c in enumerate(zb["piece_costs"])]
@@ -241,3 +241,14 @@ def test_microbatches_to_halve_the_bubble_share():
     from labs.formulas import schedules
     for p, m in ((4, 12), (8, 8), (16, 48), (2, 1)):
         assert schedules.microbatches_to_halve(p, m) == 2 * m + p - 1, (p, m)
+
+
+def test_wall_bubble_counts_a_sleeps_overshoot_as_idle_not_busy():
+    # Two stages, one action each, padded to 1.0 s; stage 0's sleep overshoots by 0.3 s (a loaded
+    # machine), so stage 1 starts at 1.3 s. The dependencies force each stage to idle 1 s of 2:
+    # a bubble of at least 0.5. Busy as wall_end - wall_start (1.3 s) gave 1 - 1.3/2.3 = 0.43,
+    # below what any correct executor can idle; busy as the padded duration gives 1 - 1/2.3.
+    events = [[{"wall_start": 0.0, "wall_end": 1.3, "wall_work": 1.0}],
+              [{"wall_start": 1.3, "wall_end": 2.3, "wall_work": 1.0}]]
+    assert executor.wall_bubble(events) == pytest.approx(1 - 1.0 / 2.3)
+    assert executor.wall_bubble(events) >= 0.5

@@ -46,6 +46,17 @@ def test_llama3_405b_split_and_pace():
         sb.equal(sb.config(n_layer=7), 4)
 
 
+def test_llama3_405b_like_for_like_126_layers():
+    # The split's effect with the layer count held at 126: taking the short stages from the front
+    # leaves the last stage 8 layers plus the head, the slowest; Llama 3's split (one fewer on the
+    # last stage) is faster than that, and no faster than both short stages last. A comparison
+    # against the 128-layer split would credit the split with 2 layers' less work.
+    r = sb.llama3_405b(m=16, p=16)
+    first, llama, last = (r["splits"][k] for k in ("first_126", "llama3_126", "even_126"))
+    assert sum(first["layers"]) == sum(llama["layers"]) == sum(last["layers"]) == 126
+    assert first["slowest"] == [15] and first["step"] > llama["step"] >= last["step"]
+
+
 def test_time_splits_pairs_every_stage_of_both_splits():
     cfg = sb.config(hidden=64, n_layer=8)
     t = sb.time_splits(cfg, p=4, repeats=3)

@@ -113,12 +113,16 @@ class Executor:
             self.clock = start + self.cost[a.kind]
             # pad to a fixed duration per work unit (compute made uniform and dominant), then send:
             # the next stage gets its message when this action's work is done
-            time.sleep(max(0.0, self.cost[a.kind] * self.unit - (time.perf_counter() - wall0)))
+            worked = time.perf_counter() - wall0
+            time.sleep(max(0.0, self.cost[a.kind] * self.unit - worked))
             wall1 = time.perf_counter()
+            # busy: the padded duration (or the compute, if longer); a sleep's overshoot is idle
+            work = max(worked, self.cost[a.kind] * self.unit)
             self._finish_message(a, k)
             held = self.activations.held_bytes([e["store"] for e in self.saved.values()])
             self.events.append({"action": repr(a), "start": start, "end": self.clock,
-                                "wall_start": wall0, "wall_end": wall1, "activation_bytes": held})
+                                "wall_start": wall0, "wall_end": wall1, "wall_work": work,
+                                "activation_bytes": held})
             self.peak = max(self.peak, len(self.saved))
             self.peak_bytes = max(self.peak_bytes, held)
         for req in self.pending:
@@ -230,22 +234,28 @@ def summarize(results, schedule, m, v):
     p = len(results)
     total = max(r["clock"] for r in results)
     busy = results[0]["busy"]
-    t0 = min(e["wall_start"] for r in results for e in r["events"])
-    t1 = max(e["wall_end"] for r in results for e in r["events"])
-    wall_busy = max(sum(e["wall_end"] - e["wall_start"] for e in r["events"]) for r in results)
     formula = schedules.formula(schedule, p, m, v)
     layer = results[0]["layer"]
     return {"world_size": p, "schedule": schedule, "microbatches": m, "chunks": v,
             "max_abs_error_grad": max(r["max_abs_error_grad"] for r in results),
             "bubble_fraction": (total - busy) / total, "bubble_fraction_formula": formula["over_total"],
             "bubble_over_ideal": (total - busy) / busy, "bubble_over_ideal_formula": formula["over_ideal"],
-            "bubble_fraction_wallclock": 1 - wall_busy / (t1 - t0),
+            "bubble_fraction_wallclock": wall_bubble([r["events"] for r in results]),
             "peak_inflight": [r["peak_inflight"] for r in results],
             "message_bytes": results[0]["message_bytes"],
             "activation_bytes_peak": [r["activation_bytes_peak"] for r in results],
             "activation_layers_peak": [r["activation_bytes_peak"] / layer["activation_bytes_F"]
                                        for r in results],
             "layer": layer, "piece_costs": [r["piece_costs"] for r in results]}
+
+
+def wall_bubble(events):
+    """1 - busy / total over all ranks' wall-clock events. Busy is each action's padded duration
+    (``wall_work``), not wall_end - wall_start: a sleep that overshoots on a loaded machine is idle
+    time, and counting it as work would put the bubble below what the dependencies force."""
+    t0 = min(e["wall_start"] for evs in events for e in evs)
+    t1 = max(e["wall_end"] for evs in events for e in evs)
+    return 1 - max(sum(e["wall_work"] for e in evs) for evs in events) / (t1 - t0)
 
 
 @launch.on_cpu('the executor pads every action to a wall-clock time per work unit and sends its logical '

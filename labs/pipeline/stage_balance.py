@@ -170,7 +170,7 @@ def time_splits(cfg=None, p=4, batch_size=2, repeats=7):
 
 def llama3_405b(m=16, p=16):
     """Per-stage FLOPs per sequence of 8,192 tokens (formula, `compute.flops_per_token` per layer
-    at s = 8,192; head 6hV forward + backward; embedding 0) for three splits, and 1F1B on them.
+    at s = 8,192; head 6hV forward + backward; embedding 0) for four splits, and 1F1B on them.
 
     step: the simulated 1F1B step (F = 1/3, B = 2/3 of a stage's FLOPs); step_gpipe: GPipe's.
     bound: sum_s t_s + (m-1) max_s t_s, GPipe's step exactly (a flow shop of m identical jobs),
@@ -184,6 +184,7 @@ def llama3_405b(m=16, p=16):
     layer = seq * (3 * (2 * block + 4 * arch.hidden * seq))     # one layer, one sequence, F + B
     head = seq * 3 * 2 * arch.hidden * arch.vocab
     splits = {"equal_128": [8] * p,                              # the 16 x 8 the paper takes one from
+              "first_126": [7, 7] + [8] * (p - 2),               # as even as possible, short stages first
               "even_126": [8] * (p - 2) + [7, 7],                # as even as possible, short stages last
               # §3.3.2: one fewer, first and last
               "llama3_126": [len(s) for s in stage_layers(arch.layers, p)]}
