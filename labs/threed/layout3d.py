@@ -169,3 +169,12 @@ def crossing_bytes(cfg, dims, micro_batch, num_microbatches, seq, rank, ranks_pe
         else:
             out[axis] = predicted[axis] if away(ring[(i + 1) % len(ring)]) else 0
     return out
+
+
+def add_options(p, cli):
+    """The command-line options both 3D commands take: the four degrees and the run's size."""
+    for axis in AXES:
+        p.add_argument(f"--{axis}", type=cli.positive_int, default=1, help=f"{axis} degree (default 1)")
+    p.add_argument("--steps", type=cli.at_most(20, "steps of a tiny model"), default=STEPS)
+    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"), default=MICROBATCHES)
+    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"), default=MICRO_BATCH)

@@ -185,13 +185,7 @@ def main(argv=None):
     p = cli.parser("The 3D layout with DeviceMesh, parallelize_module, fully_shard and pipelining's 1F1B: "
                    "losses beside one process's, bytes per group beside the prediction.",
                    world_size_default=None)
-    for axis in ("dp", "tp", "pp", "cp"):
-        p.add_argument(f"--{axis}", type=cli.positive_int, default=1, help=f"{axis} degree (default 1)")
-    p.add_argument("--steps", type=cli.at_most(20, "steps of a tiny model"), default=layout3d.STEPS)
-    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"),
-                   default=layout3d.MICROBATCHES)
-    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"),
-                   default=layout3d.MICRO_BATCH)
+    layout3d.add_options(p, cli)
     args = cli.parse(p, argv)
     d = ParallelDims(**{a: getattr(args, a) for a in ("dp", "tp", "pp", "cp")})
     check(d, args.micro_batch, args.microbatches)

@@ -252,13 +252,7 @@ def main(argv=None):
     p = cli.parser("The tiny GPT on dp x tp x pp x cp processes (ZeRO-1, Megatron TP, 1F1B, all-gather CP), "
                    "its losses beside one process's and its bytes per group beside the prediction.",
                    world_size_default=None)
-    for axis in layout3d.AXES:
-        p.add_argument(f"--{axis}", type=cli.positive_int, default=1, help=f"{axis} degree (default 1)")
-    p.add_argument("--steps", type=cli.at_most(20, "steps of a tiny model"), default=layout3d.STEPS)
-    p.add_argument("--microbatches", type=cli.at_most(64, "micro-batches per step"),
-                   default=layout3d.MICROBATCHES)
-    p.add_argument("--micro-batch", type=cli.at_most(64, "sequences per micro-batch"),
-                   default=layout3d.MICRO_BATCH)
+    layout3d.add_options(p, cli)
     p.add_argument("--lr", type=cli.positive_float, default=layout3d.LR)
     args = cli.parse(p, argv)
     cfg, degrees = layout3d.config(), {a: getattr(args, a) for a in layout3d.AXES}
