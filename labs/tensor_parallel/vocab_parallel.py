@@ -121,9 +121,10 @@ def vocab_parallel_cross_entropy(logits, target, start, group=None, shift="max")
 
 # The shift before exp: the right one, and two named mistakes (a SUM of the ranks' maxima; none)
 SHIFTS = ("max", "sum", "none")
+LARGE_LOGIT = 1e3   # the largest logit of `large_logits`: far past where fp32 exp overflows (88.7)
 
 
-def large_logits(rank, world_size, b=2, s=8, vocab=96, scale=1e3, shifts=SHIFTS):
+def large_logits(rank, world_size, b=2, s=8, vocab=96, scale=LARGE_LOGIT, shifts=SHIFTS):
     """The loss on logits whose largest is ``scale`` (1e3: fp32 exp overflows past 88.7), beside
     `F.cross_entropy` on the whole logits, for each way of shifting them in ``shifts``.
 
