@@ -159,3 +159,19 @@ def test_ring_bandwidth_across_nodes_is_the_nodes_egress():
     assert tl.ring_bandwidth(4, 2) == 100e9
     with pytest.raises(ValueError, match="GPUs of the group per node"):
         tl.ring_bandwidth(2, 9)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_vocab_parallel_loss_shift_at_large_logits_refuses_the_named_mistakes(world_size):
+    # Logits near 1e3, where fp32 exp overflows (past 88.7): only the global MAX subtracted gives
+    # the unsharded loss. At O(1) logits both mistakes passed the checks above (same calls, same
+    # payloads, loss gaps < 1e-7); here a SUM of the ranks' maxima underflows every exp (-inf) and
+    # no shift overflows them (inf), so neither gives a finite loss.
+    for r in (x["vocab"]["large_logits"] for x in run(world_size)):
+        loss_gap, grad_gap = vp.gaps(r["max"])
+        assert loss_gap < 1e-6 and grad_gap < 1e-5, (loss_gap, grad_gap)
+        for mistake in ("sum", "none"):
+            assert not torch.isfinite(r[mistake]["loss"]), mistake
+            loss_gap, grad_gap = vp.gaps(r[mistake])
+            assert not loss_gap < 1e-6, mistake

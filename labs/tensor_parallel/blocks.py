@@ -4,7 +4,8 @@ Shoeybi et al. 2019 (arXiv 1909.08053); the layers, f and g and the column- and 
 linears, are `labs.tensor_parallel.megatron`. Here each tensor-parallel MLP and attention block
 runs beside the unsharded one (outputs, input gradient and every weight gradient, `check_block`),
 every all-reduce's payload is read from the tensor f or g hands to the collective (one per block
-in forward, one in backward, each of b*s*h elements: a measurement, not a size the lab set), the
+in forward, one in backward, each of b*s*h elements: the b, s, h the lab set, so what the reading
+shows is which tensor travels, the activation and not a weight), the
 tiny GPT trains under TP to one process's losses (`train`), PyTorch's DTensor plan gives the same
 (`dtensor_mlp`), and `layer_costs` sets one layer's all-reduce time beside its compute time at scale.
 

@@ -2,7 +2,8 @@
 
 A ring all-reduce is a reduce-scatter followed by an all-gather (Patarasuk and Yuan 2009). Move
 the all-gather from the end of one block to the start of the next and the block reads, in the
-sharded-matmul notation of Austin et al. (2025, *How to Scale Your Model*, Part 5):
+sharded-matmul notation of Austin et al. (2025, *How to Scale Your Model*, Part 3; Part 5 names
+B, D, F):
 
     X[(bs)_tp, h] -> all-gather -> X[bs, h] . W_in[h, (h_ff)_tp] -> Y[bs, (h_ff)_tp]
                  . W_out[(h_ff)_tp, h] -> Z[bs, h]{partial} -> reduce-scatter -> Z[(bs)_tp, h]

@@ -11,8 +11,9 @@ g is an all-reduce in forward and the identity in backward (after the row-parall
 all-reduce per block in forward, one in backward, each of b*s*h activation elements. Attention
 splits the same way: heads by column (the fused qkv keeps its q, k and v blocks per head), the
 output projection by rows. `apply_tensor_parallel` applies the split to the tiny GPT from outside
-(the model has no ``if tp:``). Every all-reduce's payload is recorded from the tensor f or g hands
-to the collective (`payloads`), so "b*s*h elements" is a measurement, not a size a lab set.
+(the model has no ``if tp:``). Every all-reduce's payload and shape are recorded from the tensor f
+or g hands to the collective (`payloads`). The lab sets b, s and h, so the size b*s*h is known in
+advance; what the record shows is which tensor travels: the activation, not a weight or the hidden.
 The lab that proves all of it is `labs.tensor_parallel.blocks`.
 """
 import contextlib

@@ -12,7 +12,9 @@ Rank i holds rows [i V/tp, (i+1) V/tp) of the embedding E (V x h) and of the hea
 - head: column-parallel (labs.tensor_parallel.megatron.ColumnParallelLinear, behind f), logits z_i of shape
   (b, s, V/tp): this rank's slice, never gathered;
 - loss, l = log sum_v exp(z_v) - z_t, with three all-reduces of b x s numbers each:
-  1. max_v z_v (MAX), subtracted so exp cannot overflow;
+  1. max_v z_v (MAX), subtracted so exp cannot overflow (fp32 exp overflows past z = 88.7; the check
+     runs the loss at logits near 1e3 as well, where a SUM of the ranks' maxima or no shift gives
+     -inf or nan: `large_logits`, with those two mistakes in `SHIFTS`);
   2. the target logit z_t (SUM: only the rank that owns t contributes a non-zero);
   3. sum_v exp(z_v - max) (SUM).
   Backward needs no communication: dl/dz_v = softmax_v - [v = t], each rank for its own slice.
@@ -82,10 +84,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss from the logits slice z_i (b, s, V/tp); three all-reduces of (b, s) in forward."""
 
     @staticmethod
-    def forward(ctx, logits, target, start, group):
+    def forward(ctx, logits, target, start, group, shift="max"):
         logits = logits.float()                               # the loss in fp32, as Megatron
         z_max = logits.max(dim=-1).values                     # (b, s)
-        comm.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)       # 1. global max
+        op = dist.ReduceOp.SUM if shift == "sum" else dist.ReduceOp.MAX  # "sum": a named mistake
+        comm.all_reduce(z_max, op=op, group=group)            # 1. global max
+        if shift == "none":                                   # a named mistake: nothing subtracted
+            z_max = torch.zeros_like(z_max)
         logits = logits - z_max.unsqueeze(-1)
         outside = (target < start) | (target >= start + logits.size(-1))
         local = (target - start).masked_fill(outside, 0)
@@ -103,12 +108,57 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local, outside = ctx.saved_tensors
         g = softmax.clone()
         g.scatter_add_(-1, local.unsqueeze(-1), -(~outside).unsqueeze(-1).to(g.dtype))  # - [v = t]
-        return g * grad.unsqueeze(-1), None, None, None
+        return g * grad.unsqueeze(-1), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, start, group=None):
-    """Per-token cross-entropy (b, s) from this rank's logits slice, whose first token id is ``start``."""
-    return _VocabParallelCrossEntropy.apply(logits, target, start, group)
+def vocab_parallel_cross_entropy(logits, target, start, group=None, shift="max"):
+    """Per-token cross-entropy (b, s) from this rank's logits slice, whose first token id is ``start``.
+
+    ``shift`` is "max" (the global maximum, subtracted before exp); "sum" and "none" are the two
+    mistakes `large_logits` shows the checks refuse."""
+    return _VocabParallelCrossEntropy.apply(logits, target, start, group, shift)
+
+
+# The shift before exp: the right one, and two named mistakes (a SUM of the ranks' maxima; none)
+SHIFTS = ("max", "sum", "none")
+LARGE_LOGIT = 1e3   # the largest logit of `large_logits`: far past where fp32 exp overflows (88.7)
+
+
+def large_logits(rank, world_size, b=2, s=8, vocab=96, scale=LARGE_LOGIT, shifts=SHIFTS):
+    """The loss on logits whose largest is ``scale`` (1e3: fp32 exp overflows past 88.7), beside
+    `F.cross_entropy` on the whole logits, for each way of shifting them in ``shifts``.
+
+    Returns shift -> {"loss", "loss_ref", "grad": (this rank's logit gradient, the unsharded one's
+    slice)}. With the global max subtracted the loss is finite and equal; a SUM of the ranks' maxima
+    shifts every logit far below 0 and exp underflows (-inf), no shift overflows exp (inf, nan).
+    """
+    dev = launch.device()
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(b, s, vocab, generator=g)
+    z = (z * (scale / z.abs().max())).to(dev)
+    target = torch.randint(vocab, (b, s), generator=g).to(dev)
+    ref = z.clone().requires_grad_()
+    loss_ref = F.cross_entropy(ref.flatten(0, 1), target.flatten())
+    loss_ref.backward()
+    start, end = vocab_range(vocab, world_size, rank)
+    out = {}
+    for shift in shifts:
+        local = z[..., start:end].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, target, start, None, shift).mean()
+        loss.backward()
+        out[shift] = {"loss": loss.detach().cpu(), "loss_ref": loss_ref.detach().cpu(),
+                      "grad": (local.grad.cpu(), ref.grad[..., start:end].cpu())}
+    return out
+
+
+def gaps(result):
+    """(relative loss gap, gradient gap relative to the largest) of one `large_logits` entry; nan or
+    inf when the loss is not finite, so that no bound accepts it."""
+    loss, ref = result["loss"].item(), result["loss_ref"].item()
+    local, full = result["grad"]
+    if not (torch.isfinite(result["loss"]) and torch.isfinite(local).all()):
+        return float("nan"), float("nan")
+    return abs(loss - ref) / abs(ref), ((local - full).abs().max() / full.abs().max()).item()
 
 
 def _full_layers(vocab, hidden):
@@ -161,7 +211,8 @@ def check(rank, world_size, b=2, s=8, hidden=16, vocab=96):
                              "unsharded": logits_ref.numel() * logits_ref.element_size()},
             "loss_saved_bytes": {"per_rank": saved.bytes, "unsharded": saved_ref.bytes},
             "params": {"per_rank": emb.weight.numel() + head.weight.numel(),
-                       "unsharded": emb_full.weight.numel() + head_full.weight.numel()}}
+                       "unsharded": emb_full.weight.numel() + head_full.weight.numel()},
+            "large_logits": large_logits(rank, world_size, b, s, vocab)}
 
 
 def logits_bytes_at_scale(b=1, s=8192, vocab=128256, tp=8, bytes_per_elem=4):
