@@ -115,8 +115,10 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     assert r["buckets"] > 1
     for mode in ("on", "off"):
         assert set(r[mode]) == {"step_s", "backward_s", "exposed_comm_s", "first_start_s", "timeline",
-                                "step_all_s"}
+                                "step_all_s", "backward_all_s", "exposed_all_s"}
         assert len(r[mode]["first_start_s"]) == len(r[mode]["step_all_s"]) == 2
+        assert r[mode]["backward_s"] == statistics.median(r[mode]["backward_all_s"])
+        assert r[mode]["exposed_comm_s"] == statistics.median(r[mode]["exposed_all_s"])
         # the paired times the chapter's interval is built from: the median is theirs
         assert r[mode]["step_s"] == statistics.median(r[mode]["step_all_s"])
     # off: every all-reduce starts after autograd's last gradient; on: the first bucket's starts

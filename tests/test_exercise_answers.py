@@ -38,12 +38,16 @@ CASES = [
     (ra, "1", 2 * 14.0, "2M: the ring's (N-1)/N left out"),
     (ra, "2", 2 * 7 / 8 * 14e9 / 900e9 * 1e3, "NVLink's 900 GB/s counts both directions: 450 each way"),
     (ra, "3", 8 * 14.0, "the root sending to itself too: N M instead of (N-1) M"),
+    (ra, "4", 989e12 / 50e9,     # 19,780: the old model of this book, one NIC per GPU for the ring
+     "one NIC's 50 GB/s for the whole ring: the ring leaves each node through all 8 of its NICs "
+     "(400 GB/s); 50 GB/s is W only with one GPU per node"),
     (ra, "4", ra.compute_bound_tokens(989e12, 450e9),
-     "NVLink's 450 GB/s: across nodes each GPU has its own 50 GB/s NIC"),
-    (ra, "4", 989e12 / 50e9 * 3 / 2,
+     "NVLink's 450 GB/s: across nodes the ring is held to the node's 8 NICs, 400 GB/s"),
+    (ra, "4", 989e12 / 400e9 * 3 / 2,
      "the whole step's 6 Psi FLOPs per token against the all-reduce: only backward's 4 Psi can hide it"),
     (ra, "5", 7 * 1000, "only the reduce-scatter's N-1 steps: the all-gather has as many"),
     (ra, "5", 1000, "the ring's 2(N-1) steps per all-reduce left out"),
+    (ra, "5", 2 * 7 * 8, "with buckets: the question asks for one all-reduce per tensor"),
     (ra, "6", 8, "one all-reduce per micro-batch: that is what no_sync avoids"),
     (ra, "7", 1.0, "the naive and the true weights are the same only when every count is equal"),
     (ra, "7", (1 / (2 * 30)) / (1 / 40), "a token on rank 1, with 30 tokens: it is weighed less"),

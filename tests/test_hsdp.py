@@ -104,6 +104,9 @@ def test_zero3_inter_node_bytes_are_counted_per_node():
     ex = hsdp.worked_example()
     assert ex["node_bytes"] == ex["step_bytes"]
     assert ex["node_nic"] == 8 * ex["nic"]
+    # the same W as chapters 2 and 4's ring across 8-GPU nodes (labs.formulas.links, one home)
+    from labs.formulas import links
+    assert ex["node_nic"] == links.ring_bandwidth(ex["n"] // ex["node"], ex["node"])
     assert ex["bandwidth"] == pytest.approx(ex["node_bytes"] / ex["compute_s"])
     r, n = ex["n"] // ex["node"], ex["n"]
     assert ex["bandwidth"] / ex["hsdp_bandwidth"] == pytest.approx(3 * (n - 1) / n / (2 * (r - 1) / r))

@@ -114,14 +114,49 @@ def test_eight_ranks_with_uneven_chunks():
 
 
 def test_a_fitted_alpha_stands_only_where_it_is_a_latency():
-    """Chapter 2 prints a fitted alpha only where 0 <= alpha and its 2(N-1) steps fit in the
-    fastest time of the smallest message; a negative intercept, or one larger than the whole
-    small message, says the fit does not resolve alpha."""
-    assert ra.resolved_alpha(-15.8e-3, 1e-3, 2) is None
-    assert ra.resolved_alpha(2e-3, 1e-3, 2) is None
-    assert ra.resolved_alpha(0.3e-3, 1e-3, 3) is None          # 4 steps x 0.3 ms > 1 ms
-    assert ra.resolved_alpha(0.2e-3, 1e-3, 3) == 0.2e-3
-    assert ra.resolved_alpha(0.0, 1e-3, 2) == 0.0
+    """Chapter 2 prints a fitted alpha only where 0 <= alpha, its 2(N-1) steps fit in the fastest
+    time of the smallest message, and the line's time for that message lies within its repeats."""
+    small = [1.0e-3, 1.1e-3, 1.3e-3]                       # seconds, repeats of a 4 KiB all-reduce
+    assert ra.resolved_alpha(-15.8e-3, 1e-10, 4096, small, 2) is None
+    assert ra.resolved_alpha(2e-3, 1e-10, 4096, small, 2) is None
+    assert ra.resolved_alpha(0.3e-3, 1e-10, 4096, small, 3) is None        # 4 steps x 0.3 ms > 1 ms
+    assert ra.resolved_alpha(0.24e-3, 2e-8, 4096, small, 3) == 0.24e-3     # 1.07 ms predicted
+    assert ra.resolved_alpha(0.2e-3, 1e-10, 4096, small, 3) is None        # 0.8 ms: below every repeat
+
+
+def test_a_fit_bent_by_load_does_not_resolve_alpha():
+    """The referee's case (issue 47): on 2 ranks the line's intercept gave alpha = 2.84 ms per step,
+    inside the fastest 4 KiB time of that run (about 14 ms) but a line that misses every small
+    message; the old rule (0 <= alpha, 2(N-1) alpha <= fastest) let it stand. The fit's time for
+    4 KiB, 5.7 ms, is outside the measured repeats, so the fit does not resolve alpha; the direct
+    bound, fastest / 2(N-1), is what the lab reports instead."""
+    small = [13.9e-3, 14.2e-3, 14.6e-3, 15.1e-3, 14.0e-3, 16.0e-3]
+    alpha, beta = 2842e-6, 1 / 0.20e9
+    old_rule = 0 <= alpha and 2 * (2 - 1) * alpha <= min(small)
+    assert old_rule                                          # the old model printed it as a latency
+    assert ra.resolved_alpha(alpha, beta, 4096, small, 2) is None
+    assert ra.alpha_bound(small, 2) == pytest.approx(13.9e-3 / 2)
+    assert ra.alpha_bound(small, 4) == pytest.approx(13.9e-3 / 6)
+
+
+def test_across_nodes_the_ring_runs_at_the_nodes_egress():
+    """Issue 47: chapter 2 took one NIC's 50 GB/s as W across nodes (19,780 tokens). A ring placed
+    node by node crosses each node boundary once and leaves through all 8 NICs of the node
+    (Austin et al. 2025, Part 12): W = min(NVLink, 8 x 50 GB/s) = 400 GB/s; 50 GB/s only with one
+    GPU of the ring per node. The threshold F/W across 8-GPU nodes is then 2,472.5 tokens."""
+    from labs.formulas import links
+    assert links.ring_bandwidth(1, 8) == 450e9
+    assert links.ring_bandwidth(2, 8) == links.ring_bandwidth(64, 8) == 400e9
+    assert links.ring_bandwidth(8, 1) == 50e9
+    assert ra.ACROSS_NODES_BPS == 400e9
+    assert ra.EXERCISES["4"]() == pytest.approx(989e12 / 400e9) != pytest.approx(989e12 / 50e9)
+    with pytest.raises(ValueError):
+        links.ring_bandwidth(2, 9)
+
+
+def test_exercise_5_buckets():
+    """200 MB of fp32 gradients in 25 MiB buckets: 8 buckets, 2(N-1) alpha terms each."""
+    assert ra.EX5_BUCKETS == 8
 
 
 def test_the_fit_recovers_a_known_line():

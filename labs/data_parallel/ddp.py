@@ -64,7 +64,7 @@ def _max_diff(a, b):
 
 
 def run(rank, world_size, steps=3, accumulation=1, batch_size=2, lr=0.1, bucket_cap_bytes=16_384,
-        use_no_sync=True, counted=False):
+        use_no_sync=True, counted=False, seeds_differ=False):
     """Hand DDP, torch DDP and one process on the full batch: same parameters after ``steps``.
 
     The hand DDP's all-reduce bytes over all steps, one key per kind (`labs.measure.comm`):
@@ -72,15 +72,18 @@ def run(rank, world_size, steps=3, accumulation=1, batch_size=2, lr=0.1, bucket_
     (what gloo wrote to its sockets during the training loop, preambles included; None with
     wire_reason where it cannot be read), allreduce_payload_bytes (the buckets handed to the
     all-reduces); ``counted=True`` runs them as hand rings: allreduce_counted_bytes, message by message.
+    ``seeds_differ=True`` builds rank r's replicas from seed r, so only the wrappers' broadcast of rank
+    0's weights at construction makes them equal to the one process (built from seed 0).
     """
     cfg, dev = tiny.GPTConfig(), launch.device()
-    hand = tiny.build(cfg, seed=0, device=dev)
+    seed = rank if seeds_differ else 0
+    hand = tiny.build(cfg, seed=seed, device=dev)
     ddp = HandDDP(hand, bucket_cap_bytes)
     opt = torch.optim.SGD(hand.parameters(), lr=lr)  # outside the wire window: its first build writes 4 bytes
     rings = hand_ring.hand_collectives() if counted else contextlib.nullcontext()
     with wire.measure() as w, comm.counting() as tally, rings:
         _train(ddp, opt, ddp.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size)
-    ref = DistributedDataParallel(tiny.build(cfg, seed=0, device=dev))
+    ref = DistributedDataParallel(tiny.build(cfg, seed=seed, device=dev))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     _train(ref, ref_opt, ref.no_sync if use_no_sync else None, cfg, steps, accumulation, batch_size)
     single = _single_process(cfg, steps, accumulation, batch_size, lr, world_size)
@@ -202,8 +205,9 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
     A four-layer model (h = 128) in 1 MiB buckets. Per mode, medians over ``steps`` steps after two
     warm-up steps: step_s (backward start to averaged gradients), backward_s (autograd alone),
     exposed_comm_s (end of autograd to end of the last all-reduce); step_ratio_off_over_on > 1 is
-    what overlap buys; step_all_s: each step's time, in order (step i on and step i off ran one
-    after the other: a pair for `labs.measure.intervals`). first_start_s: each step's earliest
+    what overlap buys; step_all_s, backward_all_s, exposed_all_s: each step's value, in order (step
+    i on and step i off ran one after the other, which first alternating pair by pair: a pair for
+    `labs.measure.intervals`). first_start_s: each step's earliest
     all-reduce start relative to the end of autograd, never negative with overlap off. timeline:
     the mode's last step, per bucket ready/start/done in seconds since backward started.
     """
@@ -212,7 +216,7 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
     ddp = HandDDP(net, bucket_cap_bytes)
     runs = {True: [], False: []}
     for step in range(2 + 2 * steps):
-        ddp.overlap = step % 2 == 0
+        ddp.overlap = (step % 2 == 0) != ((step // 2) % 2 == 1)   # on, off; off, on; on, off ...
         r = _timed_step(net, ddp, *_batch(cfg, step, 0, rank, batch_size, launch.device()))
         if step >= 2:
             runs[ddp.overlap].append(r)
@@ -222,6 +226,8 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
                      "backward_s": statistics.median(r["backward_end"] for r in rs),
                      "exposed_comm_s": statistics.median(r["exposed_comm"] for r in rs),
                      "step_all_s": [r["finish_end"] for r in rs],
+                     "backward_all_s": [r["backward_end"] for r in rs],
+                     "exposed_all_s": [r["exposed_comm"] for r in rs],
                      "first_start_s": [min(b["start"] for b in r["buckets"]) - r["backward_end"] for r in rs],
                      "timeline": rs[-1]}
     return dict(out, buckets=len(ddp.buckets), params=tiny.num_params(net),

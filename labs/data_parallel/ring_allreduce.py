@@ -13,13 +13,14 @@ writes to its sockets (`labs.measure.wire`) beside what the ring needs.
 
     python -m labs.data_parallel.ring_allreduce --world-size 4 --numel 1000003 --algorithm ring --json
 """
+import math
 import statistics
 
 import torch
 import torch.distributed as dist
 
 from labs.data_parallel.hand_ring import naive_allreduce, ring_allreduce
-from labs.formulas import costs
+from labs.formulas import costs, links
 from labs.measure import comm, timing, wire
 from labs.launcher import launch, preflight
 
@@ -120,13 +121,24 @@ def alpha_beta_fit(sizes_bytes, seconds, n):
     return intercept / (2 * (n - 1)), slope / float(costs.factor("all_reduce", n))
 
 
-def resolved_alpha(alpha, fastest_smallest_s, n):
+def resolved_alpha(alpha, beta, smallest_bytes, smallest_times_s, n):
     """A fitted alpha, or None where the fit does not resolve it.
 
-    The intercept of a line through times dominated by large messages can come out negative, or
-    larger than the smallest message's whole time; neither is a latency. So alpha stands only
-    where 0 <= alpha and its 2(N-1) steps fit in the fastest time of the smallest message."""
-    return alpha if 0 <= alpha and 2 * (n - 1) * alpha <= fastest_smallest_s else None
+    A line through medians dominated by large messages (and bent by load at the largest) can have a
+    negative intercept, or one that no small message shows. So alpha stands only where 0 <= alpha,
+    its 2(N-1) steps fit in the fastest time of the smallest message, and the fitted line's time for
+    the smallest message lies within that message's measured repeats (fastest to slowest): a fit
+    that misses the small messages it claims to describe has no latency to report."""
+    fastest, slowest = min(smallest_times_s), max(smallest_times_s)
+    predicted = 2 * (n - 1) * alpha + float(costs.factor("all_reduce", n)) * smallest_bytes * beta
+    ok = 0 <= alpha and 2 * (n - 1) * alpha <= fastest and fastest <= predicted <= slowest
+    return alpha if ok else None
+
+
+def alpha_bound(smallest_times_s, n):
+    """A direct measurement: the fastest all-reduce of the smallest message bounds alpha from above,
+    alpha <= fastest / 2(N-1) (its 2(N-1) steps each pay alpha, plus a bandwidth term >= 0)."""
+    return min(smallest_times_s) / (2 * (n - 1))
 
 
 def compute_bound_tokens(peak_flops, link_bytes_per_s, n=None):
@@ -139,12 +151,19 @@ def compute_bound_tokens(peak_flops, link_bytes_per_s, n=None):
     return factor * peak_flops / link_bytes_per_s
 
 
+# Exercise 4's W: a ring across 8-GPU H100 nodes, ranks placed node by node, leaves each node through
+# its 8 NDR NICs at once (`labs.formulas.links.ring_bandwidth`, Austin et al. 2025 Part 12): 400 GB/s.
+ACROSS_NODES_BPS = links.ring_bandwidth(nodes=2, group_gpus_per_node=8)
+# Exercise 5's model: 1,000 gradient tensors, 200 MB of fp32 gradients, DDP's default 25 MiB buckets.
+EX5_GRAD_BYTES, BUCKET_CAP = 200e6, 25 * 2**20
+EX5_BUCKETS = math.ceil(EX5_GRAD_BYTES / BUCKET_CAP)
+
 # Chapter 2's exercises: the answers are computed here, so the book never types them.
 EXERCISES = {
     "1": lambda: 2 * 7 / 8 * 14e9 / 1e9,              # GB sent per GPU: ring, N = 8, M = 14 GB
     "2": lambda: 2 * 7 / 8 * 14e9 / 450e9 * 1e3,      # ms at 450 GB/s per direction, no latency
     "3": lambda: 7 * 14e9 / 1e9,                      # GB the naive root sends for the same job
-    "4": lambda: compute_bound_tokens(989e12, 50e9),  # tokens per GPU: H100 across nodes, 50 GB/s
+    "4": lambda: compute_bound_tokens(989e12, ACROSS_NODES_BPS),  # tokens per GPU, 8-GPU nodes, large N
     "5": lambda: 2 * 7 * 1000,                        # alpha terms: 1,000 tensors, N = 8, one each
     "6": lambda: 1,                                   # all-reduces per step, 8 micro-batches, no_sync
     "7": lambda: (1 / (2 * 10)) / (1 / 40),           # weight of a token in a 10-token micro-batch
@@ -156,16 +175,22 @@ MISTAKES = {
           (2 * 14.0, "2M: the ring's (N-1)/N left out")],
     "2": [(lambda: 2 * 7 / 8 * 14e9 / 900e9 * 1e3, "NVLink's 900 GB/s counts both directions: 450 each way")],
     "3": [(8 * 14.0, "the root sending to itself too: N M instead of (N-1) M")],
-    "4": [(lambda: compute_bound_tokens(989e12, 450e9),
-           "NVLink's 450 GB/s: across nodes each GPU has its own 50 GB/s NIC"),
-          (lambda: 989e12 / 50e9 * 3 / 2, "the whole step's 6 Psi FLOPs per token against the "
+    "4": [(lambda: compute_bound_tokens(989e12, 50e9),
+           "one NIC's 50 GB/s for the whole ring: the ring leaves each node through all 8 of its NICs "
+           "(400 GB/s); 50 GB/s is W only with one GPU per node"),
+          (lambda: compute_bound_tokens(989e12, 450e9),
+           "NVLink's 450 GB/s: across nodes the ring is held to the node's 8 NICs, 400 GB/s"),
+          (lambda: 989e12 / ACROSS_NODES_BPS * 3 / 2, "the whole step's 6 Psi FLOPs per token against the "
            "all-reduce: only backward's 4 Psi can hide it")],
     "5": [(7 * 1000, "only the reduce-scatter's N-1 steps: the all-gather has as many"),
-          (1000, "the ring's 2(N-1) steps per all-reduce left out")],
+          (1000, "the ring's 2(N-1) steps per all-reduce left out"),
+          (2 * 7 * EX5_BUCKETS, "with buckets: the question asks for one all-reduce per tensor")],
     "6": [(8, "one all-reduce per micro-batch: that is what no_sync avoids")],
     "7": [(1.0, "the naive and the true weights are the same only when every count is equal"),
           ((1 / (2 * 30)) / (1 / 40), "a token on rank 1, with 30 tokens: it is weighed less")],
 }
+
+
 def check(question, answer, rel=0.01):
     from labs.measure import exercises
     return exercises.check(EXERCISES, question, answer, rel, MISTAKES)

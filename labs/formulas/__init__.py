@@ -15,8 +15,8 @@ the meta device, and everything that runs ranks; they import these formulas and 
 - `tensor_parallel` (chapter 4): how query and KV heads sit on tp ranks.
 - `costs` (chapters 2 to 14): formula bytes one rank sends per collective, the one table (the ring factors).
 - `collectives` (chapters 10 and 11): NCCL's cost model's constants and the links' bandwidths.
-- `links` (chapters 10, 11 and 14): one collective's time on its group: NCCL's alpha per link tier plus
-  the bytes over the link.
+- `links` (chapters 2, 3, 4, 10, 11 and 14): one collective's time on its group, NCCL's alpha per
+  link tier plus the bytes over the link; `ring_bandwidth`, a ring's W inside a node or across nodes.
 - `schedules` (chapter 5): GPipe, 1F1B, interleaved 1F1B and ZB-H1 as ordered actions per stage, their
   bubble formulas and peak in-flight micro-batches.
 - `stages` (chapter 5): the stage split, which layers each pipeline rank holds (`stage_layers`).

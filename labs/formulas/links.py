@@ -1,5 +1,6 @@
 """Chapters 10, 11 and 14: how long one collective takes on a group: alpha per call from NCCL's tuning
-model, bytes over the group's link tier.
+model, bytes over the group's link tier. Chapters 2, 3 and 4: `ring_bandwidth`, a ring's W per GPU
+inside a node or across nodes.
 
     T = alpha(op, n, nodes) + B / BW_tier
 
@@ -122,3 +123,21 @@ def group_nodes(dims, axis, gpus_per_node):
     for s, n in blocks:
         nodes *= atom_nodes(s, n, gpus_per_node)
     return nodes
+
+
+def ring_bandwidth(nodes, group_gpus_per_node, gpus_per_node=8):
+    """W, bytes/s per direction per GPU, for a ring over ``nodes`` nodes with ``group_gpus_per_node``
+    of its GPUs on each (chapters 2, 3 and 4; ranks placed node by node).
+
+    On one node the ring runs on NVLink. Across nodes the ring crosses each node's boundary once per
+    ring, and NCCL runs one ring per channel and spreads the channels over the node's NICs (rails,
+    one NDR NIC per GPU, chapter 11): the ring's data leaves a node through all of the group's NICs
+    at once. W is then min(NVLink, NICs in use x 50 GB/s): 400 GB/s for full 8-GPU H100 nodes (Austin
+    et al. 2025, "How to Scale Your Model", Part 12 "How to Think About GPUs": an H100 node's egress,
+    400e9, the figure they use beyond a node), and one NIC's 50 GB/s only when each rank of the ring
+    sits on a node of its own."""
+    if nodes < 1 or not 1 <= group_gpus_per_node <= gpus_per_node:
+        raise ValueError(f"need nodes >= 1 and 1 <= GPUs of the group per node <= {gpus_per_node}, got "
+                         f"nodes={nodes}, {group_gpus_per_node} per node.")
+    nvlink, nic = collectives.NVLINK4_BPS, collectives.NDR_IB_BPS
+    return nvlink if nodes == 1 else min(nvlink, group_gpus_per_node * nic)

@@ -173,7 +173,7 @@ def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100
     hh_weight_bytes: one h x h weight in bf16, h^2 * 2 bytes (128 MiB at h = 8192), the size a
     common shortcut gives the all-reduce; weights never travel in tensor parallelism.
     Link speeds are one direction and the peak is dense bf16, from the vendors' data sheets; a ring
-    across nodes moves at the nodes' egress, `tp_limits.ring_bandwidth`.
+    across nodes moves at the nodes' egress, `labs.formulas.links.ring_bandwidth`.
     """
     from labs.memory_budget import budget
     arch = budget.MODELS[model]
@@ -189,7 +189,7 @@ def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100
 
 
 # Chapter 4's exercises: the answers are computed here, so the book never types them.
-TWO_NODES = "InfiniBand NDR, 8 NICs per node"     # tp = 16 on two 8-GPU nodes: tp_limits.ring_bandwidth
+TWO_NODES = "InfiniBand NDR, 8 NICs per node"     # tp = 16 on two 8-GPU nodes: links.ring_bandwidth
 EXERCISES = {
     "1": lambda: layer_costs("70B", 8)["message_bytes"] / 2**20,
     "2": lambda: layer_costs("70B", 16, link=TWO_NODES)["comm_s"] * 1e3,

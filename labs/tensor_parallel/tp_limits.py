@@ -22,7 +22,7 @@ with h and with the link bandwidth. The crossover, T_comm = T_math, is
 A training step adds the backward: 2 more all-reduces (f's) and twice the forward FLOPs, so the
 step's ratio is 2/3 of the forward's. Layer sizes and hardware figures are those of
 `labs.tensor_parallel.blocks.layer_costs` (which this file reuses) and `labs.memory_budget.budget`.
-Across nodes W is not one NIC's 50 GB/s: see `ring_bandwidth`.
+Across nodes W is not one NIC's 50 GB/s: see `labs.formulas.links.ring_bandwidth`.
 
     python -m labs.tensor_parallel.tp_limits --model 70B --json
 """
@@ -31,6 +31,7 @@ import contextlib
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from labs.formulas.links import ring_bandwidth  # noqa: F401 (chapter 4's W, one home: labs.formulas)
 from labs.memory_budget import budget
 from labs.launcher import launch
 from labs import model as tiny
@@ -39,22 +40,6 @@ from labs.tensor_parallel import blocks as tpl, megatron
 NVLINK, INFINIBAND = "NVLink 4 (H100)", "InfiniBand NDR (400 Gb/s)"
 TWO_NODES = tpl.TWO_NODES    # the ring of tp = 16 over two 8-GPU nodes
 DEVICE = "H100 SXM, bf16 dense"
-
-
-def ring_bandwidth(nodes, group_gpus_per_node, gpus_per_node=8):
-    """W for a tp ring over ``nodes`` nodes with ``group_gpus_per_node`` of its GPUs on each.
-
-    On one node the ring runs on NVLink. Across nodes NCCL runs one ring per channel and spreads the
-    channels over the NICs (rails): each of the group's GPUs has its own NDR NIC, so the ring's data
-    leaves a node through all of them at once, each crossing carrying 1/channels of it. W is then
-    min(NVLink, NICs in use x 50 GB/s): 400 GB/s for full 8-GPU nodes (Austin et al. 2025, Part 12,
-    "Rooflines for LLM Scaling on GPUs": an H100 node's egress, 400e9), and one NIC's 50 GB/s only
-    when each rank of the group sits on a node of its own."""
-    if nodes < 1 or not 1 <= group_gpus_per_node <= gpus_per_node:
-        raise ValueError(f"need nodes >= 1 and 1 <= GPUs of the group per node <= {gpus_per_node}, got "
-                         f"nodes={nodes}, {group_gpus_per_node} per node.")
-    nvlink, nic = budget.LINKS[NVLINK], budget.LINKS[INFINIBAND]
-    return nvlink if nodes == 1 else min(nvlink, group_gpus_per_node * nic)
 
 
 def ratio(h, tp, bandwidth, peak_flops, seq=4096, layer_params=None, bytes_per_elem=2):
