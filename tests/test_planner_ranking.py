@@ -125,3 +125,17 @@ def test_hsdp_splits_print_apart():
     assert a.degrees() != b.degrees() and a.degrees()["dp_replicate"] == 2
     assert "dp_replicate" not in ParallelDims(dp=64).degrees()
     assert planner.hsdp(a) == " (HSDP 2 x 32)" and planner.hsdp(ParallelDims(dp=64)) == ""
+
+
+def test_deepspeed_zero3_gathers_again_in_the_recomputed_forward():
+    """DeepSpeed's hooks gather every weight in the recomputed forward too (issue #4784): three gathers and a
+    reduce-scatter per micro-batch under full recomputation; FSDP2 (and no recomputation) two."""
+    from labs.formulas.planning import grid, software, timing
+    c = grid.Candidate.of(tp=1, pp=1, cp=1, ep=1, dp=64, dpr=1, zero=3, rc=software.RECOMPUTE.index("full"),
+                          b=1, v=1, m=4, sched=0, offload=0, reshard=1, sp=0, stage=0)
+    first = {"compute": 0.0, "forward": 0.0, "backward": 0.0}
+    ds, fsdp = software.DEEPSPEED_ZERO3.with_(prefetch=False), software.ANY
+    assert timing.fsdp_seconds(ds, c, 1.0, 10.0, 0.0, 0.0, first) == 4 * (3 * 10 + 1)
+    assert timing.fsdp_seconds(fsdp, c, 1.0, 10.0, 0.0, 0.0, first) == 4 * (2 * 10 + 1)
+    none = c._replace(rc=software.RECOMPUTE.index("none"))
+    assert timing.fsdp_seconds(ds, none, 1.0, 10.0, 0.0, 0.0, first) == 4 * (2 * 10 + 1)

@@ -67,6 +67,12 @@ class Software:
     accumulation: bool = True
     permute_fusion: bool = False    # MoE token permutation in fused kernels (`kernels.permutation_bytes`)
     eager_loss: bool = False        # F.cross_entropy on fp32 logits, whose backward peaks above its forward
+    # ZeRO-3's forward pre-hooks fire again in the recomputed forward, gathering every weight a third time per
+    # micro-batch (DeepSpeed: deepspeedai/DeepSpeed issue #4784, pre_sub_module_forward_function runs in the
+    # recomputation; huggingface/transformers issue #47254: "The ZeRO-3 forward pre-hook fires on the
+    # recompute forward and all-gathers every param"). FSDP2 gathers once before a unit's backward, which
+    # recomputes inside it.
+    regather_recompute: bool = False
 
     def with_(self, **changes):
         return replace(self, **changes)
@@ -141,7 +147,8 @@ MOE_ZOO = MEGATRON_CORE.with_(name="Megatron-Core MoE",
 DEEPSPEED_ZERO3 = Software("DeepSpeed ZeRO-3 (2021)", "Narayanan et al. 2021, §5.2", zero_stages=(3,),
                            recompute=("full",), max_tp=1, max_pp=1, max_cp=1, sp=False,
                            kernels="materialized",
-                           schedules=("1f1b",), overlap_grad_reduce=True, prefetch=True, shard_unit="weight")
+                           schedules=("1f1b",), overlap_grad_reduce=True, prefetch=True, shard_unit="weight",
+                           regather_recompute=True)
 # BLOOM (bigscience tr11-176B-ml README): Megatron-DeepSpeed, TP 4, PP 12 with DeepSpeed's 1F1B pipeline
 # engine, the BF16_Optimizer's own ZeRO-1, full recomputation, fused softmax kernels (no FlashAttention).
 MEGATRON_DEEPSPEED = Software("Megatron-DeepSpeed (BLOOM)", "bigscience tr11-176B-ml README", zero_stages=(1,

@@ -212,9 +212,12 @@ def step(job, eta, c, slowest, first, nodes, pieces=None):
 def fsdp_seconds(sw, c, reduce, gather, replica, unit, first):
     """ZeRO-3 / FSDP's exposed seconds per step: per micro-batch, its gathers (two when it reshards
     after forward) and its reduce-scatter, less the compute prefetching hides them under, and the first
-    unit's gather, which nothing hides; kept gathered, one gather and one reduction per step."""
+    unit's gather, which nothing hides; kept gathered, one gather and one reduction per step. A stack
+    whose hooks gather again in the recomputed forward (`software.Software.regather_recompute`) pays a
+    third gather per micro-batch under full recomputation: forward, recomputed forward, backward."""
     m, reshard = c.m, c.reshard == 1
-    per_mb = 2 * gather + reduce if reshard else 0.0
+    gathers = 3 if sw.regather_recompute and c.recompute == "full" else 2
+    per_mb = gathers * gather + reduce if reshard else 0.0
     once_g, once_r = (0.0, 0.0 + replica) if reshard else (gather, reduce + replica)
     if not sw.prefetch:
         return m * per_mb + once_g + once_r
