@@ -109,10 +109,10 @@ def explain(r):
     c, e, name = r["case"], r["error"], r["case"].name
     pct = lambda key: f"{100 * share(r, key):.0f} %"   # noqa: E731
     if name.startswith("Narayanan ZeRO-3"):
-        return "data parallel", (f"DeepSpeed ZeRO-3's gathers and reduce-scatters (exposed: {pct('dp')} of "
-                                 "the "
-                                 "estimate) run below NCCL's 23 GB/s on Selene, and its compute below "
-                                 "Megatron-LM's eta")
+        return "data parallel", (f"DeepSpeed ZeRO-3 at b = {r['row']['plan'].micro_batch}, its gathers "
+                                 f"exposed {pct('dp')} of the estimate: the model hides them under compute "
+                                 "at full speed; compute slowed while NCCL runs (Calculon's processor_usage "
+                                 "convention) is not in it")
     if name.startswith("Llama 3") and c.job.model.seq > 8192:
         return "attention", ("at 131K the attention is most of the compute, run at FlashAttention-2's "
                              "published "
