@@ -76,10 +76,15 @@ def test_the_allocators_reserve_is_left_free_before_ranking():
 
 
 def test_memory_is_compared_like_with_like():
-    case = SimpleNamespace(source="pytorch/torchtitan benchmarks/x.md")
+    """Reserved against reserved: GMLake's reserve on the default allocator, none under expandable segments
+    (torchtitan's launcher); allocated against allocated."""
+    job = SimpleNamespace(software=SimpleNamespace(expandable_segments=False))
+    case = SimpleNamespace(source="pytorch/torchtitan benchmarks/x.md", job=job)
     r = {"case": case, "row": {"memory": {"weights": 17 * 2 ** 30, "activations": 68 * 2 ** 30}}}
     assert scorecard.memory_kind(case) == "reserved" and scorecard.memory_estimate(r) == pytest.approx(100)
-    r["case"] = SimpleNamespace(source="a paper")
+    job.software.expandable_segments = True
+    assert scorecard.memory_estimate(r) == pytest.approx(85)
+    r["case"] = SimpleNamespace(source="a paper", job=job)
     assert scorecard.memory_estimate(r) == pytest.approx(85)
 
 

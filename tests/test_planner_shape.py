@@ -39,3 +39,13 @@ def test_backward_reduces_over_the_other_axes():
     assert b > 2.5 * f
     f, b = kernels.gemm_passes(8192, 8192, 8192, 1e15, 1e30, 0.0)
     assert b == pytest.approx(2 * f)
+
+
+def test_expandable_segments_leave_no_reserve():
+    """torchtitan's launcher sets expandable segments: its reserved peak is its tensors. The named wrong
+    model: GMLake's 15 % added on top (the 8B rows without CP came out 17 to 29 % high)."""
+    assert software.TORCHTITAN.expandable_segments and software.TORCHTITAN_2025.expandable_segments
+    assert not software.MEGATRON_CORE.expandable_segments
+    assert shapes.reserved_bytes(85.0, expandable=True) == 85.0
+    assert shapes.reserved_bytes(85.0) == pytest.approx(100.0)
+    assert shapes.usable_bytes(shapes.DGX_H100, True) == shapes.DGX_H100.hbm_bytes

@@ -124,17 +124,18 @@ def describe(job, gpu, result, top=TOP):
                           "rows": [[f"{len(result['rejected']):,}", f"{n:,}", reason]]}}
     first = ranked[0]
     peak = sum(first["memory"].values()) / GIB
-    reserved = shapes.reserved_bytes(peak)
+    expandable = job.software.expandable_segments
+    reserved = shapes.reserved_bytes(peak, expandable)
     summary = (f"{head}: {len(ranked):,} layouts fit, {len(result['rejected']):,} are refused. The fastest "
                f"is {layout(first)[0]} with {layout(first)[1]}: {first['time']['step']:,.2f} s per step, "
                f"{planner.tflops_per_gpu(job, first):,.0f} TFLOP/s per GPU, {peak:,.1f} GiB of tensors, "
                f"about {reserved:,.1f} of {hbm:g} GiB reserved with the allocator's "
-               f"{shapes.RESERVE:.0%} ({hbm - reserved:,.1f} GiB of headroom). ")
+               f"{shapes.reserve(expandable):.0%} ({hbm - reserved:,.1f} GiB of headroom). ")
     summary += why(first, ranked[1]) if len(ranked) > 1 else "It is the only layout that fits."
     rows = []
     for r in ranked[:top]:
         t, mem = terms(r), sum(r["memory"].values()) / GIB
-        res = shapes.reserved_bytes(mem)
+        res = shapes.reserved_bytes(mem, expandable)
         rows.append([str(r["rank"]), *layout(r), f"{r['time']['step']:,.2f}",
                      f"{planner.tflops_per_gpu(job, r):,.0f}", *(f"{t[k]:,.2f}" for k, _ in TERMS),
                      f"{mem:,.1f}", f"{res:,.1f}", f"{hbm - res:,.1f}"])

@@ -58,7 +58,8 @@ def memory_estimate(r):
     """The planner's figure to set beside the published one, like with like: its count of tensors, or that
     count as the allocator reserves it (`shapes.reserved_bytes`), in GiB."""
     allocated = sum(r["row"]["memory"].values()) / 2 ** 30
-    return shapes.reserved_bytes(allocated) if memory_kind(r["case"]) == "reserved" else allocated
+    expandable = r["case"].job.software.expandable_segments
+    return shapes.reserved_bytes(allocated, expandable) if memory_kind(r["case"]) == "reserved" else allocated
 
 
 def annotate(results):

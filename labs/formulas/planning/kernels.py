@@ -12,7 +12,8 @@ tensor-core peak of the GEMM's precision (FP8 GEMMs at the FP8 peak; attention s
 bytes. K_0 is what a GEMM's shape costs (`reduction_k0`): each output tile is loaded, set up and written
 once whatever the reduction's length, so a short reduction K runs at K / (K + K_0) of a long one's speed
 (DeepGEMM's published per-shape TFLOP/s). Backward's two GEMMs reduce over other axes: the input's
-gradient over N, the weight's over M (the tokens), so a narrow slice that is cheap forward is slow there. Small M (short micro-batches, context parallelism) or narrow N (GQA's K and V under tensor
+gradient over N, the weight's over M (the tokens), so a narrow slice that is cheap forward is slow there.
+Small M (short micro-batches, context parallelism) or narrow N (GQA's K and V under tensor
 parallelism) fall below the roofline's ridge and run at the memory's speed. Attention: q k^T and
 scores @ v over the causal half of the keys, 4 T (s/2) a d FLOPs forward for T queries, and 2.5
 times that backward (a fused kernel recomputes the scores: chapter 1 counts five products against
@@ -92,13 +93,14 @@ def eager_traffic_ratio():
     return EAGER_TRAFFIC[0] / EAGER_TRAFFIC[1]
 
 
-# A GEMM's speed by its shape. DeepGEMM's README (deepseek-ai/DeepGEMM at a6d97a1c, 2025-02-25, "Normal GEMMs
-# for dense models", FP8 on H800, M = 4,096) prints 1,358 TFLOP/s at N = 7,168, K = 16,384 and 1,025 at the same
-# N with K = 2,048: only the reduction's length differs. A tile's fixed cost worth K_0 steps of its reduction,
-# K / (K + K_0), fits those two rows at K_0 = `K0_FP8` (solved below, not fitted on any training run); it then
-# gives 0.41, 0.69 and 0.94 of the long-K speed at K = 512, 1,536 and 7,168 where the same table prints 0.43,
-# 0.73 and 0.96 (N = 32,768, 24,576 and 4,096). A BF16 GEMM walks its reduction at half the FP8 rate, so the
-# same fixed time is half as many steps: K_0 / 2 (an assumption: DeepGEMM printed FP8 only).
+# A GEMM's speed by its shape. DeepGEMM's README (deepseek-ai/DeepGEMM at a6d97a1c, 2025-02-25,
+# "Normal GEMMs for dense models", FP8 on H800, M = 4,096) prints 1,358 TFLOP/s at N = 7,168, K = 16,384
+# and 1,025 at the same N with K = 2,048: only the reduction's length differs. A tile's fixed cost worth
+# K_0 steps of its reduction, K / (K + K_0), fits those two rows at K_0 = `K0_FP8` (solved below, not
+# fitted on any training run); it then gives 0.41, 0.69 and 0.94 of the long-K speed at K = 512, 1,536
+# and 7,168 where the same table prints 0.43, 0.73 and 0.96 (N = 32,768, 24,576 and 4,096). A BF16 GEMM
+# walks its reduction at half the FP8 rate, so the same fixed time is half as many steps: K_0 / 2 (an
+# assumption: DeepGEMM printed FP8 only).
 DEEPGEMM_H800 = ((2048, 1025.0), (16384, 1358.0))     # (K, TFLOP/s) at M = 4,096, N = 7,168
 
 

@@ -134,7 +134,8 @@ def best_per_layout(job, eta, layouts, fixed=None, closest=False, headroom=False
     timed, as well: a published layout that ran is timed where the count says it does not fit).
     ``headroom``: fit under `shapes.usable_bytes` (the allocator's reserve left free), not the whole GPU."""
     fixed, memo, out = fixed or {}, Memo(job, eta), []
-    hbm = shapes.usable_bytes(job.cluster) if headroom else job.cluster.hbm_bytes
+    hbm = shapes.usable_bytes(job.cluster, job.software.expandable_segments) if headroom else \
+        job.cluster.hbm_bytes
     for d in layouts:
         c, fitting = _search(memo, d, fixed, hbm)
         terms, _, _, time = price(job, eta, c, memo)

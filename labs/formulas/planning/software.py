@@ -73,6 +73,7 @@ class Software:
     # recompute forward and all-gathers every param"). FSDP2 gathers once before a unit's backward, which
     # recomputes inside it.
     regather_recompute: bool = False
+    expandable_segments: bool = False   # the allocator's expandable segments (`shapes.reserve`)
 
     def with_(self, **changes):
         return replace(self, **changes)
@@ -186,7 +187,7 @@ LLAMA3 = Software("Llama 3's stack", "Llama Team 2024, §3.3.2", zero_stages=(2,
 TORCHTITAN = Software("torchtitan 9dec370", "pytorch/torchtitan 9dec370", zero_stages=(3,),
                       recompute=("none", "selective_ops", "full"), hsdp=True, reduce_bytes=4,
                       reshard_after_forward="not pp", overlap_grad_reduce=True, prefetch=True,
-                      accumulation=False, eager_loss=True)
+                      accumulation=False, eager_loss=True, expandable_segments=True)
 TORCHTITAN_2025 = TORCHTITAN.with_(name="torchtitan 820504e", source="pytorch/torchtitan 820504e",
                                    accumulation=True)
 # DeepSeek (V2 §3.2.3, V3 §3.2): HAI-LLM, no TP, ZeRO-1, zero-bubble pipelining (V3: DualPipe, which
