@@ -12,6 +12,12 @@ fail (`ranking`): pairwise order within a source's own layouts of one job, and t
 jobs of tuned sources with enough layouts. Memory is compared like with like: the published figures are
 the allocator's reserved peak (torchtitan logs ``max_reserved``), so the planner's count of tensors is
 turned into reserved bytes first (`shapes.reserved_bytes`).
+
+Tried and left out: a GEMM's speed by its shape, K / (K + K_0), with K_0 = 797 solved from two rows of
+DeepGEMM's README (deepseek-ai/DeepGEMM at a6d97a1c, "Normal GEMMs for dense models", FP8 on H800) and an
+assumed K_0 / 2 for BF16. Judged on the checked set, the rows it was not built on, it lost: 81 of 107
+predictions within 15 % with it, 86 without, the mean |error| 12.5 % either way. The calibration rows'
+narrow per-rank slices raise the fitted eta, and the wide GEMMs of the other rows then come out too fast.
 """
 import re
 import statistics

@@ -5,15 +5,11 @@ splits N for column-parallel weights, K for row-parallel ones, chapter 4; a rout
 tokens its ep group sends it, chapter 7). Forward is one GEMM of 2MNK FLOPs, backward two of the same
 size (chapter 1). Each runs at the roofline of its arithmetic intensity (Williams et al. 2009):
 
-    t_GEMM = max(2MN (K + K_0) / (eta * peak), e (MK + NK + MN) / BW_HBM)
+    t_GEMM = max(2MNK / (eta * peak), e (MK + NK + MN) / BW_HBM)
 
 eta the one fitted constant per GPU generation and precision (`checked.calibrate`), peak the dense
 tensor-core peak of the GEMM's precision (FP8 GEMMs at the FP8 peak; attention stays in BF16), e = 2
-bytes. K_0 is what a GEMM's shape costs (`reduction_k0`): each output tile is loaded, set up and written
-once whatever the reduction's length, so a short reduction K runs at K / (K + K_0) of a long one's speed
-(DeepGEMM's published per-shape TFLOP/s). Backward's two GEMMs reduce over other axes: the input's
-gradient over N, the weight's over M (the tokens), so a narrow slice that is cheap forward is slow there.
-Small M (short micro-batches, context parallelism) or narrow N (GQA's K and V under tensor
+bytes. Small M (short micro-batches, context parallelism) or narrow N (GQA's K and V under tensor
 parallelism) fall below the roofline's ridge and run at the memory's speed. Attention: q k^T and
 scores @ v over the causal half of the keys, 4 T (s/2) a d FLOPs forward for T queries, and 2.5
 times that backward (a fused kernel recomputes the scores: chapter 1 counts five products against
@@ -93,43 +89,16 @@ def eager_traffic_ratio():
     return EAGER_TRAFFIC[0] / EAGER_TRAFFIC[1]
 
 
-# A GEMM's speed by its shape. DeepGEMM's README (deepseek-ai/DeepGEMM at a6d97a1c, 2025-02-25,
-# "Normal GEMMs for dense models", FP8 on H800, M = 4,096) prints 1,358 TFLOP/s at N = 7,168, K = 16,384
-# and 1,025 at the same N with K = 2,048: only the reduction's length differs. A tile's fixed cost worth
-# K_0 steps of its reduction, K / (K + K_0), fits those two rows at K_0 = `K0_FP8` (solved below, not
-# fitted on any training run); it then gives 0.41, 0.69 and 0.94 of the long-K speed at K = 512, 1,536
-# and 7,168 where the same table prints 0.43, 0.73 and 0.96 (N = 32,768, 24,576 and 4,096). A BF16 GEMM
-# walks its reduction at half the FP8 rate, so the same fixed time is half as many steps: K_0 / 2 (an
-# assumption: DeepGEMM printed FP8 only).
-DEEPGEMM_H800 = ((2048, 1025.0), (16384, 1358.0))     # (K, TFLOP/s) at M = 4,096, N = 7,168
+def gemm_seconds(M, N, K, flops, hbm_bw):
+    """One GEMM of (M x K) @ (K x N) on the roofline, at ``flops`` per second."""
+    return max(2 * M * N * K / flops, E * (M * K + N * K + M * N) / hbm_bw)
 
 
-def _solve_k0(rows=DEEPGEMM_H800):
-    """K_0 with (K_a / (K_a + K_0)) / (K_b / (K_b + K_0)) equal to the ratio of the two rows' TFLOP/s."""
-    (ka, fa), (kb, fb) = rows
-    r = fa / fb
-    return ka * kb * (1 - r) / (r * kb - ka)
-
-
-K0_FP8 = _solve_k0()
-
-
-def reduction_k0(fp8):
-    """K_0 of a GEMM of this precision (`DEEPGEMM_H800`)."""
-    return K0_FP8 if fp8 else K0_FP8 / 2
-
-
-def gemm_seconds(M, N, K, flops, hbm_bw, k0=0.0):
-    """One GEMM of (M x K) @ (K x N) on the roofline, at ``flops`` per second on a long reduction, its
-    output tiles' fixed cost worth ``k0`` steps of the reduction (`reduction_k0`)."""
-    return max(2 * M * N * (K + k0) / flops, E * (M * K + N * K + M * N) / hbm_bw)
-
-
-def gemm_passes(M, N, K, flops, hbm_bw, k0):
-    """(forward, backward) seconds of a weight's GEMMs: forward reduces over K, backward's input gradient
-    (M x N) @ (N x K) over N and its weight gradient (K x M) @ (M x N) over M."""
-    return (gemm_seconds(M, N, K, flops, hbm_bw, k0),
-            gemm_seconds(M, K, N, flops, hbm_bw, k0) + gemm_seconds(K, N, M, flops, hbm_bw, k0))
+def gemm_passes(M, N, K, flops, hbm_bw):
+    """(forward, backward) seconds of a weight's GEMMs: forward (M x K) @ (K x N); backward the input's
+    gradient (M x N) @ (N x K) and the weight's (K x M) @ (M x N), each of the forward's FLOPs and bytes."""
+    return (gemm_seconds(M, N, K, flops, hbm_bw),
+            gemm_seconds(M, K, N, flops, hbm_bw) + gemm_seconds(K, N, M, flops, hbm_bw))
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +108,7 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
     """Seconds one layer takes on one rank for a micro-batch of ``tokens`` (b s / cp) tokens:
     {"forward", "backward", "recompute", "gemm", "attention"} (the last two, forward and backward,
     are what the tensor- and context-parallel collectives can hide under)."""
-    mm_flops, k0 = eta * (cluster.fp8_flops if fp8 else cluster.peak_flops), reduction_k0(fp8)
+    mm_flops = eta * (cluster.fp8_flops if fp8 else cluster.peak_flops)
     i = next(j for j in range(model.layers) if model.is_moe_layer(j) == moe_layer)
     gemm_f, gemm_b, half, mlp = 0.0, 0.0, 0.0, 0.0
     attention_names = {w.name for w in model.attention_weights()}
@@ -154,10 +123,10 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
             # whole experts and the same M), so a rank does 1/tp of its group's expert FLOPs
             per_expert = tokens * model.top_k * ep / model.experts
             t, tb = (w.copies / ep * x for x in gemm_passes(max(per_expert, 1), N, K, mm_flops,
-                                                            cluster.hbm_bw, k0))
+                                                            cluster.hbm_bw))
         else:
             M = tokens // tp if (w.split == "rep" and sp and tp > 1) else tokens
-            t, tb = gemm_passes(M, N, K, mm_flops, cluster.hbm_bw, k0)
+            t, tb = gemm_passes(M, N, K, mm_flops, cluster.hbm_bw)
         gemm_f, gemm_b = gemm_f + t, gemm_b + tb
         half += t if n % 2 else 0        # torchtitan's per-op policy recomputes every other matmul
         mlp += 0 if w.name in attention_names else t
@@ -200,7 +169,6 @@ def head_seconds(model, cluster, eta, fp8, tokens, tp):
     """The output layer (a vocabulary-parallel GEMM of h x V/tp, forward and backward) and its loss,
     memory-bound over chapter 1's tail bytes, twice (forward, backward)."""
     mm_flops = eta * (cluster.fp8_flops if fp8 else cluster.peak_flops)
-    gemm = sum(gemm_passes(tokens, -(-model.vocab // tp), model.hidden, mm_flops, cluster.hbm_bw,
-                           reduction_k0(fp8)))
+    gemm = sum(gemm_passes(tokens, -(-model.vocab // tp), model.hidden, mm_flops, cluster.hbm_bw))
     loss = 2 * activations.tail_forward_peak_bytes(tokens, 1, -(-model.vocab // tp), E, target_copy=False)
     return gemm + loss / cluster.hbm_bw
