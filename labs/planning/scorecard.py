@@ -23,7 +23,7 @@ import re
 import statistics
 
 from labs.formulas.planning import shapes
-from labs.planning import checked, ranking
+from labs.planning import checked, published_counts, ranking
 
 FAMILIES = (   # (label, predicate on a case)
     ("Megatron-LM 2021, Narayanan Table 1", lambda c: c.source == "Narayanan et al. 2021, Table 1"),
@@ -122,8 +122,8 @@ def explain(r):
                                  "convention) is not in it")
     if name.startswith("Llama 3") and c.job.model.seq > 8192:
         return "attention", ("at 131K the attention is most of the compute, run at FlashAttention-2's "
-                             "published "
-                             "H100 speed; Llama 3's own kernel is not published")
+                             "published H100 speed; Llama 3's own kernel is not published. "
+                             + flop_count_note(r))
     if name.startswith("DeepSeek"):
         return "the figure", ("the TFLOP/s come from GPU hours per trillion tokens over the whole run "
                               "(restarts, "
@@ -177,6 +177,17 @@ def explain(r):
                        "estimate: the "
                        "stack runs " + ("below" if e > 0 else "above")
                        + " its generation's constant on this model")
+
+
+def flop_count_note(r):
+    """The case's note on the FLOP count it assumes, with its error under the other count: a causal
+    count (`published_counts.palm`) divides the published TFLOP/s by fewer FLOPs per token, so the
+    published tokens per second are more and the estimate falls further short."""
+    c = r["case"]
+    full = published_counts.palm(c.job.model, c.job.model.seq)
+    causal = published_counts.palm(c.job.model, c.job.model.seq, causal=True)
+    other = (1 + r["error"]) * causal / full - 1
+    return f"{c.notes}: {100 * r['error']:+.1f} %; under the causal count {100 * other:+.1f} %"
 
 
 def rank_misses(results):
