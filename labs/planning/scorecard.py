@@ -22,7 +22,7 @@ narrow per-rank slices raise the fitted eta, and the wide GEMMs of the other row
 import re
 import statistics
 
-from labs.formulas.planning import shapes
+from labs.formulas.planning import shapes, timing
 from labs.planning import checked, published_counts, ranking
 
 FAMILIES = (   # (label, predicate on a case)
@@ -118,8 +118,9 @@ def explain(r):
     if name.startswith("Narayanan ZeRO-3"):
         return "data parallel", (f"DeepSpeed ZeRO-3 at b = {r['row']['plan'].micro_batch}, its gathers "
                                  f"exposed {pct('dp')} of the estimate: the model hides them under compute "
-                                 "at full speed; compute slowed while NCCL runs (Calculon's processor_usage "
-                                 "convention) is not in it")
+                                 "slowed only by Calculon's processor_usage across nodes "
+                                 f"({timing.PROCESSOR_USAGE['network']:.0%}); what slows it more is not "
+                                 "in it")
     if name.startswith("Llama 3") and c.job.model.seq > 8192:
         return "attention", ("at 131K the attention is most of the compute, run at FlashAttention-2's "
                              "published H100 speed; Llama 3's own kernel is not published. "
