@@ -116,8 +116,10 @@ class ParallelDims:
         return self.dp // self.dp_replicate
 
     def degrees(self):
-        """{axis: degree} of the four axes every layout has, and ep (for tables and JSON)."""
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        """{axis: degree} of the four axes every layout has, and ep (for tables and JSON); HSDP's
+        dp_replicate too where dp is split into replicas, so that two HSDP splits print apart."""
+        out = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        return {**out, "dp_replicate": self.dp_replicate} if self.dp_replicate > 1 else out
 
     # ---- the grid ---------------------------------------------------------------------------------
     def atoms(self):

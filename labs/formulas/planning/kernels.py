@@ -94,6 +94,13 @@ def gemm_seconds(M, N, K, flops, hbm_bw):
     return max(2 * M * N * K / flops, E * (M * K + N * K + M * N) / hbm_bw)
 
 
+def gemm_passes(M, N, K, flops, hbm_bw):
+    """(forward, backward) seconds of a weight's GEMMs: forward (M x K) @ (K x N); backward the input's
+    gradient (M x N) @ (N x K) and the weight's (K x M) @ (M x N), each of the forward's FLOPs and bytes."""
+    return (gemm_seconds(M, N, K, flops, hbm_bw),
+            gemm_seconds(M, K, N, flops, hbm_bw) + gemm_seconds(K, N, M, flops, hbm_bw))
+
+
 @functools.lru_cache(maxsize=None)
 def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, tp, ep, sp, recompute,
                   attention="flash2",
@@ -103,7 +110,7 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
     are what the tensor- and context-parallel collectives can hide under)."""
     mm_flops = eta * (cluster.fp8_flops if fp8 else cluster.peak_flops)
     i = next(j for j in range(model.layers) if model.is_moe_layer(j) == moe_layer)
-    gemm_f, half, mlp = 0.0, 0.0, 0.0
+    gemm_f, gemm_b, half, mlp = 0.0, 0.0, 0.0, 0.0
     attention_names = {w.name for w in model.attention_weights()}
     for n, w in enumerate(x for x in model.layer_weights(i) if len(x.shape) == 2):
         out, inn = w.shape
@@ -115,11 +122,12 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
             # after the dispatch under sequence parallelism; with experts folded over tp x dp each rank holds
             # whole experts and the same M), so a rank does 1/tp of its group's expert FLOPs
             per_expert = tokens * model.top_k * ep / model.experts
-            t = w.copies / ep * gemm_seconds(max(per_expert, 1), N, K, mm_flops, cluster.hbm_bw)
+            t, tb = (w.copies / ep * x for x in gemm_passes(max(per_expert, 1), N, K, mm_flops,
+                                                            cluster.hbm_bw))
         else:
             M = tokens // tp if (w.split == "rep" and sp and tp > 1) else tokens
-            t = gemm_seconds(M, N, K, mm_flops, cluster.hbm_bw)
-        gemm_f += t
+            t, tb = gemm_passes(M, N, K, mm_flops, cluster.hbm_bw)
+        gemm_f, gemm_b = gemm_f + t, gemm_b + tb
         half += t if n % 2 else 0        # torchtitan's per-op policy recomputes every other matmul
         mlp += 0 if w.name in attention_names else t
     causal = kernels != "materialized"
@@ -135,8 +143,8 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
     forward = gemm_f + attn_f + ew / 3 + perm
     redo = {"none": 0.0, "selective": attn_f, "selective_ops": half + ew / 3, "mlp": mlp + ew / 6 + perm,
             "full": forward}[recompute]
-    return {"forward": forward, "backward": 2 * gemm_f + attn_b + 2 * ew / 3 + perm, "recompute": redo,
-            "gemm": 3 * gemm_f, "attention": attn_f + attn_b}
+    return {"forward": forward, "backward": gemm_b + attn_b + 2 * ew / 3 + perm, "recompute": redo,
+            "gemm": gemm_f + gemm_b, "attention": attn_f + attn_b}
 
 
 # Token permutation, counted from the code that runs it. Megatron-Core's (NVIDIA/Megatron-LM f2e5db40,
@@ -161,6 +169,6 @@ def head_seconds(model, cluster, eta, fp8, tokens, tp):
     """The output layer (a vocabulary-parallel GEMM of h x V/tp, forward and backward) and its loss,
     memory-bound over chapter 1's tail bytes, twice (forward, backward)."""
     mm_flops = eta * (cluster.fp8_flops if fp8 else cluster.peak_flops)
-    gemm = 3 * gemm_seconds(tokens, -(-model.vocab // tp), model.hidden, mm_flops, cluster.hbm_bw)
+    gemm = sum(gemm_passes(tokens, -(-model.vocab // tp), model.hidden, mm_flops, cluster.hbm_bw))
     loss = 2 * activations.tail_forward_peak_bytes(tokens, 1, -(-model.vocab // tp), E, target_copy=False)
     return gemm + loss / cluster.hbm_bw

@@ -16,9 +16,11 @@ and virtual stages v the stack offers (`search`). A layout is refused for the fi
 - layers that do not split evenly over the pipeline's stages, on a stack that splits them evenly
   (Megatron-LM; `software.Software.uniform_stages`);
 
-and otherwise for the first memory term that overflows the GPU (`memory.terms`), or, offloaded, the
-host. The layouts that fit are ranked by `timing.step`; each degree tuple is shown at its fastest
-setting of the other knobs, so "rank" is among degree tuples.
+and otherwise for the first memory term that overflows the GPU less the allocator's reserve
+(`memory.terms` against `shapes.usable_bytes`), or, offloaded, the host. A published layout is checked
+against the whole GPU (`published`): it ran, so only a count above the GPU contradicts it.
+The layouts that fit are ranked by `timing.step`; each degree tuple is shown at its fastest setting
+of the other knobs, so "rank" is among degree tuples.
 """
 from dataclasses import dataclass
 
@@ -73,6 +75,11 @@ class Job:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
         if self.fp8 and not self.cluster.fp8_flops:
             raise ValueError(f"precision 'fp8' needs FP8 tensor cores, and {self.cluster.name} has none.")
+        for name in ("hbm_bytes", "intra_bw", "inter_bw", "peak_flops", "hbm_bw"):
+            value = getattr(self.cluster, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{self.cluster.name}: {name} must be a positive number, got {value!r}: "
+                                 "every link, peak and memory of a GPU the planner prices is above zero.")
         if self.software.kernels not in ("materialized", "flash", "fused"):
             raise ValueError(f"kernels must be materialized, flash or fused, got {self.software.kernels!r}.")
 
@@ -138,7 +145,7 @@ def plan(job, eta):
             rejected.append({"dims": d, "reason": rule, "kind": "rule"})
         else:
             open_.append(d)
-    for row in search.best_per_layout(job, eta, open_):
+    for row in search.best_per_layout(job, eta, open_, headroom=True):
         if "reason" in row:
             rejected.append({**row, "kind": "memory"})
         else:
@@ -191,13 +198,18 @@ def tflops_per_gpu(job, row, counted="none"):
     return per_token * job.batch_tokens / row["time"]["step"] / job.gpus / 1e12
 
 
+def hsdp(d):
+    """" (HSDP r x s)": HSDP's replicas and shard group of layout ``d``, or "" when dp is not split."""
+    return f" (HSDP {d.dp_replicate} x {d.dp // d.dp_replicate})" if d.dp_replicate > 1 else ""
+
+
 def markdown_table(job, result, top=5):
     """The ``top`` fastest layouts of a `plan` result as a MyST table (the site shows it; a kernel is not
     needed)."""
     head = ["| rank | tp | pp | cp | ep | dp | ZeRO | recompute | b | v | m | step (s) | TFLOP/s per GPU |",
             "|---:|---:|---:|---:|---:|---:|---:|:--|---:|---:|---:|---:|---:|"]
     body = [f"| {r['rank']} | {r['dims'].tp} | {r['dims'].pp} | {r['dims'].cp} | {r['dims'].ep} | "
-            f"{r['dims'].dp}{' (HSDP)' if r['dims'].dp_replicate > 1 else ''} | {r['plan'].zero} | "
+            f"{r['dims'].dp}{hsdp(r['dims'])} | {r['plan'].zero} | "
             f"{r['plan'].recompute} | {r['plan'].micro_batch} | {r['plan'].v} | {r['m']} | "
             f"{r['time']['step']:.1f} | "
             f"{tflops_per_gpu(job, r):.0f} |" for r in result["ranked"][:top]]

@@ -16,7 +16,7 @@ import functools
 import itertools
 
 from labs.dims import ParallelDims
-from labs.formulas.planning import memory, offload, timing
+from labs.formulas.planning import memory, offload, shapes, timing
 from labs.formulas.planning.grid import Candidate
 from labs.formulas.planning.software import RECOMPUTE, SCHEDULES
 
@@ -128,23 +128,27 @@ class Memo(timing.Pieces):
                             <= cl.host_bytes)
 
 
-def best_per_layout(job, eta, layouts, fixed=None, closest=False):
+def best_per_layout(job, eta, layouts, fixed=None, closest=False, headroom=False):
     """For each layout: its fastest fitting setting as a row (dims, plan, m, time, memory), or
     {"dims", "reason", "term"} naming what overflows at its closest setting (``closest``: that setting,
-    timed, as well: a published layout that ran is timed where the count says it does not fit)."""
+    timed, as well: a published layout that ran is timed where the count says it does not fit).
+    ``headroom``: fit under `shapes.usable_bytes` (the allocator's reserve left free), not the whole GPU."""
     fixed, memo, out = fixed or {}, Memo(job, eta), []
+    hbm = shapes.usable_bytes(job.cluster, job.software.expandable_segments) if headroom else \
+        job.cluster.hbm_bytes
     for d in layouts:
-        c, fitting = _search(memo, d, fixed)
+        c, fitting = _search(memo, d, fixed, hbm)
         terms, _, _, time = price(job, eta, c, memo)
         row = _row(d, c, terms, time)
         if fitting:
             out.append(row)
             continue
-        term = memory.overflow(terms, job.cluster.hbm_bytes) or "host memory"
+        term = memory.overflow(terms, hbm) or "host memory"
         plan = row["plan"]
+        of = f"{hbm / GIB:.0f} GiB" + (" (the allocator's reserve left free)" if headroom else "")
         reason = (f"{term} overflows: {memory.total(terms) / GIB:.1f} GiB at best (ZeRO-{plan.zero}, "
-                  f"recompute {plan.recompute}, b = {plan.micro_batch}, v = {plan.v}) of "
-                  f"{job.cluster.hbm_bytes / GIB:.0f} GiB" if term != "host memory" else
+                  f"recompute {plan.recompute}, b = {plan.micro_batch}, v = {plan.v}) of {of}"
+                  if term != "host memory" else
                   f"host memory overflows: the offloaded optimizer state needs more than the node's "
                   f"{job.cluster.host_bytes / GIB:.0f} GiB")
         out.append({**row, "reason": reason, "term": term} if closest else
@@ -152,11 +156,11 @@ def best_per_layout(job, eta, layouts, fixed=None, closest=False):
     return out
 
 
-def _search(memo, d, fixed):
+def _search(memo, d, fixed, hbm):
     """(candidate, True): layout d's fastest candidate that fits; else (candidate, False): the one with the
     least memory among those whose node holds their offloaded state, or the first. Ties go to the first
     in `settings` order. Only the candidates that fit are timed."""
-    job, hbm = memo.job, memo.job.cluster.hbm_bytes
+    job = memo.job
     cands, (_, rest) = candidates(job, d, fixed), settings(job, d, fixed)
     nodes = memo.nodes(*cands[0][:6])
     # the distinct settings each piece of memory depends on, besides the row's

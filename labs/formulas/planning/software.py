@@ -67,6 +67,13 @@ class Software:
     accumulation: bool = True
     permute_fusion: bool = False    # MoE token permutation in fused kernels (`kernels.permutation_bytes`)
     eager_loss: bool = False        # F.cross_entropy on fp32 logits, whose backward peaks above its forward
+    # ZeRO-3's forward pre-hooks fire again in the recomputed forward, gathering every weight a third time per
+    # micro-batch (DeepSpeed: deepspeedai/DeepSpeed issue #4784, pre_sub_module_forward_function runs in the
+    # recomputation; huggingface/transformers issue #47254: "The ZeRO-3 forward pre-hook fires on the
+    # recompute forward and all-gathers every param"). FSDP2 gathers once before a unit's backward, which
+    # recomputes inside it.
+    regather_recompute: bool = False
+    expandable_segments: bool = False   # the allocator's expandable segments (`shapes.reserve`)
 
     def with_(self, **changes):
         return replace(self, **changes)
@@ -141,7 +148,8 @@ MOE_ZOO = MEGATRON_CORE.with_(name="Megatron-Core MoE",
 DEEPSPEED_ZERO3 = Software("DeepSpeed ZeRO-3 (2021)", "Narayanan et al. 2021, §5.2", zero_stages=(3,),
                            recompute=("full",), max_tp=1, max_pp=1, max_cp=1, sp=False,
                            kernels="materialized",
-                           schedules=("1f1b",), overlap_grad_reduce=True, prefetch=True, shard_unit="weight")
+                           schedules=("1f1b",), overlap_grad_reduce=True, prefetch=True, shard_unit="weight",
+                           regather_recompute=True)
 # BLOOM (bigscience tr11-176B-ml README): Megatron-DeepSpeed, TP 4, PP 12 with DeepSpeed's 1F1B pipeline
 # engine, the BF16_Optimizer's own ZeRO-1, full recomputation, fused softmax kernels (no FlashAttention).
 MEGATRON_DEEPSPEED = Software("Megatron-DeepSpeed (BLOOM)", "bigscience tr11-176B-ml README", zero_stages=(1,
@@ -179,7 +187,7 @@ LLAMA3 = Software("Llama 3's stack", "Llama Team 2024, §3.3.2", zero_stages=(2,
 TORCHTITAN = Software("torchtitan 9dec370", "pytorch/torchtitan 9dec370", zero_stages=(3,),
                       recompute=("none", "selective_ops", "full"), hsdp=True, reduce_bytes=4,
                       reshard_after_forward="not pp", overlap_grad_reduce=True, prefetch=True,
-                      accumulation=False, eager_loss=True)
+                      accumulation=False, eager_loss=True, expandable_segments=True)
 TORCHTITAN_2025 = TORCHTITAN.with_(name="torchtitan 820504e", source="pytorch/torchtitan 820504e",
                                    accumulation=True)
 # DeepSeek (V2 §3.2.3, V3 §3.2): HAI-LLM, no TP, ZeRO-1, zero-bubble pipelining (V3: DualPipe, which

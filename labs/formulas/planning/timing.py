@@ -20,8 +20,13 @@
   forward), prefetched under compute where the stack prefetches, all but the first unit's;
 - the optimizer step: Adam's bytes per parameter of the rank's shard at the memory's bandwidth, or
   in host memory under offload (`offload`).
-Left out: stragglers, data loading, kernel launch gaps, and the slowdown of compute that shares the
-GPU with a collective.
+- compute shared with a collective (Calculon's ``processor_usage``, Isaev et al. SC'23; calculon-ai/calculon
+  at caa4b11, calculon/network.py and calculon/llm/llm.py): while NCCL runs, its kernels hold a share u
+  of the GPU, so the compute it hides under runs at 1 - u of its speed; Calculon prices that as u times the
+  overlapped time (u min(comm, compute), its `overlap_inflection` branches). u by link tier, Calculon's
+  own system files (systems/a100_80g.json, h100_80g_nvl8.json): 0.15 on the node's NVLink, 0.02 across
+  nodes (`PROCESSOR_USAGE`), the same for every row and every collective the stack overlaps.
+Left out: stragglers, data loading, kernel launch gaps.
 """
 import functools
 import math
@@ -33,6 +38,7 @@ from labs.formulas import links
 from labs.formulas.planning import kernels, memory, offload, traffic
 from labs.formulas.planning.software import RECOMPUTE, SCHEDULES
 
+PROCESSOR_USAGE = {"node": 0.15, "network": 0.02}    # Calculon's u: NVLink group, across nodes
 AXES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": ("dp", "cp")}
 ONE_F_ONE_B = SCHEDULES.index("1f1b")
 
@@ -91,7 +97,9 @@ def layer_cost(job, eta, moe, b, tp, cp, ep, sp, rc, tp_nodes, cp_nodes, ep_node
     hide = (lay["gemm"] * sw.tp_overlap, lay["attention"] * sw.cp_overlap,
             (lay["forward"] + lay["backward"]) * sw.ep_overlap)
     return (lay["forward"], lay["backward"] + lay["recompute"]) + tuple(
-        exposed(t.get(g, 0.0), h, n) for g, h, n in zip(("tp", "cp", "ep"), hide, (tp, cp, math.inf)))
+        exposed(t.get(g, 0.0), h, n, usage(k)) for g, h, n, k in zip(("tp", "cp", "ep"), hide,
+                                                                      (tp, cp, math.inf),
+                                                                      (tp_nodes, cp_nodes, ep_nodes)))
 
 
 def vocab_seconds(job, tp, tp_nodes, cp, b, first, last):
@@ -141,17 +149,30 @@ def micro_batches(job, eta, c, stages, nodes, pieces=None):
             bwd += p.head(c.b * job.model.seq // c.cp, c.tp)
         compute = fwd + bwd
         tp += p.vocab(c.tp, nodes["tp"], c.cp, c.b, first, last)
-        pp = max(0.0, traffic.pp_sends(st, c.pp, c.v) * send - compute * hidden)
+        pp = overlapped(traffic.pp_sends(st, c.pp, c.v) * send, compute * hidden, usage(nodes["pp"]))
         out.append({"forward": fwd, "backward": bwd, "tp": tp, "cp": cp, "ep": ep, "pp": pp,
                     "compute": compute, "t_mb": compute + tp + cp + ep + pp})
     return out
 
 
-def exposed(comm, compute, chunks):
+def usage(nodes):
+    """Calculon's processor usage u of a collective on a group over ``nodes`` nodes (`PROCESSOR_USAGE`)."""
+    return PROCESSOR_USAGE["node" if nodes <= 1 else "network"]
+
+
+def overlapped(comm, window, u):
+    """Seconds ``comm`` adds to a step when the stack hides it under ``window`` seconds of compute: what
+    the window cannot cover, and the compute slowed by the share u the collective holds while both run
+    (u min(comm, window), Calculon's convention)."""
+    return max(0.0, comm - window) + u * min(comm, window)
+
+
+def exposed(comm, compute, chunks, u=0.0):
     """Seconds of ``comm`` not hidden under ``compute`` when the collective is cut into ``chunks``
     pipelined with the compute it feeds (TE's and async TP's chunked GEMMs, ring attention's steps):
-    what the compute cannot cover, and one chunk's worth of the shorter of the two, the pipeline's fill."""
-    return max(0.0, comm - compute) + min(comm, compute) / chunks
+    what the compute cannot cover, and one chunk's worth of the shorter of the two, the pipeline's fill,
+    with the overlapped compute slowed by u (`overlapped`)."""
+    return overlapped(comm, compute, u) + min(comm, compute) / chunks
 
 
 def _data_parallel(job, tp, pp, cp, ep, dp, dpr, etp, dpn, v, zero, offloaded):
@@ -189,38 +210,42 @@ def step(job, eta, c, slowest, first, nodes, pieces=None):
     p, sw, m = pieces or Pieces(job, eta), job.software, c.m
     reduce, gather, replica, unit, opt = p.data_parallel(c.tp, c.pp, c.cp, c.ep, c.dp, c.dpr, c.etp,
                                                          nodes["dp"], c.v, c.zero, c.offload)
-    fwd, bwd = first["forward"], first["backward"]
-    reduced = max(0.0, reduce + replica - bwd * sw.overlap_grad_reduce)
+    fwd, bwd, u = first["forward"], first["backward"], usage(nodes["dp"])
+    reduced = overlapped(reduce + replica, bwd * sw.overlap_grad_reduce, u)
     if c.zero == 0:
         dp = reduced
     elif c.zero == 1:
-        dp = reduced + max(0.0, gather - fwd * sw.overlap_param_gather)
+        dp = reduced + overlapped(gather, fwd * sw.overlap_param_gather, u)
     elif c.zero == 2:
         # ZeRO-2 reduce-scatters every micro-batch's gradients: under the next micro-batch's forward and
         # backward while there is one (nothing waits for them before the optimizer step), the last under
         # its own
-        each = max(0.0, reduce + replica - (fwd + bwd) * sw.overlap_grad_reduce)
-        dp = (m - 1) * each + reduced + max(0.0, gather - fwd * sw.overlap_param_gather)
+        each = overlapped(reduce + replica, (fwd + bwd) * sw.overlap_grad_reduce, u)
+        dp = (m - 1) * each + reduced + overlapped(gather, fwd * sw.overlap_param_gather, u)
     else:
-        dp = fsdp_seconds(sw, c, reduce, gather, replica, unit, first)
+        dp = fsdp_seconds(sw, c, reduce, gather, replica, unit, first, u)
     bubble_ = p.bubble(c.sched, c.pp, m, c.v)
     pipeline = m * slowest["t_mb"] * (1 + bubble_)
     return {"step": pipeline + dp + opt, "pipeline": pipeline, "bubble": m * slowest["t_mb"] * bubble_,
             "dp": dp, "optimizer": opt}
 
 
-def fsdp_seconds(sw, c, reduce, gather, replica, unit, first):
+def fsdp_seconds(sw, c, reduce, gather, replica, unit, first, u=0.0):
     """ZeRO-3 / FSDP's exposed seconds per step: per micro-batch, its gathers (two when it reshards
     after forward) and its reduce-scatter, less the compute prefetching hides them under, and the first
-    unit's gather, which nothing hides; kept gathered, one gather and one reduction per step."""
+    unit's gather, which nothing hides; kept gathered, one gather and one reduction per step. A stack
+    whose hooks gather again in the recomputed forward (`software.Software.regather_recompute`) pays a
+    third gather per micro-batch under full recomputation: forward, recomputed forward, backward. ``u``:
+    the compute slowed while the collectives run (`overlapped`)."""
     m, reshard = c.m, c.reshard == 1
-    per_mb = 2 * gather + reduce if reshard else 0.0
+    gathers = 3 if sw.regather_recompute and c.recompute == "full" else 2
+    per_mb = gathers * gather + reduce if reshard else 0.0
     once_g, once_r = (0.0, 0.0 + replica) if reshard else (gather, reduce + replica)
     if not sw.prefetch:
         return m * per_mb + once_g + once_r
-    per_step = m * (max(0.0, per_mb - first["compute"]) + (unit if reshard else 0.0))
-    return per_step + max(0.0, once_g - first["forward"]) + \
-        max(0.0, once_r - first["backward"] * sw.overlap_grad_reduce)
+    per_step = m * (overlapped(per_mb, first["compute"], u) + (unit if reshard else 0.0))
+    return per_step + overlapped(once_g, first["forward"], u) + \
+        overlapped(once_r, first["backward"] * sw.overlap_grad_reduce, u)
 
 
 def model_flops_per_token(model, recompute="none"):
