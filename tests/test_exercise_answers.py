@@ -74,7 +74,10 @@ CASES = [
     (problems, "1", schedules.formula("1f1b", 16, 48)["over_ideal"],
      "(p-1)/m: the bubble over the ideal time, not the total"),
     (problems, "2", math.ceil(15 / 0.05), "(p-1)/m <= 5 %: the bubble over the ideal time, not the total"),
+    (problems, "1", 16 / 64, "p/(m+p): p idle slots counted instead of p - 1"),
     (problems, "3", schedules.formula("1f1b", 8, 32)["over_ideal"], "the interleaving's v = 4 left out"),
+    (problems, "3", schedules.formula("interleaved", 8, 32, 4)["over_total"],
+     "the bubble over the total time, not over the ideal"),
     (problems, "4", 2 * 12, "doubling m: the p - 1 idle slots stay, so the share falls to 1/9, not 1/10"),
 ]
 
@@ -82,6 +85,14 @@ CASES = [
 @pytest.mark.parametrize("module, question, wrong, mistake", CASES, ids=exercise_cases.ids(CASES))
 def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake, capsys):
     exercise_cases.refuses(module.check, module.EXERCISES, question, wrong, mistake, capsys)
+
+
+def test_chapter_5_names_no_unit_slip_for_a_ratio(capsys):
+    """A share of a step has no unit: a wrong ratio is never told "MiB and MB mixed up"."""
+    for question, wrong in (("1", 16 / 64), ("3", schedules.formula("interleaved", 8, 32, 4)["over_total"])):
+        assert not problems.check(question, wrong)
+        out = capsys.readouterr().out
+        assert "mixed up" not in out, out
 
 
 def test_every_exercise_of_chapters_1_to_5_has_a_wrong_answer_tested():
