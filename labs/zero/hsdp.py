@@ -203,7 +203,8 @@ def hsdp_vs_full(rank, world_size, shard=2, steps=2, lr=1e-3):
 
     For each layout: one bf16 step under `GroupBytes` (records and per-group sums), FSDP2's kept
     state after that step (`fsdp2_state_bytes`), and ``steps`` fp32 steps (losses; on rank 0 the
-    first step's averaged gradients and the final weights, full fp32). Rank 0 also returns the one-process reference and P_pad."""
+    first step's averaged gradients and the final weights, full fp32). Rank 0 also returns the
+    one-process reference and P_pad."""
     if world_size % shard or world_size == shard:
         raise ValueError(f"world_size {world_size} must be a multiple of shard {shard} with at least 2 "
                          "replicas; use e.g. 4 ranks with shard=2.")
