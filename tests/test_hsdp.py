@@ -61,6 +61,9 @@ def test_hsdp_and_full_sharding_train_like_one_process(run):
         # step 0: the same weights, data and shapes, fp32, one thread (the reference runs on one,
         # as every rank): the same operations in the same order, so exact
         assert losses[0] == ref["losses"][0]
+        # the first averaged gradient itself, as for the hand stages: Adam would hide a replica
+        # all-reduce that summed instead of averaging (2x), the losses and weights would not show it
+        assert hsdp.grad_error(run[0][layout]["grads"], ref["grads"]) < hsdp.GRAD_TOL
         # later steps: fp32 gradients summed in another order (rank pairs, then replicas) differ
         # by rounding, ~1e-7 relative
         torch.testing.assert_close(losses, ref["losses"], rtol=1e-5, atol=0)
@@ -69,6 +72,17 @@ def test_hsdp_and_full_sharding_train_like_one_process(run):
         # replica that missed the all-reduce steps on its own gradient, about lr off: lr / 10
         for name, want in ref["params"].items():
             torch.testing.assert_close(run[0][layout]["params"][name], want, rtol=0, atol=LR / 10, msg=name)
+
+
+def test_the_gradient_check_refuses_a_summed_or_skipped_all_reduce(run):
+    ref = run[0]["reference"]["grads"]
+    got = run[0]["hsdp"]["grads"]
+    assert hsdp.grad_error(got, ref) < hsdp.GRAD_TOL
+    # a replicate all-reduce that summed the 2 replicas instead of averaging: every gradient 2x
+    assert hsdp.grad_error({k: 2 * v for k, v in got.items()}, ref) > 0.5
+    # a replica that skipped it: this node's gradient alone, not the mean of the two nodes'
+    alone = hsdp.reference(SHARD, steps=1)["grads"]   # ranks 0, 1: node 0's batches only
+    assert hsdp.grad_error(alone, ref) > 100 * hsdp.GRAD_TOL
 
 
 def test_fsdp2_keeps_fp32_shards_of_params_grads_and_adam_state(run):

@@ -129,6 +129,7 @@ def shard_model(net, mesh, param_dtype=None):
 
 
 def _train(net, rank, world_size, steps, lr, mode=None):
+    """Returns the losses, FSDP2's kept state after step 0, and step 0's averaged gradients (full)."""
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses, cfg, dev = [], tiny.GPTConfig(), launch.device()
     for step in range(steps):
@@ -136,12 +137,25 @@ def _train(net, rank, world_size, steps, lr, mode=None):
         with mode if (mode is not None and step == 0) else _Null():
             loss = net(x, y)
             loss.backward()
+        if step == 0 and mode is None:   # Adam hides a gradient's scale: check the gradient itself
+            grads = {k: p.grad.full_tensor().detach().cpu() for k, p in net.named_parameters()}
         opt.step()
         if step == 0:
             state = fsdp2_state_bytes(net, opt)   # before zero_grad: the gradients are still held
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, state
+    return losses, state, (grads if mode is None else None)
+
+
+GRAD_TOL = 1e-5   # fp32 gradients summed in another order: ~1e-7 of the largest
+
+
+def grad_error(got, want):
+    """Largest |got - want| over every parameter's gradient, relative to the largest |want|: a
+    replica that skipped the all-reduce, or summed it instead of averaging (2x), is off by a large
+    fraction of 1; fp32 sums in another order, by about 1e-7."""
+    scale = max(w.abs().max().item() for w in want.values())
+    return max((got[k] - w).abs().max().item() for k, w in want.items()) / scale
 
 
 class _Null:
@@ -176,17 +190,21 @@ def _reference(world_size, steps, lr):
             loss = net(x, y)
             losses[-1].append(loss.item())
             (loss / world_size).backward()
+        if step == 0:
+            grads = {k: v.grad.detach().clone() for k, v in net.named_parameters()}
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in net.named_parameters()}}
+    return {"losses": losses, "grads": grads,
+            "params": {k: v.detach().clone() for k, v in net.named_parameters()}}
 
 
 def hsdp_vs_full(rank, world_size, shard=2, steps=2, lr=1e-3):
     """HSDP (mesh (r, s), names ("replicate", "shard")) beside full sharding over all ranks.
 
     For each layout: one bf16 step under `GroupBytes` (records and per-group sums), FSDP2's kept
-    state after that step (`fsdp2_state_bytes`), and ``steps`` fp32 steps (losses; full fp32 weights
-    on rank 0). Rank 0 also returns the one-process reference and P_pad."""
+    state after that step (`fsdp2_state_bytes`), and ``steps`` fp32 steps (losses; on rank 0 the
+    first step's averaged gradients and the final weights, full fp32). Rank 0 also returns the
+    one-process reference and P_pad."""
     if world_size % shard or world_size == shard:
         raise ValueError(f"world_size {world_size} must be a multiple of shard {shard} with at least 2 "
                          "replicas; use e.g. 4 ranks with shard=2.")
@@ -200,13 +218,14 @@ def hsdp_vs_full(rank, world_size, shard=2, steps=2, lr=1e-3):
                      for d in ("replicate", "shard")}}
     for name, mesh in meshes.items():
         mode = GroupBytes(labels)
-        _, state = _train(shard_model(tiny.build(device=launch.device()), mesh, torch.bfloat16), rank,
-                          world_size, 1, lr, mode)
+        _, state, _ = _train(shard_model(tiny.build(device=launch.device()), mesh, torch.bfloat16),
+                             rank, world_size, 1, lr, mode)
         net = shard_model(tiny.build(device=launch.device()), mesh)
-        losses, _ = _train(net, rank, world_size, steps, lr)
+        losses, _, grads = _train(net, rank, world_size, steps, lr)
         params = {k: v.full_tensor().detach().cpu() for k, v in net.named_parameters()}
         out[name] = {"records": mode.records, "by_group": mode.by_group(), "state": state,
-                     "losses": losses, "params": params if rank == 0 else None}
+                     "losses": losses, "params": params if rank == 0 else None,
+                     "grads": grads if rank == 0 else None}
     if rank == 0:
         out["reference"] = reference(world_size, steps, lr)
         out["p_pad"] = {s: padded_params(tiny.build(), s) for s in (shard, world_size)}
