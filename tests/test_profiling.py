@@ -366,3 +366,20 @@ def test_the_exercise_ready_order_is_backward_s():
     names = [n for n, _ in net.named_parameters()]
     module = [names[i].rsplit(".", 1)[0] for i in seen]
     assert module == [names[i].rsplit(".", 1)[0] for i in want]
+
+
+def test_the_made_up_step_is_what_the_reader_finds():
+    from labs.profiling import figures
+    toy = figures.toy_terms()
+    assert sum(toy[k] for k in ("compute", "exposed", "peer_wait", "input", "idle")) == 100
+    events = [step(0, 0, 100), op(f"{analysis.LOADER}_SingleProcessDataLoaderIter.__next__", 0, 10),
+              op("gloo:all_reduce", *figures.TOY_IN_FLIGHT, tid=GLOO, cat="user_annotation")]
+    events += [op("aten::mm", a, b) for kind, a, b in figures.TOY if kind == "compute"]
+    r = one(events)                              # one rank's reader books the peer wait as idle
+    assert (r["compute_s"], r["exposed_comm_s"], r["input_s"]) == pytest.approx(
+        (toy["compute"], toy["exposed"], toy["input"]))
+    assert r["idle_s"] == pytest.approx(toy["idle"] + toy["peer_wait"])
+    assert r["overlap_fraction"] == pytest.approx(toy["overlap_fraction"])
+    # the named mistakes: exposed over in flight, or hidden over the step, is not the fraction
+    assert toy["overlap_fraction"] != pytest.approx(toy["exposed"] / toy["in_flight"])
+    assert toy["overlap_fraction"] != pytest.approx(toy["hidden"] / 100)
