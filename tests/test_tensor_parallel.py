@@ -96,6 +96,13 @@ def test_layer_costs_at_70b_scale():
     assert tp.check("1", 64) and not tp.check("1", 256)
 
 
+def test_exercise_1_names_division_by_tp():
+    # 64 MiB / tp = 8 is a factor 8 too; the named mistake wins over the bits-and-bytes slip
+    from labs.measure import exercises
+    ok, text = exercises.verdict(tp.EXERCISES, "1", 8, mistakes=tp.MISTAKES)
+    assert not ok and "divided by tp" in text and "bits" not in text, text
+
+
 
 def _check_forms(r, b, s, h):
     """The MLP's two forms (`forms.check`): each equals the unsharded MLP; the partial sums go into

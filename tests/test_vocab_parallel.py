@@ -152,6 +152,18 @@ def test_comm_compute_condition_at_scale():
         tl.ratio(8192, 0, 450e9, 989e12)
 
 
+def test_layout_ratios_use_the_ring_bandwidth_of_each_placement():
+    lay = tl.layout_ratios("70B")
+    two = {r["tp"]: r for r in lay["two nodes, tp/2 GPUs each"]}
+    # two nodes with 4 GPUs each (tp = 8) use 4 NICs: 200 GB/s, past comm = compute (condition's fixed
+    # 400 GB/s would put it at 0.62, below)
+    assert two[8]["bandwidth"] == 200e9 and two[8]["ratio"] == pytest.approx(1.23, abs=0.01)
+    assert two[16]["ratio"] == pytest.approx(1.32, abs=0.01) and two[2]["bandwidth"] == 50e9
+    assert [r["tp"] for r in lay["one node, NVLink"]] == [2, 4, 8]          # a node holds 8 GPUs
+    assert all(r["bandwidth"] == 50e9 for r in lay["one GPU per node"])
+    assert all(r["bandwidth"] == 400e9 for r in lay["tp/8 full nodes"])
+
+
 def test_ring_bandwidth_across_nodes_is_the_nodes_egress():
     assert tl.ring_bandwidth(1, 8) == 450e9                         # one node: NVLink
     assert tl.ring_bandwidth(2, 8) == 400e9                         # two full nodes: 8 NICs x 50 GB/s

@@ -198,7 +198,9 @@ EXERCISES = {
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
 MISTAKES = {
     "1": [(lambda: layer_costs("70B", 8)["hh_weight_bytes"] / 2**20,
-           "sized by the h x h weight, not by b s h")],
+           "sized by the h x h weight, not by b s h"),
+          (lambda: layer_costs("70B", 8)["message_bytes"] / 2**20 / 8,
+           "divided by tp: each rank's all-reduce carries the whole b s h activation")],
     "2": [(lambda: layer_costs("70B", 16, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
            "one NIC's 50 GB/s for the whole ring: the node has 8 NICs and the ring uses them all"),
           (lambda: layer_costs("70B", 16, link=TWO_NODES)["comm_s"] * 1e3 / 8,

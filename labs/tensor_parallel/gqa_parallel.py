@@ -7,7 +7,9 @@ a/tp query heads, which must find their KV heads on the same rank:
 - tp % k == 0: replicate, one KV head per rank, each held by tp/k ranks (k = 8 at tp = 16). The
   copies' gradients are partial (each from its own a/tp query heads) and must be summed over the
   tp/k ranks that hold the copy: one more all-reduce of d x h per K and V weight;
-- otherwise there is no layout: a rank's query heads would need a KV head cut in pieces.
+- otherwise neither of these two layouts fits, and the lab refuses tp (other layouts exist, e.g.
+  a = 24, k = 6, tp = 4: each rank reads 2 whole KV heads, some held by two ranks; Megatron-Core
+  itself requires tp to divide k).
 
     python -m labs.tensor_parallel.gqa_parallel --world-size 2 --kv-heads 1 --json
 """

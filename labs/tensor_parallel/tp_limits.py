@@ -31,7 +31,7 @@ import contextlib
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from labs.formulas.links import ring_bandwidth  # noqa: F401 (chapter 4's W, one home: labs.formulas)
+from labs.formulas.links import ring_bandwidth  # chapter 4's W, one home: labs.formulas
 from labs.memory_budget import budget
 from labs.launcher import launch
 from labs import model as tiny
@@ -61,7 +61,10 @@ def condition(model="70B", links=(NVLINK, TWO_NODES, INFINIBAND), tps=(1, 2, 4, 
               micro_batch=1,
               device=DEVICE):
     """Per link: one row per tp (comm_s, compute_s, ratio, ratio_step from `layer_costs`), the crossover
-    tp* (forward and step) and ``first_comm_bound_tp``, the first tp in ``tps`` whose forward ratio >= 1."""
+    tp* (forward and step) and ``first_comm_bound_tp``, the first tp in ``tps`` whose forward ratio >= 1.
+    Each link's W is held fixed at every tp: tp* is the crossover *if* W stayed at that figure (NVLink's
+    for one node, full 8-GPU nodes' egress for two nodes, one NIC's for a GPU per node). For the W a
+    given placement of the ranks gets, see `layout_ratios`."""
     arch = budget.MODELS[model] if model in budget.MODELS else None
     if arch is None:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(budget.MODELS)}.")
@@ -79,6 +82,35 @@ def condition(model="70B", links=(NVLINK, TWO_NODES, INFINIBAND), tps=(1, 2, 4, 
                               "crossover_tp": crossover_tp(*args),
                               "crossover_tp_step": crossover_tp(*args, step=True),
                               "first_comm_bound_tp": next((r["tp"] for r in rows if r["ratio"] >= 1), None)}
+    return out
+
+
+# Where the tp ranks sit, per layout: (nodes, GPUs per node) at each tp, the W of `ring_bandwidth`.
+LAYOUTS = {
+    "one node, NVLink": lambda tp: (1, tp) if tp <= 8 else None,
+    "two nodes, tp/2 GPUs each": lambda tp: (2, tp // 2) if 2 <= tp <= 16 else None,
+    "tp/8 full nodes": lambda tp: (tp // 8, 8) if tp >= 16 else None,
+    "one GPU per node": lambda tp: (tp, 1) if tp >= 2 else None,
+}
+
+
+def layout_ratios(model="70B", tps=(2, 4, 8, 16, 32, 64), seq=4096, device=DEVICE):
+    """Per layout of `LAYOUTS`: for each tp that layout can hold, W = `ring_bandwidth` (nodes, GPUs
+    per node) and the forward ratio at that W. `condition` instead holds each link's W fixed at
+    every tp; this is the W the ranks actually get where they sit (two nodes at tp = 8: 4 NICs each,
+    200 GB/s, not the 400 GB/s of full nodes)."""
+    arch = budget.MODELS[model]
+    out = {}
+    for name, where in LAYOUTS.items():
+        rows = []
+        for tp in tps:
+            if where(tp) is None:
+                continue
+            w = ring_bandwidth(*where(tp))
+            rows.append({"tp": tp, "nodes": where(tp)[0], "bandwidth": w,
+                         "ratio": ratio(arch.hidden, tp, w, budget.PEAK_FLOPS[device], seq,
+                                        arch.layer_params())})
+        out[name] = rows
     return out
 
 
