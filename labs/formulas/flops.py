@@ -104,9 +104,9 @@ LLAMA3_TOKENS, LLAMA3_FLOPS = 15.6e12, 3.8e25   # §3.1 and §1: 15.6T tokens, 3
 
 
 def llama3_405b(peak=H100_BF16_DENSE, table=LLAMA3_405B_TABLE4_V3):
-    """Table 4 (arXiv v3 by default) recomputed: each row's MFU = TFLOP/s per GPU / peak, checked against the printed
-    percentage (the TFLOP/s column is printed to tens, so [t - 5, t + 5] / peak must reach the
-    percentage's +-0.5 band); the implied tokens/s from the model FLOPs per token at the row's
+    """Table 4 (arXiv v3 by default) recomputed: each row's MFU = TFLOP/s per GPU / peak, checked
+    against the printed percentage (the TFLOP/s column is printed to tens, so [t - 5, t + 5] / peak
+    must reach the percentage's +-0.5 band); the implied tokens/s from the model FLOPs per token at the row's
     sequence length; the parallel degrees multiplied out; and 6 Psi D against the paper's budget."""
     arch = MODELS["405B"]
     p_mm = arch_matmul_params(arch)
