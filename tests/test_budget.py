@@ -268,3 +268,18 @@ def test_activations_pass_the_state_where_the_bisection_says():
             s = step_memory.crossover_seq(shape, attention)
             acts = lambda n: budget.model_activations(shape, n, 1, attention=attention)["total_bytes"]
             assert acts(s - 1) < 16 * shape.params() <= acts(s)
+
+
+def test_llama_formula_per_term_scaling_on_a_second_shape():
+    # at h = 32, a = 4, h_ff = 88 every sb term has one coefficient: the log-sum-exp's 4sba written
+    # sbh/2, or the norms' 8sb written 2sba, would match there. At h = 48, a = 3, a_kv = 1,
+    # h_ff = 128 they do not, and the measurement must still equal the formula.
+    s, b = 16, 2
+    for h, a in ((32, 4), (48, 3)):
+        same = 4 * s * b * a == s * b * h // 2 and 8 * s * b == 2 * s * b * a
+        assert same == (h == 32)
+    for attention in ("sdpa", "materialized"):
+        cfg = model.LlamaConfig(hidden=48, n_head=3, n_kv_head=1, ffn=128, attention=attention)
+        for mode in ("none", "selective", "full"):
+            for row in activations.measure_llama_activations(cfg, [(b, s)], mode):
+                assert row["measured"] == row["formula"], (attention, mode, row)

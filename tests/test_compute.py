@@ -82,16 +82,27 @@ def test_mfu_hfu_and_llama3_405b():
                 > row["mfu_computed"])
     # the sparse peak (1,979 TFLOP/s) a datasheet also prints would halve every MFU: caught
     assert not any(row["mfu_consistent"] for row in compute.llama3_405b(peak=1979e12)["rows"])
-    first, second, third = r["rows"]
-    assert first["degrees_product"] == first["gpus"] and second["degrees_product"] == second["gpus"]
-    assert first["tokens_per_batch"] == second["tokens_per_batch"] == compute.LLAMA3_TOKENS_PER_BATCH
-    # the 131K row as printed (DP = 4) multiplies to 8,192 GPUs and 8M tokens; DP = 8 gives both
-    assert (third["degrees_product"] * 2 == third["gpus"]
-            and third["tokens_per_batch"] * 2 == compute.LLAMA3_TOKENS_PER_BATCH)
+    # Table 4 as arXiv v3 prints it (the default): every row's degrees multiply to its GPUs and
+    # its batch to 16M tokens
+    for row in r["rows"]:
+        assert row["degrees_product"] == row["gpus"], row
+        assert row["tokens_per_batch"] == compute.LLAMA3_TOKENS_PER_BATCH, row
+    assert r["rows"][2]["dp"] == 8
     assert r["six_psi_d"] == pytest.approx(r["paper_flops"], rel=0.01)      # 3.8e25 is 6 Psi D ...
     assert r["with_attention_8k"] > 1.05 * r["paper_flops"]                # ... without attention
     with pytest.raises(ValueError, match="positive"):
         compute.mfu(0, 1, 1)
+
+
+def test_llama3_table4_before_v3_fails_the_products():
+    # the print before arXiv v3 (DP 4 in the 131K row) multiplies to 8,192 GPUs and 8M tokens:
+    # the check above refuses it
+    old = compute.llama3_405b(table=compute.LLAMA3_405B_TABLE4)["rows"]
+    assert old[2]["dp"] == 4
+    assert (old[2]["degrees_product"] * 2 == old[2]["gpus"]
+            and old[2]["tokens_per_batch"] * 2 == compute.LLAMA3_TOKENS_PER_BATCH)
+    assert not all(row["degrees_product"] == row["gpus"] for row in old)
+    assert [a["dp"] for a in old[:2]] == [b["dp"] for b in compute.LLAMA3_405B_TABLE4_V3[:2]]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

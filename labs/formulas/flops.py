@@ -78,7 +78,9 @@ def hfu(tokens_per_s, flops_per_token, recompute_per_token, n_gpus, peak=H100_BF
     return mfu(tokens_per_s, flops_per_token + recompute_per_token, n_gpus, peak)
 
 
-# Llama 3 405B pre-training, Table 4 of Llama Team 2024 (arXiv 2407.21783, §3.3.2), as printed.
+# Llama 3 405B pre-training, Table 4 of Llama Team 2024 (arXiv 2407.21783, §3.3.2), as printed before
+# arXiv v3: the 131,072-token row gives DP 4, whose degrees multiply to 8,192 GPUs and 8M tokens.
+# Chapters 2, 5 and 14 check that print; `LLAMA3_405B_TABLE4_V3` is the table to cite.
 LLAMA3_405B_TABLE4 = (
     {"gpus": 8192, "tp": 8, "cp": 1, "pp": 16, "dp": 64, "seq": 8192, "batch_per_dp": 32, "tflops": 430,
      "mfu_pct": 43},
@@ -89,21 +91,27 @@ LLAMA3_405B_TABLE4 = (
 )
 
 
+# Table 4 as arXiv v3 (23 November 2024) prints it: DP 8 in the 131,072-token row, so that TP x CP x
+# PP x DP = 16,384 GPUs and DP x 16 x 131,072 = 16M tokens (an author confirmed the typo in
+# github.com/meta-llama/llama3 issue #324, 30 August 2024; book/appendix-disputes.md, entry 19).
+LLAMA3_405B_TABLE4_V3 = LLAMA3_405B_TABLE4[:2] + ({**LLAMA3_405B_TABLE4[2], "dp": 8},)
+
+
 LLAMA3_TOKENS_PER_BATCH = 16 * 2 ** 20   # "16M"
 
 
 LLAMA3_TOKENS, LLAMA3_FLOPS = 15.6e12, 3.8e25   # §3.1 and §1: 15.6T tokens, 3.8 x 10^25 FLOPs
 
 
-def llama3_405b(peak=H100_BF16_DENSE):
-    """Table 4 recomputed: each row's MFU = TFLOP/s per GPU / peak, checked against the printed
-    percentage (the TFLOP/s column is printed to tens, so [t - 5, t + 5] / peak must reach the
-    percentage's +-0.5 band); the implied tokens/s from the model FLOPs per token at the row's
+def llama3_405b(peak=H100_BF16_DENSE, table=LLAMA3_405B_TABLE4_V3):
+    """Table 4 (arXiv v3 by default) recomputed: each row's MFU = TFLOP/s per GPU / peak, checked
+    against the printed percentage (the TFLOP/s column is printed to tens, so [t - 5, t + 5] / peak
+    must reach the percentage's +-0.5 band); the implied tokens/s from the model FLOPs per token at the row's
     sequence length; the parallel degrees multiplied out; and 6 Psi D against the paper's budget."""
     arch = MODELS["405B"]
     p_mm = arch_matmul_params(arch)
     rows = []
-    for r in LLAMA3_405B_TABLE4:
+    for r in table:
         per_token = flops_per_token(p_mm, arch.layers, arch.hidden, r["seq"])["total"]
         lo, hi = 100 * (r["tflops"] - 5) * 1e12 / peak, 100 * (r["tflops"] + 5) * 1e12 / peak
         tokens_per_s = r["gpus"] * r["tflops"] * 1e12 / per_token

@@ -24,8 +24,9 @@ from labs import model as tiny
 from labs.measure import flops
 from labs.memory_budget.activations import recompute_attention_core
 from labs.formulas.flops import (  # the formulas' home is the torch-free core
-    H100_BF16_DENSE as H100_BF16_DENSE, LLAMA3_405B_TABLE4 as LLAMA3_405B_TABLE4, LLAMA3_FLOPS as
-    LLAMA3_FLOPS, LLAMA3_TOKENS as LLAMA3_TOKENS, LLAMA3_TOKENS_PER_BATCH as LLAMA3_TOKENS_PER_BATCH,
+    H100_BF16_DENSE as H100_BF16_DENSE, LLAMA3_405B_TABLE4 as LLAMA3_405B_TABLE4,
+    LLAMA3_405B_TABLE4_V3 as LLAMA3_405B_TABLE4_V3, LLAMA3_FLOPS as LLAMA3_FLOPS, LLAMA3_TOKENS as
+    LLAMA3_TOKENS, LLAMA3_TOKENS_PER_BATCH as LLAMA3_TOKENS_PER_BATCH,
     arch_matmul_params as arch_matmul_params, flops_per_token as flops_per_token, hfu as hfu, llama3_405b
     as llama3_405b, llama_block_params as llama_block_params, mfu as mfu, recompute_flops_per_token as
     recompute_flops_per_token)
