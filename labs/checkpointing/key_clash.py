@@ -87,8 +87,8 @@ def clash(rank, world_size, root):
             try:
                 back = _read_back(kind, path, state)
             except sc.CoverageError as exc:
-                out[tag] = {"refused": None, "load_refused": str(exc), "written_by": pc.written(kind, path)
-                            if rank == 0 else None}
+                out[tag] = {"refused": None, "load_refused": str(exc).replace(path, tag),   # no tmp path
+                            "written_by": pc.written(kind, path) if rank == 0 else None}
                 continue
             mine = {k: (v.tensor if isinstance(v, sc.Shard) else v) for k, v in state["model"].items()}
             lost = sorted(k for k in mine if not torch.equal(back[k].reshape(-1), mine[k].reshape(-1)))
