@@ -150,3 +150,52 @@ def test_a_load_that_leaves_a_saved_key_unread_is_refused():
     both_as_layer_0 = [saved[0], ["model.blocks.0.ln1.weight"]]                  # stage 1 read as layer 0
     with pytest.raises(ValueError, match=r"^2 saved entries of step-3 were read by no rank \(blocks.1\)"):
         pipeline_change.check_coverage(both_as_layer_0, saved, "step-3")
+
+
+def _commit(folder, pieces, world_size=None):
+    """A committed hand checkpoint whose rank r wrote ``{"w": pieces[r]}`` (pieces of one 8-element
+    tensor), with a marker claiming ``world_size`` ranks (default: all of them)."""
+    import hashlib
+    import os
+    os.makedirs(folder)
+    names = [n for r, piece in enumerate(pieces)
+             for n in sc._write_rank({"w": piece}, folder, r, lambda p: None)]
+    sums = {n: hashlib.sha256(open(os.path.join(folder, n), "rb").read()).hexdigest() for n in names}
+    with open(os.path.join(folder, sc.COMMIT), "w") as f:
+        json.dump({"world_size": world_size or len(pieces), "sha256": sums}, f)
+    return folder
+
+
+def _piece(lo, hi):
+    return sc.Shard(torch.arange(lo, hi, dtype=torch.float32), lo, (8,))
+
+
+@pytest.mark.parametrize("pieces, world_size, message", [
+    ([(0, 4)], None, "leave 4 of this rank's 8 elements uncovered and cover 0"),   # half a shard saved
+    ([(0, 6), (4, 8)], None, "leave 0 of this rank's 8 elements uncovered and cover 2"),   # offset bug
+    ([(0, 4), (4, 8)], 1, "leave 4 of this rank's 8 elements uncovered"),   # marker's world too small
+], ids=["gap", "overlap", "short-marker"])
+def test_a_load_whose_saved_pieces_do_not_tile_the_shard_is_refused(tmp_path, pieces, world_size,
+                                                                     message):
+    path = _commit(str(tmp_path / "step-1"), [_piece(a, b) for a, b in pieces], world_size)
+    full = sc.Shard(torch.full((8,), -7.0), 0, (8,))
+    with pytest.raises(sc.CoverageError, match=message):
+        sc.load({"w": full}, path)
+    assert (full.tensor == -7).all()   # refused before a byte is copied
+
+
+def test_pieces_that_tile_the_tensor_load_into_any_shard(tmp_path):
+    path = _commit(str(tmp_path / "step-1"), [_piece(0, 4), _piece(4, 8)])
+    middle = sc.Shard(torch.zeros(4), 2, (8,))
+    sc.load({"w": middle}, path)
+    assert middle.tensor.tolist() == [2, 3, 4, 5]
+
+
+def test_a_batch_that_crosses_an_epoch_skips_no_sample():
+    run = StatefulLoader(10, 4, 0, 1)               # 10 samples, global batch 4: batch 3 crosses the end
+    seen = sum((run.next() for _ in range(5)), [])  # 20 samples: exactly two epochs
+    assert sorted(seen[:10]) == sorted(seen[10:]) == list(range(10))
+    halves = [StatefulLoader(10, 4, r, 2) for r in (0, 1)]
+    for h in halves:
+        h.load_state_dict({"consumed": 8, "seed": 0})
+    assert halves[0].next() + halves[1].next() == seen[8:12]

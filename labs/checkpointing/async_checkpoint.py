@@ -150,9 +150,15 @@ def measure_staging(world_size=2, timeout=120.0):
 
 
 def measure_pauses(world_size=2, repeats=3, timeout=300.0):
-    """`pauses` on ``world_size`` ranks; the slowest rank's figures (the job waits for it): each
-    median, and each repeat's samples (``*_samples_s``, the slowest rank's in that repeat)."""
+    """`pauses` on ``world_size`` ranks. Each repeat counts its slowest rank (the job waits for
+    it): ``*_samples_s`` are those per-repeat maxima, and each pause is their median, so a
+    median and the range of its samples come from the same numbers."""
     with tempfile.TemporaryDirectory(prefix="ckpt-pause-") as root:
         results = launch.spawn(pauses, world_size, root, repeats, timeout=timeout)
-    return {k: [max(xs) for xs in zip(*(r[k] for r in results))] if k.endswith("_samples_s")
-            else max(r[k] for r in results) for k in results[0]}
+    out = {k: [max(xs) for xs in zip(*(r[k] for r in results))]
+           for k in results[0] if k.endswith("_samples_s")}
+    out.update(repeats=repeats, state_bytes_per_rank=max(r["state_bytes_per_rank"] for r in results))
+    for pause, samples in (("sync_pause_s", "sync_samples_s"), ("async_pause_s", "async_pause_samples_s"),
+                           ("async_total_s", "async_total_samples_s")):
+        out[pause] = statistics.median(out[samples])
+    return out

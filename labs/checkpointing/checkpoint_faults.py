@@ -8,7 +8,8 @@ format's safeguards (`labs.checkpointing.sharded_checkpoint`).
   name (what a non-atomic rename on an object store leaves), and also with a marker written too
   early (a commit that did not wait for every rank).
 - `corruption`: one bit flipped in a committed checkpoint's shard file; `load` must name the file.
-- `durability_trace`: the fsyncs and the rename of one save, in order, as the kernel was asked.
+- `durability_trace`: the ``os.fsync`` and ``os.rename`` calls of a one-rank save, in order, recorded by
+  wrapping those two Python functions (not a system-call trace: an fsync made another way is not seen).
 """
 import json
 import os
@@ -145,7 +146,7 @@ def corruption(byte=1000):
 
 
 def durability_trace():
-    """The fsync(2) and rename(2) calls of one single-process save, in order: ("fsync", name) with
+    """The ``os.fsync`` and ``os.rename`` calls of one single-process save, in order: ("fsync", name) with
     the name of the file or folder the descriptor points to, ("rename", old, new). Linux only
     (the names come from /proc/self/fd)."""
     events, real_fsync, real_rename = [], os.fsync, os.rename

@@ -10,8 +10,8 @@ tensors of the same shape under one key:
   rank whose plan is smallest so far, torch/distributed/checkpoint/_dedup_save_plans.py). The other
   stage's layer is silently never written.
 - the hand format (`sharded_checkpoint`) writes both, since each rank writes what it holds; its
-  loader then copies every saved piece that overlaps what a rank asks for, so the second copy
-  overwrites the first: one stage's layer is silently lost at load.
+  loader then finds each clashing key's elements covered twice and refuses the load
+  (`sharded_checkpoint.CoverageError`): nothing is lost silently, but the checkpoint is unusable.
 
 The lab saves such a state both ways and reads back what was written, then the same save with
 `one_name.check_one_name` first: one name must mean one tensor, so a key that two ranks save must hold
@@ -84,7 +84,12 @@ def clash(rank, world_size, root):
             except ValueError as exc:
                 out[tag] = {"refused": str(exc), "written": os.path.exists(path)}
                 continue
-            back = _read_back(kind, path, state)
+            try:
+                back = _read_back(kind, path, state)
+            except sc.CoverageError as exc:
+                out[tag] = {"refused": None, "load_refused": str(exc).replace(path, tag),   # no tmp path
+                            "written_by": pc.written(kind, path) if rank == 0 else None}
+                continue
             mine = {k: (v.tensor if isinstance(v, sc.Shard) else v) for k, v in state["model"].items()}
             lost = sorted(k for k in mine if not torch.equal(back[k].reshape(-1), mine[k].reshape(-1)))
             out[tag] = {"refused": None, "keys": len(mine), "lost": lost,
@@ -106,21 +111,27 @@ def key_clash(world_size=2, timeout=120.0):
         out[tag] = {"refused": refused[0], "refused_on_every_rank": all(refused),
                     "written": any(r.get("written") for r in ranks)}
         if not any(refused):
-            out[tag].update(lost={rank: r["lost"] for rank, r in enumerate(ranks)},
-                            keys=[r["keys"] for r in ranks],
-                            writers={k: sorted(r for r, keys in ranks[0]["written_by"].items() if k in keys)
+            load_refused = [r.get("load_refused") for r in ranks]
+            if any(load_refused):
+                out[tag].update(load_refused=next(m for m in load_refused if m),
+                                load_refused_on_every_rank=all(load_refused))
+            else:
+                out[tag].update(lost={rank: r["lost"] for rank, r in enumerate(ranks)},
+                                keys=[r["keys"] for r in ranks])
+            out[tag].update(writers={k: sorted(r for r, keys in ranks[0]["written_by"].items() if k in keys)
                                      for k in sorted(set().union(*ranks[0]["written_by"].values()))})
     return out
 
 
 def main(argv=None):
     from labs.launcher import cli
-    p = cli.parser("Two pipeline stages save a layer under one local name: DCP drops one, the hand format "
-                   "loses one at load; the checked save refuses it.", world_size_default=2)
+    p = cli.parser("Two pipeline stages save a layer under one local name: DCP drops one, the hand format's "
+                   "load refuses the doubly covered keys; the checked save refuses it.", world_size_default=2)
     args = cli.parse(p, argv)
     r = key_clash(args.world_size, args.timeout)
     lost = {tag: sum(len(v) for v in res["lost"].values()) for tag, res in r.items() if "lost" in res}
-    cli.report(r, args, f"entries lost per unchecked save: {lost}; checked local names refused: "
+    cli.report(r, args, f"entries lost per unchecked save: {lost}; refused at load: "
+               f"{[tag for tag, res in r.items() if res.get('load_refused')]}; checked local names refused: "
                f"{[tag for tag, res in r.items() if res['refused']]}")
 
 

@@ -21,7 +21,9 @@ shape, byte position). Two rules make a checkpoint safe to restart from:
   either all of the new one or none of it. A network file system or an object store may not
   rename atomically, so the reader never trusts the name: `verify` needs the marker, and every
   file it lists, with the right checksum.
-- verified: `load` recomputes every file's checksum first and names the file that does not match.
+- verified: `load` recomputes every file's checksum first and names the file that does not match,
+  and refuses a tensor whose saved pieces leave an element of the rank's shard uncovered or cover
+  one twice (a wrong offset, a missing rank, two tensors under one name).
 
 Resharding is arithmetic on ranges: a rank that must hold the runs [O, E) of a tensor copies the
 overlap of every saved run [o, e) with them, whatever layout wrote them.
@@ -47,6 +49,10 @@ class IncompleteCheckpoint(RuntimeError):
 
 class CorruptCheckpoint(RuntimeError):
     """A committed checkpoint whose file does not match its recorded checksum."""
+
+
+class CoverageError(RuntimeError):
+    """Saved pieces that do not cover what a rank asks for exactly once (a gap or an overlap)."""
 
 
 @dataclasses.dataclass
@@ -239,17 +245,31 @@ def load(state, checkpoint_id, reads=None):
         if isinstance(v, (Shard, torch.Tensor)):
             target = v.tensor.data if isinstance(v, Shard) else v.data.view(-1)
             mine = v.runs() if isinstance(v, Shard) else [(0, target.numel(), 0)]
-            for r, e in saved[key]:   # copy the overlap of every saved run with ours
+            copies = [(r, e, o) for r, e in saved[key] for o in _overlaps(mine, e["runs"])]
+            covered = torch.zeros(target.numel(), dtype=torch.int32)   # times each element is copied
+            for _, _, (lo, hi, at, _) in copies:
+                covered[at:at + hi - lo] += 1
+            _check_covered(checkpoint_id, key, covered)   # before a byte is copied
+            for r, e, (lo, hi, at, pos) in copies:   # copy the overlap of every saved run with ours
                 size = torch.empty((), dtype=getattr(torch, e["dtype"])).element_size()
-                for lo, hi, at, pos in _overlaps(mine, e["runs"]):
-                    if reads is not None and (key, r) not in reads[-1:]:
-                        reads.append((key, r))
-                    start = e["at"] + pos * size
-                    data = bytearray(blob(r)[start:start + (hi - lo) * size])
-                    target[at:at + hi - lo].copy_(torch.frombuffer(data, dtype=getattr(torch, e["dtype"])))
+                if reads is not None and (key, r) not in reads[-1:]:
+                    reads.append((key, r))
+                start = e["at"] + pos * size
+                data = bytearray(blob(r)[start:start + (hi - lo) * size])
+                target[at:at + hi - lo].copy_(torch.frombuffer(data, dtype=getattr(torch, e["dtype"])))
         else:
             values[key] = saved[key][0][1]["value"]
     return values
+
+
+def _check_covered(checkpoint_id, key, covered):
+    """The saved runs must tile this rank's runs: every element copied exactly once."""
+    gaps, twice = int((covered == 0).sum()), int((covered > 1).sum())
+    if gaps or twice:
+        raise CoverageError(f"checkpoint {checkpoint_id}: the saved pieces of {key!r} leave {gaps} of this "
+                            f"rank's {covered.numel()} elements uncovered and cover {twice} more than once; "
+                            "the save and the load disagree about the layout (a wrong offset, a missing "
+                            "rank, or two tensors under one name).")
 
 
 def latest(root):

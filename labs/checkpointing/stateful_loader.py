@@ -26,10 +26,16 @@ class StatefulLoader:
         self.consumed = 0   # samples taken by all ranks together, since the start of training
 
     def next(self):
-        epoch, pos = divmod(self.consumed, self.n)
-        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
-        batch = order[pos:pos + self.b]                     # (global_batch,) sample ids
-        self.consumed += self.b
+        """This rank's slice of the next global batch; a batch that crosses the end of an epoch
+        takes the rest from the next epoch's order, so no sample of either is skipped."""
+        parts, start, end = [], self.consumed, self.consumed + self.b
+        while start < end:
+            epoch, pos = divmod(start, self.n)
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+            parts.append(order[pos:pos + end - start])
+            start += len(parts[-1])
+        batch = torch.cat(parts)                            # (global_batch,) sample ids
+        self.consumed = end
         per = self.b // self.world
         return batch[self.rank * per:(self.rank + 1) * per].tolist()
 
