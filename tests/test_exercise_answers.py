@@ -64,6 +64,8 @@ CASES = [
     # chapter 4, tensor parallel
     (blocks, "1", blocks.layer_costs("70B", 8)["hh_weight_bytes"] / 2**20,
      "sized by the h x h weight, not by b s h"),
+    (blocks, "1", blocks.layer_costs("70B", 8)["message_bytes"] / 2**20 / 8,
+     "divided by tp: each rank's all-reduce carries the whole b s h activation"),
     (blocks, "2", blocks.layer_costs("70B", 16, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
      "one NIC's 50 GB/s for the whole ring: the node has 8 NICs and the ring uses them all"),
     (blocks, "2", blocks.layer_costs("70B", 16, link=blocks.TWO_NODES)["comm_s"] * 1e3 / 8,

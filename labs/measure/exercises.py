@@ -113,17 +113,16 @@ def mistakes_matched(answer, expected, mistakes, rel, slips=None):
 def mistakes_inside(answer, expected, mistakes, rel):
     """For an ``answer`` the tolerance would accept: the chapter's mistakes whose answer lies
     within ``rel`` of ``expected`` (the nominal 13e9 for Llama-2 13B's 13.016e9 is 0.12 % off) and
-    that ``answer`` matches, within a quarter of the gap between the mistake and the right answer.
-    The tolerance would accept those answers, so the checker tests them first; any other answer
-    inside the tolerance stays correct (48.4 for 48.81 is a rounding, not the nominal count)."""
+    nearer to ``answer`` than ``expected`` is. The tolerance would accept them, so the checker
+    tests them first: on a mistake's side the accepted band ends halfway to it, and everything
+    beyond is refused (the band stays one interval: no answer farther off is accepted again)."""
     found = []
     if not close(answer, expected, rel):  # outside the tolerance the usual matching names it
         return found
     for value, what in mistakes:
         value = value() if callable(value) else value
-        gap = abs(value - expected)
-        if value != expected and close(value, expected, rel) and abs(answer - value) < gap / 4 \
-                and what not in found:
+        if (value != expected and close(value, expected, rel) and abs(answer - value) < abs(answer - expected)
+                and what not in found):
             found.append(what)
     return found
 
@@ -140,7 +139,8 @@ def verdict(answers, question, answer, rel=0.01, mistakes=None, slips=None):
     inside = mistakes_inside(value, expected, (mistakes or {}).get(key, ()), rel) if not exact else []
     if inside:  # a named mistake within the tolerance: checked before the tolerance accepts it
         which = "this mistake gives" if len(inside) == 1 else "each of these mistakes gives"
-        return False, (f"exercise {key}: not yet, {miss(value, expected)}; that is what {which}: "
+        return False, (f"exercise {key}: not yet, {miss(value, expected)}; nearer to what {which} "
+                       f"than to the answer: "
                        f"{'; or '.join(inside)}")
     if not exact and close(value, expected, rel):
         return True, f"exercise {key}: correct"
