@@ -17,7 +17,8 @@ assignment `dist._compute_bucket_assignment_by_size`, which never puts two dtype
 3. **Unused parameters.** The Reducer waits for every parameter's gradient before a bucket is
    reduced. A parameter that gets none in a step leaves the reduction unfinished and the next
    forward raises; ``find_unused_parameters=True`` walks the autograd graph after each forward
-   (`_post_forward` hands the outputs to `Reducer.prepare_for_backward`) to mark them ready, ``static_graph=True`` learns the set once in the first iteration.
+   (`_post_forward` hands the outputs to `Reducer.prepare_for_backward`) to mark them ready;
+   ``static_graph=True`` learns the set once in the first iteration.
 4. **Communication hooks.** ``register_comm_hook`` replaces a bucket's all-reduce;
    ``bf16_compress_hook`` casts the bucket to bf16, divides by N, all-reduces and casts back.
 

@@ -115,7 +115,7 @@ def draw_node_rings(gpus_per_node, nic_bytes_per_s, node_egress_bytes_per_s):
     fig, ax = plt.subplots(figsize=(6.0, 3.9))
     colors = plt.get_cmap("tab10")
     for node, x0 in enumerate((0.0, 3.6)):
-        ax.add_patch(Rectangle((x0, -0.6), 2.4, g + 0.5, facecolor="0.96", edgecolor="k"))
+        ax.add_patch(Rectangle((x0, -0.95), 2.4, g + 0.85, facecolor="0.96", edgecolor="k"))
         ax.text(x0 + 1.2, g - 0.6, f"node {node}: {g} GPUs, NVLink", ha="center", va="center",
                 fontsize=9)
         gpu_x, nic_x = (x0 + 0.15, x0 + 1.6) if node == 0 else (x0 + 1.1, x0 + 0.3)
@@ -137,7 +137,7 @@ def draw_node_rings(gpus_per_node, nic_bytes_per_s, node_egress_bytes_per_s):
                  f"{nic_bytes_per_s / 1e9:.0f} = {node_egress_bytes_per_s / 1e9:.0f} GB/s "
                  "(a schematic)", fontsize=9)
     ax.set_xlim(-0.1, 6.1)
-    ax.set_ylim(-0.7, g)
+    ax.set_ylim(-1.0, g)
     ax.axis("off")
     fig.tight_layout()
     return fig
