@@ -1,9 +1,14 @@
 """Chapter 2: four things of torch's DistributedDataParallel that a user meets (Li et al. 2020).
 
-Li et al. 2020 ("PyTorch Distributed", arXiv 2006.15704, §3.2-3.3; torch's Reducer):
+Li et al. 2020 ("PyTorch Distributed", arXiv 2006.15704, §3.2-3.3) for the design; the details
+below that the paper does not have are torch 2.13's, read in its source (`torch/nn/parallel/
+distributed.py`: `_BucketCapacityConfig.compute_bucket_size_limits`, `_post_forward`; the bucket
+assignment `dist._compute_bucket_assignment_by_size`, which never puts two dtypes in one bucket):
 1. **Bucket order.** The paper fills buckets in reverse registration order, a guess at the
    order backward produces gradients; torch 2.13 does that only with find_unused_parameters and
-   otherwise starts with one bucket of everything (`compute_bucket_size_limits`). During the
+   otherwise starts with one bucket of everything (`compute_bucket_size_limits` returns
+   sys.maxsize when `not find_unused_parameters or static_graph`; older versions started with a
+   first bucket of `dist._DEFAULT_FIRST_BUCKET_BYTES`). During the
    first iteration the Reducer records the order in which gradients really become ready, and
    before the second forward rebuilds the buckets in that order (`Reducer::rebuild_buckets`),
    so the first bucket is complete first. It never rebuilds with find_unused_parameters alone.
@@ -12,7 +17,8 @@ Li et al. 2020 ("PyTorch Distributed", arXiv 2006.15704, §3.2-3.3; torch's Redu
 3. **Unused parameters.** The Reducer waits for every parameter's gradient before a bucket is
    reduced. A parameter that gets none in a step leaves the reduction unfinished and the next
    forward raises; ``find_unused_parameters=True`` walks the autograd graph after each forward
-   to mark them ready, ``static_graph=True`` learns the set once in the first iteration.
+   (`_post_forward` hands the outputs to `Reducer.prepare_for_backward`) to mark them ready;
+   ``static_graph=True`` learns the set once in the first iteration.
 4. **Communication hooks.** ``register_comm_hook`` replaces a bucket's all-reduce;
    ``bf16_compress_hook`` casts the bucket to bf16, divides by N, all-reduces and casts back.
 

@@ -141,6 +141,15 @@ def alpha_bound(smallest_times_s, n):
     return min(smallest_times_s) / (2 * (n - 1))
 
 
+def alpha_bound_over(times_by_size, n):
+    """The tightest direct bound on alpha from several small messages: every all-reduce of any size
+    takes at least its 2(N-1) latency terms, so alpha <= min over sizes and repeats of T / 2(N-1).
+    Returns (bound in seconds, the size that set it). Taking the smallest size alone is valid but
+    loose where load inflated it: on a shared machine a larger message's fastest run can be faster."""
+    size = min(times_by_size, key=lambda s: min(times_by_size[s]))
+    return alpha_bound(times_by_size[size], n), size
+
+
 def compute_bound_tokens(peak_flops, link_bytes_per_s, n=None):
     """Tokens per GPU per step above which backward hides data parallelism's all-reduce.
 

@@ -104,6 +104,45 @@ def draw(traces):
     return fig
 
 
+def draw_node_rings(gpus_per_node, nic_bytes_per_s, node_egress_bytes_per_s):
+    """A schematic of a ring across two nodes placed node by node: one ring per NIC (NCCL's
+    channels), ring i carrying 1/gpus of the buffer and crossing between the nodes on NIC i, so the
+    node's egress, all NICs at once, is the ring's W (`labs.formulas.links.ring_bandwidth`)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    g = gpus_per_node
+    fig, ax = plt.subplots(figsize=(6.0, 3.9))
+    colors = plt.get_cmap("tab10")
+    for node, x0 in enumerate((0.0, 3.6)):
+        ax.add_patch(Rectangle((x0, -0.95), 2.4, g + 0.85, facecolor="0.96", edgecolor="k"))
+        ax.text(x0 + 1.2, g - 0.6, f"node {node}: {g} GPUs, NVLink", ha="center", va="center",
+                fontsize=9)
+        gpu_x, nic_x = (x0 + 0.15, x0 + 1.6) if node == 0 else (x0 + 1.1, x0 + 0.3)
+        for i in range(g):
+            y = g - 1.5 - i
+            ax.add_patch(Rectangle((gpu_x, y - 0.3), 1.1, 0.6, facecolor="white", edgecolor="0.4"))
+            ax.text(gpu_x + 0.55, y, f"GPU {i}", ha="center", va="center", fontsize=8)
+            ax.add_patch(Rectangle((nic_x, y - 0.22), 0.5, 0.44, facecolor=colors(i), edgecolor="k"))
+            ax.text(nic_x + 0.25, y, "NIC", ha="center", va="center", fontsize=6, color="white")
+    for i in range(g):
+        y = g - 1.5 - i
+        ax.annotate("", (3.9, y + 0.08), (2.1, y + 0.08),
+                    arrowprops=dict(arrowstyle="-|>", color=colors(i), lw=1.4))
+        ax.annotate("", (2.1, y - 0.08), (3.9, y - 0.08),
+                    arrowprops=dict(arrowstyle="-|>", color=colors(i), lw=1.0, ls="--"))
+        ax.text(3.0, y + 0.2, f"ring {i}: M/{g}", ha="center", fontsize=6.5, color=colors(i))
+    ax.set_title(f"{g} rings, one per NIC: each carries 1/{g} of the gradients at "
+                 f"{nic_bytes_per_s / 1e9:.0f} GB/s,\nso a node's egress is {g} x "
+                 f"{nic_bytes_per_s / 1e9:.0f} = {node_egress_bytes_per_s / 1e9:.0f} GB/s "
+                 "(a schematic)", fontsize=9)
+    ax.set_xlim(-0.1, 6.1)
+    ax.set_ylim(-1.0, g)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
 def draw_schemes(naive_sent, ring_sent, buffer_bytes):
     """The two all-reduces side by side on N ranks placed on a circle, each rank labelled with the
     bytes it sent (counted messages, one list per scheme): naive, every rank to rank 0 and back;
