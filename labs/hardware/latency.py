@@ -21,10 +21,14 @@ more jobs to show how far another moment moves each figure:
 - the estimate: the time of a small message, or the intercept of a line fitted over sizes by
   chapter 10's `alpha_beta.fit_line` (least squares on relative errors).
 
-A process blocked in a receive is woken when its data arrives; on a machine whose cores are all
-busy it may wait for the running process's time slice to end, which on Linux ends at a scheduler
-tick (1/CONFIG_HZ s). `kernel_tick_s` reads CONFIG_HZ from /proc/config.gz where the kernel
-exposes it, and `measure` reports the share of back-to-back round trips that took at least one tick.
+A hypothesis for the slow tries, untested here (no run pins a rank to a core or runs on an idle
+machine): a process blocked in a receive is woken when its data arrives, and on a machine whose
+cores are all busy it may wait for a core, for instance until the running process's time slice
+ends at a scheduler tick (1/CONFIG_HZ s). Wake-up preemption (granted at wake time, not at a tick)
+and, on a shared VM, the hypervisor's steal time would produce a similar tail. `kernel_tick_s`
+reads CONFIG_HZ from /proc/config.gz where the kernel exposes it, and `measure` reports the share of
+back-to-back round trips that took at least one tick: a description, which does not separate these
+causes.
 
     python -m labs.hardware.latency --json
 """

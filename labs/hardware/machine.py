@@ -139,8 +139,10 @@ def two_node_run(module_args, nproc_per_node=2, timeout=180, single=True):
     ``single=False``, under one.
 
     Returns both JSON results, which rank reported and the commands used. With c10d rendezvous
-    torchrun assigns node ranks in arrival order (``--node-rank`` is then advisory), so global
-    rank 0 may live under either launcher: exactly one of the two prints the JSON line.
+    torchrun assigns node ranks by sorting the nodes' descriptors, (address, process id, local id)
+    (torch 2.13, torch/distributed/elastic/rendezvous/dynamic_rendezvous.py,
+    ``_mark_rendezvous_complete``), so ``--node-rank`` is advisory and global rank 0 may live under
+    either launcher: exactly one of the two prints the JSON line.
     """
     cmds = two_node_commands(module_args, nproc_per_node, port=free_port())
     env = torchrun.child_env(REPO)

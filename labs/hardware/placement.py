@@ -35,10 +35,11 @@ reduce-scatter; Patarasuk & Yuan 2009), for the busiest pipeline stage (chapter 
 The counted check, every message's destination on a simulated cluster, is `labs.hardware.boundary`.
 """
 import dataclasses
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 
 from labs.dims import ORDER, ParallelDims
-from labs.formulas import costs
+from labs.formulas import costs, links
 from labs.memory_budget.budget import MODELS
 from labs.pipeline.stage_balance import stage_layers
 from labs.formulas.collectives import (  # the formulas' home is the torch-free core
@@ -70,11 +71,10 @@ LLAMA3_DIMS = ParallelDims(tp=8, pp=16, dp=128)
 
 @dataclass(frozen=True)
 class Placement:
-    """A layout (`ParallelDims`: degrees, order, groups) on nodes of ``gpus_per_node`` GPUs, with each
-    link tier's bandwidth in bytes per second."""
+    """A layout (`ParallelDims`: degrees, order, groups) on nodes of ``gpus_per_node`` GPUs. Each
+    group's bandwidth per GPU is `bandwidth`: a ring's comes from `labs.formulas.links.ring_bandwidth`."""
     dims: ParallelDims
     gpus_per_node: int = 8
-    tiers: dict = field(default_factory=lambda: {"intra": NVLINK4_BPS, "inter": NDR_IB_BPS})
 
     def __post_init__(self):
         g = self.gpus_per_node
@@ -86,6 +86,21 @@ class Placement:
 
     def group_nodes(self, axis, unit=None):
         return self.dims.group_nodes(axis, unit or self.gpus_per_node)
+
+    def bandwidth(self, axis, kind="ring"):
+        """Bytes/s per direction per GPU for ``axis``'s traffic, its slowest group's. A ring inside a
+        node runs on NVLink; a ring across nodes leaves each node through the NICs of the group's GPUs
+        there (NCCL spreads its channels over them): `links.ring_bandwidth`, with the fewest of the
+        group's GPUs on any one of its nodes. So a DP group of 16 whole 8-GPU nodes moves 8 x 50 GB/s
+        per node, and a group with one GPU per node one NIC's 50 GB/s. A point-to-point ``send`` that
+        leaves the node uses its GPU's own NIC."""
+        g, worst = self.gpus_per_node, None
+        for group in self.dims.groups(axis):
+            counts = Counter(r // g for r in group)
+            bw = (links.ring_bandwidth(1, 1, g) if len(counts) == 1 else NDR_IB_BPS if kind == "send"
+                  else links.ring_bandwidth(len(counts), min(counts.values()), g))
+            worst = bw if worst is None else min(worst, bw)
+        return worst
 
 
 def collectives(model, p, run=LLAMA3_RUN):
@@ -117,9 +132,10 @@ def plan(model, p, run=LLAMA3_RUN):
         n, tier = p.dims.size(axis), p.tier(axis)
         parts = [(kind, m, k, costs.sent(kind, m, n) * k) for kind, m, k in calls]
         sent = sum(part[3] for part in parts)
+        bw = p.bandwidth(axis, "send" if parts[0][0] == "send" else "ring")
         rows[axis] = {"degree": n, "kind": " + ".join(part[0] for part in parts),
                       "payload_bytes": parts[0][1], "calls": parts, "tier": tier, "bytes_per_rank": sent,
-                      "seconds": sent / p.tiers[tier]}
+                      "bytes_per_s": bw, "seconds": sent / bw}
     return rows
 
 
@@ -158,13 +174,18 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=400e12, oversubscription=7):
     reduce-scatter over N ranks takes N - 1 steps, each paying one, so DP's exposed pair pays 2(N - 1).
     Pods: how many of Llama 3's pods of 3,072 GPUs (section 3.3.1) one group of each axis spans, how
     many of PP's critical sends cross a pod boundary, and per axis the ring edges leaving the busiest
-    pod (`pod_edges`) against its uplinks, 1:7 oversubscribed: 3,072 / 7 ports' worth."""
+    pod (`pod_edges`) against its uplinks, 1:7 oversubscribed: 3,072 / 7 ports' worth.
+
+    The times above give PP and DP each a whole port. In Llama 3's order both leave through the GPU's
+    own NIC, and a chunk's reduce-scatter starts as the same micro-batch's gradient is sent on: if
+    each of the backward chain's p v - 1 sends got half the port while the two overlap, the chain
+    would grow by up to (p v - 1) sends' time (``pp_shared_nic_extra_s``, a bound, not a schedule)."""
     rows, d = plan(model, p, run), p.dims
     send = rows["pp"]["payload_bytes"]
-    send_s = send / p.tiers[rows["pp"]["tier"]] if d.pp > 1 else 0.0
+    send_s = send / rows["pp"]["bytes_per_s"] if d.pp > 1 else 0.0
     tokens = run.micro_batch * model.seq * run.micro_batches * d.dp   # a CP group shares a sequence
     forward_s = 2 * model.params() * tokens / (d.world_size * flops_per_gpu)
-    dp_bw = p.tiers[rows["dp"]["tier"]]
+    dp_bw = rows["dp"]["bytes_per_s"]
     (_, _, _, gather), (_, _, _, reduce) = rows["dp"]["calls"]
     critical = 2 * (d.pp * run.v - 1) if d.pp > 1 else 0
     pod = [r // LLAMA3_POD_GPUS for r in d.groups("pp")[0]]          # every PP group alike here
@@ -177,6 +198,7 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=400e12, oversubscription=7):
     return {"pp_send_bytes": send, "pp_sends_per_step": rows["pp"]["calls"][0][2], "pp_send_s": send_s,
             "pp_critical_sends": critical, "pp_critical_s": critical * send_s,
             "pp_critical_crossing_pods": crossing,
+            "pp_shared_nic_extra_s": critical // 2 * send_s if rows["dp"]["tier"] == "inter" else 0.0,
             "dp_bytes": rows["dp"]["bytes_per_rank"], "dp_s": rows["dp"]["seconds"],
             "dp_gather_bytes": gather, "dp_reduce_bytes": reduce, "dp_gather_s": gather / dp_bw,
             "dp_reduce_s": reduce / dp_bw, "forward_s": forward_s, "backward_s": 2 * forward_s,
