@@ -54,6 +54,8 @@ def test_a_ring_over_whole_nodes_uses_every_nic_of_the_node():
     assert placed(gpus_per_node=4, tp=4, dp=4).bandwidth("dp") == 50e9    # [0, 4, 8, 12]: 1 per node
     assert placed(gpus_per_node=4, tp=2, dp=4).bandwidth("dp") == 100e9   # [0, 2 | 4, 6]: 2 per node
     assert placed(gpus_per_node=4, tp=2, pp=4).bandwidth("pp", "send") == 50e9
+    # uneven: 6 ranks on nodes of 4 sit 4 + 2; the node with 2 sets the ring (a max() would give 200)
+    assert placed(gpus_per_node=4, dp=6).bandwidth("dp") == 100e9
 
 
 def test_a_group_within_g_ranks_can_still_straddle_a_node():
