@@ -100,6 +100,21 @@ def test_gqa_under_tp_equals_the_unsharded_layer(world_size):
                 assert r["kv_params"]["per_rank"] * world_size == r["kv_params"]["unsharded"]
 
 
+def gqa_two_holders(rank, world_size):
+    return gqa.check_many(rank, world_size, (2,))
+
+
+@pytest.mark.numerics
+def test_gqa_replicas_sum_over_their_own_holders_only():
+    """tp = 4 with 2 KV heads: each head on two ranks, the layout of Llama 2 70B at tp = 16. With one
+    KV head the copy group is the whole tp group, so summing the copies' gradients over all of tp
+    would pass there; here it errs by more than 1, and only the per-head groups give the layer."""
+    for r in (x[2] for x in launch.spawn(gqa_two_holders, 4, timeout=120)):
+        assert r["layout"]["mode"] == "replicate" and r["layout"]["kv_heads_per_rank"] == 1
+        assert max(r["errors"].values()) < 2e-5, r["errors"]   # same bound as above
+        assert r["kv_grad_error_unsummed"] > 1
+
+
 def test_gqa_layouts_and_the_divisibility_error():
     assert gqa.kv_layout(64, 8, 8)["mode"] == "split" and gqa.kv_layout(64, 8, 8)["kv_heads_per_rank"] == 1
     assert gqa.kv_layout(64, 8, 16) | {} == {"mode": "replicate", "q_heads_per_rank": 4,
