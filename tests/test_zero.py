@@ -12,6 +12,8 @@ from labs.launcher import launch
 from labs.zero import stages, adam_drift
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
+import zero_workers
+
 # The tests marked `numerics` compare floating-point results: `make test` runs them under
 # another CPU's rounding. The others compare bytes, counts, schedules or refusals.
 
@@ -78,6 +80,30 @@ def test_peak_falls_stage_by_stage(two_ranks, three_ranks):
     for r in three_ranks:   # where parameters dominate, each stage's peak is below the previous one's
         peak = [r[k]["peak"]["peak_bytes"] for k in ("0", "1", "2", "3")]
         assert peak == sorted(peak, reverse=True) and len(set(peak)) == 4, peak
+
+
+def _check_gradient_freed_in_backward(r, stage):
+    """ZeRO-2 reduce-scatters from the backward hook: the full bf16 gradient (2 bytes per padded
+    parameter) is never live at once; DDP and ZeRO-1 hold all of it when they reduce."""
+    full, live = 2 * r["padded"], r["peak"]["full_grad_live_bytes"]
+    assert live < full if stage == 2 else live == full, (stage, live, full)
+    assert r["peak"]["backward_peak_bytes"] <= r["peak"]["peak_bytes"]
+
+
+def test_zero2_never_holds_the_whole_gradient(two_ranks, three_ranks):
+    for results in (two_ranks, three_ranks):
+        for r in results:
+            for stage in (0, 1, 2):
+                _check_gradient_freed_in_backward(r[str(stage)], stage)
+
+
+def test_a_zero2_that_reduces_only_at_the_end_of_backward_is_caught():
+    # The bug keeps the whole gradient until backward ends: its peak is the correct ZeRO-2's at
+    # N = 2 (the peak falls in Adam's step) and it still trains exactly; the live count refuses it.
+    buggy = launch.spawn(zero_workers.zero2_reduces_at_end, 2, timeout=180)
+    for r in buggy:
+        with pytest.raises(AssertionError):
+            _check_gradient_freed_in_backward(r, 2)
 
 
 @pytest.mark.numerics

@@ -140,6 +140,7 @@ class ShardedOptimizer:
         self.optimizer = optimizer_class([piece for b in self.buckets for _, piece, _, _ in b.pieces],
                                          **defaults)
         self.got_grad, self._reduced, self._queued = set(), None, False
+        self.full_grad_peak_bytes = 0  # the most full-gradient bytes live at a reduction, `_note_live`
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -166,11 +167,17 @@ class ShardedOptimizer:
         """Stage 2: sum the bucket over ranks into my shard, then free the full gradient."""
         if b.grad is None:  # no gradient here this backward; other ranks' sums still need my zeros
             b.grad = torch.zeros_like(b.flat)
+        self._note_live()
         out = torch.empty(b.shard, dtype=b.flat.dtype, device=b.flat.device)
         comm.reduce_scatter(out, b.grad, group=self.group)
         out.div_(self.n)
         b.shard_grad = out if b.shard_grad is None else b.shard_grad.add_(out)
         b.grad, b.reduced = None, True
+
+    def _note_live(self):
+        """Counts the full-gradient buffers live as a bucket is reduced (all of them, at stages 0-1)."""
+        live = sum(x.grad.nbytes for x in self.buckets if x.grad is not None)
+        self.full_grad_peak_bytes = max(self.full_grad_peak_bytes, live)
 
     def _end_of_backward(self):
         for b in self.buckets:  # the same order on every rank
@@ -195,6 +202,7 @@ class ShardedOptimizer:
             return b.shard_grad if b.shard_grad is not None else torch.zeros_like(b.mine())
         full = b.grad if b.grad is not None else torch.zeros_like(b.flat)
         b.grad = full
+        self._note_live()
         if self.stage == 0 or self.zero1_allreduce:
             comm.all_reduce(full, group=self.group)
             return full.div_(self.n)[b.lo:b.lo + b.shard]

@@ -45,9 +45,8 @@ def _batch(cfg, step, rank, batch_size, device):
 
 def build(stage, cfg, lr=1e-3, zero1_allreduce=False, units="blocks", device="cpu"):
     """The tiny GPT under one stage: (model, optimizer, HandFSDP or None). Stages 0-2: bf16 weights and
-    ShardedOptimizer(torch.optim.Adam), one bucket per block plus one for the rest; stage 3: fp32
-    shards with bf16 compute in HandFSDP, one unit per block plus the root (``units="whole"``:
-    the whole model gathered at once) and torch.optim.Adam on the shards."""
+    ShardedOptimizer(torch.optim.Adam), a bucket per block and one for the rest; stage 3: fp32 shards,
+    bf16 compute in HandFSDP, a unit per block and the root (``units="whole"``: one unit), Adam."""
     net = tiny.build(cfg, seed=0, device=device).to(torch.bfloat16)  # bf16-representable start
     if stage == 3:
         hand = fsdp.HandFSDP(net.float(), list(net.blocks) if units == "blocks" else [],
@@ -58,11 +57,10 @@ def build(stage, cfg, lr=1e-3, zero1_allreduce=False, units="blocks", device="cp
 
 
 def held_bytes(net, opt):
-    """Bytes a rank holds between steps, by category, storages counted once. Adam's per-tensor
-    step counters (a 4-byte scalar per parameter tensor, not per element) are reported beside
-    the per-element categories, outside ``total``. Stage 3 (as FSDP2) keeps fp32 shards that are
-    their own master copy: parameters 4/N, fp32 gradient shard 4/N, m and v 8/N bytes per
-    parameter, where the ZeRO paper splits the same 16/N as 2/N + 2/N + 12/N."""
+    """Bytes a rank holds between steps, by category, storages counted once. Adam's step counters
+    (a 4-byte scalar per parameter tensor) are reported beside them, outside ``total``. Stage 3 (as
+    FSDP2) keeps fp32 shards that are their own master copy: parameters 4/N, fp32 gradient shard 4/N,
+    m and v 8/N bytes per parameter, where the ZeRO paper splits the same 16/N as 2/N + 2/N + 12/N."""
     inner = opt.optimizer if isinstance(opt, ShardedOptimizer) else opt
     state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
     grads = (opt.gradient_tensors() if isinstance(opt, ShardedOptimizer)
@@ -170,27 +168,30 @@ def _working_weights(net, hand, cfg):
     """The full bf16 weights forward uses, as one flat fp32 vector in the reference's order."""
     if hand is None:
         return torch.cat([p.detach().float().view(-1) for p in net.parameters()])
-    full = hand.full_parameters()
-    names = [n for n, _ in tiny.GPT(cfg).named_parameters()]
+    full, names = hand.full_parameters(), [n for n, _ in tiny.GPT(cfg).named_parameters()]
     return torch.cat([full[n].to(torch.bfloat16).float().view(-1) for n in names])
 
 
 def _train(net, opt, cfg, steps, rank, batch_size, dev, collectives, after_first_backward=None):
-    """The training loop every scheme shares; the last step runs inside a peak-memory window and a
-    byte tally, which are returned with the losses."""
+    """The loop every scheme shares. Returns the losses, and the last step's byte tally and peak memory,
+    whose ``backward_peak_bytes`` is the peak before ``opt.step`` (its timeline cut there)."""
     losses = []
     for step in range(steps):
         x, y = _batch(cfg, step, rank, batch_size, dev)
-        window = memory.PeakMemory(net, opt, x, y) if step == steps - 1 else contextlib.nullcontext()
-        with _collectives(collectives), comm.counting() as tally, window:
+        window = memory.PeakMemory(net, opt, x, y, timeline=True) if step == steps - 1 else None
+        with _collectives(collectives), comm.counting() as tally, window or contextlib.nullcontext():
             opt.zero_grad()
             loss = net(x, y)
             loss.backward()
             if step == 0 and after_first_backward is not None:
                 after_first_backward()
+            cut = len(window.timeline) if window else 0
             opt.step()
         losses.append(loss.item())
-    return losses, tally, window
+    peak = window.result()
+    peak["backward_peak_bytes"] = peak["baseline_bytes"] + max([0, *peak.pop("timeline")[:cut]])
+    peak["full_grad_live_bytes"] = getattr(opt, "full_grad_peak_bytes", None)  # ShardedOptimizer's count
+    return losses, tally, peak
 
 
 def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, lr=1e-3, units="blocks",
@@ -200,7 +201,8 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
 
     Result: numel, padded (the sharded element count, padding included), held (`held_bytes`, with
     the module's buffers and `reachable_bytes` of the model, optimizer and HandFSDP beside it),
-    peak (`memory.PeakMemory.result` over the last step: zero_grad, forward, backward, step),
+    peak (`memory.PeakMemory.result` over the last step: zero_grad, forward, backward, step; with
+    ``backward_peak_bytes``, the peak before the step, and stages 0-2's ``full_grad_live_bytes``),
     comm_bytes_per_step and comm_ops_per_step (the last step's, from `labs.measure.comm`), comm_kind (what
     those bytes are: with ``collectives="hand"`` every collective is a hand ring of point-to-point
     messages and the bytes are counted messages; with "library" they are the ring formula's bytes
@@ -211,14 +213,14 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     net, opt, hand = build(stage, cfg, lr, zero1_allreduce, units, dev)
     first = []  # the first step's gradients, taken between backward and the optimizer step
-    losses, tally, window = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives,
-                                   after_first_backward=lambda: first.append(_shard_grads(net, opt)))
+    losses, tally, peak = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives,
+                                 after_first_backward=lambda: first.append(_shard_grads(net, opt)))
     held = held_bytes(net, opt)
     held.update(buffers=memory.storage_bytes(net.buffers()), reachable=reachable_bytes(net, opt, hand))
     params = _working_weights(net, hand, cfg)
     reference, ref_grad = single_process(cfg, steps, batch_size, world_size, lr)
     padded = sum(b.padded for b in (opt.buckets if hand is None else hand.units))
-    return {"numel": tiny.num_params(tiny.GPT(cfg)), "padded": padded, "held": held, "peak": window.result(),
+    return {"numel": tiny.num_params(tiny.GPT(cfg)), "padded": padded, "held": held, "peak": peak,
             "comm_bytes_per_step": _bytes_sent(tally, collectives), "comm_kind": COMM_KINDS[collectives],
             "comm_ops_per_step": tally.as_dict()["ops"], "losses": losses, "params": params,
             "max_param_diff_vs_single_process": (params - reference).abs().max().item(),
@@ -227,9 +229,8 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
 
 
 def all_stages(rank, world_size, steps=2, batch_size=2):
-    """`run` for DDP ("0"), ZeRO-1 with a reduce-scatter ("1") and with an all-reduce
-    ("1-allreduce"), ZeRO-2, ZeRO-3 by units ("3") and ZeRO-3 gathering the whole model at once
-    ("3-whole"), in one job."""
+    """`run` for DDP ("0"), ZeRO-1 with a reduce-scatter ("1") and with an all-reduce ("1-allreduce"),
+    ZeRO-2, ZeRO-3 by units ("3") and gathering the whole model at once ("3-whole"), in one job."""
     out = {str(stage): run(rank, world_size, stage, steps, batch_size) for stage in STAGES}
     out["1-allreduce"] = run(rank, world_size, 1, steps, batch_size, zero1_allreduce=True)
     out["3-whole"] = run(rank, world_size, 3, steps, batch_size, units="whole")
@@ -248,11 +249,11 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, c
     fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload,
                            hand_comm=collectives == "hand")
     opt = torch.optim.Adam(net.parameters(), lr=lr)
-    losses, tally, window = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives)
+    losses, tally, peak = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives)
     shards = {name: {"placements": str(p.placements), "full_shape": tuple(p.shape),
                      "local_shape": tuple(p.to_local().shape), "device": str(p.to_local().device)}
               for name, p in net.named_parameters()}
-    return {"losses": losses, "shards": shards, "held": held_bytes(net, opt), "peak": window.result(),
+    return {"losses": losses, "shards": shards, "held": held_bytes(net, opt), "peak": peak,
             # FSDP2's own collectives bypass labs.measure.comm: with "library" there is nothing to count
             "comm_bytes_per_step": tally.bytes_sent if collectives == "hand" else None,
             "comm_kind": COMM_KINDS[collectives], "comm_ops_per_step": tally.as_dict()["ops"],
@@ -267,8 +268,7 @@ def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None
     ``no_sync``); ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 also gathers the weights twice
     every micro-batch. Result: {stage: {m: {"bytes_sent", "ops": {op: calls and bytes}}}}, keys as
     strings; the bytes are counted messages of the hand rings (``collectives="hand"``) or the
-    formula bytes of the library's collectives ("library"), as in `run`.
-    """
+    formula bytes of the library's collectives ("library"), as in `run`."""
     cfg, dev, out = cfg or tiny.GPTConfig(), launch.device(), {}
     for stage in STAGES:
         out[str(stage)] = {}
