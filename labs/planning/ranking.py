@@ -57,7 +57,10 @@ def pairs(results):
                 a, b = b, a
             tie = a["case"].tflops == b["case"].tflops
             verdict = lambda faster: "measured equal" if tie else "ordered" if faster else "reversed"  # noqa
-            out.append({"job": key, "faster": a["case"].name, "slower": b["case"].name,
+            also = [k for k, x, y in (("stack", a["case"].job.software.name, b["case"].job.software.name),
+                                      ("settings", a["case"].fixed, b["case"].fixed)) if x != y]
+            out.append({"job": key, "faster": a["case"].name, "slower": b["case"].name, "also": also,
+                        "moe": bool(a["case"].job.model.moe),
                         "published": (a["case"].tflops, b["case"].tflops),
                         "estimated": (a["estimate"], b["estimate"]),
                         "stated": verdict(a["row"]["time"]["step"] < b["row"]["time"]["step"]),
@@ -67,11 +70,17 @@ def pairs(results):
 
 def pairwise_order(results):
     """{"pairs": pairs with an order, "stated", "ranked": how many of them the planner orders as measured,
-    "measured_equal": pairs the source measures equal, "list": `pairs`}."""
+    "dense", "dense_ordered", "moe", "moe_ordered": the same at stated settings by the model's kind,
+    "confounded": pairs whose two rows also differ in stack or stated settings ("also"), "measured_equal":
+    pairs the source measures equal, "list": `pairs`}."""
     ps = pairs(results)
     ordered = [p for p in ps if p["stated"] != "measured equal"]
+    kind = {k: [p for p in ordered if p["moe"] == (k == "moe")] for k in ("dense", "moe")}
     return {"pairs": len(ordered), "stated": sum(p["stated"] == "ordered" for p in ordered),
             "ranked": sum(p["ranked"] == "ordered" for p in ordered),
+            **{k: len(v) for k, v in kind.items()},
+            **{f"{k}_ordered": sum(p["stated"] == "ordered" for p in v) for k, v in kind.items()},
+            "confounded": sum(bool(p["also"]) for p in ordered),
             "measured_equal": len(ps) - len(ordered), "list": ps}
 
 
