@@ -46,7 +46,7 @@ def pairs(results):
     figures are equal}."""
     groups = {}
     for r in results:
-        if r["case"].tflops:
+        if r["case"].tflops and not r.get("calibration"):   # a fitted row is no test of the model
             groups.setdefault(job_key(r["case"]), []).append(r)
     out = []
     for key, rows in groups.items():
@@ -91,8 +91,9 @@ def tuned_source(case):
 
 def top3_tuned(results):
     """{"rows": [(name, rank, fitting layouts)], "top3": how many rank 1 to 3, "left_out": rows of tuned
-    sources whose job has fewer than `MIN_LAYOUTS` fitting layouts}: the strict top three."""
-    tuned = [r for r in results if r["case"].tflops and tuned_source(r["case"])]
+    sources whose job has fewer than `MIN_LAYOUTS` fitting layouts}: the strict top three, over the
+    predictions (a calibration row, annotated by `scorecard.annotate`, is the fit and not counted)."""
+    tuned = [r for r in results if r["case"].tflops and tuned_source(r["case"]) and not r.get("calibration")]
     rows = [(r["case"].name, r["rank"], r["of"]) for r in tuned if r["of"] >= MIN_LAYOUTS]
     return {"rows": rows, "top3": sum((rank or 99) <= 3 for _, rank, _ in rows),
             "left_out": [r["case"].name for r in tuned if r["of"] < MIN_LAYOUTS]}

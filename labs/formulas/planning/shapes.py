@@ -69,14 +69,15 @@ class Cluster:
 
 GIB = 2 ** 30
 # The allocator's reserve: an assumption, not a rule the planner ranks or refuses by. PyTorch's caching
-# allocator keeps freed blocks for reuse and splits them, so what a run reserves (torch.cuda.max_memory_reserved,
-# the figure torchtitan logs) can exceed what its tensors hold (allocated, the planner's count). No source read
-# gives that excess for training jobs. GMLake (Guo et al. 2024, ASPLOS, arXiv 2401.08156, abstract) reports that
-# its own allocator reduces fragmentation by "15% (up to 33%)" on eight LLMs (fine-tuning on A100, with
-# recomputation, offloading and LoRA): a reduction, not the share PyTorch reserves above its tensors. Taking it
-# as that share (reserved = allocated / (1 - RESERVE)) is the book's assumption, and the checked set is against
-# it as a limit: published runs that ran count above (1 - RESERVE) of their GPU (chapter 14 counts them). So the
-# planner refuses only what the count puts over the GPU, and reports the headroom beside it.
+# allocator keeps freed blocks for reuse and splits them, so what a run reserves
+# (torch.cuda.max_memory_reserved, the figure torchtitan logs) can exceed what its tensors hold (allocated,
+# the planner's count). No source read gives that excess for training jobs. GMLake (Guo et al. 2024,
+# ASPLOS, arXiv 2401.08156, abstract) reports that its own allocator reduces fragmentation by "15% (up to
+# 33%)" on eight LLMs (fine-tuning on A100, with recomputation, offloading and LoRA): a reduction, not the
+# share PyTorch reserves above its tensors. Taking it as that share (reserved = allocated / (1 - RESERVE))
+# is the book's assumption, and the checked set is against it as a limit: published runs that ran count
+# above (1 - RESERVE) of their GPU (chapter 14 counts them). So the planner refuses only what the count
+# puts over the GPU, and reports the headroom beside it.
 RESERVE = 0.15
 # Expandable segments (PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", which torchtitan's launcher sets:
 # run_llama_train.sh at 9dec370, line 22; run_train.sh at 820504e, line 24) map more physical pages into one
