@@ -32,4 +32,3 @@ def test_expandable_segments_leave_no_reserve():
     assert not software.MEGATRON_CORE.expandable_segments
     assert shapes.reserved_bytes(85.0, expandable=True) == 85.0
     assert shapes.reserved_bytes(85.0) == pytest.approx(100.0)
-    assert shapes.usable_bytes(shapes.DGX_H100, True) == shapes.DGX_H100.hbm_bytes

@@ -4,9 +4,9 @@
 to the GPUs, refused by a rule or by memory, the rest ranked by the estimated step time, at the
 recorded efficiency of the GPU's generation and precision (`calibrated.ETA`). The answer gives the
 first layouts with their memory, headroom and step-time terms, and what puts the first ahead of the
-second. The planner's memory is its own count of tensors (what the allocator hands out); what the
-allocator reserves is that over 1 - `shapes.RESERVE` (its fragmentation, GMLake's published figure), and
-headroom is what the GPU has left beyond the reserve. Only layouts with headroom are ranked.
+second. The planner's memory is its own count of tensors (what the allocator hands out), and headroom is
+what the GPU has left beyond it. Layouts whose count fits the GPU are ranked: published runs that ran reach
+its last GiB by the same count, so no reserve is held back (`shapes.RESERVE` is an assumption, not a limit).
 """
 import dataclasses
 import re
@@ -124,25 +124,20 @@ def describe(job, gpu, result, top=TOP):
                           "rows": [[f"{len(result['rejected']):,}", f"{n:,}", reason]]}}
     first = ranked[0]
     peak = sum(first["memory"].values()) / GIB
-    expandable = job.software.expandable_segments
-    reserved = shapes.reserved_bytes(peak, expandable)
     summary = (f"{head}: {len(ranked):,} layouts fit, {len(result['rejected']):,} are refused. The fastest "
                f"is {layout(first)[0]} with {layout(first)[1]}: {first['time']['step']:,.2f} s per step, "
-               f"{planner.tflops_per_gpu(job, first):,.0f} TFLOP/s per GPU, {peak:,.1f} GiB of tensors, "
-               f"about {reserved:,.1f} of {hbm:g} GiB reserved with the allocator's "
-               f"{shapes.reserve(expandable):.0%} ({hbm - reserved:,.1f} GiB of headroom). ")
+               f"{planner.tflops_per_gpu(job, first):,.0f} TFLOP/s per GPU, {peak:,.1f} GiB of tensors by "
+               f"the planner's count, {hbm - peak:,.1f} of {hbm:g} GiB of headroom. ")
     summary += why(first, ranked[1]) if len(ranked) > 1 else "It is the only layout that fits."
     rows = []
     for r in ranked[:top]:
         t, mem = terms(r), sum(r["memory"].values()) / GIB
-        res = shapes.reserved_bytes(mem, expandable)
         rows.append([str(r["rank"]), *layout(r), f"{r['time']['step']:,.2f}",
                      f"{planner.tflops_per_gpu(job, r):,.0f}", *(f"{t[k]:,.2f}" for k, _ in TERMS),
-                     f"{mem:,.1f}", f"{res:,.1f}", f"{hbm - res:,.1f}"])
+                     f"{mem:,.1f}", f"{hbm - mem:,.1f}"])
     bars = [(f"#{r['rank']}", [(label, terms(r)[k]) for k, label in TERMS]) for r in ranked[:top]]
     return {"ok": True, "summary": summary,
             "table": {"head": ["rank", "layout", "settings", "step (s)", "TFLOP/s per GPU",
-                               *(f"{label} (s)" for _, label in TERMS), "tensors (GiB)", "reserved (GiB)",
-                               "headroom (GiB)"],
+                               *(f"{label} (s)" for _, label in TERMS), "tensors (GiB)", "headroom (GiB)"],
                       "rows": rows},
             "svg": fields.stacked_bars_svg(bars, "seconds per step, by term")}

@@ -129,21 +129,24 @@ def evaluate(case, eta, result=None):
 
     Two ranks: ``rank``, where the published degrees stand in the planner's own list, every layout
     (the published one too) at the fastest setting its stack offers (or at its stated settings, where
-    they are faster and the count refuses them), the planner's definition of a layout's rank; ``rank_stated``,
+    they fit and are faster, or lie outside what the planner searches), the planner's definition of a
+    layout's rank; none for a row the planner would refuse (`planner.rank_of`); ``rank_stated``,
     the published layout at the settings its source states (the TFLOP/s estimate's) against the others at
     their fastest, which also counts a setting the source chose slower than the planner's (recomputation it
     did not need, by the count)."""
     result = result or planner.plan(case.job, eta)
     row = planner.published(case.job, case.published, eta, case.fixed)
     listed = next((r for r in result["ranked"] if r["dims"] == case.published), row)
-    # a stated setting the count refuses
-    listed = row if row["time"]["step"] < listed["time"]["step"] else listed
+    if row["fits"] and row["time"]["step"] < listed["time"]["step"]:
+        listed = row
     out = {"case": case, "result": result, "row": row, "fits": row["fits"], "of": len(result["ranked"]),
            "best": result["ranked"][:3], "rank": None, "rank_stated": None, "estimate": None, "error": None,
            "listed": listed}
     out["estimate"] = tflops(case, row)
-    if result["ranked"]:
-        out["rank"] = planner.rank_of(result, out["listed"])
+    # a rank only for a row the planner would admit: no rule broken, its count within the GPU
+    if result["ranked"] and listed.get("fits", True):
+        out["rank"] = planner.rank_of(result, listed)
+    if result["ranked"] and row["fits"]:
         out["rank_stated"] = planner.rank_of(result, row)
     if case.tflops:
         out["error"] = out["estimate"] / case.tflops - 1

@@ -46,7 +46,7 @@ def pairs(results):
     figures are equal}."""
     groups = {}
     for r in results:
-        if r["case"].tflops:
+        if r["case"].tflops and not r.get("calibration"):   # a fitted row is no test of the model
             groups.setdefault(job_key(r["case"]), []).append(r)
     out = []
     for key, rows in groups.items():
@@ -57,7 +57,10 @@ def pairs(results):
                 a, b = b, a
             tie = a["case"].tflops == b["case"].tflops
             verdict = lambda faster: "measured equal" if tie else "ordered" if faster else "reversed"  # noqa
-            out.append({"job": key, "faster": a["case"].name, "slower": b["case"].name,
+            also = [k for k, x, y in (("stack", a["case"].job.software.name, b["case"].job.software.name),
+                                      ("settings", a["case"].fixed, b["case"].fixed)) if x != y]
+            out.append({"job": key, "faster": a["case"].name, "slower": b["case"].name, "also": also,
+                        "moe": bool(a["case"].job.model.moe),
                         "published": (a["case"].tflops, b["case"].tflops),
                         "estimated": (a["estimate"], b["estimate"]),
                         "stated": verdict(a["row"]["time"]["step"] < b["row"]["time"]["step"]),
@@ -67,11 +70,17 @@ def pairs(results):
 
 def pairwise_order(results):
     """{"pairs": pairs with an order, "stated", "ranked": how many of them the planner orders as measured,
-    "measured_equal": pairs the source measures equal, "list": `pairs`}."""
+    "dense", "dense_ordered", "moe", "moe_ordered": the same at stated settings by the model's kind,
+    "confounded": pairs whose two rows also differ in stack or stated settings ("also"), "measured_equal":
+    pairs the source measures equal, "list": `pairs`}."""
     ps = pairs(results)
     ordered = [p for p in ps if p["stated"] != "measured equal"]
+    kind = {k: [p for p in ordered if p["moe"] == (k == "moe")] for k in ("dense", "moe")}
     return {"pairs": len(ordered), "stated": sum(p["stated"] == "ordered" for p in ordered),
             "ranked": sum(p["ranked"] == "ordered" for p in ordered),
+            **{k: len(v) for k, v in kind.items()},
+            **{f"{k}_ordered": sum(p["stated"] == "ordered" for p in v) for k, v in kind.items()},
+            "confounded": sum(bool(p["also"]) for p in ordered),
             "measured_equal": len(ps) - len(ordered), "list": ps}
 
 
@@ -82,8 +91,9 @@ def tuned_source(case):
 
 def top3_tuned(results):
     """{"rows": [(name, rank, fitting layouts)], "top3": how many rank 1 to 3, "left_out": rows of tuned
-    sources whose job has fewer than `MIN_LAYOUTS` fitting layouts}: the strict top three."""
-    tuned = [r for r in results if r["case"].tflops and tuned_source(r["case"])]
+    sources whose job has fewer than `MIN_LAYOUTS` fitting layouts}: the strict top three, over the
+    predictions (a calibration row, annotated by `scorecard.annotate`, is the fit and not counted)."""
+    tuned = [r for r in results if r["case"].tflops and tuned_source(r["case"]) and not r.get("calibration")]
     rows = [(r["case"].name, r["rank"], r["of"]) for r in tuned if r["of"] >= MIN_LAYOUTS]
     return {"rows": rows, "top3": sum((rank or 99) <= 3 for _, rank, _ in rows),
             "left_out": [r["case"].name for r in tuned if r["of"] < MIN_LAYOUTS]}

@@ -72,13 +72,20 @@ def memory_estimate(r):
     return shapes.reserved_bytes(allocated, expandable) if memory_kind(r["case"]) == "reserved" else allocated
 
 
+def derived(case):
+    """Whether the case's TFLOP/s are the book's derivation rather than a printed figure (DeepSeek's GPU
+    hours per trillion tokens, `flop_count`)."""
+    return case.name.startswith("DeepSeek")
+
+
 def annotate(results):
-    """Each result with its family and whether it is a calibration row; the median |error| of the
-    predictions."""
+    """Each result with its family and whether it is a calibration row; the resolution: the median |error|
+    of the predictions whose figure the source prints (calibration rows and derived figures left out)."""
     calibrated = {name for _, name in checked.calibration().values()}
     for r in results:
         r["family"], r["calibration"] = family(r["case"]), r["case"].name in calibrated
-    return statistics.median(abs(r["error"]) for r in results if not r["calibration"])
+    return statistics.median(abs(r["error"]) for r in results
+                             if not r["calibration"] and not derived(r["case"]))
 
 
 def summary(results):
@@ -96,6 +103,8 @@ def summary(results):
             "top3": sum((r["rank"] or 99) <= 3 for r in pred),
             "top3_stated": sum((r["rank_stated"] or 99) <= 3 for r in pred),
             "pairs": pw["pairs"], "pairs_ordered": pw["stated"], "pairs_ordered_ranked": pw["ranked"],
+            **{f"pairs_{k}": pw[k] for k in ("dense", "dense_ordered", "moe", "moe_ordered", "confounded")},
+            "resolution_rows": sum(not r["calibration"] and not derived(r["case"]) for r in results),
             "top3_tuned_jobs": len(top["rows"]), "top3_tuned": top["top3"],
             "mae": sum(abs(r["error"]) for r in pred) / len(pred), "resolution": resolution,
             "memory_rows": len(mem), "memory_within15": sum(abs(e) <= 0.15 for e in mem_err),

@@ -16,11 +16,12 @@ and virtual stages v the stack offers (`search`). A layout is refused for the fi
 - layers that do not split evenly over the pipeline's stages, on a stack that splits them evenly
   (Megatron-LM; `software.Software.uniform_stages`);
 
-and otherwise for the first memory term that overflows the GPU less the allocator's reserve
-(`memory.terms` against `shapes.usable_bytes`), or, offloaded, the host. A published layout is checked
-against the whole GPU (`published`): it ran, so only a count above the GPU contradicts it.
-The layouts that fit are ranked by `timing.step`; each degree tuple is shown at its fastest setting
-of the other knobs, so "rank" is among degree tuples.
+and otherwise for the first memory term whose count overflows the GPU (`memory.terms` against the
+HBM), or, offloaded, the host. The published runs that ran reach the GPU's last GiB by the same count
+(chapter 14), so no reserve is held back: `shapes.RESERVE` is an assumption reported beside the count,
+not a limit. The layouts that fit are ranked by `timing.step`; each degree tuple is shown at its
+fastest setting of the other knobs, so "rank" is among degree tuples, and only a row that fits has one
+(`rank_of`).
 """
 from dataclasses import dataclass
 
@@ -145,7 +146,7 @@ def plan(job, eta):
             rejected.append({"dims": d, "reason": rule, "kind": "rule"})
         else:
             open_.append(d)
-    for row in search.best_per_layout(job, eta, open_, headroom=True):
+    for row in search.best_per_layout(job, eta, open_):
         if "reason" in row:
             rejected.append({**row, "kind": "memory"})
         else:
@@ -172,12 +173,20 @@ def published(job, d, eta, fixed=None):
 
 def rank_of(result, row):
     """Where ``row`` (e.g. a `published` layout) ranks among ``result``'s layouts that fit: 1 + the
-    number of other degree tuples estimated faster."""
+    number of other degree tuples estimated faster. A row the planner would refuse has no rank: its
+    layout must break no rule (`broken_rule`) and its own count, at its settings, must fit the GPU (and
+    the host, offloaded): the test the ranked layouts pass."""
+    job = result["job"]
     if not result["ranked"]:
-        job = result["job"]
         raise ValueError(f"no layout of {job.model.name} on {job.gpus:,} GPUs fits, so {row['dims']} has no "
-                         "rank "
-                         "among them.")
+                         "rank among them.")
+    rule = broken_rule(job, row["dims"])
+    if rule:
+        raise ValueError(f"{row['dims']} breaks a rule ({rule}), so it has no rank.")
+    total = sum(row["memory"].values())
+    if row.get("fits") is False or total > job.cluster.hbm_bytes:
+        raise ValueError(f"{row['dims']} at these settings counts {total / 2 ** 30:.1f} GiB, over the GPU's "
+                         f"{job.cluster.hbm_bytes / 2 ** 30:.0f}: refused, so it has no rank.")
     return 1 + sum(r["time"]["step"] < row["time"]["step"] for r in result["ranked"]
                    if r["dims"] != row["dims"])
 

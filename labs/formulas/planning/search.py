@@ -16,7 +16,7 @@ import functools
 import itertools
 
 from labs.dims import ParallelDims
-from labs.formulas.planning import memory, offload, shapes, timing
+from labs.formulas.planning import memory, offload, timing
 from labs.formulas.planning.grid import Candidate
 from labs.formulas.planning.software import RECOMPUTE, SCHEDULES
 
@@ -128,14 +128,14 @@ class Memo(timing.Pieces):
                             <= cl.host_bytes)
 
 
-def best_per_layout(job, eta, layouts, fixed=None, closest=False, headroom=False):
+def best_per_layout(job, eta, layouts, fixed=None, closest=False):
     """For each layout: its fastest fitting setting as a row (dims, plan, m, time, memory), or
     {"dims", "reason", "term"} naming what overflows at its closest setting (``closest``: that setting,
-    timed, as well: a published layout that ran is timed where the count says it does not fit).
-    ``headroom``: fit under `shapes.usable_bytes` (the allocator's reserve left free), not the whole GPU."""
+    timed, as well: a published layout that ran is timed where the count says it does not fit). A layout
+    fits when the count is at most the GPU's memory (`shapes.RESERVE` is an assumption reported beside it,
+    not a limit)."""
     fixed, memo, out = fixed or {}, Memo(job, eta), []
-    hbm = shapes.usable_bytes(job.cluster, job.software.expandable_segments) if headroom else \
-        job.cluster.hbm_bytes
+    hbm = job.cluster.hbm_bytes
     for d in layouts:
         c, fitting = _search(memo, d, fixed, hbm)
         terms, _, _, time = price(job, eta, c, memo)
@@ -145,7 +145,7 @@ def best_per_layout(job, eta, layouts, fixed=None, closest=False, headroom=False
             continue
         term = memory.overflow(terms, hbm) or "host memory"
         plan = row["plan"]
-        of = f"{hbm / GIB:.0f} GiB" + (" (the allocator's reserve left free)" if headroom else "")
+        of = f"{hbm / GIB:.0f} GiB"
         reason = (f"{term} overflows: {memory.total(terms) / GIB:.1f} GiB at best (ZeRO-{plan.zero}, "
                   f"recompute {plan.recompute}, b = {plan.micro_batch}, v = {plan.v}) of {of}"
                   if term != "host memory" else

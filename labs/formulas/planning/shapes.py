@@ -68,35 +68,36 @@ class Cluster:
 
 
 GIB = 2 ** 30
-# The allocator's reserve. PyTorch's caching allocator keeps freed blocks for reuse and splits them, so what a
-# run reserves (torch.cuda.max_memory_reserved, the figure torchtitan logs and publishes) exceeds what its
-# tensors hold (allocated, the planner's count) by the fragmentation. GMLake (Guo et al. 2024, ASPLOS, arXiv
-# 2401.08156, abstract) measures it on eight LLMs on A100 80GB: defragmenting saves "15 % (up to 33 %)"
-# of the caching allocator's memory. Taken here as the share of reserved memory that holds no tensor:
-# reserved = allocated / (1 - RESERVE). A public figure, not fitted on the checked set.
+# The allocator's reserve: an assumption, not a rule the planner ranks or refuses by. PyTorch's caching
+# allocator keeps freed blocks for reuse and splits them, so what a run reserves
+# (torch.cuda.max_memory_reserved, the figure torchtitan logs) can exceed what its tensors hold (allocated,
+# the planner's count). No source read gives that excess for training jobs. GMLake (Guo et al. 2024,
+# ASPLOS, arXiv 2401.08156, abstract) reports that its own allocator reduces fragmentation by "15% (up to
+# 33%)" on eight LLMs (fine-tuning on A100, with recomputation, offloading and LoRA): a reduction, not the
+# share PyTorch reserves above its tensors. Taking it as that share (reserved = allocated / (1 - RESERVE))
+# is the book's assumption, and the checked set is against it as a limit: published runs that ran count
+# above (1 - RESERVE) of their GPU (chapter 14 counts them). So the planner refuses only what the count
+# puts over the GPU, and reports the headroom beside it.
 RESERVE = 0.15
 # Expandable segments (PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", which torchtitan's launcher sets:
 # run_llama_train.sh at 9dec370, line 22; run_train.sh at 820504e, line 24) map more physical pages into one
 # growing segment instead of reserving a new block per size, so a freed block of one size serves another
-# (PyTorch's "CUDA semantics" notes, "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"). Under them the
-# reserve GMLake measured on the default allocator is not there; taken as none (pages round up by 2 MiB).
+# (PyTorch's "CUDA semantics" notes, "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"); taken as no
+# reserve (pages round up by 2 MiB).
 EXPANDABLE_RESERVE = 0.0
 
 
 def reserve(expandable=False):
-    """The share of reserved memory that holds no tensor: `RESERVE`, or `EXPANDABLE_RESERVE`."""
+    """The assumed share of reserved memory that holds no tensor: `RESERVE`, or `EXPANDABLE_RESERVE`."""
     return EXPANDABLE_RESERVE if expandable else RESERVE
 
 
 def reserved_bytes(allocated, expandable=False):
-    """What the caching allocator reserves for ``allocated`` bytes of tensors (`reserve`)."""
+    """What the caching allocator would reserve for ``allocated`` bytes of tensors under the assumed
+    `reserve`."""
     return allocated / (1 - reserve(expandable))
 
 
-def usable_bytes(cluster, expandable=False):
-    """The tensors' bytes a GPU of ``cluster`` holds with the allocator's reserve left free: the planner
-    ranks only layouts under it."""
-    return cluster.hbm_bytes * (1 - reserve(expandable))
 # Links are priced at what NCCL reaches on them, not their line rate (chapter 11, `placement`): ~370 GB/s
 # of NVLink on 8 x H100 (NVIDIA/nccl-tests issue 212) and 46 to 48 GB/s per NDR 400 Gb/s port (issue 290),
 # 92 % of the line, which the 200 Gb/s HDR ports of the A100 clusters are taken to reach as well; NCCL's
