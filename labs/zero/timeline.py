@@ -11,11 +11,11 @@ second stream: the gather of the next unit is issued as soon as the previous gat
 beside this unit's compute, with at most ``depth`` units gathered ahead. That layout is a
 simulation from measured durations, not a second measurement.
 """
-import time
 
 import torch.distributed as dist
 
 from labs.launcher import launch
+from labs.measure import timing
 from labs import model as tiny
 from labs.zero import stages
 
@@ -26,14 +26,14 @@ class Recorder:
     ``t0``. The root's compute spans the whole pass around the blocks, so only its collectives count."""
 
     def __init__(self, hand):
-        self.events, self.t0, self._since, self.root = [], time.perf_counter(), {}, len(hand.units) - 1
+        self.events, self.t0, self._since, self.root = [], timing.now(), {}, len(hand.units) - 1
         for i, u in enumerate(hand.units):
             u.gather = self._gather(i, u, u.gather)
             u.free = self._free(i, u, u.free)
             u.post_backward = self._reduce(i, u, u.post_backward)
 
     def now(self):
-        return time.perf_counter() - self.t0
+        return timing.now() - self.t0
 
     def _end_compute(self, i, u):
         if i in self._since:
