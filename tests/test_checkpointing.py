@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from labs import model as tiny
-from labs.checkpointing import (async_window, checkpoint_faults, layout_change, pipeline_change,
-                                resharding as ck,
+from labs.checkpointing import (async_window, checkpoint_faults, layout_change, one_name, pipeline_change,
+                                resharding as ck, saved_shape,
                                 sharded_checkpoint as sc)
 from labs.pipeline import executor
 from labs.checkpointing.stateful_loader import StatefulLoader
@@ -189,6 +189,39 @@ def test_pieces_that_tile_the_tensor_load_into_any_shard(tmp_path):
     middle = sc.Shard(torch.zeros(4), 2, (8,))
     sc.load({"w": middle}, path)
     assert middle.tensor.tolist() == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("target", [
+    {"w": sc.Shard(torch.zeros(16), 0, (2, 8))},                      # truncated: a smaller config
+    {"w": sc.Shard(torch.zeros(32), 0, (8, 4))},                      # reshaped: a transposed weight
+    {"w": sc.Shard(torch.zeros(32, dtype=torch.bfloat16), 0, (4, 8))},   # re-typed: bf16 target
+    {"v": torch.zeros(3)},                                            # 3 of a saved 6-element tensor
+], ids=["truncated", "reshaped", "bf16", "replicated-shorter"])
+def test_a_load_into_another_shape_or_dtype_is_refused(tmp_path, target):
+    path = str(tmp_path / "step-1")
+    sc.save({"w": sc.Shard(torch.arange(32.0), 0, (4, 8)), "v": torch.arange(6.0)}, path)
+    before = [t.clone() for t in (v.tensor if isinstance(v, sc.Shard) else v for v in target.values())]
+    with pytest.raises(saved_shape.SavedShapeMismatch, match="was saved .* the target is"):
+        sc.load(target, path)
+    after = [v.tensor if isinstance(v, sc.Shard) else v for v in target.values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))   # refused before a byte is copied
+
+
+def test_one_name_passes_shards_and_replicas_and_refuses_other_bytes_where_ranges_overlap():
+    w = torch.arange(8.0)
+    halves = [{"w": sc.Shard(w[:4], 0, (8,))}, {"w": sc.Shard(w[4:], 4, (8,))}]     # FSDP: disjoint
+    assert one_name.find_clashes(halves) == {}
+    overlap = [{"w": sc.Shard(w[:6], 0, (8,))}, {"w": sc.Shard(w[4:], 4, (8,))}]    # [4, 6) agree
+    assert one_name.find_clashes(overlap) == {}
+    assert one_name.find_clashes([{"w": w}, {"w": w.clone()}]) == {}                 # replicas
+    other = w.clone()
+    other[5] = -1
+    wrong = [{"w": sc.Shard(w[:6], 0, (8,))}, {"w": sc.Shard(other[4:], 4, (8,))}]  # [4, 6) differ
+    assert one_name.find_clashes(wrong) == {"w": (0, 1)}
+    stages = [{"blocks.0": w}, {"blocks.0": w + 1}]                                  # two stages, one name
+    assert one_name.find_clashes(stages) == {"blocks.0": (0, 1)}
+    shapes = [{"w": sc.Shard(w[:4], 0, (8,))}, {"w": sc.Shard(w[4:], 4, (2, 4))}]   # one name, two shapes
+    assert one_name.find_clashes(shapes) == {"w": (0, 1)}
 
 
 def test_a_batch_that_crosses_an_epoch_skips_no_sample():

@@ -4,6 +4,7 @@
   a draw from the global RNG every step).
 - `sharded_checkpoint`: a hand sharded checkpoint (the interface of DCP): fsynced commit, checksums,
   loaded under any layout, and an asynchronous save.
+- `saved_shape`: the load's check that each saved tensor has the target's global shape and dtype.
 - `resharding`: save at one world size, load at another, train on: the losses match; a resume that
   forgets Adam's state or the RNG does not.
 - `layout_change`: save under one (dp, tp) layout, load under another, by hand and with DCP.

@@ -23,7 +23,8 @@ shape, byte position). Two rules make a checkpoint safe to restart from:
   file it lists, with the right checksum.
 - verified: `load` recomputes every file's checksum first and names the file that does not match,
   and refuses a tensor whose saved pieces leave an element of the rank's shard uncovered or cover
-  one twice (a wrong offset, a missing rank, two tensors under one name).
+  one twice (a wrong offset, a missing rank, two tensors under one name), or whose saved global
+  shape or dtype is not the target's (`saved_shape`).
 
 Resharding is arithmetic on ranges: a rank that must hold the runs [O, E) of a tensor copies the
 overlap of every saved run [o, e) with them, whatever layout wrote them.
@@ -37,6 +38,8 @@ import shutil
 
 import torch
 import torch.distributed as dist
+
+from labs.checkpointing.saved_shape import check_same_tensor
 
 COMMIT = "metadata.json"
 # why the labs that save in this format run on the CPU with gloo on every machine (`launch.on_cpu`)
@@ -245,6 +248,7 @@ def load(state, checkpoint_id, reads=None):
         if isinstance(v, (Shard, torch.Tensor)):
             target = v.tensor.data if isinstance(v, Shard) else v.data.view(-1)
             mine = v.runs() if isinstance(v, Shard) else [(0, target.numel(), 0)]
+            check_same_tensor(checkpoint_id, key, v.shape, target.dtype, saved[key])   # `saved_shape`
             copies = [(r, e, o) for r, e in saved[key] for o in _overlaps(mine, e["runs"])]
             covered = torch.zeros(target.numel(), dtype=torch.int32)   # times each element is copied
             for _, _, (lo, hi, at, _) in copies:
