@@ -45,6 +45,8 @@ CASES = [
      "NVLink's 450 GB/s: across nodes the ring is held to the node's 8 NICs, 400 GB/s"),
     (ra, "4", 989e12 / 400e9 * 3 / 2,
      "the whole step's 6 Psi FLOPs per token against the all-reduce: only backward's 4 Psi can hide it"),
+    (ra, "4", ra.compute_bound_tokens(989e12, ra.ACROSS_NODES_BPS, n=16),  # 6 % off: inside a GiB slip
+     "(N-1)/N with N = 16, two nodes: the question takes N large, where (N-1)/N is 1"),
     (ra, "5", 7 * 1000, "only the reduce-scatter's N-1 steps: the all-gather has as many"),
     (ra, "5", 1000, "the ring's 2(N-1) steps per all-reduce left out"),
     (ra, "5", 2 * 7 * 8, "with buckets: the question asks for one all-reduce per tensor"),

@@ -208,7 +208,9 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
     what overlap buys; step_all_s, backward_all_s, exposed_all_s: each step's value, in order (step
     i on and step i off ran one after the other, which first alternating pair by pair: a pair for
     `labs.measure.intervals`). first_start_s: each step's earliest
-    all-reduce start relative to the end of autograd, never negative with overlap off. timeline:
+    all-reduce start relative to the end of autograd, never negative with overlap off.
+    done_after_backward: each step's count of buckets stamped done (an upper bound on the end: the
+    stamp is a callback that needs the GIL) after autograd ended. timeline:
     the mode's last step, per bucket ready/start/done in seconds since backward started.
     """
     cfg = tiny.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, hidden=128)
@@ -229,6 +231,8 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
                      "backward_all_s": [r["backward_end"] for r in rs],
                      "exposed_all_s": [r["exposed_comm"] for r in rs],
                      "first_start_s": [min(b["start"] for b in r["buckets"]) - r["backward_end"] for r in rs],
+                     "done_after_backward": [sum(b["done"] > r["backward_end"] for b in r["buckets"])
+                                             for r in rs],
                      "timeline": rs[-1]}
     return dict(out, buckets=len(ddp.buckets), params=tiny.num_params(net),
                 step_ratio_off_over_on=out["off"]["step_s"] / out["on"]["step_s"])

@@ -114,8 +114,8 @@ class HandDDP:
         torch.cat([p.grad.view(-1) for p in b.params], out=b.buffer)
         b.buffer.div_(self.world_size)
         b.work = comm.all_reduce(b.buffer, async_op=True)
-        # The future completes on the communication thread: the true end of the all-reduce,
-        # not the moment the training loop gets round to waiting for it.
+        # "done" is when this callback ran, no earlier than the all-reduce finished: the callback
+        # needs the GIL, so the stamp is an upper bound on the end, not the true end.
         b.work.get_future().then(lambda fut, b=b: b.times.__setitem__("done", time.perf_counter()))
         self.next += 1
 
