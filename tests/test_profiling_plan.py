@@ -44,7 +44,9 @@ def test_tensor_parallel_exposes_every_all_reduce_and_a_pipeline_its_bubble():
     pp = pc.predict("pp 2", 2e9, comm(send=(8, 8 * 32768), recv=(8, 8 * 32768)), CAL)
     m = pc.LAYOUTS["pp 2"][1]["microbatches"]
     assert pp["peer_wait_s"] == pytest.approx(pp["compute_s"] / m)       # (p - 1)/m, p = 2
-    assert pp["exposed_comm_s"] == pytest.approx(pc.collective_s("send", 8, 8 * 32768, CAL))
+    msgs = 2 * pc.collective_s("send", 8, 8 * 32768, CAL)            # its sends and its receives
+    assert pp["exposed_comm_s"] == pytest.approx(msgs)
+    assert pp["comm_s"] == pytest.approx(msgs)
     assert pp["step_s"] == pytest.approx(pp["compute_s"] + pp["exposed_comm_s"] + pp["peer_wait_s"])
 
 
@@ -64,3 +66,15 @@ def test_the_traffic_model_predicts_the_calls_and_bytes():
     assert dp["gloo:broadcast"]["calls"] == 1
     assert tp == {"gloo:all_reduce": {"calls": 16, "bytes": 16 * 8 * 64 * 128 * 4}}
     assert pp["gloo:send"] == pp["gloo:recv"] == {"calls": 4, "bytes": 4 * (2 * 64 * 128 * 4 + 4)}
+
+
+def test_a_pipeline_rank_is_priced_for_every_message_its_time_in_flight_spans():
+    # like with like: `analysis.point_to_point` puts a rank's sends and its receives in flight, and
+    # the traffic model lists both; pricing the sends alone (the named mistake) halves the prediction
+    traffic = pc.traffic("pp 2")
+    p = pc.predict("pp 2", 2e9, traffic, CAL)
+    priced = sum(pc.collective_s(op[5:], c["calls"], c["bytes"], CAL) for op, c in traffic.items())
+    sends_only = pc.collective_s("send", traffic["gloo:send"]["calls"], traffic["gloo:send"]["bytes"], CAL)
+    assert set(traffic) == {"gloo:send", "gloo:recv"}
+    assert p["comm_s"] == pytest.approx(priced)
+    assert p["comm_s"] != pytest.approx(sends_only)

@@ -18,7 +18,8 @@ beta (`alpha_beta.costs`), per call and byte chapter 14's traffic model predicts
 notebook compares them with the calls and bytes the traces record); data parallelism's all-reduces hide
 under backward as the planner's buckets do (`timing.exposed`, one bucket's fill left over) and its
 buffer broadcast does not; tensor parallelism's all-reduces are all exposed (no chunked GEMMs); a
-pipeline's sends are waited for, and its bubble is chapter 5's (p - 1)/m of the ideal compute
+pipeline's messages are waited for, each of a rank's sends and receives priced as one message (its time
+in flight spans both), and its bubble is chapter 5's (p - 1)/m of the ideal compute
 (`schedules.formula`, the planner's). ``matmul_s``: the trace's time in the planner's GEMM
 operators (`eager_traffic.MATMULS`), the part of compute its FLOP count prices; ``comm_s``: the
 communication in flight, the collectives' cost before any of it is hidden.
@@ -175,7 +176,8 @@ def predict(name, flops, comm, cal, world_size=2):
     elif name.startswith("tp"):
         out["groups"] = {"tp all-reduce": cost("all_reduce")}
     else:
-        out["groups"] = {"pp send": cost("send")}
+        # like with like: the rank's time in flight spans its sends and its receives
+        out["groups"] = {"pp send": cost("send"), "pp recv": cost("recv")}
         _, opts = LAYOUTS[name]
         bubble = schedules.formula("1f1b", world_size, opts["microbatches"])["over_ideal"]
         out["peer_wait_s"] = bubble * compute
