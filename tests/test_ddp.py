@@ -115,8 +115,11 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     assert r["buckets"] > 1
     for mode in ("on", "off"):
         assert set(r[mode]) == {"step_s", "backward_s", "exposed_comm_s", "first_start_s", "timeline",
-                                "step_all_s", "backward_all_s", "exposed_all_s"}
+                                "step_all_s", "backward_all_s", "exposed_all_s", "done_after_backward"}
         assert len(r[mode]["first_start_s"]) == len(r[mode]["step_all_s"]) == 2
+        # buckets stamped done after backward ended, per step: a count, never more than the buckets
+        assert len(r[mode]["done_after_backward"]) == 2
+        assert all(0 <= k <= r["buckets"] for k in r[mode]["done_after_backward"])
         assert r[mode]["backward_s"] == statistics.median(r[mode]["backward_all_s"])
         assert r[mode]["exposed_comm_s"] == statistics.median(r[mode]["exposed_all_s"])
         # the paired times the chapter's interval is built from: the median is theirs
