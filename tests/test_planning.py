@@ -96,6 +96,38 @@ def test_quiz_names_what_each_of_the_notes_figures_is(capsys):
     assert enough == (286, 36, 16)
 
 
+def test_quiz_units_and_denominators_are_the_pages(capsys):
+    """Exercise 1 asks for GiB, the unit of every memory figure in chapter 14; exercise 3 (question 5)
+    for the bubble's share of the step time, not phi over the ideal compute time."""
+    gib = quiz.q1_state_gib()
+    # 16 bytes per parameter over 8 ranks, in GiB (2^30 bytes)
+    assert gib == pytest.approx(16 * shapes.LLAMA2_70B.params() / 8 / 2**30, rel=1e-3)
+    assert quiz.check("1", gib)
+    assert not quiz.check("1", gib * 2**30 / 1e9)                   # the same bytes in GB
+    assert "GiB and GB mixed up" in capsys.readouterr().out
+    assert not quiz.check("1", 52.5)                                  # the note's figure, in GB
+    assert "asks for GiB" in capsys.readouterr().out
+    assert not quiz.check("1", 52.5e9 / 2**30)                        # the note's figure, in GiB
+    assert "2 bytes per parameter" in capsys.readouterr().out
+    assert quiz.check("5", 3 / 11)                                    # (p - 1)/(m + p - 1)
+    assert not quiz.check("5", 3 / 8)                                 # phi = (p - 1)/m
+    assert "ideal compute time" in capsys.readouterr().out
+
+
+def test_layout_figure_places_groups_on_nodes():
+    """The grid of chapter 14's two plans: TP 8 x DP 8 boxes each node and colours it one replica;
+    PP 8 x CP 4 x DP 2 boxes half nodes (cp groups) and fills four nodes per replica."""
+    from labs.planning import layout_figure
+    hand, first = ParallelDims(tp=8, dp=8), ParallelDims(pp=8, cp=4, dp=2)
+    assert layout_figure.runs(layout_figure.boxed_groups(hand), 8) == [(8 * n, 8) for n in range(8)]
+    assert layout_figure.runs(layout_figure.boxed_groups(first), 8) == [(4 * k, 4) for k in range(16)]
+    cells = layout_figure.cells(first, 8)
+    assert cells[5] == (0, 5, 0, "s1 c1") and cells[63] == (7, 7, 1, "s7 c3")
+    assert {c[2] for c in layout_figure.cells(hand, 8) if c[0] == 3} == {3}   # node 3: replica 3
+    # a group that straddles a node is cut at the node's edge
+    assert layout_figure.runs([[6, 7, 8, 9]], 8) == [(6, 2), (8, 2)]
+
+
 def test_deepseek_v3_flops_per_token_term_by_term():
     """The derived TFLOP/s's count, checked against the report's shapes written out by hand
     (DeepSeek-AI 2024, §4.2: h 7168, 128 heads of 128 + 64 rope dims, d_c 512, d_c' 1536, 61 layers,

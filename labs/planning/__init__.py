@@ -19,6 +19,7 @@ job, the strict top three on tuned sources, and published out-of-memory layouts 
 - `meta_check`: one rank of a full-size layout built by PyTorch on the meta device (fake process group) holds
 what the planner counts.
 - `flop_count`: DeepSeek-V3's TFLOP/s per GPU derived from its GPU hours, its FLOPs per token term by term.
+- `layout_figure`: a layout drawn on the GPUs, node by node: a replica a colour, a tp (or cp) group a box.
 - `quiz`: the notes' readiness quiz, each question with a number answered by the planner or a chapter, and its
 checker.
 """

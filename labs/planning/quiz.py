@@ -23,15 +23,15 @@ from labs.memory_budget import budget, compute
 from labs.formulas import schedules
 from labs.formulas.planning import memory, shapes, traffic
 
-GB = 1e9
+GB, GiB = 1e9, 2**30      # memory in GiB, as the chapter counts it; bytes sent in GB, as links in GB/s
 
 
-def q1_state_gb():
+def q1_state_gib():
     """70B on 8 H100s, ZeRO-3 over 8: weights, gradients and Adam state per GPU (chapter 1's 16 bytes
-    per parameter, all sharded), in GB."""
+    per parameter, all sharded), in GiB like every memory figure of chapter 14."""
     plan = memory.Plan(ParallelDims(dp=8), zero=3)
     return sum(memory.rank_memory(shapes.LLAMA2_70B, plan, "mixed", "fused", 1, 0)[t]
-               for t in ("weights", "gradients", "optimizer")) / GB
+               for t in ("weights", "gradients", "optimizer")) / GiB
 
 
 def q2_least_bubble():
@@ -72,8 +72,15 @@ def q4_tp_mb_per_layer():
 
 
 def q5_bubble_share():
-    """1F1B bubble as a share of the step for p = 4 stages and m = 8 micro-batches (chapter 5)."""
+    """1F1B bubble as a share of the step time for p = 4 stages and m = 8 micro-batches (chapter 5):
+    (p - 1)/(m + p - 1), the bubble over the whole step, phi/(1 + phi); not phi = (p - 1)/m, the bubble
+    over the ideal compute time (`q5_bubble_over_ideal`, the mistake the checker names)."""
     return schedules.formula("1f1b", 4, 8)["over_total"]
+
+
+def q5_bubble_over_ideal():
+    """The same bubble over the ideal compute time: chapter 14's phi, (p - 1)/m."""
+    return schedules.formula("1f1b", 4, 8)["over_ideal"]
 
 
 def q7_dp_gb_per_rank():
@@ -96,11 +103,12 @@ def q16_selective_over_full():
     return sel / compute.recompute_flops_per_token(12 * h * h, 1, h, s, "full")
 
 
-ANSWERS = {"1": q1_state_gb, "2": q2_least_bubble, "3": q3_fsdp_over_ddp, "4": q4_tp_mb_per_layer,
+ANSWERS = {"1": q1_state_gib, "2": q2_least_bubble, "3": q3_fsdp_over_ddp, "4": q4_tp_mb_per_layer,
            "5": q5_bubble_share, "7": q7_dp_gb_per_rank, "11": q11_bytes_per_param,
            "16": q16_selective_over_full}
 # What source 001's answers give for the same quantities (the note's own words in the chapter):
-NOTE = {"1": 3 * 17.5,            # "bf16 weights ~17.5 GB + grads ~17.5 GB + optimizer state ~17.5 GB"
+# (question 1's in GiB, the unit the exercise asks for: the note's 3 x 17.5 GB)
+NOTE = {"1": 3 * 17.5 * GB / GiB,  # "bf16 weights ~17.5 GB + grads ~17.5 GB + optimizer state ~17.5 GB"
         "2": 0.05,                # "enough to keep bubble < 5%" (no batch stated)
         "3": 1.5,                 # "FSDP costs ~1.5x DDP comm"
         "5": 3 / (3 + 8),         # "(p - 1) / (p - 1 + m)"
@@ -111,9 +119,14 @@ NOTE = {"1": 3 * 17.5,            # "bf16 weights ~17.5 GB + grads ~17.5 GB + op
 # What each of the note's figures that misses is: the checker names it when it is given.
 MISTAKES = {
     "1": [(NOTE["1"], "the note's 3 x 17.5 GB: 2 bytes per parameter for each of weights, gradients and "
-                      "optimizer state, where mixed-precision Adam keeps 16 in all (chapter 1)")],
+                      "optimizer state, where mixed-precision Adam keeps 16 in all (chapter 1)"),
+          (3 * 17.5, "the note's 3 x 17.5 GB, and in GB: 2 bytes per parameter for each of weights, "
+                     "gradients and optimizer state, where mixed-precision Adam keeps 16 in all (chapter 1); "
+                     "the exercise asks for GiB (2^30 bytes)")],
     "2": [(NOTE["2"], "the note's 5 %: reachable with enough micro-batches or a zero-bubble schedule, but "
                       "not by the 1F1B family at Llama 3's 16M-token batch, this exercise's setting")],
+    "5": [(q5_bubble_over_ideal, "that is phi = (p - 1)/m, the bubble over the ideal compute time; the "
+                                 "question asks for its share of the step time, (p - 1)/(m + p - 1)")],
     "7": [(NOTE["7"], "810 GB is the whole model's bf16 gradient; a rank reduces only its own stage's "
                       "tensor-parallel shard")],
     "16": [(NOTE["16"], "the note's ~33 % is full recomputation's extra FLOPs; selective recomputation "
