@@ -210,8 +210,8 @@ def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100
     / tp) * b * s (Kaplan et al. 2020, §2.1), plus the two s x s attention matmuls, q k^T and scores
     times v, 4 * b * s^2 * h / tp (Narayanan et al. 2021, arXiv 2104.04473, FLOPs appendix; a causal
     kernel can skip about half of them, not counted here).
-    hh_weight_bytes: one h x h weight in bf16, h^2 * 2 bytes (128 MiB at h = 8192), the size a
-    common shortcut gives the all-reduce; weights never travel in tensor parallelism.
+    hh_weight_bytes: one h x h weight in bf16, h^2 * 2 bytes (128 MiB at h = 8192), a size the
+    all-reduce is mistaken for (exercise 1); weights never travel in tensor parallelism.
     Link speeds are one direction and the peak is dense bf16, from the vendors' data sheets; a ring
     across nodes moves at the nodes' egress, `labs.formulas.links.ring_bandwidth`.
     """
