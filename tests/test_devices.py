@@ -116,6 +116,8 @@ NOT_AUDITED = {
                                       "which are audited",
     "labs.tensor_parallel.blocks.check_block": "one block of check_blocks, which is audited",
     "labs.tensor_parallel.gqa_parallel.check": "one case of check_many, which is audited",
+    "labs.tensor_parallel.blocks.train_and_dtensor": "chapter 4's notebook job, made of train and "
+                                                     "dtensor_mlp, which are audited",
     "labs.expert_parallel.a2a_tail.sent_bytes": "the all-to-all of suite.run, which is audited",
     "labs.gpu.smoke.run_each": "runs audited rank functions one after another, on the GPU box itself",
     "labs.profiling.practice.profile_loop": "chapter 15's torch.profiler loop (DDP on the tiny model): "

@@ -12,7 +12,7 @@ import exercise_cases
 
 from labs.data_parallel import ring_allreduce as ra
 from labs.memory_budget import budget
-from labs.formulas import schedules
+from labs.formulas import links, schedules
 from labs.pipeline import problems
 from labs.tensor_parallel import blocks
 from labs.zero import stages
@@ -66,8 +66,14 @@ CASES = [
     # chapter 4, tensor parallel
     (blocks, "1", blocks.layer_costs("70B", 8)["hh_weight_bytes"] / 2**20,
      "sized by the h x h weight, not by b s h"),
+    (blocks, "1", 4096 * 8192 * 4 / 2**20,   # 128 MiB too: the same answer as the h x h weight's
+     "the activation in fp32, 4 bytes per element (the lab's size); the question asks for bf16, 2"),
     (blocks, "1", blocks.layer_costs("70B", 8)["message_bytes"] / 2**20 / 8,
      "divided by tp: each rank's all-reduce carries the whole b s h activation"),
+    (blocks, "2", 2 * 2 * 4096 * 8192 * 2 / links.ring_bandwidth(2, 8) * 1e3,  # 0.671 ms,
+     "the ring factor 2(tp-1)/tp read as 2: at tp = 16 it is 2 x 15/16"),  # near a GiB/GB slip (x 1.074)
+    (blocks, "2", 2 * 2 * 15 / 16 * 4096 * 8192 * 2 / 400e9 * 1e3 * 2**30 / 1e9,
+     "GiB and GB mixed up"),
     (blocks, "2", blocks.layer_costs("70B", 16, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
      "one NIC's 50 GB/s for the whole ring: the node has 8 NICs and the ring uses them all"),
     (blocks, "2", blocks.layer_costs("70B", 16, link=blocks.TWO_NODES)["comm_s"] * 1e3 / 8,
@@ -97,6 +103,14 @@ def test_chapter_5_names_no_unit_slip_for_a_ratio(capsys):
         assert not problems.check(question, wrong)
         out = capsys.readouterr().out
         assert "mixed up" not in out, out
+
+
+def test_chapter_4_names_the_dropped_ring_factor_before_a_unit_slip(capsys):
+    """Exercise 2 without the ring's 15/16 gives 0.671 ms, 6.7 % high, within 1 % of a GiB/GB slip
+    (x 1.074): the checker names the ring factor first, and the slip beside it."""
+    assert not blocks.check("2", 2 * 2 * 4096 * 8192 * 2 / 400e9 * 1e3)
+    out = capsys.readouterr().out
+    assert "ring factor" in out and out.index("ring factor") < out.index("GiB and GB"), out
 
 
 def test_every_exercise_of_chapters_1_to_5_has_a_wrong_answer_tested():

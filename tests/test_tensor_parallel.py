@@ -56,10 +56,26 @@ def test_all_reduce_carries_activations_not_weights():
 
 
 @pytest.mark.numerics
-def test_training_under_tp_gives_the_single_process_losses():
-    r = launch.spawn(tp.train, 2, timeout=180)[0]
-    assert r["losses_tp"] == pytest.approx(r["losses_single"], rel=1e-5)
-    assert r["params_held"] < r["params_full"]
+def test_training_under_tp_gives_the_single_process_losses_and_gradients():
+    for r in launch.spawn(tp.train, 2, timeout=180):
+        assert r["losses_tp"] == pytest.approx(r["losses_single"], rel=1e-5)
+        assert r["params_held"] < r["params_full"]
+        # every parameter's first gradient, replicated ones included, against one process's (its slice)
+        assert max(r["grad_errors"].values()) < TOL, r["grad_errors"]
+        assert {"tok_emb.weight", "pos_emb.weight", "ln_f.weight", "head.weight",
+                "blocks.0.ln1.weight", "blocks.0.mlp.proj.bias"} <= set(r["replicated"])
+
+
+@pytest.mark.numerics
+def test_replicated_gradients_summed_over_tp_are_refused_though_the_losses_agree():
+    """The named mistake: the replicated parameters' gradients all-reduced (SUM) over the TP ranks,
+    tp times too large. Adam's step hardly sees a gradient's scale, so the losses still agree; the
+    gradient check must not."""
+    for r in launch.spawn(tp.train, 2, timeout=180):
+        summed = r["grad_errors_summed"]
+        assert all(summed[n] > 0.5 for n in r["replicated"]), summed        # (tp - 1) = 100 % off
+        assert max(summed[n] for n in summed if n not in r["replicated"]) < TOL, summed
+        assert r["losses_summed"] == pytest.approx(r["losses_single"], rel=1e-5)  # blind to it
 
 
 @pytest.mark.numerics

@@ -5,15 +5,16 @@ linears, are `labs.tensor_parallel.megatron`. Here each tensor-parallel MLP and 
 runs beside the unsharded one (outputs, input gradient and every weight gradient, `check_block`),
 every all-reduce's payload is read from the tensor f or g hands to the collective (one per block
 in forward, one in backward, each of b*s*h elements: the b, s, h the lab set, so what the reading
-shows is which tensor travels, the activation and not a weight), the
-tiny GPT trains under TP to one process's losses (`train`), PyTorch's DTensor plan gives the same
+shows is which tensor travels, the activation and not a weight), the tiny GPT trains under TP to
+one process's losses and first gradients, every parameter's, replicated ones included (`train`; a
+replicated gradient summed over the TP ranks is refused), PyTorch's DTensor plan gives the same
 (`dtensor_mlp`), and `layer_costs` sets one layer's all-reduce time beside its compute time at scale.
 
     python -m labs.tensor_parallel.blocks --world-size 2 --block mlp --json
 """
 import torch
 
-from labs.measure import comm
+from labs.measure import comm, exercises
 from labs.launcher import launch, preflight
 from labs import model as tiny
 from labs.dims import ParallelDims
@@ -111,13 +112,34 @@ def message_bytes(rank, world_size, shapes):
     return out
 
 
+def model_slice(name, full_grad, tp, rank, cfg):
+    """`slice_of_full` for a parameter of the whole tiny GPT: a block's split weights by their
+    block's rule; the embeddings, LayerNorms, head and row-parallel biases whole (replicated)."""
+    parts = name.split(".")
+    if parts[0] == "blocks" and parts[2] in ("attn", "mlp"):
+        kind = "mlp" if parts[2] == "mlp" else "attention"
+        return slice_of_full(".".join(parts[3:]), full_grad, tp, rank, kind, cfg)
+    return full_grad
+
+
+SUMMED_REPLICATED = "tp, replicated gradients summed over the TP ranks"
+
+
 def train(rank, world_size, steps=3, batch_size=2, lr=1e-2):
-    """The tiny GPT trained under tensor parallelism, and alone in one process: the same losses."""
+    """The tiny GPT trained under tensor parallelism, and alone in one process: the same losses,
+    and after the first backward every parameter's gradient equal to one process's (its slice).
+
+    Adam's step hardly depends on the gradient's scale, so the losses alone cannot see a gradient
+    off by a factor; the gradients are compared directly (`grad_errors`: the largest difference
+    over the largest single-process entry, per parameter). A third run makes the named mistake,
+    the replicated parameters' gradients all-reduced (SUM) over the TP ranks, tp times too large:
+    its losses still agree, its gradients do not.
+    """
     cfg, dev = config(), launch.device()
-    losses = {}
-    for mode in ("single", "tp"):
+    losses, first_grads = {}, {}
+    for mode in ("single", "tp", SUMMED_REPLICATED):
         net = tiny.build(cfg, seed=0, device=dev)
-        if mode == "tp":
+        if mode != "single":
             megatron.apply_tensor_parallel(net)
         opt = torch.optim.Adam(net.parameters(), lr=lr)
         losses[mode] = []
@@ -125,12 +147,25 @@ def train(rank, world_size, steps=3, batch_size=2, lr=1e-2):
             x, y = tiny.synthetic_batch(cfg, batch_size, seed=step, device=dev)  # the same data on every rank
             loss = net(x, y)
             loss.backward()
+            if mode == SUMMED_REPLICATED:  # the mistake: a replicated gradient is whole on every rank
+                for name, p in net.named_parameters():
+                    if p.shape == first_grads["single"][name].shape:
+                        comm.all_reduce(p.grad)
+            if step == 0:
+                first_grads[mode] = {n: p.grad.detach().clone() for n, p in net.named_parameters()}
             opt.step()
             opt.zero_grad()
             losses[mode].append(loss.item())
+    full = first_grads["single"]
+    errors = {mode: {n: ((g - model_slice(n, full[n], world_size, rank, cfg)).abs().max()
+                         / full[n].abs().max()).item() for n, g in first_grads[mode].items()}
+              for mode in ("tp", SUMMED_REPLICATED)}
     held = sum(p.numel() for p in net.parameters())
-    return {"losses_tp": losses["tp"], "losses_single": losses["single"], "params_held": held,
-            "params_full": tiny.num_params(tiny.build(cfg))}
+    return {"losses_tp": losses["tp"], "losses_single": losses["single"],
+            "losses_summed": losses[SUMMED_REPLICATED], "grad_errors": errors["tp"],
+            "grad_errors_summed": errors[SUMMED_REPLICATED],
+            "replicated": [n for n, g in first_grads["tp"].items() if g.shape == full[n].shape],
+            "params_held": held, "params_full": tiny.num_params(tiny.build(cfg))}
 
 
 def dtensor_mlp(rank, world_size, b=2, s=8):
@@ -159,6 +194,11 @@ def dtensor_mlp(rank, world_size, b=2, s=8):
             "placements": placements}
 
 
+def train_and_dtensor(rank, world_size):
+    """`train` and `dtensor_mlp` in one job (one process start instead of two)."""
+    return {"train": train(rank, world_size), "dtensor": dtensor_mlp(rank, world_size)}
+
+
 def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100)",
                 device="H100 SXM, bf16 dense", bytes_per_elem=2):
     """One layer's forward on one GPU at scale: the TP all-reduce time beside the compute time (formulas).
@@ -170,8 +210,8 @@ def layer_costs(model="70B", tp=8, seq=4096, micro_batch=1, link="NVLink 4 (H100
     / tp) * b * s (Kaplan et al. 2020, §2.1), plus the two s x s attention matmuls, q k^T and scores
     times v, 4 * b * s^2 * h / tp (Narayanan et al. 2021, arXiv 2104.04473, FLOPs appendix; a causal
     kernel can skip about half of them, not counted here).
-    hh_weight_bytes: one h x h weight in bf16, h^2 * 2 bytes (128 MiB at h = 8192), the size a
-    common shortcut gives the all-reduce; weights never travel in tensor parallelism.
+    hh_weight_bytes: one h x h weight in bf16, h^2 * 2 bytes (128 MiB at h = 8192), a size the
+    all-reduce is mistaken for (exercise 1); weights never travel in tensor parallelism.
     Link speeds are one direction and the peak is dense bf16, from the vendors' data sheets; a ring
     across nodes moves at the nodes' egress, `labs.formulas.links.ring_bandwidth`.
     """
@@ -199,9 +239,15 @@ EXERCISES = {
 MISTAKES = {
     "1": [(lambda: layer_costs("70B", 8)["hh_weight_bytes"] / 2**20,
            "sized by the h x h weight, not by b s h"),
+          (lambda: layer_costs("70B", 8, bytes_per_elem=4)["message_bytes"] / 2**20,
+           "the activation in fp32, 4 bytes per element (the lab's size); the question asks for bf16, 2"),
           (lambda: layer_costs("70B", 8)["message_bytes"] / 2**20 / 8,
            "divided by tp: each rank's all-reduce carries the whole b s h activation")],
-    "2": [(lambda: layer_costs("70B", 16, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
+    "2": [(lambda: layer_costs("70B", 16, link=TWO_NODES)["comm_s"] * 1e3 * 16 / 15,
+           "the ring factor 2(tp-1)/tp read as 2: at tp = 16 it is 2 x 15/16"),
+          # 16/15 = 1.067 lies within 1 % of 2^30/10^9 = 1.074: such an answer is told both
+          (lambda: EXERCISES["2"]() * exercises.GB_PER_GIB, exercises.SLIPS[2][1]),
+          (lambda: layer_costs("70B", 16, link="InfiniBand NDR (400 Gb/s)")["comm_s"] * 1e3,
            "one NIC's 50 GB/s for the whole ring: the node has 8 NICs and the ring uses them all"),
           (lambda: layer_costs("70B", 16, link=TWO_NODES)["comm_s"] * 1e3 / 8,
            "400 Gb/s per NIC read as 400 GB/s"),
@@ -211,7 +257,6 @@ MISTAKES = {
 
 
 def check(question, answer, rel=0.01):
-    from labs.measure import exercises
     return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
 
 
