@@ -18,8 +18,8 @@ SHAPE = (CFG, layout3d.MICRO_BATCH, layout3d.MICROBATCHES, CFG.seq_len)
 @pytest.fixture(scope="module")
 def three_d():
     """One 8-rank job: the correct dp 2 x tp 2 x pp 2 layout, TP's missing all-reduce in backward, and
-    DP gradients summed over the replicas, not averaged, under plain Adam (the bug a loss comparison
-    cannot see) and under Adam with coupled weight decay (where it can)."""
+    DP gradients summed over the replicas, not averaged, under plain Adam (inside the bound: only
+    eps sees the factor dp) and under Adam with coupled weight decay (beyond it)."""
     return drift.table(["3d", "tp_backward", "dp_not_averaged", "dp_not_averaged_decay"], timeout=300)
 
 
@@ -130,3 +130,29 @@ def test_bf16_has_no_useful_worst_case_bound_and_degrees_are_refused():
         train3d.main(["--dp", "2", "--world-size", "3", "--json"])
     with pytest.raises(ValueError, match="layers"):           # the command line, before any process starts
         train3d.main(["--dp", "2", "--pp", "3", "--json"])
+
+
+def test_key_bias_check_pins_the_free_elements_to_the_key_slice():
+    """The free (sign-undetermined) QKV bias elements must be exactly the key slice [h, 2h) of every
+    layer; the same count of other elements (the value biases, a shifted slice) is refused."""
+    h, layers = CFG.hidden, CFG.n_layer
+
+    def masks(lo, hi, extra=None):
+        out = {}
+        for i in range(layers):
+            m = torch.zeros(3 * h, dtype=torch.bool)
+            m[lo:hi] = True
+            out[f"blocks.{i}.attn.qkv.bias"] = m
+        if extra is not None:
+            out["blocks.0.attn.qkv.bias"][extra] = True
+        return out
+
+    assert drift.key_bias_free(masks(h, 2 * h), CFG) == layers * h
+    for wrong in (masks(2 * h, 3 * h),             # the value biases: the same count, other elements
+                  masks(h + 1, 2 * h + 1),         # a slice shifted by one
+                  masks(h, 2 * h, extra=0),        # one query bias too many
+                  masks(h, 2 * h - 1)):            # one key bias short
+        with pytest.raises(ValueError, match="key slice"):
+            drift.key_bias_free(wrong, CFG)
+    with pytest.raises(ValueError, match="key slice"):   # a layer with no free key bias at all
+        drift.key_bias_free({n: m for n, m in masks(h, 2 * h).items() if "blocks.0." not in n}, CFG)

@@ -11,4 +11,5 @@ counted per group.
 audited.
 - `rounding`: the first-order rounding bound of reordered sums, op by op, on one process's step.
 - `drift`: the loss bound a correct layout stays within, and broken layouts that leave it.
+- `problems`: the chapter's exercises, their answers from the lab's formulas and the usual mistakes.
 """

@@ -27,7 +27,9 @@ It is a first-order estimate of two reorderings, not a proof that covers every o
   - every term of second order in u (products of the differences above).
 The notebook shows how far inside it the correct layouts stay (below 1 % of it, every step).
 
-In bf16 (u = 2^-8) every term is 2^16 times larger: `bound(..., u=BF16)`.
+In bf16 (u = 2^-8) u is 2^16 times fp32's, and gamma_n = n u / (1 - n u) grows faster than u, so
+the forward term is more than 2^16 times larger (n u >= 1 leaves no bound at all); the Adam term grows
+until Adam's largest step caps it: `bound(..., u=BF16)`.
 
 A bug is a layout that computes something else. `VARIANTS` breaks each dimension once: Megatron's f
 without its backward all-reduce, ZeRO-1 without the reduce-scatter (each replica steps on its own
@@ -80,7 +82,7 @@ def reordered(dims):
     return kinds, dp > 1 or tp > 1 or cp > 1
 
 
-def weight_drift(grads, deltas, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+def weight_drift(grads, deltas, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, masks=False):
     """Per step, a bound on |w_layout - w_one_process| per weight, from the one process's gradients
     ``grads`` (as Adam sees them: with coupled weight decay, g + weight_decay * w) and the gradients'
     rounding bounds ``deltas`` (lists of {name: tensor}, one per step).
@@ -91,7 +93,7 @@ def weight_drift(grads, deltas, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0
     and the step m^/(sqrt(v^) + eps) moves by at most M^/(sqrt(v^) + eps) + |m^| D^/(2 sqrt(v^)
     (sqrt(v^) + eps)^2) (hats: bias-corrected). Once |g| <= delta at some step the sign is free: from
     then on the step differs by up to 2 B(s). Returns, per step s, (dw after s steps, {name: how many of
-    its weights' signs are free}).
+    its weights' signs are free}; with ``masks``, {name: which of them, a bool tensor}).
     """
     b1, b2 = betas
     names = grads[0].keys()
@@ -115,7 +117,8 @@ def weight_drift(grads, deltas, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0
             free[n] |= (d > 0) & (g.abs() <= d)
             step = torch.where(free[n], torch.full_like(step, cap), step.clamp(max=cap))
             dw[n] = dw[n] + lr * torch.where(moved | free[n], step, torch.zeros_like(step))
-        out.append(({n: t.clone() for n, t in dw.items()}, {n: int(f.sum()) for n, f in free.items()}))
+        out.append(({n: t.clone() for n, t in dw.items()},
+                    {n: f.clone() if masks else int(f.sum()) for n, f in free.items()}))
     return out
 
 
@@ -124,7 +127,8 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
     """One process's run, watched; the bound B_t of every step for this layout, with its terms.
 
     Returns losses (one process's), bound, forward (F_t), adam (the |g| . dw term), flippable (weights
-    whose sign could flip by step t), free_by_param (how many per parameter, by the last step), margin
+    whose sign could flip by step t), free_by_param (how many per parameter, by the last step; which
+    ones in free_masks), margin
     (the smallest |g| / delta over weights with a nonzero delta: how far the nearest gradient is from
     flipping; inf when the layout reorders no gradient), grad_norm (the global norm of each step's
     gradient of the loss, what clipping by norm would compare with its threshold)."""
@@ -136,7 +140,8 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
     tokens = dp * m * b * cfg.seq_len
     scale = 2 * rounding.gamma(tokens, u) if grads_reordered else 0.0
     deltas = [{n: scale * a for n, a in w.absgrad.items()} for w in ref["watched"]]
-    drift = weight_drift(ref["adam_grads"], deltas, lr, weight_decay=weight_decay)
+    drift = weight_drift(ref["adam_grads"], deltas, lr, weight_decay=weight_decay, masks=True)
+    drift = [(dw, {n: int(f.sum()) for n, f in free.items()}, free) for dw, free in drift]
     forward = [sum(w.forward[k] for k in kinds) for w in ref["watched"]]
     adam = [0.0] + [sum((ref["grads"][t][n].double().abs() * drift[t - 1][0][n]).sum().item()
                         for n in drift[t - 1][0]) for t in range(1, steps)]
@@ -147,9 +152,28 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
             "adam": adam, "flippable": [0] + [sum(d[1].values()) for d in drift[:steps - 1]],
             "kinds": sorted(kinds),
             "free_by_param": {n: c for n, c in drift[steps - 2][1].items() if c} if steps > 1 else {},
+            "free_masks": {n: f for n, f in drift[steps - 2][2].items() if f.any()} if steps > 1 else {},
             "margin": ratios.min().item() if ratios.numel() else float("inf"), "u": u,
             "grad_norm": [sum(g.double().pow(2).sum().item() for g in step.values()) ** 0.5
                           for step in ref["grads"]]}
+
+
+def key_bias_free(free_masks, cfg):
+    """How many weights whose sign is free are key biases, checked to be exactly those: in every layer,
+    the free elements of the fused QKV bias are its key slice [h, 2h), no more and no fewer.
+
+    Adding the same b_k to every key adds q . b_k to a whole row of scores, which softmax ignores, so
+    the key biases' gradient is zero up to rounding. A count of L h free elements would also pass a
+    layout that freed the value biases, or h other elements of each layer: this compares the indices."""
+    h, total = cfg.hidden, 0
+    for i in range(cfg.n_layer):
+        mask = free_masks.get(f"blocks.{i}.attn.qkv.bias")
+        free = [] if mask is None else mask.nonzero().flatten().tolist()
+        if free != list(range(h, 2 * h)):
+            raise ValueError(f"layer {i}: the free QKV bias elements are {free[:4]}... ({len(free)} of "
+                             f"them), not exactly the key slice [{h}, {2 * h}).")
+        total += len(free)
+    return total
 
 
 def table(names=tuple(VARIANTS), steps=layout3d.STEPS, lr=layout3d.LR, timeout=600):

@@ -1,0 +1,67 @@
+"""Chapter 17's exercises: the answers computed by the lab's own formulas, and the usual mistakes.
+
+1. The tp group's bytes per rank and step (`layout3d.predict_bytes_per_group`) for a layout the
+   chapter did not run: L = 8 layers on pp = 2 stages, tp = 4, m = 4 micro-batches of b = 2
+   sequences of s = 16 tokens, h = 64, fp32.
+2. ZeRO-1's bytes per rank and step in the dp group of a dp = 2 x cp = 2 layout whose rank holds
+   P_local = 10,001 parameters: 2 (n - 1) ceil(P_local / n) elements, n = dp cp = 4.
+3. How many times larger gamma_n (`rounding.gamma`) is in bf16 than in fp32 for a sum of n = 128
+   terms.
+"""
+import math
+
+from labs import model as tiny
+from labs.dims import ParallelDims
+from labs.measure import exercises
+from labs.threed import layout3d, rounding
+
+FP32_U, BF16_U = 2.0 ** -24, 2.0 ** -8
+EX1 = dict(layers=8, pp=2, tp=4, m=4, b=2, s=16, h=64)
+EX2 = dict(params=10_001, dp=2, cp=2)
+EX3_TERMS = 128
+
+
+def tp_bytes(layers, pp, tp, m, b, s, h, elem=layout3d.FP32):
+    """Exercise 1's answer from the lab's prediction, for a model of these shapes."""
+    cfg = tiny.GPTConfig(vocab_size=64, seq_len=s, n_layer=layers, n_head=tp, hidden=h)
+    return layout3d.predict_bytes_per_group(cfg, ParallelDims(tp=tp, pp=pp), b, m, s, stage=0,
+                                            elem=elem)["tp"]
+
+
+def zero1_bytes(params, n, elem=layout3d.FP32, padded=True):
+    """ZeRO-1's reduce-scatter and all-gather over n ranks: 2 (n - 1) chunks of ceil(P / n)."""
+    chunk = math.ceil(params / n) if padded else params / n
+    return 2 * (n - 1) * chunk * elem
+
+
+def gamma_ratio(n, u_low=BF16_U, u_high=FP32_U):
+    return rounding.gamma(n, u_low) / rounding.gamma(n, u_high)
+
+
+EXERCISES = {
+    "1": lambda: tp_bytes(**EX1),                                            # bytes, int
+    "2": lambda: zero1_bytes(EX2["params"], EX2["dp"] * EX2["cp"]),          # bytes, int
+    "3": lambda: gamma_ratio(EX3_TERMS),                                     # a factor
+}
+
+MISTAKES = {
+    "1": [(tp_bytes(**EX1, elem=1), "elements, not bytes: fp32's 4 bytes per element left out"),
+          (tp_bytes(**{**EX1, "pp": 1}), "all L layers, not the L/pp of one stage"),
+          (tp_bytes(**EX1) // 2, "the forward's two all-reduces (g) only, backward's two (f) left out"),
+          (tp_bytes(**EX1) * EX1["tp"] // (EX1["tp"] - 1),
+           "each all-reduce as 2M: the ring's (tp - 1)/tp left out")],
+    "2": [(zero1_bytes(EX2["params"], EX2["dp"]),
+           "n = dp = 2: the cp ranks hold the same weights, so ZeRO-1 shards over dp x cp"),
+          (zero1_bytes(EX2["params"], EX2["dp"] * EX2["cp"]) // 2,
+           "the reduce-scatter only: the all-gather of the updated shards left out"),
+          (zero1_bytes(EX2["params"], EX2["dp"] * EX2["cp"], elem=1),
+           "elements, not bytes: fp32's 4 bytes per element left out"),
+          (zero1_bytes(EX2["params"], EX2["dp"] * EX2["cp"], padded=False),
+           "no padding: P_local / n per chunk, not ceil(P_local / n)")],
+    "3": [(BF16_U / FP32_U, "the ratio of the unit roundoffs alone, 2^16: gamma_n's 1/(1 - n u) left out")],
+}
+
+
+def check(question, answer, rel=0.01):
+    """Automatic checker: bytes exactly, the factor within 1 %; names the usual mistakes."""
+    return exercises.check(EXERCISES, question, answer, rel, MISTAKES)

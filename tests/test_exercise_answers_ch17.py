@@ -1,0 +1,51 @@
+"""Chapter 17: each exercise checker accepts its computed answer and refuses the wrong answer a
+careless reader gives. A checker that compared an answer with itself, or whose tolerance swallowed
+the usual mistake, would fail here.
+
+Each wrong answer is computed from the mistake it stands for, not typed in.
+"""
+import math
+
+import pytest
+
+import exercise_cases
+
+from labs.threed import problems as p17
+
+# exercise 1: L = 8, pp = 2, tp = 4, m = 4, b = 2, s = 16, h = 64, fp32
+M1 = 2 * 16 * 64                                    # elements of one (b, s, h) activation
+RING = 2 * (4 - 1) / 4                              # a ring all-reduce's factor over tp = 4
+P2, N2 = 10_001, 2 * 2                              # exercise 2: P_local, n = dp x cp
+
+CASES = [
+    (p17, "1", int(8 / 2 * 4 * 4 * RING * M1), "elements, not bytes: fp32's 4 bytes per element left out"),
+    (p17, "1", int(8 * 4 * 4 * RING * M1 * 4), "all L layers, not the L/pp of one stage"),
+    (p17, "1", int(8 / 2 * 4 * 2 * RING * M1 * 4),
+     "the forward's two all-reduces (g) only, backward's two (f) left out"),
+    (p17, "1", int(8 / 2 * 4 * 4 * 2 * M1 * 4), "each all-reduce as 2M: the ring's (tp - 1)/tp left out"),
+    (p17, "2", 2 * (2 - 1) * math.ceil(P2 / 2) * 4,
+     "n = dp = 2: the cp ranks hold the same weights, so ZeRO-1 shards over dp x cp"),
+    (p17, "2", (N2 - 1) * math.ceil(P2 / N2) * 4,
+     "the reduce-scatter only: the all-gather of the updated shards left out"),
+    (p17, "2", 2 * (N2 - 1) * math.ceil(P2 / N2), "elements, not bytes: fp32's 4 bytes per element left out"),
+    (p17, "2", 2 * (N2 - 1) * P2 / N2 * 4, "no padding: P_local / n per chunk, not ceil(P_local / n)"),
+    (p17, "3", 2.0 ** 16, "the ratio of the unit roundoffs alone, 2^16: gamma_n's 1/(1 - n u) left out"),
+    (p17, "3", 2 * (0.5 / (1 - 0.5)) / (128 * 2.0 ** -24 / (1 - 128 * 2.0 ** -24)), "a factor 2 too many"),
+]
+
+
+def test_the_answers_are_the_formulas_by_hand():
+    assert p17.EXERCISES["1"]() == 8 // 2 * 4 * 4 * 3 // 2 * M1 * 4
+    assert p17.EXERCISES["2"]() == 2 * 3 * 2501 * 4
+    n_u = 128 * 2.0 ** -8                           # 1/2: gamma_128 = 1 in bf16
+    n_u32 = 128 * 2.0 ** -24
+    assert p17.EXERCISES["3"]() == pytest.approx((n_u / (1 - n_u)) / (n_u32 / (1 - n_u32)))
+
+
+@pytest.mark.parametrize("module, question, wrong, mistake", CASES, ids=exercise_cases.ids(CASES))
+def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake, capsys):
+    exercise_cases.refuses(module.check, module.EXERCISES, question, wrong, mistake, capsys)
+
+
+def test_every_exercise_of_chapter_17_has_a_wrong_answer_tested():
+    assert exercise_cases.untested(CASES, (p17,)) == set()
