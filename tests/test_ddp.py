@@ -115,7 +115,8 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     assert r["buckets"] > 1
     for mode in ("on", "off"):
         assert set(r[mode]) == {"step_s", "backward_s", "exposed_comm_s", "first_start_s", "timeline",
-                                "step_all_s", "backward_all_s", "exposed_all_s", "done_after_backward"}
+                                "step_all_s", "backward_all_s", "exposed_all_s", "done_after_backward",
+                                "held_to_end"}
         assert len(r[mode]["first_start_s"]) == len(r[mode]["step_all_s"]) == 2
         # buckets stamped done after backward ended, per step: a count, never more than the buckets
         assert len(r[mode]["done_after_backward"]) == 2
@@ -128,6 +129,9 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     # inside backward, from its hook, while the earlier layers' gradients are still being computed
     assert all(t >= 0 for t in r["off"]["first_start_s"])
     assert all(t < 0 for t in r["on"]["first_start_s"])
+    # and not the first bucket alone: every bucket but the last starts inside backward
+    assert all(k <= 1 for k in r["on"]["held_to_end"])
+    assert all(k == r["buckets"] for k in r["off"]["held_to_end"])
     assert r["step_ratio_off_over_on"] == r["off"]["step_s"] / r["on"]["step_s"]
     assert hand_ddp.exposed_comm([{"done": 3.0}, {"done": 5.0}], backward_end=4.0) == 1.0
     assert hand_ddp.exposed_comm([{"done": 3.0}], backward_end=4.0) == 0.0
@@ -153,3 +157,18 @@ def test_command_line_contract():
     assert r["max_param_diff_vs_torch_ddp"] < TOL and r["max_param_diff_vs_single_process"] < TOL
     assert r["allreduce_calls"] == 2 * r["buckets"]
     assert r["allreduce_formula_bytes"] > 0 and len(r["allreduce_wire_bytes"]) == 2
+
+
+def test_holding_every_bucket_but_the_first_until_backward_ends_is_caught():
+    """Referee, chapter 2 item 6: the old check asked only that the earliest all-reduce start inside
+    backward, so a DDP that launched bucket 0 from its hook and held every other bucket until
+    autograd ended passed it. `ddp.held_to_end` counts the buckets that started only once backward
+    had ended; the chapter asserts at most 1 (the last bucket to fill) with overlap on."""
+    from labs.data_parallel import ddp
+    end = 10.0
+    held = [{"start": 2.0}, {"start": 10.0}, {"start": 10.5}, {"start": 11.0}]   # the named mistake
+    assert min(b["start"] for b in held) - end < 0              # the old check: it passed
+    assert ddp.held_to_end(held, end) == 3                       # the new one: refused (> 1)
+    overlapped = [{"start": 2.0}, {"start": 5.0}, {"start": 8.0}, {"start": 10.0}]
+    assert ddp.held_to_end(overlapped, end) == 1                 # only the last bucket waits
+    assert ddp.held_to_end([{"start": 1.0}, {"start": 9.9}], end) == 0

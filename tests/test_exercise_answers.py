@@ -47,6 +47,11 @@ CASES = [
      "the whole step's 6 Psi FLOPs per token against the all-reduce: only backward's 4 Psi can hide it"),
     (ra, "4", ra.compute_bound_tokens(989e12, ra.ACROSS_NODES_BPS, n=16),  # 6 % off: inside a GiB slip
      "(N-1)/N with N = 16, two nodes: the question takes N large, where (N-1)/N is 1"),
+    # referee, chapter 2 item 11: 105 was labelled only "GiB and GB mixed up"; it is 98 GiB in GB,
+    # M read as 14 GiB, and the checker now says which way the units slipped
+    (ra, "3", 7 * 14 * 2**30 / 1e9, "M read as 14 GiB: the question's M is 14 GB, 14 x 10^9 bytes, so "
+     "(N-1)M = 98 GB; 98 GiB would be 105 GB"),
+    (ra, "3", 7 * 14 * 1e9 / 2**30, "the answer in GiB (2^30 bytes): the question asks for GB (10^9)"),
     (ra, "5", 7 * 1000, "only the reduce-scatter's N-1 steps: the all-gather has as many"),
     (ra, "5", 1000, "the ring's 2(N-1) steps per all-reduce left out"),
     (ra, "5", 2 * 7 * 8, "with buckets: the question asks for one all-reduce per tensor"),

@@ -139,6 +139,32 @@ def test_a_fit_bent_by_load_does_not_resolve_alpha():
     assert ra.alpha_bound(small, 4) == pytest.approx(13.9e-3 / 6)
 
 
+def test_a_bent_fit_quotes_no_beta():
+    """Referee, chapter 2 item 1: the page quoted the slope of a fit whose intercept it rejected
+    (alpha = -686 us per step on 2 ranks) as 1/beta = 0.4 GB/s. The slope of that one line was set by
+    the load-inflated 64 MiB point (4x the bytes of 16 MiB took 8.5x the time), and the 64 KiB median
+    sat above the 1 MiB one. Beta stands only where alpha does and the medians rise with size; the
+    page then quotes the measured throughput per size instead."""
+    sizes = [4096, 65536, 2**20, 16 * 2**20, 64 * 2**20]
+    medians = [0.60e-3, 7.57e-3, 5.95e-3, 20.34e-3, 172.32e-3]       # the referee's run, hand ring
+    alpha, beta = ra.alpha_beta_fit(sizes, medians, 2)
+    assert alpha < 0 and beta > 0                                    # a bent line, a positive slope
+    small = [0.60e-3, 0.58e-3, 0.7e-3]
+    assert ra.resolved_alpha(alpha, beta, 4096, small, 2) is None
+    assert ra.resolved_beta(None, beta, sizes, medians) is None     # the named mistake: refused
+    # even with an alpha, medians that fall with size do not give a bandwidth
+    assert ra.resolved_beta(1e-4, beta, sizes, medians) is None
+    rising = [0.60e-3, 0.7e-3, 5.95e-3, 20.34e-3, 80e-3]
+    assert ra.resolved_beta(1e-4, 1e-9, sizes, rising) == 1e-9
+    assert ra.resolved_beta(1e-4, -1e-9, sizes, rising) is None
+    # what is quoted instead: bytes / time of each repeat, their median and its interval
+    t = ra.throughput(16 * 2**20, [20.34e-3, 19.0e-3, 25.0e-3, 21.0e-3, 20.0e-3, 30.0e-3])
+    assert t["n"] == 6 and t["coverage"] == pytest.approx(1 - 2 / 64)
+    assert t["low"] == pytest.approx(16 * 2**20 / 30.0e-3)           # 6 repeats: min and max
+    assert t["high"] == pytest.approx(16 * 2**20 / 19.0e-3)
+    assert t["low"] <= t["median"] <= t["high"]
+
+
 def test_alpha_bound_takes_the_fastest_small_message_of_any_size():
     """Issue 47, second read: the bound came from the 4 KiB runs alone (fastest 3015 us on 2 ranks,
     alpha <= 1507 us), though the 64 KiB runs of the same sweep were faster (about 1.1 ms): every

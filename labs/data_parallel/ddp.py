@@ -197,6 +197,13 @@ def _timed_step(net, ddp, x, y):
             "exposed_comm": exposed_comm(shifted, backward_end)}
 
 
+def held_to_end(buckets, backward_end):
+    """How many buckets' all-reduces started at or after the end of autograd: with overlap on every
+    bucket but the last to fill (the first layers' gradients) must start inside backward, so this is
+    at most 1; with overlap off it is every bucket."""
+    return sum(b["start"] >= backward_end for b in buckets)
+
+
 @launch.on_cpu("the hand DDP's bucket timeline is read on the host clock inside autograd hooks, which on a "
                "GPU would time launches")
 def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_size=8):
@@ -209,7 +216,9 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
     i on and step i off ran one after the other, which first alternating pair by pair: a pair for
     `labs.measure.intervals`). first_start_s: each step's earliest
     all-reduce start relative to the end of autograd, never negative with overlap off.
-    done_after_backward: each step's count of buckets stamped done (an upper bound on the end: the
+    held_to_end: each step's count of buckets whose all-reduce started only once autograd had ended
+    (`held_to_end`; with overlap on at most 1, the last bucket). done_after_backward: each step's
+    count of buckets stamped done (an upper bound on the end: the
     stamp is a callback that needs the GIL) after autograd ended. timeline:
     the mode's last step, per bucket ready/start/done in seconds since backward started.
     """
@@ -233,6 +242,7 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
                      "first_start_s": [min(b["start"] for b in r["buckets"]) - r["backward_end"] for r in rs],
                      "done_after_backward": [sum(b["done"] > r["backward_end"] for b in r["buckets"])
                                              for r in rs],
+                     "held_to_end": [held_to_end(r["buckets"], r["backward_end"]) for r in rs],
                      "timeline": rs[-1]}
     return dict(out, buckets=len(ddp.buckets), params=tiny.num_params(net),
                 step_ratio_off_over_on=out["off"]["step_s"] / out["on"]["step_s"])

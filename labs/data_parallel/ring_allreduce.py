@@ -135,6 +135,30 @@ def resolved_alpha(alpha, beta, smallest_bytes, smallest_times_s, n):
     return alpha if ok else None
 
 
+def resolved_beta(alpha, beta, sizes_bytes, medians_s):
+    """A fitted beta, or None where the fit does not resolve it.
+
+    Slope and intercept come from one least-squares line, so a fit whose alpha is rejected
+    (``alpha`` is None: `resolved_alpha` refused it) has no trustworthy slope either: the load
+    that pushed the intercept below zero also set the slope, mostly through the largest message.
+    Beta stands only where alpha does, beta > 0, and the medians rise with size (a larger message
+    that ran faster than a smaller one shows load, not bandwidth). Where it does not, report
+    `throughput` per size instead."""
+    order = sorted(range(len(sizes_bytes)), key=lambda i: sizes_bytes[i])
+    rising = all(medians_s[a] <= medians_s[b] for a, b in zip(order, order[1:]))
+    return beta if alpha is not None and beta > 0 and rising else None
+
+
+def throughput(nbytes, times_s):
+    """Measured, not fitted: bytes per second of each repeat, their median and the interval that
+    holds it with >= 95 % (`labs.measure.intervals.median_ranks`), in bytes/s."""
+    from labs.measure import intervals
+    rates = sorted(nbytes / t for t in times_s)
+    k, coverage = intervals.median_ranks(len(rates))
+    return {"median": statistics.median(rates), "low": rates[k - 1], "high": rates[len(rates) - k],
+            "coverage": coverage, "n": len(rates)}
+
+
 def alpha_bound(smallest_times_s, n):
     """A direct measurement: the fastest all-reduce of the smallest message bounds alpha from above,
     alpha <= fastest / 2(N-1) (its 2(N-1) steps each pay alpha, plus a bandwidth term >= 0)."""
@@ -183,7 +207,10 @@ MISTAKES = {
     "1": [(14.0, "the payload M instead of what the ring sends, 2(N-1)/N M"),
           (2 * 14.0, "2M: the ring's (N-1)/N left out")],
     "2": [(lambda: 2 * 7 / 8 * 14e9 / 900e9 * 1e3, "NVLink's 900 GB/s counts both directions: 450 each way")],
-    "3": [(8 * 14.0, "the root sending to itself too: N M instead of (N-1) M")],
+    "3": [(8 * 14.0, "the root sending to itself too: N M instead of (N-1) M"),
+          (7 * 14 * 2**30 / 1e9, "M read as 14 GiB: the question's M is 14 GB, 14 x 10^9 bytes, so "
+           "(N-1)M = 98 GB; 98 GiB would be 105 GB"),
+          (7 * 14 * 1e9 / 2**30, "the answer in GiB (2^30 bytes): the question asks for GB (10^9)")],
     "4": [(lambda: compute_bound_tokens(989e12, 50e9),
            "one NIC's 50 GB/s for the whole ring: the ring leaves each node through all 8 of its NICs "
            "(400 GB/s); 50 GB/s is W only with one GPU per node"),
