@@ -109,7 +109,7 @@ def weigh_torch_adam(cls="Adam", cfg=None, batch_size=2):
             "tensors": len(params), "dtypes": dtypes, "by_key": by_key}
 
 
-def torch_adam_step_temporaries(impl, cfg=None, batch_size=2):
+def torch_adam_step_temporaries(impl, cfg=None):
     """Bytes ``torch.optim.Adam`` allocates during one step beyond what it holds: a measurement.
 
     On the tiny GPT in fp32 (so m and v are fp32), the second step runs under `memory.PeakMemory`
@@ -125,9 +125,10 @@ def torch_adam_step_temporaries(impl, cfg=None, batch_size=2):
         raise ValueError(f"impl must be 'for-loop', 'foreach' or 'fused', got {impl!r}.")
     cfg = cfg or tiny.GPTConfig()
     net = tiny.build(cfg, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    for p in net.parameters():  # any gradient will do: the step's temporaries depend on shapes only
+        p.grad = torch.randn(p.shape, generator=gen)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3, foreach=impl == "foreach", fused=impl == "fused")
-    x, y = tiny.synthetic_batch(cfg, batch_size, seed=0)
-    net(x, y).backward()
     opt.step()
     with memory.PeakMemory(net, opt) as mem:
         opt.step()
