@@ -259,6 +259,20 @@ def test_torch_adam_keeps_no_master_copy_on_bf16_weights():
     assert r["held"]["optimizer_state"] == 4 * r["numel"] + 4 * r["tensors"]
     assert r["held"]["total"] < 16 * r["numel"]
     assert r["dtypes"] == ["exp_avg bfloat16", "exp_avg_sq bfloat16", "step float32"]
+    assert r["by_key"] == {"exp_avg": 2 * r["numel"], "exp_avg_sq": 2 * r["numel"], "step": 4 * r["tensors"]}
+
+
+def test_torch_adam_foreach_step_makes_a_temporary_the_size_of_all_of_v():
+    """Measured: foreach Adam's torch._foreach_sqrt(exp_avg_sqs) holds a copy of every v at once;
+    the per-tensor loop at most two of the largest tensor's; fused=True none."""
+    cfg = model.GPTConfig(n_layer=1)
+    t = {impl: recipes.torch_adam_step_temporaries(impl, cfg) for impl in ("for-loop", "foreach", "fused")}
+    n, largest = t["foreach"]["numel"], t["foreach"]["largest"]
+    assert t["foreach"]["temporaries"] == t["foreach"]["v_bytes"] == 4 * n
+    assert 4 * largest <= t["for-loop"]["temporaries"] <= 2 * 4 * largest + 4096
+    assert t["fused"]["temporaries"] == 0
+    with pytest.raises(ValueError, match="impl"):
+        recipes.torch_adam_step_temporaries("sgd")
 
 
 def test_activations_pass_the_state_where_the_bisection_says():

@@ -82,6 +82,18 @@ def test_mfu_hfu_and_llama3_405b():
                 > row["mfu_computed"])
     # the sparse peak (1,979 TFLOP/s) a datasheet also prints would halve every MFU: caught
     assert not any(row["mfu_consistent"] for row in compute.llama3_405b(peak=1979e12)["rows"])
+    # a peak rounded to 1,000 TFLOP/s: no TFLOP/s printed as 400 (below 405, rounding half up)
+    # reaches the 16,384-GPU 8K row's printed 41 % over it, while the other two rows allow it
+    at_1000 = compute.llama3_405b(peak=1000e12)["rows"]
+    assert [row["mfu_consistent"] for row in at_1000] == [True, False, True]
+    # the table alone places the peak in (977.01, 1000) TFLOP/s; the datasheet's 989 is inside
+    lo, hi = compute.table4_peak_bounds()
+    assert 977e12 < lo < 977.02e12 and hi == 1000e12 and lo < compute.H100_BF16_DENSE < hi
+    # the printed TFLOP/s, rounded, give the printed MFU in the first and third rows only
+    assert [row["mfu_rounds_to_print"] for row in r["rows"]] == [True, False, True]
+    # a causal count halves the attention term: more tokens per second from the same TFLOP/s
+    for row in r["rows"]:
+        assert row["tokens_per_s"] < row["tokens_per_s_causal"] < 1.5 * row["tokens_per_s"]
     # Table 4 as arXiv v3 prints it (the default): every row's degrees multiply to its GPUs and
     # its batch to 16M tokens
     for row in r["rows"]:

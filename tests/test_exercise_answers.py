@@ -32,6 +32,7 @@ CASES = [
     (budget, "2", math.ceil(16 * 70e9 / GPU), budget.nominal_mistake("70B")),
     (budget, "3", 34 * 2048 * 1 * 12288 / budget.GB, "sbh(34 + 5as/h) without the attention scores' 5as/h"),
     (budget, "4", budget.GPU_GIB / 16, "80 GB taken for 80 GiB"),
+    (budget, "4", GPU / 16 / 2**30, "a billion taken as 2^30: parameters counted in 2^30s"),
     (budget, "4", GPU / 12 / 1e9, "12 bytes per parameter instead of 16"),
     # chapter 2, data parallel
     (ra, "1", 14.0, "the payload M instead of what the ring sends, 2(N-1)/N M"),

@@ -12,6 +12,9 @@ Recomputation adds a forward of what is recomputed: it counts in HFU, not in MFU
 Appendix B). Chapter 1's lab counts these FLOPs with torch's FlopCounterMode
 (`labs.memory_budget.compute`).
 """
+import math
+from fractions import Fraction
+
 from labs.formulas.memory import MODELS, PEAK_FLOPS
 
 # H100 SXM, dense BF16 tensor-core peak (NVIDIA H100 datasheet: 1,979 with sparsity): chapter 1's one figure
@@ -103,23 +106,57 @@ LLAMA3_TOKENS_PER_BATCH = 16 * 2 ** 20   # "16M"
 LLAMA3_TOKENS, LLAMA3_FLOPS = 15.6e12, 3.8e25   # §3.1 and §1: 15.6T tokens, 3.8 x 10^25 FLOPs
 
 
+def _band(printed, half):
+    """The half-open interval [printed - half, printed + half) a value printed as ``printed`` came
+    from, rounding half up (the rule the book finds in the ZeRO paper's 7.5B column), as Fractions."""
+    return Fraction(printed) - Fraction(half), Fraction(printed) + Fraction(half)
+
+
+def table4_peak_band(row):
+    """The open interval of peaks (FLOP/s) at which some TFLOP/s that prints as ``row["tflops"]``
+    (to tens: [t - 5, t + 5)) gives some MFU that prints as ``row["mfu_pct"]`` (to units):
+    peak = TFLOP/s / MFU, so (t_lo / m_hi, t_hi / m_lo), exact in Fractions."""
+    t_lo, t_hi = _band(row["tflops"] * 10 ** 12, 5 * 10 ** 12)
+    m_lo, m_hi = _band(Fraction(row["mfu_pct"], 100), Fraction(1, 200))
+    return t_lo / m_hi, t_hi / m_lo
+
+
+def table4_peak_bounds(table=None):
+    """The peaks (FLOP/s, an open interval) every row of Table 4 allows at once: the table alone
+    says the peak lies between these; the datasheet's 989 TFLOP/s must lie inside."""
+    bands = [table4_peak_band(r) for r in (table or LLAMA3_405B_TABLE4_V3)]
+    return max(lo for lo, _ in bands), min(hi for _, hi in bands)
+
+
 def llama3_405b(peak=H100_BF16_DENSE, table=LLAMA3_405B_TABLE4_V3):
-    """Table 4 (arXiv v3 by default) recomputed: each row's MFU = TFLOP/s per GPU / peak, checked
-    against the printed percentage (the TFLOP/s column is printed to tens, so [t - 5, t + 5] / peak
-    must reach the percentage's +-0.5 band); the implied tokens/s from the model FLOPs per token at the row's
-    sequence length; the parallel degrees multiplied out; and 6 Psi D against the paper's budget."""
+    """Table 4 (arXiv v3 by default) recomputed against ``peak``.
+
+    Each row's MFU = TFLOP/s per GPU / peak. "mfu_consistent": ``peak`` lies strictly inside the
+    row's `table4_peak_band` (some TFLOP/s printing as the row's, over ``peak``, prints as its MFU);
+    a peak of 1,000 TFLOP/s fails the 16,384-GPU 8K row, the sparse 1,979 every row.
+    "mfu_rounds_to_print": the printed TFLOP/s over ``peak``, rounded half up, is the printed MFU;
+    at 989 it holds for the first and third rows, not the second (400 / 989 = 40.4 %, printed 41).
+    Then the tokens/s the TFLOP/s imply at the row's sequence length under the book's count (all
+    s x s scores) and with the attention term halved for a causal mask ("_causal"); the parallel
+    degrees multiplied out; and 6 Psi D against the paper's budget."""
     arch = MODELS["405B"]
     p_mm = arch_matmul_params(arch)
     rows = []
     for r in table:
         per_token = flops_per_token(p_mm, arch.layers, arch.hidden, r["seq"])["total"]
-        lo, hi = 100 * (r["tflops"] - 5) * 1e12 / peak, 100 * (r["tflops"] + 5) * 1e12 / peak
+        causal = flops_per_token(p_mm, arch.layers, arch.hidden, r["seq"], causal=True)["total"]
+        lo, hi = table4_peak_band(r)
+        computed = Fraction(r["tflops"] * 10 ** 12) / Fraction(peak)
         tokens_per_s = r["gpus"] * r["tflops"] * 1e12 / per_token
+        tokens_causal = r["gpus"] * r["tflops"] * 1e12 / causal
         rows.append({**r, "mfu_computed": r["tflops"] * 1e12 / peak,
-                     "mfu_consistent": lo <= r["mfu_pct"] + 0.5 and hi >= r["mfu_pct"] - 0.5,
+                     "mfu_consistent": lo < Fraction(peak) < hi,
+                     "mfu_rounds_to_print": math.floor(100 * computed + Fraction(1, 2)) == r["mfu_pct"],
                      "flops_per_token": per_token,
                      "attention_share": 12 * arch.layers * arch.hidden * r["seq"] / per_token,
                      "tokens_per_s": tokens_per_s, "step_s": LLAMA3_TOKENS_PER_BATCH / tokens_per_s,
+                     "tokens_per_s_causal": tokens_causal,
+                     "step_s_causal": LLAMA3_TOKENS_PER_BATCH / tokens_causal,
                      "degrees_product": r["tp"] * r["cp"] * r["pp"] * r["dp"],
                      "tokens_per_batch": r["dp"] * r["batch_per_dp"] * r["seq"]})
     psi = arch.params()

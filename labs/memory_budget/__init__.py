@@ -4,7 +4,8 @@ The formulas (the model shape, recipes, activations, FLOPs, the calculator) are 
 `labs.formulas`; these modules are the labs that measure them on the tiny models, and re-export them.
 
 - `budget`: the calculator (bytes per device for a configuration) and the lab that measures it.
-- `recipes`: mixed-precision recipes and the hand Adam, whose bytes per parameter the chapter counts.
+- `recipes`: mixed-precision recipes and the hand Adam, whose bytes per parameter the chapter counts;
+  `torch.optim.Adam`'s state and the temporaries of its step, measured.
 - `activations`: what a GPT-3 or Llama block saves for backward, formula against autograd's bytes.
 - `logits`: the s x b x V tensors at the top of the model, formula against the measured peak.
 - `compute`: FLOPs per token (6P + 12Lhs) against the counted FLOPs, MFU and HFU, Llama 3's Table 4.

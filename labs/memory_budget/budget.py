@@ -132,6 +132,7 @@ MISTAKES = {
            "12 bytes per parameter: the fp32 master copy of the weights left out")],
     "3": [(lambda: 34 * 2048 * 1 * 12288 / GB, "sbh(34 + 5as/h) without the attention scores' 5as/h")],
     "4": [(lambda: GPU_GIB / 16, "80 GB taken for 80 GiB"),
+          (lambda: GPU_GIB * GIB / 16 / 2**30, "a billion taken as 2^30: parameters counted in 2^30s"),
           (lambda: GPU_GIB * GIB / 12 / 1e9, "12 bytes per parameter instead of 16")],
 }
 check = exercises.checker(EXERCISES, MISTAKES)

@@ -29,7 +29,7 @@ from labs.formulas.flops import (  # the formulas' home is the torch-free core
     LLAMA3_TOKENS, LLAMA3_TOKENS_PER_BATCH as LLAMA3_TOKENS_PER_BATCH,
     arch_matmul_params as arch_matmul_params, flops_per_token as flops_per_token, hfu as hfu, llama3_405b
     as llama3_405b, llama_block_params as llama_block_params, mfu as mfu, recompute_flops_per_token as
-    recompute_flops_per_token)
+    recompute_flops_per_token, table4_peak_bounds as table4_peak_bounds)
 
 
 # --- parameters: derived beside counted --------------------------------------------------------

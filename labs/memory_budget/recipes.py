@@ -100,5 +100,39 @@ def weigh_torch_adam(cls="Adam", cfg=None, batch_size=2):
     params = list(net.parameters())
     dtypes = sorted({f"{k} {v.dtype}".replace("torch.", "") for s in opt.state.values()
                      for k, v in s.items()})
+    by_key = {}  # bytes of the state's storages, by state key, each storage once
+    for key in sorted({k for st in opt.state.values() for k in st}):
+        storages = {st[key].untyped_storage()._cdata: st[key].untyped_storage().nbytes()
+                    for st in opt.state.values()}
+        by_key[key] = sum(storages.values())
     return {"held": memory.state_bytes(net, opt), "numel": sum(p.numel() for p in params),
-            "tensors": len(params), "dtypes": dtypes}
+            "tensors": len(params), "dtypes": dtypes, "by_key": by_key}
+
+
+def torch_adam_step_temporaries(impl, cfg=None):
+    """Bytes ``torch.optim.Adam`` allocates during one step beyond what it holds: a measurement.
+
+    On the tiny GPT in fp32 (so m and v are fp32), the second step runs under `memory.PeakMemory`
+    (the first creates the state); the temporaries are its peak less its baseline. ``impl``:
+    "for-loop" (``foreach=False``, ``_single_tensor_adam``: one parameter tensor at a time),
+    "foreach" (``_multi_tensor_adam``, torch's default when every parameter is on a GPU: it computes
+    ``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)``, one tensor per parameter tensor,
+    all alive at once; torch/optim/adam.py, torch 2.13) or "fused" (``fused=True``, one in-place
+    operator). Returns {"temporaries", "numel", "largest" (elements of the largest tensor),
+    "v_bytes" (the storages of every ``exp_avg_sq``)}.
+    """
+    if impl not in ("for-loop", "foreach", "fused"):
+        raise ValueError(f"impl must be 'for-loop', 'foreach' or 'fused', got {impl!r}.")
+    cfg = cfg or tiny.GPTConfig()
+    net = tiny.build(cfg, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    for p in net.parameters():  # any gradient will do: the step's temporaries depend on shapes only
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, foreach=impl == "foreach", fused=impl == "fused")
+    opt.step()
+    with memory.PeakMemory(net, opt) as mem:
+        opt.step()
+    params = list(net.parameters())
+    return {"temporaries": mem.peak_bytes - mem.baseline_bytes, "numel": sum(p.numel() for p in params),
+            "largest": max(p.numel() for p in params),
+            "v_bytes": sum(st["exp_avg_sq"].untyped_storage().nbytes() for st in opt.state.values())}
