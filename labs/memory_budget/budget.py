@@ -125,6 +125,8 @@ MISTAKES = {
            "12 bytes per parameter: the fp32 master copy of the weights left out"),
           (lambda: 16 * MODELS["13B"].params() / GB,
            "ZeRO-2 forgotten: all 16 bytes per parameter on every GPU"),
+          (lambda: (2 + 12 / 8) * MODELS["13B"].params() / GB,
+           "the gradients left out: 2 + 12/N bytes per parameter"),
           nominal("13B", lambda: state_gb("13B", 8, zero_stage=2))],
     "2": [(lambda: math.ceil(16 * MODELS["70B"].params() / (GPU_GIB * GB)), "80 GB taken for 80 GiB"),
           (lambda: math.ceil(16 * nominal_params("70B") / (GPU_GIB * GIB)), nominal_mistake("70B")),

@@ -119,7 +119,10 @@ def torch_adam_step_temporaries(impl, cfg=None):
     ``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)``, one tensor per parameter tensor,
     all alive at once; torch/optim/adam.py, torch 2.13) or "fused" (``fused=True``, one in-place
     operator). Returns {"temporaries", "numel", "largest" (elements of the largest tensor),
-    "v_bytes" (the storages of every ``exp_avg_sq``)}.
+    "v_bytes" (the storages of every ``exp_avg_sq``), "loop_count" (what the per-tensor loop should
+    allocate, counted from the parameter order: for tensor i, ``exp_avg_sq.sqrt()`` and its quotient
+    by the bias correction, 2 n_i, while Python still holds the previous tensor's ``denom``, n_(i-1),
+    until the name is rebound; the largest such sum, in fp32 bytes)}.
     """
     if impl not in ("for-loop", "foreach", "fused"):
         raise ValueError(f"impl must be 'for-loop', 'foreach' or 'fused', got {impl!r}.")
@@ -133,6 +136,8 @@ def torch_adam_step_temporaries(impl, cfg=None):
     with memory.PeakMemory(net, opt) as mem:
         opt.step()
     params = list(net.parameters())
-    return {"temporaries": mem.peak_bytes - mem.baseline_bytes, "numel": sum(p.numel() for p in params),
+    n = [p.numel() for p in params]
+    loop_count = 4 * max(2 * n[i] + (n[i - 1] if i else 0) for i in range(len(n)))
+    return {"temporaries": mem.peak_bytes - mem.baseline_bytes, "numel": sum(n), "loop_count": loop_count,
             "largest": max(p.numel() for p in params),
             "v_bytes": sum(st["exp_avg_sq"].untyped_storage().nbytes() for st in opt.state.values())}
