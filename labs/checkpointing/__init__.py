@@ -5,6 +5,8 @@
 - `sharded_checkpoint`: a hand sharded checkpoint (the interface of DCP): fsynced commit, checksums,
   loaded under any layout, and an asynchronous save.
 - `saved_shape`: the load's check that each saved tensor has the target's global shape and dtype.
+- `reshard_plan`: which saved byte ranges each rank of a new layout reads (another world size, or
+  another split dimension), by the load's own overlap rule: the chapter's picture of resharding.
 - `resharding`: save at one world size, load at another, train on: the losses match; a resume that
   forgets Adam's state or the RNG does not.
 - `layout_change`: save under one (dp, tp) layout, load under another, by hand and with DCP.

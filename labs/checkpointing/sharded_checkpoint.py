@@ -201,7 +201,7 @@ def _read_index(checkpoint_id, world):
     return entries
 
 
-def _overlaps(mine, saved):
+def overlaps(mine, saved):
     """(global start, end, my position, saved position) of every overlap of two sorted run lists."""
     saved = sorted((a, b, at) for (a, b), at in zip(saved, _starts(saved)))
     out, j = [], 0
@@ -249,7 +249,7 @@ def load(state, checkpoint_id, reads=None):
             target = v.tensor.data if isinstance(v, Shard) else v.data.view(-1)
             mine = v.runs() if isinstance(v, Shard) else [(0, target.numel(), 0)]
             check_same_tensor(checkpoint_id, key, v.shape, target.dtype, saved[key])   # `saved_shape`
-            copies = [(r, e, o) for r, e in saved[key] for o in _overlaps(mine, e["runs"])]
+            copies = [(r, e, o) for r, e in saved[key] for o in overlaps(mine, e["runs"])]
             covered = torch.zeros(target.numel(), dtype=torch.int32)   # times each element is copied
             for _, _, (lo, hi, at, _) in copies:
                 covered[at:at + hi - lo] += 1
