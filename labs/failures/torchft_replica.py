@@ -108,7 +108,8 @@ def counting_transport(log, timeout):
     return CountingHTTPTransport(timeout=timeout, num_chunks=0)
 
 
-def train(replica, lighthouse, folder, steps, step_s=0.0, timeout_s=20.0, ready=3, wrapper=False):
+def train(replica, lighthouse, folder, steps, step_s=0.0, timeout_s=20.0, ready=3, wrapper=False,
+          quorum_timeout_s=None):
     """One replica group's life: join, train to ``steps`` committed steps, log every step."""
     from torch.distributed import TCPStore
     from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
@@ -120,12 +121,13 @@ def train(replica, lighthouse, folder, steps, step_s=0.0, timeout_s=20.0, ready=
     model = tiny.build(CFG, seed=0)
     opt = optimizer(model)
     timeout = timedelta(seconds=timeout_s)
+    quorum_timeout = timedelta(seconds=quorum_timeout_s or timeout_s)  # how long a quorum may take
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1,
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["optim"])),
         state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
         replica_id=f"replica_{replica}", lighthouse_addr=lighthouse, store_addr="127.0.0.1",
-        store_port=store.port, rank=0, world_size=1, timeout=timeout, quorum_timeout=timeout,
+        store_port=store.port, rank=0, world_size=1, timeout=timeout, quorum_timeout=quorum_timeout,
         connect_timeout=timeout, checkpoint_transport=counting_transport(lambda *a, **k: log(*a, **k),
                                                                          timeout),
         init_sync=False)  # every replica builds the same seeded weights
@@ -248,6 +250,8 @@ def main(argv=None):
     p.add_argument("--ready", type=cli.positive_int, default=3, help="replicas the first quorum waits for")
     p.add_argument("--ddp-wrapper", action="store_true", help="torchft's DistributedDataParallel "
                    "instead of Manager.allreduce after backward")
+    p.add_argument("--quorum-timeout", type=float, default=None, help="seconds a quorum may take "
+                   "(default: --timeout)")
     p.add_argument("--serve-lighthouse", action="store_true")
     p.add_argument("--heartbeat-timeout-ms", type=cli.positive_int, default=1000)
     args = cli.parse(p, argv)
@@ -256,7 +260,7 @@ def main(argv=None):
     if not args.lighthouse:
         raise ValueError("--lighthouse is needed to train (or pass --serve-lighthouse).")
     train(args.replica, args.lighthouse, args.folder, args.steps, args.step_s, args.timeout, args.ready,
-          args.ddp_wrapper)
+          args.ddp_wrapper, args.quorum_timeout)
     cli.report({"replica": args.replica}, args, f"replica {args.replica} finished")
 
 

@@ -32,14 +32,19 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPLICAS = 3
+# The uninterrupted run: its steps need no sleep (no kill to aim at, no timeline drawn from it), and
+# after its lighthouse is killed each replica's quorum request times out in QUORUM_TIMEOUT_S.
+REFERENCE_STEP_S, QUORUM_TIMEOUT_S = 0.1, 2.0
 
 
 class Job:
     """The processes of one run: a lighthouse and the replica groups, every PID kept."""
 
-    def __init__(self, folder, steps, step_s, deadline, wrapper, replicas, replica_timeout_s):
+    def __init__(self, folder, steps, step_s, deadline, wrapper, replicas, replica_timeout_s,
+                 quorum_timeout_s=None):
         self.folder, self.steps, self.step_s, self.deadline = folder, steps, step_s, deadline
         self.wrapper, self.replicas, self.replica_timeout_s = wrapper, replicas, replica_timeout_s
+        self.quorum_timeout_s = quorum_timeout_s
         self.procs, self.pids = {}, []
         self.lighthouse = self._start(["--serve-lighthouse"], "lighthouse")
         self.address = self.wait_file("lighthouse")["address"]
@@ -58,6 +63,8 @@ class Job:
         args = ["--replica", str(i), "--lighthouse", self.address, "--steps", str(self.steps),
                 "--step-s", str(self.step_s), "--ready", str(self.replicas),
                 "--timeout", str(self.replica_timeout_s)]
+        if self.quorum_timeout_s:
+            args += ["--quorum-timeout", str(self.quorum_timeout_s)]
         self.procs[i] = self._start(args + ["--ddp-wrapper"] * self.wrapper, f"replica{i}")
         return self.procs[i]
 
@@ -111,7 +118,8 @@ def read_log(folder, i):
 
 
 def run(steps=30, kill_replica=None, kill_step=8, step_s=0.3, kill_lighthouse_after=None,
-        timeout=600.0, wrapper=False, replicas=REPLICAS, replica_timeout_s=15, restart=True):
+        timeout=600.0, wrapper=False, replicas=REPLICAS, replica_timeout_s=15, restart=True,
+        quorum_timeout_s=None):
     """One run of ``replicas`` groups. With ``kill_replica``, that group is SIGKILLed in the middle of
     step ``kill_step`` (inside the all-reduce, its peers waiting on it) and, if ``restart``, started
     again; ``wrapper`` trains with torchft's DistributedDataParallel instead; with
@@ -119,7 +127,8 @@ def run(steps=30, kill_replica=None, kill_step=8, step_s=0.3, kill_lighthouse_af
     (the replicas are then asked for as many steps again)."""
     folder = tempfile.mkdtemp(prefix="labs-torchft-")
     target = steps if kill_lighthouse_after is None else 2 * steps
-    job = Job(folder, target, step_s, time.monotonic() + timeout, wrapper, replicas, replica_timeout_s)
+    job = Job(folder, target, step_s, time.monotonic() + timeout, wrapper, replicas, replica_timeout_s,
+              quorum_timeout_s)
     events, state = {}, None
     try:
         if kill_replica is not None:
@@ -198,8 +207,8 @@ def torchft(steps=30, kill_step=8, step_s=0.3, kill_replica=2, timeout=600.0, no
                          f"(--steps {steps}).")
     if not 0 <= kill_replica < REPLICAS:
         raise ValueError(f"--kill-replica {kill_replica} is not one of the {REPLICAS} replica groups.")
-    reference = run(steps, step_s=step_s, kill_lighthouse_after=steps - 1, timeout=timeout,
-                    replica_timeout_s=5)
+    reference = run(steps, step_s=min(step_s, REFERENCE_STEP_S), kill_lighthouse_after=steps - 1,
+                    timeout=timeout, replica_timeout_s=5, quorum_timeout_s=QUORUM_TIMEOUT_S)
     fault = run(steps, kill_replica=kill_replica, kill_step=kill_step, step_s=step_s, timeout=timeout)
     summary = check.summarize(fault, reference)
     exact = check.replay_exact(summary, fault["state_before_kill"], fault["logs"][0])
