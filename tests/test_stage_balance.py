@@ -63,3 +63,34 @@ def test_time_splits_pairs_every_stage_of_both_splits():
     assert set(t) == {"equal", "balanced"}
     for runs in t.values():
         assert len(runs) == 3 and all(len(r) == 4 and min(r) > 0 for r in runs)
+
+
+def test_stage_ratio_can_fall_below_one():
+    # Four equal stages with noise alone: a pair fixed in advance straddles 1, while the named
+    # mistake, each round's slowest stage over its fastest, is >= 1 in every round and calls the
+    # equal stages unequal.
+    import random
+    from labs.measure import intervals
+    rng = random.Random(0)
+    rounds = [[0.2 * rng.lognormvariate(0, 0.3) for _ in range(4)] for _ in range(15)]
+    fixed = sb.stage_ratio(rounds, -1, 1)
+    assert fixed["lowest"] < 1 < fixed["highest"] and fixed["low"] < 1 < fixed["high"]
+    assert intervals.verdict(fixed, "faster", "slower", machine_cores=2) == intervals.UNRESOLVED
+    spread = intervals.ratio_interval([max(t) for t in rounds], [min(t) for t in rounds])
+    assert spread["lowest"] >= 1 and spread["low"] > 1
+    # a real difference is still seen: the last stage three times as slow
+    slow = [t[:-1] + [3 * t[-1]] for t in rounds]
+    assert intervals.verdict(sb.stage_ratio(slow, -1, 1), "faster", "slower", machine_cores=2) == "slower"
+
+
+def test_llama3_405b_head_causal_and_not():
+    # the layer's attention term: 4hs per token forward over all s x s scores, 2hs causal
+    from labs.memory_budget import compute
+    from labs.memory_budget.budget import MODELS
+    r = sb.llama3_405b(m=16, p=16)
+    a, s = MODELS["405B"], 8192
+    block = compute.llama_block_params(a.hidden, a.heads, a.kv_heads, a.ffn)["matmul"]
+    head = 2 * a.hidden * a.vocab
+    assert r["head_in_layers"] == pytest.approx(head / (2 * block + 4 * a.hidden * s), rel=1e-12)
+    assert r["head_in_layers_causal"] == pytest.approx(head / (2 * block + 2 * a.hidden * s), rel=1e-12)
+    assert r["head_in_layers"] < r["head_in_layers_causal"] < 1

@@ -5,7 +5,7 @@ weight gradient, split schedules only) of one micro-batch on one model chunk. p 
 micro-batches, v chunks per rank for interleaved 1F1B (rank r holds chunks r, r + p, r + 2p, ...).
 
 Bubbles, each formula named by its source:
-  GPipe (Huang et al. 2019, arXiv 1811.06965, §2.3): the bubble is O((K-1)/(M+K-1)) of the total
+  GPipe (Huang et al. 2018, NeurIPS 2019, arXiv 1811.06965, §2.3): the bubble is O((K-1)/(M+K-1)) of the total
       time, K partitions and M micro-batches; exactly (p-1)/(m+p-1) with balanced stages.
   GPipe and 1F1B (Narayanan et al. 2021, SC21, arXiv 2104.04473, §2.2.1): the "bubble time
       fraction" t_pb / t_id = (p-1)/m, bubble over ideal compute, derived for GPipe's schedule

@@ -5,15 +5,16 @@ layer y = x A^T + b has a backward of two matmuls, dx = dy A (B: the previous st
 and dA = dy^T x (W: only the optimizer waits for it). A pipeline that runs W later can fill its
 bubbles with it (`labs.formulas.schedules.zb_h1`).
 
-How this lab splits, as Megatron-LM's zero-bubble code does (``WeightGradStore`` in
-megatron/core/tensor_parallel/weight_grad_store.py stores the weight-gradient work of linear
-layers): inside `deferring(module, store)` every ``nn.Linear`` runs as `_DeferredLinear`, whose
-backward computes dx only and appends (layer, x, dy) to ``store``. B is then an ordinary backward
-without ``retain_graph``: autograd frees every other activation of the micro-batch as it goes, and
-between B and W the stage holds only W's inputs, x and dy of each linear layer (the paper's
-Table 1: 32sbh bytes per layer in 16-bit, i.e. 16 values per token per h). `weight_grads(store)`
-is W: dA += dy^T x and db += sum(dy), nothing recomputed. LayerNorm and embedding weights get their
-gradients in B: elementwise work with no matmul, which is all Table 1 counts.
+How this lab splits, as the zero-bubble authors' Megatron-LM fork does (``WeightGradStore`` in
+megatron/core/weight_grad_store.py of sail-sg/zero-bubble-pipeline-parallelism stores each linear
+layer's input and output gradient for W): inside `deferring(module, store)` every ``nn.Linear`` runs
+as `_DeferredLinear`, whose backward computes dx only and appends (layer, x, dy) to ``store``. B is
+then an ordinary backward without ``retain_graph``: autograd frees every other activation of the
+micro-batch as it goes, and between B and W the stage holds only W's inputs, x and dy of each linear
+layer (the paper's Table 1: 32sbh bytes per layer in 16-bit, i.e. 16 values per token per h).
+`weight_grads(store)` is W: dA += dy^T x and db += sum(dy), nothing recomputed. LayerNorm and
+embedding weights get their gradients in B: elementwise work with no matmul, which is all Table 1
+counts.
 
 torch.distributed.pipelining splits the same FLOPs differently (``stage_backward_input`` in
 torch/distributed/pipelining/_backward.py): B runs autograd with ``retain_graph=True`` and catches

@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from labs.memory_budget import compute
 from labs import model as tiny
+from labs.measure import intervals
 from labs.formulas import schedules
 from labs.pipeline import executor, split_backward
 from labs.formulas.stages import (  # the formulas' home is the torch-free core
@@ -168,9 +169,19 @@ def time_splits(cfg=None, p=4, batch_size=2, repeats=7):
     return out
 
 
+def stage_ratio(rounds, num, den):
+    """Stage ``num``'s time over stage ``den``'s, paired round by round (`time_splits`), with the
+    median's interval (`labs.measure.intervals.ratio_interval`). The pair is chosen before the
+    times are seen: each round's slowest stage over its fastest would be >= 1 by construction, an
+    interval that could never reach below 1 even for equal stages."""
+    return intervals.ratio_interval([t[num] for t in rounds], [t[den] for t in rounds])
+
+
 def llama3_405b(m=16, p=16):
     """Per-stage FLOPs per sequence of 8,192 tokens (formula, `compute.flops_per_token` per layer
     at s = 8,192; head 6hV forward + backward; embedding 0) for four splits, and 1F1B on them.
+    The attention term is non-causal, all s x s scores (4hs per token forward); with a causal mask
+    whose masked half is skipped it is 2hs: head_in_layers_causal.
 
     step: the simulated 1F1B step (F = 1/3, B = 2/3 of a stage's FLOPs); step_gpipe: GPipe's.
     bound: sum_s t_s + (m-1) max_s t_s, GPipe's step exactly (a flow shop of m identical jobs),
@@ -188,8 +199,9 @@ def llama3_405b(m=16, p=16):
               "even_126": [8] * (p - 2) + [7, 7],                # as even as possible, short stages last
               # §3.3.2: one fewer, first and last
               "llama3_126": [len(s) for s in stage_layers(arch.layers, p)]}
+    causal = seq * (3 * (2 * block + 2 * arch.hidden * seq))   # the masked half skipped
     out = {"layer_flops": layer, "head_flops": head, "head_in_layers": head / layer, "m": m, "p": p,
-           "splits": {}}
+           "head_in_layers_causal": head / causal, "splits": {}}
     for name, counts in splits.items():
         t = [c * layer + (head if s == p - 1 else 0) for s, c in enumerate(counts)]   # ints: exact
         costs = [{"F": x // 3, "B": 2 * x // 3, "W": 0} for x in t]
