@@ -152,7 +152,10 @@ def pod_edges(dims, axis, pod=LLAMA3_POD_GPUS):
     return max(out.values(), default=0)
 
 
-def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=400e12, oversubscription=7):
+LLAMA3_FLOPS_PER_GPU = 400e12      # Table 4: BF16 TFLOPs per GPU, whole-step average
+
+
+def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=LLAMA3_FLOPS_PER_GPU, oversubscription=7):
     """PP against DP, the two groups that leave the node, as time on the critical path.
 
     PP: the first micro-batch's activation crosses every boundary between the p v model chunks (on p
