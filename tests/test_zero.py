@@ -53,6 +53,7 @@ def test_bytes_held_and_sent_equal_the_formulas(world_size, two_ranks, three_ran
             assert r["comm_bytes_per_step"] == want, key
             assert r["grad_rel_error_vs_single_process"] < GRAD_TOL, key
             assert r["max_param_diff_vs_single_process"] <= r["param_bound"], key
+            assert r["update_error_vs_single_process"] < adam_drift.UPDATE_TOL, key
 
 
 @pytest.mark.numerics
@@ -104,6 +105,18 @@ def test_a_zero2_that_reduces_only_at_the_end_of_backward_is_caught():
     for r in buggy:
         with pytest.raises(AssertionError):
             _check_gradient_freed_in_backward(r, 2)
+
+
+def test_a_step_that_never_updates_the_weights_is_caught():
+    # The bug steps the fp32 master but never copies it into the bf16 weights. DDP and ZeRO-1 share it,
+    # so they agree with each other exactly, and the drift bound (twice the largest Adam move, plus a
+    # bf16 spacing) passes a run that never moved; the update check refuses it: its update is 0.
+    buggy = launch.spawn(zero_workers.never_copies_master, 3, timeout=180)
+    for r in buggy:
+        assert torch.equal(r["0"]["params"], r["1"]["params"])
+        for s in ("0", "1"):
+            assert r[s]["max_param_diff_vs_single_process"] <= r[s]["param_bound"]
+            assert r[s]["update_error_vs_single_process"] == 1 > adam_drift.UPDATE_TOL
 
 
 @pytest.mark.numerics
