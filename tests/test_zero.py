@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from labs.launcher import launch
+from labs import model as tiny
 from labs.zero import stages, adam_drift
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
@@ -122,7 +123,7 @@ def test_a_step_that_never_updates_the_weights_is_caught():
 @pytest.mark.numerics
 def test_fsdp2_matches_hand_zero3_and_shards_every_weight(two_ranks):
     world_size = 2
-    fsdp = launch.spawn(stages.fsdp2, world_size, 2, timeout=180)
+    fsdp = launch.spawn(stages.fsdp2_and_kept, world_size, 2, 2, timeout=180)
     # Same recipe, same sums: bf16 weights cast from the same fp32 masters, a 2-term bf16
     # reduce-scatter (order-free), fp32 Adam elementwise: the losses agree exactly.
     assert fsdp[0]["losses"] == two_ranks[0]["3"]["losses"]
@@ -138,6 +139,14 @@ def test_fsdp2_matches_hand_zero3_and_shards_every_weight(two_ranks):
         ops = r["comm_ops_per_step"]
         assert ops["all_gather"]["calls"] == 5 and ops["reduce_scatter"]["calls"] == 3
         assert r["comm_bytes_per_step"] < hand["3"]["comm_bytes_per_step"]
+        # FSDP2 frees each block after its forward; told to keep them (reshard_after_forward=False) it
+        # holds both blocks' bf16 weights more when forward returns, and the check refuses that run,
+        # which a peak compared with the hand whole-model gather lets through
+        blocks = 2 * sum(p.numel() for p in tiny.GPT(tiny.GPTConfig()).blocks.parameters())
+        kept = r["kept_gathered"]
+        assert stages.freed_after_forward(r["peak"], kept, blocks)
+        assert not stages.freed_after_forward(kept, kept, blocks)
+        assert hand["3-whole"]["peak"]["peak_bytes"] - kept["peak_bytes"] >= blocks // 2
 
 
 @pytest.mark.numerics

@@ -231,6 +231,14 @@ def fsdp2_and_kept(rank, world_size, steps=2, batch_size=1):
     return out
 
 
+def freed_after_forward(peak, kept, blocks_bf16_bytes):
+    """Whether an FSDP2 run (``peak``, `fsdp2`'s) freed each block's gathered weights after its forward:
+    when forward returns it holds at least the blocks' bf16 bytes less than ``kept``, the same FSDP2
+    with ``reshard_after_forward=False`` (`fsdp2_and_kept`). Its peak, in backward, where it holds the
+    block it computes and the one it prefetches, barely tells the two apart on a two-block model."""
+    return kept["after_forward_bytes"] - peak["after_forward_bytes"] >= blocks_bf16_bytes
+
+
 def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None, collectives="hand"):
     """Bytes each rank sends in one optimizer step that accumulates m micro-batches.
 
