@@ -115,6 +115,7 @@ NOT_AUDITED = {
     "labs.context_parallel.jobs.lab": "chapter 6's notebook job, made of methods.check and hybrid.check, "
                                       "which are audited",
     "labs.tensor_parallel.blocks.check_block": "one block of check_blocks, which is audited",
+    "labs.zero.stages.fsdp2_and_kept": "stages.fsdp2 twice in one job, which is audited",
     "labs.tensor_parallel.gqa_parallel.check": "one case of check_many, which is audited",
     "labs.expert_parallel.a2a_tail.sent_bytes": "the all-to-all of suite.run, which is audited",
     "labs.gpu.smoke.run_each": "runs audited rank functions one after another, on the GPU box itself",
