@@ -115,6 +115,7 @@ NOT_AUDITED = {
     "labs.context_parallel.jobs.lab": "chapter 6's notebook job, made of methods.check and hybrid.check, "
                                       "which are audited",
     "labs.tensor_parallel.blocks.check_block": "one block of check_blocks, which is audited",
+    "labs.zero.stages.fsdp2_and_kept": "stages.fsdp2 twice in one job, which is audited",
     "labs.tensor_parallel.gqa_parallel.check": "one case of check_many, which is audited",
     "labs.tensor_parallel.blocks.train_and_dtensor": "chapter 4's notebook job, made of train and "
                                                      "dtensor_mlp, which are audited",

@@ -43,9 +43,11 @@ def test_a_wrong_answer_that_matches_no_mistake_names_none(capsys):
     assert said(capsys) == ["exercise 4: not yet, 37 % too high"]
 
 
-def test_the_chapters_mistakes_come_before_the_slips_and_all_that_match_are_named(capsys):
-    assert not check("4", 155.3)
+def test_the_chapters_mistakes_come_before_the_slips_and_all_that_match_are_named_nearest_first(capsys):
+    assert not check("4", 155.3) and not check("4", 155.31)
     assert said(capsys) == ["exercise 4: not yet, 1.5 % too high; that is what each of these mistakes gives: "
+                            "the same number, another way; or the nominal count",
+                            "exercise 4: not yet, 1.5 % too high; that is what each of these mistakes gives: "
                             "the nominal count; or the same number, another way"]
 
 

@@ -53,6 +53,16 @@ def test_three_ranks_stay_within_adams_drift_bound(reference, runs):
             assert diff <= bound, (scheme, name, diff, bound)
         torch.testing.assert_close(results[0]["params"]["frozen.weight"], toy.toy_model().frozen.weight,
                                    rtol=0, atol=0)   # frozen means never updated
+        # the bound passes a run that never moved (it is twice Adam's largest move); the update does not
+        assert toy.update_error(results[0]["params"], ref) < adam_drift.UPDATE_TOL
+
+
+def test_a_run_that_never_steps_passes_the_drift_bound_but_not_the_update_check(reference):
+    ref = reference[3]
+    start = {k: v.detach() for k, v in toy.toy_model().named_parameters()}
+    bound = adam_drift.param_bound(torch.cat([p.view(-1) for p in ref["params"].values()]), STEPS, LR)
+    assert max((start[k] - v).abs().max().item() for k, v in ref["params"].items()) <= bound
+    assert toy.update_error(start, ref) == 1 > adam_drift.UPDATE_TOL
 
 
 def test_hand_fsdp_gathers_one_unit_at_a_time_and_frees_everything(runs):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from labs.launcher import launch
+from labs import model as tiny
 from labs.zero import stages, adam_drift
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
@@ -53,6 +54,7 @@ def test_bytes_held_and_sent_equal_the_formulas(world_size, two_ranks, three_ran
             assert r["comm_bytes_per_step"] == want, key
             assert r["grad_rel_error_vs_single_process"] < GRAD_TOL, key
             assert r["max_param_diff_vs_single_process"] <= r["param_bound"], key
+            assert r["update_error_vs_single_process"] < adam_drift.UPDATE_TOL, key
 
 
 @pytest.mark.numerics
@@ -106,10 +108,22 @@ def test_a_zero2_that_reduces_only_at_the_end_of_backward_is_caught():
             _check_gradient_freed_in_backward(r, 2)
 
 
+def test_a_step_that_never_updates_the_weights_is_caught():
+    # The bug steps the fp32 master but never copies it into the bf16 weights. DDP and ZeRO-1 share it,
+    # so they agree with each other exactly, and the drift bound (twice the largest Adam move, plus a
+    # bf16 spacing) passes a run that never moved; the update check refuses it: its update is 0.
+    buggy = launch.spawn(zero_workers.never_copies_master, 3, timeout=180)
+    for r in buggy:
+        assert torch.equal(r["0"]["params"], r["1"]["params"])
+        for s in ("0", "1"):
+            assert r[s]["max_param_diff_vs_single_process"] <= r[s]["param_bound"]
+            assert r[s]["update_error_vs_single_process"] == 1 > adam_drift.UPDATE_TOL
+
+
 @pytest.mark.numerics
 def test_fsdp2_matches_hand_zero3_and_shards_every_weight(two_ranks):
     world_size = 2
-    fsdp = launch.spawn(stages.fsdp2, world_size, 2, timeout=180)
+    fsdp = launch.spawn(stages.fsdp2_and_kept, world_size, 2, 2, timeout=180)
     # Same recipe, same sums: bf16 weights cast from the same fp32 masters, a 2-term bf16
     # reduce-scatter (order-free), fp32 Adam elementwise: the losses agree exactly.
     assert fsdp[0]["losses"] == two_ranks[0]["3"]["losses"]
@@ -125,6 +139,14 @@ def test_fsdp2_matches_hand_zero3_and_shards_every_weight(two_ranks):
         ops = r["comm_ops_per_step"]
         assert ops["all_gather"]["calls"] == 5 and ops["reduce_scatter"]["calls"] == 3
         assert r["comm_bytes_per_step"] < hand["3"]["comm_bytes_per_step"]
+        # FSDP2 frees each block after its forward; told to keep them (reshard_after_forward=False) it
+        # holds both blocks' bf16 weights more when forward returns, and the check refuses that run,
+        # which a peak compared with the hand whole-model gather lets through
+        blocks = 2 * sum(p.numel() for p in tiny.GPT(tiny.GPTConfig()).blocks.parameters())
+        kept = r["kept_gathered"]
+        assert stages.freed_after_forward(r["peak"], kept, blocks)
+        assert not stages.freed_after_forward(kept, kept, blocks)
+        assert hand["3-whole"]["peak"]["peak_bytes"] - kept["peak_bytes"] >= blocks // 2
 
 
 @pytest.mark.numerics

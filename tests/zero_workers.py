@@ -1,6 +1,7 @@
 """Chapter 3's spawned test workers: a ZeRO-2 with a plausible bug, to show the peak checks catch it."""
 import torch
 
+from labs.measure import comm
 from labs.zero import stages
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
@@ -29,3 +30,30 @@ def zero2_reduces_at_end(rank, world_size, steps=2, batch_size=1):
     finally:
         ShardedOptimizer._grad_ready = good
 
+
+
+@torch.no_grad()
+def _step_without_copy(self):
+    """The bug: the inner optimizer steps the fp32 master shard, but the new master is never rounded
+    back into the bf16 weights (``b.mine().copy_(b.master)`` left out), so the weights never move."""
+    for b, grad in zip(self.buckets, self.reduce_grads()):
+        for p, piece, first, last in b.pieces:
+            piece.grad = grad[first:last] if p in self.got_grad else None
+    self.optimizer.step()
+    for b in self.buckets:
+        for _, piece, _, _ in b.pieces:
+            piece.grad = None
+        if self.stage >= 1:
+            comm.all_gather(b.flat, b.mine(), group=self.group)
+    self._reduced = None
+
+
+def never_copies_master(rank, world_size, steps=2, batch_size=1):
+    """`stages.run` for DDP (stage 0) and ZeRO-1 with `_step_without_copy` as their step: the bug is
+    shared, so the two still agree with each other bit for bit."""
+    good = ShardedOptimizer.step
+    ShardedOptimizer.step = _step_without_copy
+    try:
+        return {str(s): stages.run(rank, world_size, s, steps, batch_size) for s in (0, 1)}
+    finally:
+        ShardedOptimizer.step = good

@@ -6,7 +6,8 @@ each value computed from the mistake, not typed in), and builds its checker with
 wrong answer is told which way and by how much it misses, and the mistake it matches, if any: the
 chapter's own first, then the slips any exercise invites (GB for GiB, bits for bytes, a factor 2).
 A named mistake whose answer lies inside the tolerance is tested before the tolerance: an answer
-nearer to it than to the right one is refused and the mistake named.
+nearer to it than to the right one is refused and the mistake named. Where several named mistakes
+match, the one whose answer lies nearest is named first.
 
 An answer that is a count (an ``int``: GPUs, micro-batches, bytes, elements, steps) must be exact;
 any other answer must be within ``rel`` (1 % unless the chapter says otherwise).
@@ -94,15 +95,25 @@ def miss(answer, expected):
     return f"{way} by a factor {factor(ratio)}" if large else f"{percent(ratio)} {way}"
 
 
-def mistakes_matched(answer, expected, mistakes, rel, slips=None):
-    """What the chapter's ``mistakes`` that give ``answer`` are (else the first of ``slips``, by
-    default `SLIPS`, that does)."""
+def _nearest_first(answer, hits):
+    """The descriptions of ``hits`` ((value, what)), the mistake whose value is nearest ``answer``
+    first: two mistakes that land within the tolerance of each other are both named, nearer first."""
     found = []
+    for _, what in sorted(hits, key=lambda h: abs(answer - h[0])):
+        found += [what] if what not in found else []
+    return found
+
+
+def mistakes_matched(answer, expected, mistakes, rel, slips=None):
+    """What the chapter's ``mistakes`` that give ``answer`` are, nearest first (else the first of
+    ``slips``, by default `SLIPS`, that does)."""
+    hits = []
     for value, what in mistakes:
         value = value() if callable(value) else value
         hit = answer == value if isinstance(value, int) else close(answer, value, rel)
-        if hit and value != expected and what not in found:
-            found.append(what)
+        if hit and value != expected:
+            hits.append((value, what))
+    found = _nearest_first(answer, hits)
     for ratio, what in (SLIPS if slips is None else slips) if expected and not found else ():
         slip = expected * ratio  # a count only slips by a whole factor: 14 GPUs for 13 is no GiB
         if (answer == slip) if isinstance(expected, int) else close(answer, slip, rel):
@@ -116,15 +127,14 @@ def mistakes_inside(answer, expected, mistakes, rel):
     nearer to ``answer`` than ``expected`` is. The tolerance would accept them, so the checker
     tests them first: on a mistake's side the accepted band ends halfway to it, and everything
     beyond is refused (the band stays one interval: no answer farther off is accepted again)."""
-    found = []
+    hits = []
     if not close(answer, expected, rel):  # outside the tolerance the usual matching names it
-        return found
+        return hits
     for value, what in mistakes:
         value = value() if callable(value) else value
-        if (value != expected and close(value, expected, rel) and abs(answer - value) < abs(answer - expected)
-                and what not in found):
-            found.append(what)
-    return found
+        if value != expected and close(value, expected, rel) and abs(answer - value) < abs(answer - expected):
+            hits.append((value, what))
+    return _nearest_first(answer, hits)
 
 
 def verdict(answers, question, answer, rel=0.01, mistakes=None, slips=None):

@@ -4,6 +4,7 @@
 - `fsdp`: ZeRO stage 3, a hand FSDP that wraps any module by units, with FSDP2 beside it.
 - `answers`: the per-rank formulas of each stage, and the chapter's exercises with their checker.
 - `timeline`: ZeRO-3's gather, compute and free timeline, recorded and laid out with prefetch.
+- `held`: what a rank holds between steps, by category and by every storage reachable from it.
 - `stages`: the lab: every stage on the tiny GPT, bytes held, peak and sent against the formulas.
 - `adam_drift`: how far two Adam runs can drift apart, the bound "equal to one process" is held to.
 - `unseen_model`: a model none of the hand pieces was written for (frozen, tied, unused parameters).

@@ -5,7 +5,8 @@ differ by rounding, and Adam's update can amplify that: the test "equal to one p
 bound. `adam_step_bound(t)` is the largest |Adam step| / lr at step t over every gradient history
 (exact, by Cauchy-Schwarz; neither "lr" nor Kingma & Ba's approximate figure bounds every step);
 `adam_largest_step` shows ``torch.optim.Adam`` reaching it; `param_bound` turns it into the bound
-the ZeRO and FSDP labs assert.
+the ZeRO and FSDP labs assert. That bound is twice the largest move Adam can make, so a run that never
+updated its weights passes it: `update_error` is the check that refuses it.
 """
 import torch
 
@@ -52,3 +53,17 @@ def param_bound(weights, steps, lr, betas=(0.9, 0.999)):
     sum; plus one bf16 spacing at the largest weight, since both sides are rounded to bf16."""
     drift = 2 * lr * sum(adam_step_bound(t, betas) for t in range(1, steps + 1))
     return drift + torch.finfo(torch.bfloat16).eps * weights.abs().max().item()
+
+
+# a run whose update agrees with the reference's to rounding scores a few percent; one that never
+# updated its weights scores exactly 1, one that stepped the wrong way 2
+UPDATE_TOL = 0.5
+
+
+def update_error(start, got, want):
+    """How far a run's update (``got - start``) is from the reference's (``want - start``): the L1
+    norm of their difference over the L1 norm of the reference's update. A run that never moved its
+    weights (an optimizer that skipped its step, or never copied the new master into the weights)
+    scores exactly 1, whatever `param_bound` says, since its update is 0."""
+    ref = want - start
+    return ((got - start) - ref).abs().sum().item() / ref.abs().sum().item()

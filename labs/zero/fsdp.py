@@ -253,8 +253,10 @@ def param_name(model, place):
     return f"{prefix}.{name}" if prefix else name
 
 
-def fully_shard_units(net, units, mesh, param_dtype=None, cpu_offload=False, hand_comm=False):
+def fully_shard_units(net, units, mesh, param_dtype=None, cpu_offload=False, hand_comm=False,
+                      reshard_after_forward=None):
     """PyTorch's FSDP2 on the same units: ``fully_shard`` each unit, then the root.
+    ``reshard_after_forward`` goes to the units' ``fully_shard`` (None: FSDP2's default, True).
 
     ``hand_comm=True`` routes FSDP2's all-gathers and reduce-scatters through `labs.measure.comm` with
     FSDP2's own extension points (``set_custom_all_gather``, ``set_custom_reduce_scatter``), so
@@ -267,7 +269,9 @@ def fully_shard_units(net, units, mesh, param_dtype=None, cpu_offload=False, han
         policy["offload_policy"] = CPUOffloadPolicy()
     # one unit each: gathered just before it runs, freed after; the root last
     for unit in list(units) + [net]:
-        fully_shard(unit, **policy)
+        keep = {} if unit is net or reshard_after_forward is None else {"reshard_after_forward":
+                                                                         reshard_after_forward}
+        fully_shard(unit, **policy, **keep)
         if hand_comm:
             unit.set_custom_all_gather(CommAllGather())
             unit.set_custom_reduce_scatter(CommReduceScatter())

@@ -20,7 +20,6 @@ run every collective as chapter 2's ring of point-to-point messages: their bytes
 """
 import contextlib
 import dataclasses
-import types
 
 import torch
 
@@ -32,10 +31,10 @@ from labs import model as tiny
 from labs.dims import ParallelDims
 from labs.groups import device_mesh
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
+from labs.zero.held import held_bytes, reachable_bytes  # noqa: F401
 from labs.zero.answers import EXERCISES, MISTAKES, check, formula_bytes, formula_comm  # noqa: F401
 
 STAGES = (0, 1, 2, 3)
-BF16 = 2
 _REFERENCES = {}  # single_process's results, per process
 
 
@@ -54,50 +53,6 @@ def build(stage, cfg, lr=1e-3, zero1_allreduce=False, units="blocks", device="cp
         return net, torch.optim.Adam(net.parameters(), lr=lr), hand
     return net, ShardedOptimizer(net.parameters(), torch.optim.Adam, stage=stage, lr=lr,
                                  buckets=unit_buckets(net, net.blocks), zero1_allreduce=zero1_allreduce), None
-
-
-def held_bytes(net, opt):
-    """Bytes a rank holds between steps, by category, storages counted once. Adam's step counters
-    (a 4-byte scalar per parameter tensor) are reported beside them, outside ``total``. Stage 3 (as
-    FSDP2) keeps fp32 shards that are their own master copy: parameters 4/N, fp32 gradient shard 4/N,
-    m and v 8/N bytes per parameter, where the ZeRO paper splits the same 16/N as 2/N + 2/N + 12/N."""
-    inner = opt.optimizer if isinstance(opt, ShardedOptimizer) else opt
-    state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
-    grads = (opt.gradient_tensors() if isinstance(opt, ShardedOptimizer)
-             else [p.grad for p in net.parameters()])
-    masters = [b.master for b in opt.buckets] if isinstance(opt, ShardedOptimizer) else []
-    seen = set()
-    out = {"parameters": memory.storage_bytes(net.parameters(), seen),
-           "gradients": memory.storage_bytes(grads, seen),
-           "optimizer_state": memory.storage_bytes(masters + [t for t in state if t.dim() > 0], seen)}
-    out["total"] = sum(out.values())
-    out["step_counters"] = memory.storage_bytes([t for t in state if t.dim() == 0], seen)
-    return out
-
-
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-           str, bytes, int, float, torch.dtype, torch.device)
-
-
-def reachable_bytes(*roots):
-    """Bytes of every distinct storage reachable from ``roots`` (a tensor's ``.grad`` included)
-    through attributes, dicts, lists, tuples and sets, not through functions, modules or classes:
-    `held_bytes`'s cross-check. It sees a buffer `held_bytes` does not list (a gathered weight never
-    freed, a copy cached in an attribute); a tensor held only in a hook's closure it does not."""
-    seen, todo, tensors = set(), list(roots), []
-    while todo:
-        obj = todo.pop()
-        if obj is None or isinstance(obj, _OPAQUE) or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        tensors += [obj, obj.grad] if torch.is_tensor(obj) else []
-        if isinstance(obj, dict):
-            todo += [*obj.keys(), *obj.values()]
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            todo += list(obj)
-        elif hasattr(obj, "__dict__"):
-            todo += list(vars(obj).values())
-    return memory.storage_bytes(tensors)
 
 
 def _shard_grads(net, opt):
@@ -121,9 +76,8 @@ def _grad_error(pieces, ref):
 
 
 def single_process(cfg, steps, batch_size, world_size, lr=1e-3):
-    """The reference: the same recipe (bf16 compute, torch.optim.Adam on fp32 masters) on the whole
-    global batch in one process. Returns the final bf16 weights as one flat fp32 vector (in
-    ``named_parameters`` order) and the first step's gradient by name; remembered per process."""
+    """The reference: the same recipe (bf16 compute, Adam on fp32 masters) on the whole batch in one
+    process: the start and final bf16 weights (flat fp32, in order) and the first gradient by name."""
     key = (dataclasses.astuple(cfg), steps, batch_size, world_size, lr)
     if key not in _REFERENCES:
         _REFERENCES[key] = _single_process(cfg, steps, batch_size, world_size, lr)
@@ -134,6 +88,7 @@ def _single_process(cfg, steps, batch_size, world_size, lr):
     dev = launch.device()
     net = tiny.build(cfg, seed=0, device=dev).to(torch.bfloat16)
     masters = [torch.nn.Parameter(p.detach().float()) for p in net.parameters()]
+    start = torch.cat([m.detach().clone().view(-1) for m in masters])
     opt = torch.optim.Adam(masters, lr=lr)
     for step in range(steps):
         batches = [_batch(cfg, step, r, batch_size, dev) for r in range(world_size)]
@@ -146,7 +101,7 @@ def _single_process(cfg, steps, batch_size, world_size, lr):
             opt.step()
             for p, m in zip(net.parameters(), masters):
                 p.copy_(m)
-    return torch.cat([p.detach().float().view(-1) for p in net.parameters()]), first_grad
+    return start, torch.cat([p.detach().float().view(-1) for p in net.parameters()]), first_grad
 
 
 COMM_KINDS = {"hand": "counted messages", "library": "formula bytes"}
@@ -174,7 +129,8 @@ def _working_weights(net, hand, cfg):
 
 def _train(net, opt, cfg, steps, rank, batch_size, dev, collectives, after_first_backward=None):
     """The loop every scheme shares. Returns the losses, and the last step's byte tally and peak memory,
-    whose ``backward_peak_bytes`` is the peak before ``opt.step`` (its timeline cut there)."""
+    whose ``backward_peak_bytes`` is the peak before ``opt.step`` (its timeline cut there) and
+    ``after_forward_bytes`` the bytes live when forward has returned the loss."""
     losses = []
     for step in range(steps):
         x, y = _batch(cfg, step, rank, batch_size, dev)
@@ -182,6 +138,7 @@ def _train(net, opt, cfg, steps, rank, batch_size, dev, collectives, after_first
         with _collectives(collectives), comm.counting() as tally, window or contextlib.nullcontext():
             opt.zero_grad()
             loss = net(x, y)
+            fwd = len(window.timeline) if window else 0
             loss.backward()
             if step == 0 and after_first_backward is not None:
                 after_first_backward()
@@ -189,7 +146,9 @@ def _train(net, opt, cfg, steps, rank, batch_size, dev, collectives, after_first
             opt.step()
         losses.append(loss.item())
     peak = window.result()
-    peak["backward_peak_bytes"] = peak["baseline_bytes"] + max([0, *peak.pop("timeline")[:cut]])
+    tl = [0, *peak.pop("timeline")]  # net bytes after each operator; live at the end of forward beside
+    peak.update(backward_peak_bytes=peak["baseline_bytes"] + max(tl[:cut + 1]),
+                after_forward_bytes=peak["baseline_bytes"] + tl[fwd])
     peak["full_grad_live_bytes"] = getattr(opt, "full_grad_peak_bytes", None)  # ShardedOptimizer's count
     return losses, tally, peak
 
@@ -208,8 +167,8 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
     messages and the bytes are counted messages; with "library" they are the ring formula's bytes
     for each library call), losses, params (the bf16 weights after training),
     grad_rel_error_vs_single_process (the first step's averaged gradient of this rank's shard),
-    max_param_diff_vs_single_process and param_bound (Adam's drift bound, `adam_drift.param_bound`).
-    """
+    max_param_diff_vs_single_process and param_bound (Adam's drift bound, `adam_drift.param_bound`),
+    update_error_vs_single_process (`adam_drift.update_error`: 1 for a run that never updated)."""
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     net, opt, hand = build(stage, cfg, lr, zero1_allreduce, units, dev)
     first = []  # the first step's gradients, taken between backward and the optimizer step
@@ -218,13 +177,14 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
     held = held_bytes(net, opt)
     held.update(buffers=memory.storage_bytes(net.buffers()), reachable=reachable_bytes(net, opt, hand))
     params = _working_weights(net, hand, cfg)
-    reference, ref_grad = single_process(cfg, steps, batch_size, world_size, lr)
+    start, reference, ref_grad = single_process(cfg, steps, batch_size, world_size, lr)
     padded = sum(b.padded for b in (opt.buckets if hand is None else hand.units))
     return {"numel": tiny.num_params(tiny.GPT(cfg)), "padded": padded, "held": held, "peak": peak,
             "comm_bytes_per_step": _bytes_sent(tally, collectives), "comm_kind": COMM_KINDS[collectives],
             "comm_ops_per_step": tally.as_dict()["ops"], "losses": losses, "params": params,
             "max_param_diff_vs_single_process": (params - reference).abs().max().item(),
-            "param_bound": adam_drift.param_bound(reference, steps, lr),
+            "param_bound": adam_drift.param_bound(reference, steps, lr),  # a run that never updated passes it
+            "update_error_vs_single_process": adam_drift.update_error(start, params, reference),
             "grad_rel_error_vs_single_process": _grad_error(first[0], ref_grad)}
 
 
@@ -237,17 +197,19 @@ def all_stages(rank, world_size, steps=2, batch_size=2):
     return out
 
 
-def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, cfg=None, collectives="hand"):
+def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, cfg=None, collectives="hand",
+          reshard_after_forward=None):
     """The same training with PyTorch's FSDP2 (``fully_shard`` per block, then the root, bf16
     compute and reduction): losses, how each weight is split, bytes held, the last step's peak and
     bytes sent. ``collectives="hand"`` gives FSDP2 the hand rings through its custom-collective
-    hooks (`fsdp.fully_shard_units`): counted messages, and no collective on gloo's threads."""
+    hooks (`fsdp.fully_shard_units`): counted messages, and no collective on gloo's threads.
+    ``reshard_after_forward=False`` keeps each block gathered from its forward to its backward."""
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     # fp32 masters that start from the bf16-rounded weights, exactly as the hand recipe's do
     net = tiny.build(cfg, seed=0, device=dev).to(torch.bfloat16).float()
     mesh = device_mesh(ParallelDims(dp=world_size), dev.type)["dp"]
     fsdp.fully_shard_units(net, list(net.blocks), mesh, torch.bfloat16, cpu_offload,
-                           hand_comm=collectives == "hand")
+                           hand_comm=collectives == "hand", reshard_after_forward=reshard_after_forward)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses, tally, peak = _train(net, opt, cfg, steps, rank, batch_size, dev, collectives)
     shards = {name: {"placements": str(p.placements), "full_shape": tuple(p.shape),
@@ -259,6 +221,22 @@ def fsdp2(rank, world_size, steps=3, batch_size=2, lr=1e-3, cpu_offload=False, c
             "comm_kind": COMM_KINDS[collectives], "comm_ops_per_step": tally.as_dict()["ops"],
             "local_numel": sum(p.to_local().numel() for p in net.parameters()),
             "numel": sum(p.numel() for p in net.parameters())}
+
+
+def fsdp2_and_kept(rank, world_size, steps=2, batch_size=1):
+    """`fsdp2`, then in the same job the same FSDP2 told to keep each block gathered from its forward
+    to its backward (``reshard_after_forward=False``): that run's peak under "kept_gathered"."""
+    out = fsdp2(rank, world_size, steps, batch_size)
+    out["kept_gathered"] = fsdp2(rank, world_size, steps, batch_size, reshard_after_forward=False)["peak"]
+    return out
+
+
+def freed_after_forward(peak, kept, blocks_bf16_bytes):
+    """Whether an FSDP2 run (``peak``, `fsdp2`'s) freed each block's gathered weights after its forward:
+    when forward returns it holds at least the blocks' bf16 bytes less than ``kept``, the same FSDP2
+    with ``reshard_after_forward=False`` (`fsdp2_and_kept`). Its peak, in backward, where it holds the
+    block it computes and the one it prefetches, barely tells the two apart on a two-block model."""
+    return kept["after_forward_bytes"] - peak["after_forward_bytes"] >= blocks_bf16_bytes
 
 
 def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None, collectives="hand"):

@@ -86,9 +86,12 @@ def record(rank, world_size, steps=2, batch_size=1):
 
 
 @launch.on_cpu("the timeline is read on the host clock around the hand FSDP's own-thread rings")
-def fsdp2_and_record(rank, world_size, steps=2, batch_size=1):
-    """`stages.fsdp2` and then `record` in one job: the timeline costs no second start of the ranks."""
-    return {**stages.fsdp2(rank, world_size, steps, batch_size), "timeline": record(rank, world_size)}
+def fsdp2_and_record(rank, world_size, steps=2, batch_size=1, accumulate=False):
+    """`stages.fsdp2_and_kept`, then `record`, then with ``accumulate`` `stages.accumulation` (under
+    "accumulation"), in one job: each costs no second start of the ranks."""
+    out = stages.fsdp2_and_kept(rank, world_size, steps, batch_size)
+    out["timeline"] = record(rank, world_size)
+    return {**out, "accumulation": stages.accumulation(rank, world_size)} if accumulate else out
 
 
 def prefetch(events, units, depth=1):

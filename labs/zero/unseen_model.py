@@ -14,7 +14,7 @@ import torch
 from labs.dims import ParallelDims
 from labs.groups import device_mesh
 from labs.launcher import launch
-from labs.zero import stages
+from labs.zero import adam_drift, stages
 from labs.zero.fsdp import HandFSDP, fully_shard_units
 from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
 
@@ -103,6 +103,15 @@ def grad_error(pieces, reference_grad):
     as `train_toy` reports them), relative to the largest gradient: a few 2^-8 for bf16 sums in
     another order, about 1 for a replica that skipped the all-reduce or averaged with a wrong 1/N."""
     return stages._grad_error(pieces, reference_grad)
+
+
+def update_error(params, reference):
+    """`adam_drift.update_error` of ``params`` ({name: final weights}) from `toy_model`'s weights,
+    against ``reference`` (`toy_reference`'s result): exactly 1 for a run that never stepped."""
+    start, names = dict(toy_model().named_parameters()), list(reference["params"])
+    start, got, want = (torch.cat([d[k].detach().reshape(-1) for k in names])
+                        for d in (start, params, reference["params"]))
+    return adam_drift.update_error(start, got, want)
 
 
 def _first_grads(net, opt, scheme):
