@@ -116,7 +116,7 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     for mode in ("on", "off"):
         assert set(r[mode]) == {"step_s", "backward_s", "exposed_comm_s", "first_start_s", "timeline",
                                 "step_all_s", "backward_all_s", "exposed_all_s", "done_after_backward",
-                                "held_to_end"}
+                                "held_to_end", "left_running"}
         assert len(r[mode]["first_start_s"]) == len(r[mode]["step_all_s"]) == 2
         # buckets stamped done after backward ended, per step: a count, never more than the buckets
         assert len(r[mode]["done_after_backward"]) == 2
@@ -129,9 +129,10 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     # inside backward, from its hook, while the earlier layers' gradients are still being computed
     assert all(t >= 0 for t in r["off"]["first_start_s"])
     assert all(t < 0 for t in r["on"]["first_start_s"])
-    # and not the first bucket alone: every bucket but the last starts inside backward
-    assert all(k <= 1 for k in r["on"]["held_to_end"])
+    # and not the first bucket alone: every bucket, the last included, starts from a hook
+    assert all(k == 0 for k in r["on"]["held_to_end"])
     assert all(k == r["buckets"] for k in r["off"]["held_to_end"])
+    assert all(k == 0 for k in r["off"]["left_running"])
     assert r["step_ratio_off_over_on"] == r["off"]["step_s"] / r["on"]["step_s"]
     assert hand_ddp.exposed_comm([{"done": 3.0}, {"done": 5.0}], backward_end=4.0) == 1.0
     assert hand_ddp.exposed_comm([{"done": 3.0}], backward_end=4.0) == 0.0
@@ -159,16 +160,38 @@ def test_command_line_contract():
     assert r["allreduce_formula_bytes"] > 0 and len(r["allreduce_wire_bytes"]) == 2
 
 
+def test_waiting_for_each_all_reduce_inside_its_hook_is_caught():
+    """Referee, chapter 2 (fix 5) item 1: the start stamps alone passed a DDP that launched each
+    bucket from its hook and waited for it there, so that nothing ran under backward's compute.
+    The chapter's check (`ddp.overlapped_steps`, over the ranks' exact ``running`` flags) refuses
+    it in every step, and passes the overlapping DDP in every step."""
+    from labs.data_parallel import ddp
+    ranks = suite(2)
+    assert all(ddp.overlapped_steps([r["overlap"] for r in ranks]))
+    waits = [r["overlap_waits"] for r in ranks]
+    assert not any(ddp.overlapped_steps(waits))
+    for r in waits:  # the old checks could not tell: it starts every bucket inside backward too
+        assert all(t < 0 for t in r["on"]["first_start_s"]) and all(k == 0 for k in r["on"]["held_to_end"])
+    # the flags over two ranks: a step counts where either rank resumed backward under an all-reduce
+    one = {"on": {"left_running": [0, 2, 0]}}
+    other = {"on": {"left_running": [1, 0, 0]}}
+    assert ddp.overlapped_steps([one, other]) == [True, True, False]
+    # the last bucket's all-reduce has no backward left to run under, and overlap off none at all
+    tl = [{"start": 1.0, "running": False}, {"start": 2.0, "running": True}, {"start": 9.0, "running": True}]
+    assert ddp.left_running(tl, backward_end=10.0) == 1
+    assert ddp.left_running(tl, backward_end=1.5) == 0
+
+
 def test_holding_every_bucket_but_the_first_until_backward_ends_is_caught():
     """Referee, chapter 2 item 6: the old check asked only that the earliest all-reduce start inside
     backward, so a DDP that launched bucket 0 from its hook and held every other bucket until
     autograd ended passed it. `ddp.held_to_end` counts the buckets that started only once backward
-    had ended; the chapter asserts at most 1 (the last bucket to fill) with overlap on."""
+    had ended; the chapter asserts 0 with overlap on (the last bucket starts from its hook too)."""
     from labs.data_parallel import ddp
     end = 10.0
     held = [{"start": 2.0}, {"start": 10.0}, {"start": 10.5}, {"start": 11.0}]   # the named mistake
     assert min(b["start"] for b in held) - end < 0              # the old check: it passed
-    assert ddp.held_to_end(held, end) == 3                       # the new one: refused (> 1)
-    overlapped = [{"start": 2.0}, {"start": 5.0}, {"start": 8.0}, {"start": 10.0}]
-    assert ddp.held_to_end(overlapped, end) == 1                 # only the last bucket waits
+    assert ddp.held_to_end(held, end) == 3                       # the new one: refused (> 0)
+    last_held = [{"start": 2.0}, {"start": 5.0}, {"start": 8.0}, {"start": 10.0}]
+    assert ddp.held_to_end(last_held, end) == 1                  # refused too: the last bucket held
     assert ddp.held_to_end([{"start": 1.0}, {"start": 9.9}], end) == 0

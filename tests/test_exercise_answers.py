@@ -47,6 +47,10 @@ CASES = [
      "NVLink's 450 GB/s: across nodes the ring is held to the node's 8 NICs, 400 GB/s"),
     (ra, "4", 989e12 / 400e9 * 3 / 2,
      "the whole step's 6 Psi FLOPs per token against the all-reduce: only backward's 4 Psi can hide it"),
+    # referee, chapter 2 (fix 5) item 3: 400 GiB/s for 400 GB/s gives 2,302.7, within 1 % of the
+    # N = 16 answer (2,318), and was named only as that; the unit slip is now named, and first
+    (ra, "4", 989e12 / (400 * 2**30),
+     "W read as 400 GiB/s: the question's 400 GB/s is 400 x 10^9 bytes/s, not 400 x 2^30"),
     (ra, "4", ra.compute_bound_tokens(989e12, ra.ACROSS_NODES_BPS, n=16),  # 6 % off: inside a GiB slip
      "(N-1)/N with N = 16, two nodes: the question takes N large, where (N-1)/N is 1"),
     # referee, chapter 2 item 11: 105 was labelled only "GiB and GB mixed up"; it is 98 GiB in GB,
@@ -128,6 +132,14 @@ def test_chapter_4_names_the_dropped_ring_factor_before_a_unit_slip(capsys):
     assert not blocks.check("2", 2 * 2 * 4096 * 8192 * 2 / 400e9 * 1e3)
     out = capsys.readouterr().out
     assert "ring factor" in out and out.index("ring factor") < out.index("GiB and GB"), out
+
+
+def test_chapter_2_names_the_gib_slip_before_the_two_node_ring(capsys):
+    """Exercise 4 with W = 400 GiB/s gives 2,302.7, 0.7 % from the N = 16 mistake's 2,318: both
+    lie within the 1 % tolerance of it, so both are named, the unit slip first."""
+    assert not ra.check("4", 989e12 / (400 * 2**30))
+    out = capsys.readouterr().out
+    assert "400 GiB/s" in out and out.index("400 GiB/s") < out.index("N = 16"), out
 
 
 def test_every_exercise_of_chapters_1_to_5_has_a_wrong_answer_tested():

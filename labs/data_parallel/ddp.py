@@ -191,22 +191,37 @@ def _timed_step(net, ddp, x, y):
     loss.backward()  # the hand DDP settles at the end of autograd, so .grad holds the averages here
     events, end = ddp.finish(), timing.now()
     net.zero_grad()
-    shifted = [{k: (v - t0 if k != "bytes" else v) for k, v in e.items()} for e in events]
+    shifted = [{k: (v - t0 if k in ("ready", "start", "done") else v) for k, v in e.items()} for e in events]
     backward_end = ddp.backward_end - t0
     return {"buckets": shifted, "backward_end": backward_end, "finish_end": end - t0,
             "exposed_comm": exposed_comm(shifted, backward_end)}
 
 
 def held_to_end(buckets, backward_end):
-    """How many buckets' all-reduces started at or after the end of autograd: with overlap on every
-    bucket but the last to fill (the first layers' gradients) must start inside backward, so this is
-    at most 1; with overlap off it is every bucket."""
+    """How many buckets' all-reduces started at or after the end of autograd: with overlap on each
+    bucket, the last to fill included, starts from the hook of its last gradient, before autograd's
+    end-of-backward callback, so this is 0; with overlap off it is every bucket."""
     return sum(b["start"] >= backward_end for b in buckets)
+
+
+def left_running(buckets, backward_end):
+    """How many buckets but the last were launched inside backward and still running when their
+    launch handed control back to autograd (HandDDP's exact ``running`` flag, not a stamp), so that
+    backward went on computing earlier layers' gradients under them. A DDP that waits for each
+    all-reduce inside its hook (``wait_in_hook=True``) scores 0, as does overlap off."""
+    return sum(b["running"] and b["start"] < backward_end for b in buckets[:-1])
+
+
+def overlapped_steps(per_rank, mode="on"):
+    """Per step of ``mode``: whether on some rank backward resumed while a bucket's all-reduce (not
+    the last bucket's) still ran. Over both ranks, since the rank that issues an all-reduce second
+    can see it finish at once; the first cannot before the second issues it."""
+    return [any(k > 0 for k in ks) for ks in zip(*(r[mode]["left_running"] for r in per_rank))]
 
 
 @launch.on_cpu("the hand DDP's bucket timeline is read on the host clock inside autograd hooks, which on a "
                "GPU would time launches")
-def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_size=8):
+def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_size=8, wait_in_hook=False):
     """Overlap on vs off in one run (alternating steps): exposed communication and step time.
 
     A four-layer model (h = 128) in 1 MiB buckets. Per mode, medians over ``steps`` steps after two
@@ -217,14 +232,16 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
     `labs.measure.intervals`). first_start_s: each step's earliest
     all-reduce start relative to the end of autograd, never negative with overlap off.
     held_to_end: each step's count of buckets whose all-reduce started only once autograd had ended
-    (`held_to_end`; with overlap on at most 1, the last bucket). done_after_backward: each step's
+    (`held_to_end`; 0 with overlap on). left_running: each step's count of buckets but the last
+    whose all-reduce still ran when backward resumed (`left_running`; 0 for a DDP that waits inside
+    its hooks, ``wait_in_hook=True``, the named mistake). done_after_backward: each step's
     count of buckets stamped done (an upper bound on the end: the
     stamp is a callback that needs the GIL) after autograd ended. timeline:
     the mode's last step, per bucket ready/start/done in seconds since backward started.
     """
     cfg = tiny.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, hidden=128)
     net = tiny.build(cfg, seed=0, device=launch.device())
-    ddp = HandDDP(net, bucket_cap_bytes)
+    ddp = HandDDP(net, bucket_cap_bytes, wait_in_hook=wait_in_hook)
     runs = {True: [], False: []}
     for step in range(2 + 2 * steps):
         ddp.overlap = (step % 2 == 0) != ((step // 2) % 2 == 1)   # on, off; off, on; on, off ...
@@ -243,6 +260,7 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
                      "done_after_backward": [sum(b["done"] > r["backward_end"] for b in r["buckets"])
                                              for r in rs],
                      "held_to_end": [held_to_end(r["buckets"], r["backward_end"]) for r in rs],
+                     "left_running": [left_running(r["buckets"], r["backward_end"]) for r in rs],
                      "timeline": rs[-1]}
     return dict(out, buckets=len(ddp.buckets), params=tiny.num_params(net),
                 step_ratio_off_over_on=out["off"]["step_s"] / out["on"]["step_s"])

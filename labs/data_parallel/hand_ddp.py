@@ -27,6 +27,7 @@ class Bucket:
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                   device=params[0].device)
         self.ready, self.work, self.times = 0, None, {}
+        self.running = False  # was its all-reduce still running when its launch handed control back?
 
 
 class HandDDP:
@@ -41,13 +42,15 @@ class HandDDP:
     for that). One difference: a parameter no rank used ends with a zero gradient where torch
     leaves None, which is the same for SGD without momentum or weight decay.
     ``overlap=False`` launches every all-reduce only after autograd has finished.
+    ``wait_in_hook=True`` is the named mistake the chapter's overlap check must catch: each bucket
+    launched from its hook and waited for there, so nothing runs while backward computes.
     `finish()` returns the step's per-bucket timeline.
     """
 
-    def __init__(self, model, bucket_cap_bytes=25 * 2**20, overlap=True):
+    def __init__(self, model, bucket_cap_bytes=25 * 2**20, overlap=True, wait_in_hook=False):
         if bucket_cap_bytes < 1:
             raise ValueError(f"bucket_cap_bytes must be at least 1, got {bucket_cap_bytes}.")
-        self.model, self.overlap, self.sync = model, overlap, True
+        self.model, self.overlap, self.sync, self.wait_in_hook = model, overlap, True, wait_in_hook
         self.world_size = dist.get_world_size()
         with torch.no_grad():  # replicas must start equal: everyone takes rank 0's weights
             for p in model.parameters():
@@ -118,14 +121,19 @@ class HandDDP:
         # needs the GIL, so the stamp is an upper bound on the end, not the true end.
         b.work.get_future().then(lambda fut, b=b: b.times.__setitem__("done", time.perf_counter()))
         self.next += 1
+        if self.wait_in_hook and self.in_backward:
+            b.work.wait()  # the named mistake: backward resumes only once this all-reduce is done
+        # exact, not a stamp: is_completed() reads the work's state, no callback or GIL involved
+        b.running = not b.work.is_completed()
 
     def finish(self):
         """The step's per-bucket timeline; syncs now if no synced backward reached the hooks."""
         if not self.synced:
             self._settle()
-        timeline = [dict(b.times, bytes=b.buffer.numel() * b.buffer.element_size()) for b in self.buckets]
+        timeline = [dict(b.times, bytes=b.buffer.numel() * b.buffer.element_size(), running=b.running)
+                    for b in self.buckets]
         for b in self.buckets:
-            b.times = {}
+            b.times, b.running = {}, False
         self.synced = False
         return timeline
 

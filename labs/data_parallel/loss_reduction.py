@@ -2,15 +2,16 @@
 
 The global-batch loss of a language model is a mean over every target token of the global batch.
 Rank r of R = dp runs micro-batches k = 1..K (gradient accumulation), and micro-batch (r, k) holds
-n_{r,k} target tokens once padding is masked out (``ignore_index``):
+n_{r,k} target tokens once padding is masked out (``ignore_index``); n_tok counts the global batch's
+(the book writes N for the ranks, R here, and m for the micro-batches, K here):
 
-    L = (1/N) sum_{r,k} sum_{t in B_{r,k}} l_t,        N = sum_{r,k} n_{r,k}
+    L = (1/n_tok) sum_{r,k} sum_{t in B_{r,k}} l_t,    n_tok = sum_{r,k} n_{r,k}
 
 (a) naive: each micro-batch back-propagates its own mean divided by K, and the ranks average their
     gradients (DDP): L_a = 1/(R K) sum_{r,k} (1/n_{r,k}) sum_t l_t. Token t weighs 1/(R K n_{r,k})
-    instead of 1/N, so L_a = L only when every n_{r,k} = N/(R K).
-(b) right: count the tokens first (N by one all-reduce of the local counts), back-propagate
-    sum_t l_t / N for every micro-batch, and *sum* the gradients across ranks (DDP's average times R).
+    instead of 1/n_tok, so L_a = L only when every n_{r,k} = n_tok/(R K).
+(b) right: count the tokens first (n_tok by one all-reduce of the local counts), back-propagate
+    sum_t l_t / n_tok for every micro-batch, and *sum* the gradients across ranks (DDP's average times R).
 
 (a) is the gradient-accumulation bug that Hugging Face transformers fixed in October 2024
 (D. Han and M. Han, "Bugs in LLM Training - Gradient Accumulation Fix", unsloth.ai/blog/gradient,
@@ -34,8 +35,9 @@ IGNORE = -100   # F.cross_entropy's default ignore_index: padded targets contrib
 # u = 2^-24 = 6e-8). Summed in another order, it moves by at most about n u times the sum of the
 # terms' magnitudes (Higham 2002, ch. 4): n = 100 to 200 gives 1e-5 of that sum. The check divides
 # by the largest |gradient entry| instead, which cancellation can make smaller than an entry's sum
-# of magnitudes, so BOUND is not a proof for that ratio: it is a margin of about 30 over what five
-# seeds and every layout give (2e-7 to 3e-7), and (a)'s miss, MARGIN, is 1000 times it.
+# of magnitudes, so BOUND is not a proof for that ratio: five seeds and every layout give 2e-7 to
+# 6e-7 (the larger under ATEN_CPU_CAPABILITY=default), a margin of 17 to 50, and chapter 2's
+# notebook asserts under BOUND / 5; (a)'s miss, MARGIN, is 1000 times BOUND.
 BOUND = 1e-5
 MARGIN = 1e-2   # (a) must miss by more than 1000 times BOUND: no rounding explains that
 
@@ -97,7 +99,7 @@ def rank_grads(rank, world_size, accumulation=2, micro_batch=2, seed=0, padded=T
     out["naive"] = g
     out["naive_loss"] = float(_all_reduce(torch.tensor([logged], dtype=torch.float64, device=dev),
                                           dist.ReduceOp.SUM)) / world_size
-    # (b) right: N from an all-reduce of the counts, sum of token losses / N, gradients summed.
+    # (b) right: n_tok from an all-reduce of the counts, sum of token losses / n_tok, gradients summed.
     n_global = int(_all_reduce(torch.tensor([sum(counts)], device=dev), dist.ReduceOp.SUM))
     net = gpt.build(cfg, seed=1, device=dev)
     total = 0.0
@@ -113,7 +115,7 @@ def rank_grads(rank, world_size, accumulation=2, micro_batch=2, seed=0, padded=T
 
 
 def single_process(world_size, accumulation, micro_batch=2, seed=0, weighted=False, padded=True):
-    """ONE process on the whole global batch: the mean over all N tokens, or, with ``weighted``,
+    """ONE process on the whole global batch: the mean over all n_tok tokens, or, with ``weighted``,
     the naive objective written out (token t of micro-batch (r, k) weighted 1/(R K n_{r,k}))."""
     cfg = gpt.GPTConfig()
     inputs, targets = global_batch(cfg, world_size, accumulation, micro_batch, seed, padded)
