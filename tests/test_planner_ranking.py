@@ -100,6 +100,26 @@ def test_layouts_are_refused_only_by_a_count_over_the_gpu():
     assert all(sum(r["memory"].values()) > hbm for r in result_["rejected"] if r["kind"] == "memory")
 
 
+def test_the_reserve_is_judged_only_at_settings_the_source_leaves_no_room_in():
+    """The named mistake: counting a row against the reserve at settings the search chose (the fastest that
+    fits under the whole GPU, e.g. no recomputation where the source states none), which pushes the count
+    toward the cap. `ranking.least_memory` takes the least-memory choice of every unstated setting:
+    DeepSeek-V3
+    (recomputation of RMSNorm and MLA's up-projections, which the planner cannot express) drops far below the
+    reserve, Llama 3's 8K rows (no recomputation, stated) and the ZeRO-3 row (all stated) do not move."""
+    by = {c.name: c for c in checked.all_checked()}
+    for name, moves in (("DeepSeek-V3, 2,048 H800s", True), ("Llama 3 405B, 8,192 GPUs, s = 8,192", False),
+                        ("Narayanan ZeRO-3 529.6B, 640 GPUs", False)):
+        case = by[name]
+        eta = checked.eta_for(case)
+        chosen = sum(planner.published(case.job, case.published, eta, case.fixed)["memory"].values())
+        least, fixed = ranking.least_memory(case, eta)
+        assert least <= chosen and fixed["micro_batch"] >= 1
+        hbm = case.job.cluster.hbm_bytes
+        assert chosen > (1 - shapes.RESERVE) * hbm
+        assert (least < (1 - shapes.RESERVE) * hbm) == moves, (name, least / 2 ** 30)
+
+
 def test_a_refused_row_has_no_rank():
     """The named mistake: a published row the planner would refuse (its count over the GPU, or a rule
     broken) still given a rank by counting the faster rows."""

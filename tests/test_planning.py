@@ -154,3 +154,10 @@ def test_bad_input_is_one_sentence_before_anything_is_built():
         meta_check.main(["--model", "70B", "--dp", "8", "--pp", "1", "--tp", "1", "--rank", "9"])
     with pytest.raises(ValueError, match="dense Llama-shaped"):
         meta_check.measure_rank(shapes.DEEPSEEK_V3, memory.Plan(ParallelDims(dp=8)), 0)
+
+
+def test_quiz_seven_names_the_reduce_scatter_half(capsys):
+    """Exercise 2 (quiz "7") asks for the all-reduce's send; the named mistake: the reduce-scatter half."""
+    half = quiz.q7_dp_gb_per_rank() / 2
+    assert not quiz.check("7", half)
+    assert "reduce-scatter half" in capsys.readouterr().out

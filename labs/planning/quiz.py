@@ -128,7 +128,9 @@ MISTAKES = {
     "5": [(q5_bubble_over_ideal, "that is phi = (p - 1)/m, the bubble over the ideal compute time; the "
                                  "question asks for its share of the step time, (p - 1)/(m + p - 1)")],
     "7": [(NOTE["7"], "810 GB is the whole model's bf16 gradient; a rank reduces only its own stage's "
-                      "tensor-parallel shard")],
+                      "tensor-parallel shard"),
+          (lambda: q7_dp_gb_per_rank() / 2, "that is the reduce-scatter half; the all-reduce's send is "
+                                            "both halves, reduce-scatter and all-gather")],
     "16": [(NOTE["16"], "the note's ~33 % is full recomputation's extra FLOPs; selective recomputation "
                         "(Korthikanti et al.) reruns only the attention core")],
 }

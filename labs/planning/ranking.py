@@ -8,6 +8,8 @@
 - strict top three: the published layout among the planner's three fastest, only for jobs with at least
   `MIN_LAYOUTS` fitting layouts whose source says the layout was chosen for speed (`TUNED`, in its words).
 - out of memory: layouts a source says did not fit, which the planner must refuse (`OUT_OF_MEMORY`).
+- least memory: a published layout's count at the least-memory choice of every setting its source leaves
+  open (`least_memory`), for judging a memory limit against rows the search did not fill in.
 """
 import dataclasses
 import itertools
@@ -113,3 +115,22 @@ def out_of_memory(checked_cases, eta_for):
         out.append({"name": name, "refused": not row["fits"], "reason": row.get("reason"),
                     "gib": sum(row["memory"].values()) / 2 ** 30, "words": words})
     return out
+
+
+def least_memory(case, eta):
+    """The published layout's count at the least-memory choice of every setting its source leaves open:
+    each ZeRO stage and recomputation the stack offers where the source states none, b = 1 and, with a
+    pipeline, v = 1 where it states none. (bytes, the settings): a bound below the count at any setting the
+    source allows, so a row above a limit here is above it whatever the unstated settings were."""
+    sw, f = case.job.software, case.fixed
+    best = None
+    for zero, rc in itertools.product([f["zero"]] if "zero" in f else sw.zero_stages,
+                                      [f["recompute"]] if "recompute" in f else sw.recompute):
+        fixed = {**f, "zero": zero, "recompute": rc, "micro_batch": f.get("micro_batch", 1)}
+        if case.published.pp > 1:
+            fixed["v"] = f.get("v", 1)
+        row = planner.published(case.job, case.published, eta, fixed)
+        total = sum(row["memory"].values())
+        if best is None or total < best[0]:
+            best = (total, fixed)
+    return best

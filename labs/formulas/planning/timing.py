@@ -12,7 +12,8 @@
   schedules only); otherwise in full.
 - bubble: chapter 5's bubble over ideal time, (p-1)/m for 1F1B, (p-1)/(v m) interleaved
   (Narayanan et al. 2021, §2.2), and (p - 1 + max(0, p - m))/(3m) for the zero-bubble schedule
-  (Qi et al. 2023, Table 2, ZB-H1) (`schedules.formula`);
+  (`schedules.formula`): ZB-H1's (p - 1)/(3m) at T_F = T_B = T_W (Qi et al., "Zero Bubble Pipeline
+  Parallelism", ICLR 2024, Table 2); the max(0, p - m) term for m < p is this lab's extension;
 - data parallelism, on the first stage, the last to finish its backward (chapter 5): the gradient
   reduction under the last micro-batch's backward when overlapped (ZeRO-2's reduction of every other
   micro-batch under the next one's forward and backward), the updated weights' all-gather under the
