@@ -14,7 +14,8 @@ Rank i holds rows [i V/tp, (i+1) V/tp) of the embedding E (V x h) and of the hea
 - loss, l = log sum_v exp(z_v) - z_t, with three all-reduces of b x s numbers each:
   1. max_v z_v (MAX), subtracted so exp cannot overflow (fp32 exp overflows past z = 88.7; the check
      runs the loss at logits near 1e3 as well, where a SUM of the ranks' maxima or no shift gives
-     -inf or nan: `large_logits`, with those two mistakes in `SHIFTS`);
+     a loss of -inf (SUM of maxima) or +inf with nan gradients (no shift): `large_logits`, with those two
+     mistakes in `SHIFTS`);
   2. the target logit z_t (SUM: only the rank that owns t contributes a non-zero);
   3. sum_v exp(z_v - max) (SUM).
   Backward needs no communication: dl/dz_v = softmax_v - [v = t], each rank for its own slice.
