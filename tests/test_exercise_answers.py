@@ -27,6 +27,8 @@ CASES = [
     (budget, "1", 16 * P13 / budget.GB, "ZeRO-2 forgotten: all 16 bytes per parameter on every GPU"),
     (budget, "1", 3.75 * 13e9 / 1e9, budget.nominal_mistake("13B")),  # 0.12 % off: inside 1 %
     (budget, "1", (2 + 12 / 8) * P13 / budget.GB, "the gradients left out: 2 + 12/N bytes per parameter"),
+    (budget, "1", budget.state_gb("13B", 8, zero_stage=2) * budget.GB / budget.GIB,  # 0.2 % from the above
+     "GiB and GB mixed up: the answer given in GiB (2^30 bytes), the question asks for GB"),
     (budget, "2", math.ceil(16 * P70 / (budget.GPU_GIB * budget.GB)), "80 GB taken for 80 GiB"),
     (budget, "2", math.ceil(12 * P70 / GPU),
      "12 bytes per parameter: the fp32 master copy of the weights left out"),

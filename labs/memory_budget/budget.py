@@ -127,6 +127,8 @@ MISTAKES = {
            "ZeRO-2 forgotten: all 16 bytes per parameter on every GPU"),
           (lambda: (2 + 12 / 8) * MODELS["13B"].params() / GB,
            "the gradients left out: 2 + 12/N bytes per parameter"),
+          (lambda: state_gb("13B", 8, zero_stage=2) * GB / GIB,
+           "GiB and GB mixed up: the answer given in GiB (2^30 bytes), the question asks for GB"),
           nominal("13B", lambda: state_gb("13B", 8, zero_stage=2))],
     "2": [(lambda: math.ceil(16 * MODELS["70B"].params() / (GPU_GIB * GB)), "80 GB taken for 80 GiB"),
           (lambda: math.ceil(16 * nominal_params("70B") / (GPU_GIB * GIB)), nominal_mistake("70B")),
