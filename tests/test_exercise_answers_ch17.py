@@ -47,5 +47,16 @@ def test_the_checker_refuses_the_usual_mistake(module, question, wrong, mistake,
     exercise_cases.refuses(module.check, module.EXERCISES, question, wrong, mistake, capsys)
 
 
+def test_exercise_2s_mistakes_are_counts_matched_exactly(capsys):
+    """No padding gives 60,006 bytes, an exact count: a wrong answer near it (60,000) is not told it
+    forgot the padding, and the no-padding answer itself is."""
+    unpadded = p17.MISTAKES["2"][3][0]
+    assert unpadded == 2 * (N2 - 1) * P2 * 4 // N2 and isinstance(unpadded, int)
+    assert not p17.check("2", 60_000)
+    assert "padding" not in capsys.readouterr().out
+    assert not p17.check("2", unpadded)
+    assert "no padding" in capsys.readouterr().out
+
+
 def test_every_exercise_of_chapter_17_has_a_wrong_answer_tested():
     assert exercise_cases.untested(CASES, (p17,)) == set()

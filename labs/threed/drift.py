@@ -27,9 +27,11 @@ It is a first-order estimate of two reorderings, not a proof that covers every o
   - every term of second order in u (products of the differences above).
 The notebook shows how far inside it the correct layouts stay (below 1 % of it, every step).
 
-In bf16 (u = 2^-8) u is 2^16 times fp32's, and gamma_n = n u / (1 - n u) grows faster than u, so
-the forward term is more than 2^16 times larger (n u >= 1 leaves no bound at all); the Adam term grows
-until Adam's largest step caps it: `bound(..., u=BF16)`.
+In bf16 training the matmuls accumulate in fp32 (tensor cores; PyTorch's CPU bf16 GEMM), so their
+reordered sums keep fp32's u; the sums that really run in bf16 (u = 2^-8) are bf16 collectives,
+which add one term per rank: `bound(..., u_collective=BF16)` adds, to first order, 2 gamma_n(bf16)
+per all-reduce of n partial sums (the gradients' over the n = dp cp ranks, TP's g over tp) to the
+fp32 bound. A sum of 256 bf16 terms would have no worst-case bound at all (n u >= 1).
 
 A bug is a layout that computes something else. `VARIANTS` breaks each dimension once: Megatron's f
 without its backward all-reduce, ZeRO-1 without the reduce-scatter (each replica steps on its own
@@ -49,6 +51,9 @@ FP32, BF16 = 2.0 ** -24, 2.0 ** -8
 # Two layouts of 8 ranks: dp x tp x pp, and dp x cp x tp, whose ZeRO-1 group is the dp x cp = 4
 # ranks that hold the same weights. Together they use all four dimensions; neither is 4D (16 ranks).
 LAYOUT_3D, LAYOUT_CP = ParallelDims(dp=2, tp=2, pp=2), ParallelDims(dp=2, cp=2, tp=2)
+# The runs (model and batches of seed k, `layout3d.SEED_STRIDE`) the tests check the planted bugs on;
+# the notebook runs seed 0.
+SEEDS = (0, 1, 2, 3)
 BUGS = ("tp_backward", "dp_not_reduced", "dp_not_averaged", "pp_targets", "cp_backward")
 DECAY = "weight_decay"   # a setting, not a bug: Adam with coupled weight decay layout3d.WEIGHT_DECAY
 VARIANTS = {   # name: (layout, changes: bugs and settings, what is wrong)
@@ -64,14 +69,19 @@ VARIANTS = {   # name: (layout, changes: bugs and settings, what is wrong)
 }
 
 
+# A bug the byte check catches, not the drift figure: ZeRO-1 over a group of the right size, the
+# wrong ranks (dp x tp, which hold other weights); it sends the predicted number of bytes.
+MISPLACED = {"zero_wrong_group": (LAYOUT_CP, ("zero_wrong_group",), "DP: ZeRO-1 over dp x tp, not dp x cp")}
+
+
 def is_bug(name):
     """Whether variant ``name`` breaks the layout (else it is a correct run, in some setting)."""
-    return any(c in BUGS for c in VARIANTS[name][1])
+    return name in MISPLACED or any(c in BUGS for c in VARIANTS[name][1])
 
 
 def bound_key(name):
     """The bound variant ``name`` is held to: its layout's, with weight decay or without."""
-    layout, changes, _ = VARIANTS[name]
+    layout, changes, _ = {**VARIANTS, **MISPLACED}[name]
     return layout, DECAY in changes
 
 
@@ -123,8 +133,10 @@ def weight_drift(grads, deltas, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0
 
 
 def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
-          num_microbatches=layout3d.MICROBATCHES, u=FP32, weight_decay=0.0):
-    """One process's run, watched; the bound B_t of every step for this layout, with its terms.
+          num_microbatches=layout3d.MICROBATCHES, u=FP32, weight_decay=0.0, seed=0, u_collective=None):
+    """One process's run (of seed ``seed``), watched; the bound B_t of every step for this layout.
+    ``u``: the unit roundoff of the reordered sums' accumulation; ``u_collective``: that of the
+    collectives' sums, when they run in a lower precision (bf16 all-reduces).
 
     Returns losses (one process's), bound, forward (F_t), adam (the |g| . dw term), flippable (weights
     whose sign could flip by step t), free_by_param (how many per parameter, by the last step; which
@@ -136,13 +148,20 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
     kinds, grads_reordered = reordered(dims)
     dp, m, b = dims.dp, num_microbatches, micro_batch
     ref = layout3d.reference(cfg, dp, m, b, steps, lr, watch=lambda net: rounding.Rounding(net, u),
-                             weight_decay=weight_decay)
+                             weight_decay=weight_decay, seed=seed)
     tokens = dp * m * b * cfg.seq_len
     scale = 2 * rounding.gamma(tokens, u) if grads_reordered else 0.0
+    n = dims.dp * dims.cp                  # the ranks whose gradients one all-reduce adds up
+    if u_collective is not None and n > 1:
+        scale += 2 * rounding.gamma(n, u_collective)
     deltas = [{n: scale * a for n, a in w.absgrad.items()} for w in ref["watched"]]
     drift = weight_drift(ref["adam_grads"], deltas, lr, weight_decay=weight_decay, masks=True)
     drift = [(dw, {n: int(f.sum()) for n, f in free.items()}, free) for dw, free in drift]
     forward = [sum(w.forward[k] for k in kinds) for w in ref["watched"]]
+    if u_collective is not None and dims.tp > 1:   # TP's g adds tp partial sums of each block linear
+        # <|dL/dy|, |x||W|> over the block linears is at most their term / (2 gamma_h(u)) (K >= h)
+        per = rounding.gamma(dims.tp, u_collective) / rounding.gamma(cfg.hidden, u)
+        forward = [f + w.forward["block"] * per for f, w in zip(forward, ref["watched"])]
     adam = [0.0] + [sum((ref["grads"][t][n].double().abs() * drift[t - 1][0][n]).sum().item()
                         for n in drift[t - 1][0]) for t in range(1, steps)]
     ratios = [(g.abs() / d)[d > 0] for step_g, step_d in zip(ref["adam_grads"], deltas)
@@ -176,27 +195,34 @@ def key_bias_free(free_masks, cfg):
     return total
 
 
-def table(names=tuple(VARIANTS), steps=layout3d.STEPS, lr=layout3d.LR, timeout=600):
+def table(names=tuple(VARIANTS), steps=layout3d.STEPS, lr=layout3d.LR, timeout=600, seeds=(0,)):
     """Every variant's loss difference from one process, step by step, beside the bound it is held
-    to (its layout's, with weight decay when it trains with it).
+    to (its layout's, with weight decay when it trains with it), on the run of each seed in ``seeds``
+    (model and batches, `layout3d.step_batches`). ``names``: of `VARIANTS` or `MISPLACED`.
 
-    One job per layout runs all of its variants. Returns {"rows": {name: row}, "bounds": {(layout,
-    decay): bound}, "runs": {name: `train3d.summarize` of its run}}; a row names the first step whose
-    difference is beyond the bound (None: inside at every step) and the largest difference / bound."""
-    bounds = {key: bound(key[0], steps, lr, weight_decay=layout3d.WEIGHT_DECAY if key[1] else 0.0)
-              for key in dict.fromkeys(bound_key(n) for n in names)}
+    One job per layout runs all of its variants on every seed. Returns {"rows": {name: row},
+    "bounds": {(layout, decay): bound}, "runs": {name: `train3d.summarize` of its run}} for the first
+    seed, and "by_seed": {seed: {name: row}}; a row names the first step whose difference is beyond
+    the bound (None: inside at every step) and the largest difference / bound."""
+    every = {**VARIANTS, **MISPLACED}
+    keys = dict.fromkeys((*bound_key(n), s) for n in names for s in seeds)
+    bounds = {k: bound(k[0], steps, lr, weight_decay=layout3d.WEIGHT_DECAY if k[1] else 0.0, seed=k[2])
+              for k in keys}
     runs = {}
-    for layout in dict.fromkeys(VARIANTS[n][0] for n in names):
-        mine = [n for n in names if VARIANTS[n][0] == layout]
-        runs.update(zip(mine, train3d.run(layout, [VARIANTS[n][1] for n in mine], steps, lr,
-                                          timeout=timeout)))
-    rows = {}
-    for n in names:
-        b = bounds[bound_key(n)]
-        diff = [abs(x - y) for x, y in zip(runs[n]["losses"], b["losses"])]
+    for layout in dict.fromkeys(every[n][0] for n in names):
+        mine = [(n, s) for s in seeds for n in names if every[n][0] == layout]
+        runs.update(zip(mine, train3d.run(layout, [every[n][1] for n, _ in mine], steps, lr,
+                                          timeout=timeout, seeds=[s for _, s in mine])))
+    by_seed = {s: {} for s in seeds}
+    for (n, s), run in runs.items():
+        b = bounds[(*bound_key(n), s)]
+        diff = [abs(x - y) for x, y in zip(run["losses"], b["losses"])]
         ratio = [d / lim if lim else (0.0 if d == 0 else float("inf")) for d, lim in zip(diff, b["bound"])]
         beyond = [t + 1 for t, r in enumerate(ratio) if r > 1]
-        rows[n] = {"what": VARIANTS[n][2], "bug": is_bug(n), "diff": diff, "bound": b["bound"],
-                   "ratio": ratio,
-                   "first_step_beyond": beyond[0] if beyond else None, "max_ratio": max(ratio)}
-    return {"rows": rows, "bounds": bounds, "runs": runs}
+        by_seed[s][n] = {"what": every[n][2], "bug": is_bug(n), "diff": diff, "bound": b["bound"],
+                         "ratio": ratio,
+                         "first_step_beyond": beyond[0] if beyond else None, "max_ratio": max(ratio)}
+    first = seeds[0]
+    return {"rows": by_seed[first], "by_seed": by_seed,
+            "runs": {n: r for (n, s), r in runs.items() if s == first},
+            "bounds": {k[:2]: b for k, b in bounds.items() if k[2] == first}}

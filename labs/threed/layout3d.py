@@ -41,6 +41,9 @@ STEPS, LR, MICRO_BATCH, MICROBATCHES = 3, 1e-2, 1, 2
 # The variant trained with Adam's coupled weight decay (L2: lambda w added to the gradient before
 # the moments, torch.optim.Adam's weight_decay), the setting in which a gradient's scale shows.
 WEIGHT_DECAY = 0.1
+# Run k (the notebook's is k = 0) trains the model of seed k on the batches of seeds
+# 10,000 t + i + SEED_STRIDE k at step t: the planted bugs are checked over several such runs.
+SEED_STRIDE = 1_000_000
 
 
 def config():
@@ -72,15 +75,16 @@ def cp_rows(seq, cp, rank):
     return methods.rows_of(methods.layout(cp, seq, "zigzag")[rank]) if cp > 1 else torch.arange(seq)
 
 
-def step_batches(cfg, step, dp, m, micro_batch):
-    """All dp*m micro-batches of one step, replica-major: replica d's are [d*m, (d+1)*m)."""
-    return [tiny.synthetic_batch(cfg, micro_batch, seed=10_000 * step + i) for i in range(dp * m)]
+def step_batches(cfg, step, dp, m, micro_batch, seed=0):
+    """All dp*m micro-batches of one step of run ``seed``, replica-major: replica d's are [d*m, (d+1)*m)."""
+    return [tiny.synthetic_batch(cfg, micro_batch, seed=10_000 * step + i + SEED_STRIDE * seed)
+            for i in range(dp * m)]
 
 
-def reference(cfg, dp, m, micro_batch, steps, lr, watch=None, weight_decay=0.0):
+def reference(cfg, dp, m, micro_batch, steps, lr, watch=None, weight_decay=0.0, seed=0):
     """One process, fp32, one intra-op thread (as each rank): every micro-batch of a step, each
     loss divided by dp*m before its backward, gradients accumulated, one Adam step (with coupled
-    weight decay ``weight_decay``, as torch.optim.Adam's).
+    weight decay ``weight_decay``, as torch.optim.Adam's), on run ``seed``'s model and batches.
 
     Returns the mean loss of every step. ``watch(net)``, if given, makes a context manager (a
     `labs.threed.rounding.Rounding`) that is kept per step, with the loss's gradient ("grads") and
@@ -88,14 +92,14 @@ def reference(cfg, dp, m, micro_batch, steps, lr, watch=None, weight_decay=0.0):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        net = tiny.build(cfg, seed=0)
+        net = tiny.build(cfg, seed=seed)
         opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
         out = {"losses": [], "grads": [], "adam_grads": [], "watched": []}
         for step in range(steps):
             mode = watch(net) if watch else contextlib.nullcontext()
             total = 0.0
             with mode:
-                for x, y in step_batches(cfg, step, dp, m, micro_batch):
+                for x, y in step_batches(cfg, step, dp, m, micro_batch, seed):
                     loss = net(x, y)
                     (loss / (dp * m)).backward()
                     total += loss.item()

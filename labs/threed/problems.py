@@ -29,9 +29,12 @@ def tp_bytes(layers, pp, tp, m, b, s, h, elem=layout3d.FP32):
 
 
 def zero1_bytes(params, n, elem=layout3d.FP32, padded=True):
-    """ZeRO-1's reduce-scatter and all-gather over n ranks: 2 (n - 1) chunks of ceil(P / n)."""
-    chunk = math.ceil(params / n) if padded else params / n
-    return 2 * (n - 1) * chunk * elem
+    """ZeRO-1's reduce-scatter and all-gather over n ranks: 2 (n - 1) chunks of ceil(P / n).
+    Unpadded, 2 (n - 1) P e / n: a count (an int, matched exactly) when n divides it."""
+    if padded:
+        return 2 * (n - 1) * math.ceil(params / n) * elem
+    total = 2 * (n - 1) * params * elem
+    return total // n if total % n == 0 else total / n
 
 
 def gamma_ratio(n, u_low=BF16_U, u_high=FP32_U):

@@ -33,6 +33,13 @@ from labs.pipeline.executor import cross_entropy, split
 from labs.threed import layout3d
 from labs.tensor_parallel import megatron
 
+# A pipeline send is filed by what it carries, told by its dtype (torch 2.13,
+# torch/distributed/pipelining): the first step's warm-up vote, one int32 (stage.py,
+# `_warmup_forward_vote`, called by schedules.py's `_warmup_p2p`; `_warmup_backward_result` sends it
+# back), and each stage's output metadata by `dist.send_object_list` (stage.py `_send_meta`), two
+# sends: the pickled object's size, one int64, then its bytes, uint8. Floats are activations and
+# their gradients.
+SEND_KINDS = {torch.int32: "send vote", torch.int64: "send meta size", torch.uint8: "send meta"}
 SILENT = {"c10d.recv_.default", "_c10d_functional.wait_tensor.default",
           "_c10d_functional._wrap_tensor_autograd.default", "c10d.barrier.default"}
 
@@ -44,7 +51,8 @@ def _nbytes(t):
 class LibraryBytes(TorchDispatchMode):
     """Per group label and op: calls, payload (bytes of the tensors each call was given) and sent
     (ring formula bytes this rank sends: all-reduce 2(n-1)/n, all-gather (n-1) x its shard,
-    reduce-scatter (n-1)/n of the input; a send, its payload). ``labels``: {group name: label}."""
+    reduce-scatter (n-1)/n of the input; a send, its payload, filed by kind: `SEND_KINDS`).
+    ``labels``: {group name: label}."""
 
     def __init__(self, labels):
         super().__init__()
@@ -72,7 +80,7 @@ class LibraryBytes(TorchDispatchMode):
                          costs.sent("reduce_scatter", _nbytes(args[1]), pg.size()))
         elif name == "c10d.send.default":                          # ([tensors], pg, dst, tag): pipelining
             pg, size = dist.ProcessGroup.unbox(args[1]), sum(_nbytes(t) for t in args[0])
-            self._record("send", pg, size, size)
+            self._record(SEND_KINDS.get(args[0][0].dtype, "send"), pg, size, size)
         else:
             raise RuntimeError(f"LibraryBytes does not know {name}: teach it the op's payload.")
         return func(*args, **kwargs)
@@ -165,10 +173,13 @@ def summarize(results):
 
 
 def check(dims, micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
-    """The layout layout3d accepts, without context parallelism (not run on CPU by PyTorch)."""
+    """The layout layout3d accepts, without context parallelism: PyTorch's public
+    ``context_parallel`` takes over SDPA's flash, memory-efficient and cuDNN ops, CUDA kernels
+    (torch 2.13, distributed/tensor/experimental/_context_parallel/_attention.py)."""
     if dims.cp != 1:
-        raise ValueError("PyTorch's context parallelism shards the CUDA attention kernels and does not run "
-                         "on CPU; the library-built run takes --dp, --tp and --pp only (use train3d for cp).")
+        raise ValueError("PyTorch's public context_parallel takes over the CUDA attention kernels and does "
+                         "not run on CPU; the library-built run takes --dp, --tp and --pp only (use train3d "
+                         "for cp).")
     return layout3d.check(layout3d.config(), dims, micro_batch=micro_batch, num_microbatches=num_microbatches)
 
 

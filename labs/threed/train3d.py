@@ -11,7 +11,8 @@ Every rank takes its place on the layout's grid (`labs.dims.ParallelDims`, its p
   position table read at those rows (`apply_context_parallel`);
 - ZeRO-1 over the dp x cp ranks that hold the same weights (`labs.zero.sharded_optimizer`, chapter 3).
 Every collective runs as chapter 2's hand ring (`hand_ring.hand_collectives`), so every byte is a
-counted message, and each message's destination says which group carried it (`bytes_by_group`).
+counted message: in forward and backward each is filed by the coordinate its destination differs
+in (`bytes_by_group`), in the optimizer step by whether it stays in the ZeRO-1 group (`zero_bytes`).
 
     python -m labs.threed.train3d --dp 2 --tp 2 --pp 2 --json
     python -m labs.threed.train3d --dp 2 --cp 2 --tp 2 --json
@@ -105,10 +106,10 @@ def apply_context_parallel(piece, group, seq, gather=None):
     return piece
 
 
-def build_rank(cfg, g, bugs=()):
-    """This rank's stage of the plain tiny GPT, with TP and CP applied from outside."""
+def build_rank(cfg, g, bugs=(), seed=0):
+    """This rank's stage of the plain tiny GPT (of seed ``seed``), with TP and CP applied from outside."""
     lay, c = g.dims, g.coords
-    piece = executor.split(tiny.build(cfg, seed=0), lay.pp)[c["pp"]]
+    piece = executor.split(tiny.build(cfg, seed=seed), lay.pp)[c["pp"]]
     megatron.apply_tensor_parallel(piece, g.tp)
     if lay.cp > 1:
         apply_context_parallel(piece, g.cp, cfg.seq_len, gather=_bug_gather() if "cp_backward" in bugs
@@ -132,26 +133,27 @@ def bytes_by_group(tally, dims, rank, peers=None):
 
 
 def train(rank, world_size, dims, variants=((),), steps=layout3d.STEPS, lr=layout3d.LR,
-          micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
+          micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES, seeds=None):
     """Train ``steps`` steps once per variant (a tuple of deliberate bugs, () for the correct layout,
-    and "weight_decay" for Adam with coupled weight decay `layout3d.WEIGHT_DECAY`), in one job. Per
-    variant and step: the losses of this rank's micro-batches (last stage only), the counted bytes it sent per
-    group in forward and backward ("passes") and in the optimizer step ("update": ZeRO-1's reduce-scatter and
-    all-gather), and the bytes it sent to another node."""
+    and "weight_decay" for Adam with coupled weight decay `layout3d.WEIGHT_DECAY`), in one job, each
+    on the model and batches of its seed (``seeds``, one per variant; all 0 by default). Per variant
+    and step: the losses of this rank's micro-batches (last stage only), the counted bytes it sent per
+    group in forward and backward ("passes") and in the optimizer step ("update": ZeRO-1's
+    reduce-scatter and all-gather), and the bytes it sent to another node."""
     g, nodes = groups.Groups(dims), _nodes()
-    return [_train(g, layout3d.config(), steps, lr, micro_batch, num_microbatches, bugs, nodes)
-            for bugs in variants]
+    return [_train(g, layout3d.config(), steps, lr, micro_batch, num_microbatches, bugs, nodes, seed)
+            for bugs, seed in zip(variants, seeds or [0] * len(variants))]
 
 
-def _train(g, cfg, steps, lr, b, m, bugs, nodes):
+def _train(g, cfg, steps, lr, b, m, bugs, nodes, seed):
     lay, c, rank = g.dims, g.coords, g.rank
-    piece = build_rank(cfg, g, bugs)
-    opt = _optimizer(piece, g, lr, bugs)
+    piece = build_rank(cfg, g, bugs, seed)
+    opt, zero_ranks = _optimizer(piece, g, lr, bugs)
     rows = layout3d.cp_rows(cfg.seq_len, lay.cp, c["cp"])
     out = {"rank": rank, "coords": c, "last": c["pp"] == lay.pp - 1, "losses": [], "sent": [], "crossing": []}
     with hand_ring.hand_collectives():
         for step in range(steps):
-            batches = layout3d.step_batches(cfg, step, lay.dp, m, b)[c["dp"] * m:(c["dp"] + 1) * m]
+            batches = layout3d.step_batches(cfg, step, lay.dp, m, b, seed)[c["dp"] * m:(c["dp"] + 1) * m]
             data = [(x[:, rows], y[:, rows]) for x, y in batches]
             if "pp_targets" in bugs and out["last"]:   # the last stage reads the next micro-batch's targets
                 data = [(x, data[(i + 1) % m][1]) for i, (x, _) in enumerate(data)]
@@ -165,15 +167,31 @@ def _train(g, cfg, steps, lr, b, m, bugs, nodes):
             away = {peer for peer, node in enumerate(nodes) if node != nodes[rank]}
             out["losses"].append(ex.losses)
             out["sent"].append({"passes": bytes_by_group(passes, lay, rank),
-                                "update": bytes_by_group(update, lay, rank)})
+                                "update": zero_bytes(update, zero_ranks)})
             out["crossing"].append({"passes": bytes_by_group(passes, lay, rank, away),
-                                    "update": bytes_by_group(update, lay, rank, away)})
+                                    "update": zero_bytes(update, zero_ranks, away)})
     out["nodes"] = nodes
     return out
 
 
+def zero_bytes(tally, zero_ranks, peers=None):
+    """Counted bytes this rank sent in the optimizer step (to ``peers`` only, if given): "dp" to the
+    ranks of its ZeRO-1 group, the dp (x cp) ranks that hold the same weights, "other" to any other."""
+    out = {"dp": 0, "other": 0}
+    for peer, nbytes in tally.sent_to.items():
+        if peers is None or peer in peers:
+            out["dp" if peer in zero_ranks else "other"] += nbytes
+    return out
+
+
 def _optimizer(piece, g, lr, bugs):
-    group = g.dp_cp if g.dims.cp > 1 else g.dp        # the ranks that hold the same weights
+    """ZeRO-1 over the ranks that hold the same weights, and those ranks (the group it should use)."""
+    group, ranks = (g.dp_cp, g.dp_cp_ranks) if g.dims.cp > 1 else (g.dp, g.dp_ranks)
+    if "zero_wrong_group" in bugs:   # a bug: ZeRO-1 over dp x tp, a group of the same size, other weights
+        for r in g.dims.groups(("dp", "tp")):
+            new = dist.new_group(r)                   # a collective: every rank makes every group
+            if g.rank in r:
+                group = new
     decay = layout3d.WEIGHT_DECAY if "weight_decay" in bugs else 0.0   # a setting, not a bug
     opt = ShardedOptimizer(piece.parameters(), torch.optim.Adam, stage=1, group=group, lr=lr,
                            weight_decay=decay)
@@ -181,7 +199,7 @@ def _optimizer(piece, g, lr, bugs):
         opt.n = 1
     if "dp_not_reduced" in bugs:     # each rank steps its shard on its own replica's gradient alone
         opt._reduce_bucket = lambda b: b.grad[b.lo:b.lo + b.shard].clone()
-    return opt
+    return opt, ranks
 
 
 def _nodes():
@@ -231,19 +249,21 @@ def summarize(results, variant=0):
 
 
 def _per_group(sent):
-    """tp, pp, cp from forward and backward, dp from the optimizer step; "other": any message in
-    forward and backward to a rank off this rank's tp, pp and cp groups (none, in a correct run)."""
-    passes = sent["passes"]
-    return {"tp": passes["tp"], "pp": passes["pp"], "cp": passes["cp"], "dp": sum(sent["update"].values()),
-            "other": sum(v for k, v in passes.items() if k not in ("tp", "pp", "cp"))}
+    """tp, pp, cp from forward and backward, dp from the optimizer step to the rank's ZeRO-1 group;
+    "other": any message in forward and backward to a rank off this rank's tp, pp and cp groups, and
+    any in the optimizer step to a rank off its ZeRO-1 group (none, in a correct run)."""
+    passes, update = sent["passes"], sent["update"]
+    return {"tp": passes["tp"], "pp": passes["pp"], "cp": passes["cp"], "dp": update["dp"],
+            "other": update["other"] + sum(v for k, v in passes.items() if k not in ("tp", "pp", "cp"))}
 
 
 def run(dims, variants=((),), steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
-        num_microbatches=layout3d.MICROBATCHES, timeout=300):
-    """Check the layout (a `ParallelDims`) against the model, spawn the ranks, summarize every variant."""
+        num_microbatches=layout3d.MICROBATCHES, timeout=300, seeds=None):
+    """Check the layout (a `ParallelDims`) against the model, spawn the ranks, summarize every variant
+    (each on the run of its seed in ``seeds``, 0 by default)."""
     layout3d.check(layout3d.config(), dims, micro_batch=micro_batch, num_microbatches=num_microbatches)
     results = launch.spawn(train, dims.world_size, dims, variants, steps, lr, micro_batch, num_microbatches,
-                           timeout=timeout)
+                           seeds, timeout=timeout)
     return [summarize(results, i) for i in range(len(variants))]
 
 
