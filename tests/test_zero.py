@@ -86,9 +86,14 @@ def test_peak_falls_stage_by_stage(two_ranks, three_ranks):
 
 def _check_gradient_freed_in_backward(r, stage):
     """ZeRO-2 reduce-scatters from the backward hook: the full bf16 gradient (2 bytes per padded
-    parameter) is never live at once; DDP and ZeRO-1 hold all of it when they reduce."""
+    parameter) is never live at once, and right after each bucket's reduction returns exactly the
+    buckets still filling are live (each reduced bucket freed); DDP and ZeRO-1 hold all of it."""
     full, live = 2 * r["padded"], r["peak"]["full_grad_live_bytes"]
     assert live < full if stage == 2 else live == full, (stage, live, full)
+    if stage == 2:
+        reductions = r["peak"]["grad_reductions"]
+        assert stages.frees_each_bucket(reductions), reductions
+        assert reductions[-1]["live_after"] == 0   # nothing left when backward ends
     assert r["peak"]["backward_peak_bytes"] <= r["peak"]["peak_bytes"]
 
 
@@ -99,13 +104,44 @@ def test_zero2_never_holds_the_whole_gradient(two_ranks, three_ranks):
                 _check_gradient_freed_in_backward(r[str(stage)], stage)
 
 
-def test_a_zero2_that_reduces_only_at_the_end_of_backward_is_caught():
+@pytest.fixture(scope="module")
+def bugs():
+    return launch.spawn(zero_workers.plausible_bugs, 2, timeout=300)
+
+
+def test_a_zero2_that_reduces_only_at_the_end_of_backward_is_caught(bugs):
     # The bug keeps the whole gradient until backward ends: its peak is the correct ZeRO-2's at
     # N = 2 (the peak falls in Adam's step) and it still trains exactly; the live count refuses it.
-    buggy = launch.spawn(zero_workers.zero2_reduces_at_end, 2, timeout=180)
-    for r in buggy:
+    for r in bugs:
         with pytest.raises(AssertionError):
-            _check_gradient_freed_in_backward(r, 2)
+            _check_gradient_freed_in_backward(r["at_end"], 2)
+
+
+def test_a_zero2_that_never_frees_one_bucket_is_caught(bugs, two_ranks):
+    # The bug leaves block 0's full gradient live after its reduction, until backward ends. The rest
+    # bucket (embedding and head) is live through all of backward anyway, so the most gradient bytes
+    # live at a reduction, and the peak, are the correct ZeRO-2's: "less than the whole" passes it.
+    # The bucket-by-bucket check refuses it.
+    for r, good in zip(bugs, two_ranks):
+        bug = r["keeps_block0"]
+        assert bug["peak"]["full_grad_live_bytes"] == good["2"]["peak"]["full_grad_live_bytes"]
+        assert bug["peak"]["full_grad_live_bytes"] < 2 * bug["padded"]
+        assert not stages.frees_each_bucket(bug["peak"]["grad_reductions"])
+        with pytest.raises(AssertionError):
+            _check_gradient_freed_in_backward(bug, 2)
+
+
+@pytest.mark.numerics
+def test_a_wrongly_scaled_step_is_caught(bugs):
+    # The sharded optimizer's lr scaled, one process's not: DDP and ZeRO-1 share the bug and agree
+    # bit for bit, and the drift bound passes them. The update check refuses 2x (error ~1) and 1.1x
+    # (~0.09, which a tolerance of 0.5 would pass); a correct run scores ~0.003.
+    for r in bugs:
+        for scale, runs in r["scaled_lr"].items():
+            assert torch.equal(runs["0"]["params"], runs["1"]["params"])
+            for s in ("0", "1"):
+                assert runs[s]["max_param_diff_vs_single_process"] <= runs[s]["param_bound"]
+                assert runs[s]["update_error_vs_single_process"] >= adam_drift.UPDATE_TOL, (scale, s)
 
 
 def test_a_step_that_never_updates_the_weights_is_caught():

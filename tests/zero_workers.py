@@ -21,15 +21,73 @@ def _grad_ready_at_end(self, p):
         self._queued = True
 
 
-def zero2_reduces_at_end(rank, world_size, steps=2, batch_size=1):
-    """`stages.run` for stage 2 with `_grad_ready_at_end` in place of the hook's reduce-scatter."""
-    good = ShardedOptimizer._grad_ready
-    ShardedOptimizer._grad_ready = _grad_ready_at_end
-    try:
-        return stages.run(rank, world_size, 2, steps, batch_size)
-    finally:
-        ShardedOptimizer._grad_ready = good
+def _reduce_scatter_keeping_block0(self, b):
+    """The bug: the bucket of block 0 (the second one backward completes) is reduce-scattered but its
+    full gradient is left live until backward ends (`_end_of_backward_freeing`), an off-by-one on
+    the last block. It trains exactly, and its full-gradient count at each reduction stays below the
+    whole gradient: the rest bucket is live through all of backward either way."""
+    if b.grad is None:
+        b.grad = torch.zeros_like(b.flat)
+    self._note_live()
+    out = torch.empty(b.shard, dtype=b.flat.dtype, device=b.flat.device)
+    comm.reduce_scatter(out, b.grad, group=self.group)
+    out.div_(self.n)
+    b.shard_grad = out if b.shard_grad is None else b.shard_grad.add_(out)
+    if self.buckets.index(b) != 1:
+        b.grad = None
+    b.reduced = True
+    self._note_freed(b)
 
+
+def _end_of_backward_freeing(self):
+    """`ShardedOptimizer._end_of_backward`, then every full gradient still live is freed."""
+    _GOOD["end"](self)
+    for b in self.buckets:
+        b.grad = None
+
+
+_GOOD = {"end": ShardedOptimizer._end_of_backward}
+
+
+def _patched(obj, name, fn, call):
+    good = getattr(obj, name)
+    setattr(obj, name, fn)
+    try:
+        return call()
+    finally:
+        setattr(obj, name, good)
+
+
+def zero2_bugs(rank, world_size, steps=2, batch_size=1):
+    """`stages.run` for stage 2 with `_grad_ready_at_end` ("at_end": every bucket waits for the end
+    of backward) and with `_reduce_scatter_keeping_block0` ("keeps_block0")."""
+    run = lambda: stages.run(rank, world_size, 2, steps, batch_size)  # noqa: E731
+
+    def keeps_block0():
+        bug = _reduce_scatter_keeping_block0
+        return _patched(ShardedOptimizer, "_end_of_backward", _end_of_backward_freeing,
+                        lambda: _patched(ShardedOptimizer, "_reduce_scatter", bug, run))
+
+    return {"at_end": _patched(ShardedOptimizer, "_grad_ready", _grad_ready_at_end, run),
+            "keeps_block0": keeps_block0()}
+
+
+def scaled_lr(rank, world_size, scales=(1.1, 2.0), steps=2, batch_size=1):
+    """`stages.run` for DDP (stage 0) and ZeRO-1 with the sharded optimizer's learning rate scaled by
+    each of ``scales`` while one process keeps the true one: a wrongly scaled step, shared by both
+    stages, so they still agree with each other bit for bit. {scale: {stage: result}}."""
+    good = ShardedOptimizer.__init__
+
+    def init(self, *args, lr, **kwargs):
+        good(self, *args, lr=scale * lr, **kwargs)
+
+    def both():
+        return {str(s): stages.run(rank, world_size, s, steps, batch_size) for s in (0, 1)}
+
+    out = {}
+    for scale in scales:
+        out[scale] = _patched(ShardedOptimizer, "__init__", init, both)
+    return out
 
 
 @torch.no_grad()
@@ -57,3 +115,8 @@ def never_copies_master(rank, world_size, steps=2, batch_size=1):
         return {str(s): stages.run(rank, world_size, s, steps, batch_size) for s in (0, 1)}
     finally:
         ShardedOptimizer.step = good
+
+
+def plausible_bugs(rank, world_size):
+    """`zero2_bugs` and `scaled_lr` in one job (one spawn for the tests that refuse them)."""
+    return {**zero2_bugs(rank, world_size), "scaled_lr": scaled_lr(rank, world_size)}

@@ -55,9 +55,10 @@ def param_bound(weights, steps, lr, betas=(0.9, 0.999)):
     return drift + torch.finfo(torch.bfloat16).eps * weights.abs().max().item()
 
 
-# a run whose update agrees with the reference's to rounding scores a few percent; one that never
-# updated its weights scores exactly 1, one that stepped the wrong way 2
-UPDATE_TOL = 0.5
+# a run whose update agrees with the reference's to rounding scores well under 1 % on the tiny
+# models; a step scaled by 1.1 scores ~0.09, one that never updated its weights exactly 1, one that
+# stepped the wrong way 2. One tolerance for the lab, the notebook, the tests and the page.
+UPDATE_TOL = 0.05
 
 
 def update_error(start, got, want):

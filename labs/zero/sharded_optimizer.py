@@ -90,6 +90,14 @@ def make_buckets(params, bucket_numel=None):
     return buckets + [b for b in open_.values() if b]
 
 
+def frees_each_bucket(reductions):
+    """Whether a stage-2 step freed every bucket's full gradient as soon as its reduction returned:
+    after each reduction (``ShardedOptimizer.reductions``) exactly the buckets still filling are live,
+    to the byte. "Less than the whole gradient" passes a ZeRO-2 that never frees one bucket; this
+    refuses it at that bucket's reduction, and at every later one."""
+    return bool(reductions) and all(e["live_after"] == e["filling"] for e in reductions)
+
+
 class ShardedOptimizer:
     """ZeRO stage 0 (DDP), 1 or 2 around any elementwise ``torch.optim`` optimizer class.
 
@@ -141,6 +149,7 @@ class ShardedOptimizer:
                                          **defaults)
         self.got_grad, self._reduced, self._queued = set(), None, False
         self.full_grad_peak_bytes = 0  # the most full-gradient bytes live at a reduction, `_note_live`
+        self.reductions = []  # stage 2, this step: per bucket reduced, `_note_freed`
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -173,11 +182,22 @@ class ShardedOptimizer:
         out.div_(self.n)
         b.shard_grad = out if b.shard_grad is None else b.shard_grad.add_(out)
         b.grad, b.reduced = None, True
+        self._note_freed(b)
 
     def _note_live(self):
         """Counts the full-gradient buffers live as a bucket is reduced (all of them, at stages 0-1)."""
         live = sum(x.grad.nbytes for x in self.buckets if x.grad is not None)
         self.full_grad_peak_bytes = max(self.full_grad_peak_bytes, live)
+
+    def _note_freed(self, b):
+        """Stage 2, right after bucket ``b``'s reduction returns: the full-gradient bytes still live
+        (the buffers themselves) beside those of the buckets still filling (some but not all of
+        their gradients arrived, not reduced: from the arrivals and the bucket sizes). Equal when
+        every bucket reduced so far was freed."""
+        live = sum(x.grad.nbytes for x in self.buckets if x.grad is not None)
+        filling = sum(x.flat.nbytes for x in self.buckets
+                      if x.arrived and len(x.arrived) < len(x.params) and not x.reduced)
+        self.reductions.append({"bucket": self.buckets.index(b), "live_after": live, "filling": filling})
 
     def _end_of_backward(self):
         for b in self.buckets:  # the same order on every rank
@@ -233,7 +253,7 @@ class ShardedOptimizer:
             if b.shard_grad is not None:
                 b.shard_grad = None if set_to_none else b.shard_grad.zero_()
         self.got_grad.clear()
-        self._reduced = None
+        self._reduced, self.reductions = None, []
 
     # -- what it holds ----------------------------------------------------------------------
     def state_tensors(self):

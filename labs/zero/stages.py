@@ -30,7 +30,7 @@ from labs.launcher import launch
 from labs import model as tiny
 from labs.dims import ParallelDims
 from labs.groups import device_mesh
-from labs.zero.sharded_optimizer import ShardedOptimizer, unit_buckets
+from labs.zero.sharded_optimizer import ShardedOptimizer, frees_each_bucket, unit_buckets  # noqa: F401
 from labs.zero.held import held_bytes, reachable_bytes  # noqa: F401
 from labs.zero.answers import EXERCISES, MISTAKES, check, formula_bytes, formula_comm  # noqa: F401
 
@@ -150,6 +150,7 @@ def _train(net, opt, cfg, steps, rank, batch_size, dev, collectives, after_first
     peak.update(backward_peak_bytes=peak["baseline_bytes"] + max(tl[:cut + 1]),
                 after_forward_bytes=peak["baseline_bytes"] + tl[fwd])
     peak["full_grad_live_bytes"] = getattr(opt, "full_grad_peak_bytes", None)  # ShardedOptimizer's count
+    peak["grad_reductions"] = getattr(opt, "reductions", None)  # stage 2: live after each bucket's
     return losses, tally, peak
 
 
@@ -161,7 +162,8 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
     Result: numel, padded (the sharded element count, padding included), held (`held_bytes`, with
     the module's buffers and `reachable_bytes` of the model, optimizer and HandFSDP beside it),
     peak (`memory.PeakMemory.result` over the last step: zero_grad, forward, backward, step; with
-    ``backward_peak_bytes``, the peak before the step, and stages 0-2's ``full_grad_live_bytes``),
+    ``backward_peak_bytes``, the peak before the step, stages 0-2's ``full_grad_live_bytes`` and
+    stage 2's ``grad_reductions``, `ShardedOptimizer.reductions`),
     comm_bytes_per_step and comm_ops_per_step (the last step's, from `labs.measure.comm`), comm_kind (what
     those bytes are: with ``collectives="hand"`` every collective is a hand ring of point-to-point
     messages and the bytes are counted messages; with "library" they are the ring formula's bytes
