@@ -29,6 +29,8 @@ CASES = [
     (budget, "1", (2 + 12 / 8) * P13 / budget.GB, "the gradients left out: 2 + 12/N bytes per parameter"),
     (budget, "1", budget.state_gb("13B", 8, zero_stage=2) * budget.GB / budget.GIB,  # 0.2 % from the above
      "GiB and GB mixed up: the answer given in GiB (2^30 bytes), the question asks for GB"),
+    (budget, "3", 33 * 2048 * 12288 / budget.GB + 5 * 96 * 2048 * 2048 / budget.GB,  # 0.9 % off: inside 1 %
+     "one of the two sbh dropout masks left out: sbh(33 + 5as/h)"),
     (budget, "2", math.ceil(16 * P70 / (budget.GPU_GIB * budget.GB)), "80 GB taken for 80 GiB"),
     (budget, "2", math.ceil(12 * P70 / GPU),
      "12 bytes per parameter: the fp32 master copy of the weights left out"),

@@ -111,6 +111,7 @@ def step_timeline(steps=2, batch_size=8, recipe="mixed", cfg=None, set_to_none=F
     return {"weights": [weights] * n, **kinds, "phases": phases, "numel": numel,
             "peak_bytes": mem.peak_bytes, "curve_peak_bytes": max(total),
             "peak_index": total.index(max(total)), "ops": n,
+            "peak_indices": [i for i, v in enumerate(total) if v == max(total)],  # ties are exact bytes
             "end": {"weights": weights / numel, **{k: v[-1] / numel for k, v in kinds.items()}}}
 
 
