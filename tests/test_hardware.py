@@ -213,6 +213,30 @@ def test_dp_exposes_one_chunk_each_way_and_the_micro_batch_split_sets_only_the_s
         4 * e["pp_critical_s"])
 
 
+def test_outer_position_prices_only_what_the_order_changes():
+    """PP's chain and DP's exposed pair leave the node in either order; the outer position changes
+    only PP's 94 cross-pod sends (PP outermost) or DP's exposed pair (DP outermost), each at the rate
+    the uplinks leave it, the inner group at the full port. Recomputed by hand: at the full port the
+    two orders cost the same; at a seventh, DP outermost 7 x 47.2 + 94 x 0.67 ms against
+    47.2 + 7 x 94 x 0.67 ms; shared evenly, DP's 128 flows fit in 3,072 / 7 ports' worth (rate 1) and
+    PP's 1,024 get 3/7 of a port each. Pricing PP's whole 254-send chain, or DP's pair at the full
+    port when outermost, gives other numbers."""
+    dp_out = P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
+    pp_out = P.exposed(P.LLAMA3_405B, placed(("tp", "cp", "ep", "dp", "pp"), tp=8, pp=16, dp=128))
+    o = P.outer_position(dp_out, pp_out)
+    send, pair = 8192 * 16384 * 2 / 8 / 50e9, dp_out["dp_exposed_s"]     # one PP send; DP's exposed pair
+    cross = 94 * send
+    assert o["full"]["dp_outermost_s"] == pytest.approx(pair + cross) == o["full"]["pp_outermost_s"]
+    assert o["slowed"]["dp_outermost_s"] == pytest.approx(7 * pair + cross)          # not pair + cross
+    assert o["slowed"]["pp_outermost_s"] == pytest.approx(pair + 7 * cross)          # not 7 x 254 sends
+    assert o["slowed"]["pp_cross_s"] < 7 * dp_out["pp_critical_s"] / 2
+    assert (o["shared"]["rate_dp"], o["shared"]["rate_pp"]) == pytest.approx((1, 3 / 7))
+    assert o["shared"]["pp_outermost_s"] == pytest.approx(pair + cross * 7 / 3)
+    # DP outermost at a seventh: a chunk's reduce-scatter still fits in its window (hidden)
+    assert o["slowed"]["chunk_reduce_share"] == pytest.approx(7 * dp_out["chunk_reduce_share"])
+    assert o["slowed"]["chunk_reduce_share"] < 1
+
+
 def _pod_edges_without_wrap(dims, axis, pod):
     """`placement.pod_edges` as it would be if the ring's wrap-around edge were dropped."""
     out = {}
