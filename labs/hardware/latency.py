@@ -2,18 +2,18 @@
 
 Each pattern has its own estimator, and `summarize` keeps them apart. This chapter's latency is the
 fastest one-way time (half a round trip) of the smallest message over many ping-pong tries started
-after a barrier: a lower bound, since whatever else the machine does can only add to a try. Chapter
-10's alpha is the fastest exchange, which is not halved: each rank's timer runs until its own send is
-done and the other's message is in. The two differ about twice over on this machine, so they are
-never pooled, and neither are the two starts below: a back-to-back try measures the link plus the
-wake-up of a receiver that went to sleep and whatever the previous try left in flight. Per variant,
-the median of the same tries (with its quartiles) is the time under this machine's load; it moves
-from job to job, which `across_jobs` shows. Each try's time is the slower rank's; for a try started
-at a barrier that includes the skew of the two ranks leaving it. Chapter 10
-(`labs.collectives.crossover`) also fits a line by relative error over sizes; its intercept is a fit
-parameter, an extrapolation to zero bytes, not a latency: it can fall below every measured try.
-`measure` times, in one job of 2 ranks, each ingredient that separates the numbers, interleaved
-round-robin (try i of each variant in turn):
+after a barrier: the estimate noise disturbs least, since whatever else the machine does can only
+add to a try. Chapter 10's alpha is the fastest exchange, which is not halved: each rank's timer
+runs until its own send is done and the other's message is in. The two differ about twice over on
+this machine, so they are never pooled, and neither are the two starts below: a back-to-back try
+measures the link plus the wake-up of a receiver that went to sleep and whatever the previous try
+left in flight. Per variant, the median of the same tries (with its quartiles) is the time under
+this machine's load; it moves from job to job, which `across_jobs` shows. Each try's time is the
+slower rank's; for a try started at a barrier that includes the skew of the two ranks leaving it.
+Chapter 10 (`labs.collectives.crossover`) also fits a line by relative error over sizes; its
+intercept is a fit parameter, an extrapolation to zero bytes, not a latency: it can fall below every
+measured try. `measure` times, in one job of 2 ranks, each ingredient that separates the numbers,
+interleaved round-robin (try i of each variant in turn):
 
 - the pattern: ping-pong (one-way = round trip / 2, halved in `summarize`) or simultaneous exchange;
 - the start: each timing after a barrier (both processes just woken and running), or back to
