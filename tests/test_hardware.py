@@ -213,6 +213,30 @@ def test_dp_exposes_one_chunk_each_way_and_the_micro_batch_split_sets_only_the_s
         4 * e["pp_critical_s"])
 
 
+def test_outer_position_prices_only_what_the_order_changes():
+    """PP's chain and DP's exposed pair leave the node in either order; the outer position changes
+    only PP's 94 cross-pod sends (PP outermost) or DP's exposed pair (DP outermost), each at the rate
+    the uplinks leave it, the inner group at the full port. Recomputed by hand: at the full port the
+    two orders cost the same; at a seventh, DP outermost 7 x 47.2 + 94 x 0.67 ms against
+    47.2 + 7 x 94 x 0.67 ms; shared evenly, DP's 128 flows fit in 3,072 / 7 ports' worth (rate 1) and
+    PP's 1,024 get 3/7 of a port each. Pricing PP's whole 254-send chain, or DP's pair at the full
+    port when outermost, gives other numbers."""
+    dp_out = P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
+    pp_out = P.exposed(P.LLAMA3_405B, placed(("tp", "cp", "ep", "dp", "pp"), tp=8, pp=16, dp=128))
+    o = P.outer_position(dp_out, pp_out)
+    send, pair = 8192 * 16384 * 2 / 8 / 50e9, dp_out["dp_exposed_s"]     # one PP send; DP's exposed pair
+    cross = 94 * send
+    assert o["full"]["dp_outermost_s"] == pytest.approx(pair + cross) == o["full"]["pp_outermost_s"]
+    assert o["slowed"]["dp_outermost_s"] == pytest.approx(7 * pair + cross)          # not pair + cross
+    assert o["slowed"]["pp_outermost_s"] == pytest.approx(pair + 7 * cross)          # not 7 x 254 sends
+    assert o["slowed"]["pp_cross_s"] < 7 * dp_out["pp_critical_s"] / 2
+    assert (o["shared"]["rate_dp"], o["shared"]["rate_pp"]) == pytest.approx((1, 3 / 7))
+    assert o["shared"]["pp_outermost_s"] == pytest.approx(pair + cross * 7 / 3)
+    # DP outermost at a seventh: a chunk's reduce-scatter still fits in its window (hidden)
+    assert o["slowed"]["chunk_reduce_share"] == pytest.approx(7 * dp_out["chunk_reduce_share"])
+    assert o["slowed"]["chunk_reduce_share"] < 1
+
+
 def _pod_edges_without_wrap(dims, axis, pod):
     """`placement.pod_edges` as it would be if the ring's wrap-around edge were dropped."""
     out = {}
@@ -242,44 +266,71 @@ def test_pod_edges_count_the_wrap_around_edge():
 
 
 def _fake_ranks(times0, times1, sizes=(8,)):
-    """Two ranks' `latency.rank_times` output with made-up seconds: every variant's tries at every size
-    given by ``times0[pattern]`` on rank 0 and ``times1[pattern]`` on rank 1."""
-    keys = [(k, s, n) for k in latency.PATTERNS for s in latency.STARTS for n in sizes]
-    return [{f"{k}/{s}/{n}": list(times[k]) for k, s, n in keys} for times in (times0, times1)]
+    """Two ranks' `latency.rank_times` output with made-up seconds: variant ``pattern/start``'s tries
+    at every size given by ``times0[variant]`` on rank 0 and ``times1[variant]`` on rank 1."""
+    keys = [(f"{k}/{s}", n) for k in latency.PATTERNS for s in latency.STARTS for n in sizes]
+    return [{f"{v}/{n}": list(times[v]) for v, n in keys} for times in (times0, times1)]
 
 
-def test_latency_halves_the_ping_pong_takes_the_slower_rank_and_keeps_the_patterns_apart():
-    """Made-up round trips: the ping-pong is halved, the exchange is not; each try is the slower rank's;
-    each pattern has its own fastest and median; the pooled median mixes them and is not the latency."""
-    us = 1e-6
-    pp0, pp1 = [100 * us, 300 * us, 80 * us, 400 * us], [120 * us, 200 * us, 90 * us, 500 * us]
-    ex0, ex1 = [150 * us, 160 * us, 170 * us, 900 * us], [140 * us, 180 * us, 165 * us, 100 * us]
-    r = latency.summarize(_fake_ranks({"pingpong": pp0, "exchange": ex0},
-                                      {"pingpong": pp1, "exchange": ex1}), [8], 4)
-    # slower rank per try: ping-pong round trips 120, 300, 90, 500 -> one way 60, 150, 45, 250
-    assert r["latency_s"] == pytest.approx(45 * us)          # not halved: 90; one rank's min: 40
-    assert r["latency_variant"].startswith("pingpong/")      # the latency is always a ping-pong
-    assert r["patterns"]["pingpong"]["median_s"] == pytest.approx((60 + 150) / 2 * us)
-    # exchange, slower rank: 150, 180, 170, 900, not halved; rank 0 alone would give 150, rank 1 100
-    assert r["exchange_s"] == pytest.approx(150 * us)
-    assert r["patterns"]["exchange"]["median_s"] == pytest.approx((170 + 180) / 2 * us)
+US = 1e-6
+# made-up round trips (ping-pong) and exchanges, in us, each variant its own: the starts and the
+# patterns differ, so a statistic taken from the wrong variant, or pooled over two, changes value
+FAKE0 = {"pingpong/barrier": [100, 300, 80, 400, 200], "pingpong/back_to_back": [40, 3000, 9000, 6000, 1000],
+         "exchange/barrier": [150, 160, 170, 900, 155], "exchange/back_to_back": [130, 700, 800, 1000, 2000]}
+FAKE1 = {"pingpong/barrier": [120, 200, 90, 500, 260], "pingpong/back_to_back": [30, 2000, 9500, 5000, 1200],
+         "exchange/barrier": [140, 180, 165, 100, 300], "exchange/back_to_back": [125, 650, 900, 1100, 1800]}
+
+
+def _fake_summary(tick=4e-3):
+    scaled = [{v: [t * US for t in ts] for v, ts in fake.items()} for fake in (FAKE0, FAKE1)]
+    return latency.summarize(_fake_ranks(*scaled), [8], 5, tick=tick)
+
+
+def test_latency_halves_the_ping_pong_takes_the_slower_rank_and_keeps_every_variant_apart():
+    """Made-up tries: the ping-pong is halved, the exchange is not; each try is the slower rank's;
+    every variant (pattern and start) has its own fastest, median and quartiles; the latency is the
+    fastest ping-pong after a barrier, not the fastest over both starts."""
+    r = _fake_summary()
+    # slower rank per try, ping-pong after a barrier: round trips 120, 300, 90, 500, 260 -> one way
+    # 60, 150, 45, 250, 130: fastest 45 (not halved: 90; rank 0 alone: 40), median 130, quartiles 60, 150
+    want = {"pingpong/barrier": (45, 130, 60, 150),
+            # back to back: 40, 3000, 9500, 6000, 1200 -> 20, 1500, 4750, 3000, 600
+            "pingpong/back_to_back": (20, 1500, 600, 3000),
+            # exchange, not halved: 150, 180, 170, 900, 300 (rank 0 alone: min 150, rank 1 alone 100)
+            "exchange/barrier": (150, 180, 170, 300),
+            # back to back: 130, 700, 900, 1100, 2000
+            "exchange/back_to_back": (130, 900, 700, 1100)}
+    for v, (fastest, median, q1, q3) in want.items():
+        got = r["small"][v]
+        assert (got["fastest_s"], got["median_s"], got["q1_s"], got["q3_s"]) == pytest.approx(
+            (fastest * US, median * US, q1 * US, q3 * US)), v      # q1, q3 swapped would fail
+    # the latency and chapter 10's estimator are after a barrier only: the back-to-back starts hold
+    # faster tries (20 and 130), so pooling the starts would give other values
+    assert r["latency_s"] == pytest.approx(45 * US) and r["exchange_s"] == pytest.approx(150 * US)
     assert r["exchange_over_latency"] == pytest.approx(150 / 45)
-    assert r["small"]["pingpong/back_to_back"]["fastest_s"] == pytest.approx(45 * us)
-    # a tick of 4 ms: none of these round trips reach it
-    assert r["trips_of_a_tick_or_more"] in (None, 0)
-    # pooled over both patterns the median lands between them: neither estimator
-    medians = r["patterns"]["pingpong"]["median_s"], r["patterns"]["exchange"]["median_s"]
-    assert medians[0] < r["pooled_median_s"] < medians[1]
+    one_way = [t * US for t in (20, 1500, 4750, 3000, 600)]
+    assert r["tries_s"]["pingpong/back_to_back"] == pytest.approx(one_way)
 
 
-def test_latency_median_interval_is_order_statistics_and_one_size_fits_nothing():
-    """40 tries: the 95 % interval of the median is the 14th smallest to the 14th largest
-    (`intervals.median_ranks`); a job of the 8-byte size alone fits no line."""
-    xs = [float(i) for i in range(1, 41)]
-    median, (lo, hi) = latency.median_interval(xs[::-1])
-    assert median == 20.5 and (lo, hi) == (14.0, 27.0)
-    same = {"pingpong": xs[:20], "exchange": xs[:20]}
-    ranks = _fake_ranks(same, same)
-    r = latency.summarize(ranks, [8], 20)
-    assert r["alpha_fits"] == {} and r["patterns"]["pingpong"]["tries"] == 40
-    assert r["patterns"]["pingpong"]["median_ci_s"][0] <= r["patterns"]["pingpong"]["median_s"]
+def test_latency_tick_share_counts_back_to_back_round_trips():
+    """A 4 ms tick: of the back-to-back ping-pong's round trips (slower rank) 40, 3000, 9500, 6000 and
+    1200 us, two reach it: 0.4. One-way times (20 ... 4750 us) would give 0.2, and the tries after a
+    barrier none; a tick of None (no kernel config) gives None."""
+    assert _fake_summary(tick=4e-3)["trips_of_a_tick_or_more"] == pytest.approx(0.4)
+    assert _fake_summary(tick=1e-3)["trips_of_a_tick_or_more"] == pytest.approx(0.8)
+
+
+def test_latency_across_jobs_gives_each_variant_its_own_range_and_one_size_fits_nothing():
+    """Made-up jobs: per variant the range of the fastest and of the median over the jobs, the range
+    of the latency ratio and of the tick share; a job of the 8-byte size alone fits no line."""
+    assert _fake_summary()["alpha_fits"] == {}
+    third = _fake_summary(tick=4e-3)                       # every time doubled, another ratio
+    third["small"] = {v: {k: 2 * x for k, x in s.items()} for v, s in third["small"].items()}
+    third["exchange_over_latency"] = 5.0
+    jobs = iter([_fake_summary(tick=4e-3), _fake_summary(tick=1e-3), third])
+    r = latency.across_jobs(jobs=3, run=lambda: next(jobs))
+    assert r["jobs"] == 3 and r["tick_share"] == pytest.approx((0.4, 0.8))
+    assert r["small"]["pingpong/barrier"]["fastest"] == pytest.approx((45 * US, 90 * US))
+    assert r["small"]["pingpong/back_to_back"]["median"] == pytest.approx((1500 * US, 3000 * US))
+    assert r["small"]["exchange/barrier"]["median"] == pytest.approx((180 * US, 360 * US))
+    assert r["exchange_over_latency"] == pytest.approx((150 / 45, 5.0))

@@ -1,18 +1,19 @@
 """Chapter 11: one machine, two latencies. Why the loopback ping-pong and chapter 10's alpha differ.
 
-Each pattern has its own estimator, and `summarize` keeps them apart. The ping-pong's latency is the
-fastest one-way time (half a round trip) of the smallest message over many tries; chapter 10's alpha
-is the fastest exchange, which is not halved: each rank's timer runs until its own send is done and
-the other's message is in. The two differ about twice over on this machine, so they are never pooled.
-Per pattern, the median of the same tries (both starts below), with its distribution-free 95 %
-interval (`intervals.median_ranks`), is the time under this machine's load. Each try's time is the
+Each pattern has its own estimator, and `summarize` keeps them apart. This chapter's latency is the
+fastest one-way time (half a round trip) of the smallest message over many ping-pong tries started
+after a barrier: the estimate noise disturbs least, since whatever else the machine does can only
+add to a try. Chapter 10's alpha is the fastest exchange, which is not halved: each rank's timer
+runs until its own send is done and the other's message is in. The two differ, up to about twice
+over, on this machine, so they are never pooled, and neither are the two starts below: a back-to-back try
+measures the link plus the wake-up of a receiver that went to sleep and whatever the previous try
+left in flight. Per variant, the median of the same tries (with its quartiles) is the time under
+this machine's load; it moves from job to job, which `across_jobs` shows. Each try's time is the
 slower rank's; for a try started at a barrier that includes the skew of the two ranks leaving it.
 Chapter 10 (`labs.collectives.crossover`) also fits a line by relative error over sizes; its
 intercept is a fit parameter, an extrapolation to zero bytes, not a latency: it can fall below every
-measured try. On a shared 2-core machine the variants can differ several times over, in either
-order. `measure` times, in one job of 2 ranks, each ingredient that separates them, interleaved
-round-robin (try i of each variant in turn), and `across_jobs` repeats the small-message part in
-more jobs to show how far another moment moves each figure:
+measured try. `measure` times, in one job of 2 ranks, each ingredient that separates the numbers,
+interleaved round-robin (try i of each variant in turn):
 
 - the pattern: ping-pong (one-way = round trip / 2, halved in `summarize`) or simultaneous exchange;
 - the start: each timing after a barrier (both processes just woken and running), or back to
@@ -29,9 +30,9 @@ machine): a process blocked in a receive is woken when its data arrives, and on 
 cores are all busy it may wait for a core, for instance until the running process's time slice
 ends at a scheduler tick (1/CONFIG_HZ s). Wake-up preemption (granted at wake time, not at a tick)
 and, on a shared VM, the hypervisor's steal time would produce a similar tail. `kernel_tick_s`
-reads CONFIG_HZ from /proc/config.gz where the kernel exposes it, and `measure` reports the share of
-back-to-back round trips that took at least one tick: a description, which does not separate these
-causes.
+reads CONFIG_HZ from /proc/config.gz where the kernel exposes it, and `summarize` reports the share
+of back-to-back round trips (not one-way times) that took at least one tick: a description, which
+does not separate these causes.
 
     python -m labs.hardware.latency --json
 """
@@ -44,7 +45,6 @@ import torch.distributed as dist
 
 from labs.collectives import alpha_beta
 from labs.launcher import launch
-from labs.measure import intervals
 
 SMALL = 8                                              # bytes: the latency message
 PATTERNS, STARTS = ("pingpong", "exchange"), ("barrier", "back_to_back")
@@ -95,19 +95,13 @@ def rank_times(rank, world_size, sizes, repeats):
     return out
 
 
-def median_interval(xs, level=intervals.LEVEL):
-    """The median of ``xs`` and its distribution-free interval (order statistics, the sign test's)."""
-    k, _ = intervals.median_ranks(len(xs), level)
-    t = sorted(xs)
-    return statistics.median(t), (t[k - 1], t[len(t) - k])
-
-
-def summarize(ranks, sizes, repeats):
+def summarize(ranks, sizes, repeats, tick=None):
     """What `measure` reports, from the two ranks' `rank_times`: each try's time is the slower rank's,
-    the ping-pong's halved to one way. Per variant the small message's median, quartiles and fastest;
-    per pattern (both starts together) the fastest, the variant that gave it and the median with its
-    95 % interval; the intercepts of lines fitted over ``sizes``; the share of back-to-back round
-    trips of a tick or more."""
+    the ping-pong's halved to one way. Per variant (pattern and start, never pooled) the small
+    message's median, quartiles and fastest; the latency, the fastest ping-pong after a barrier, and
+    the fastest exchange after a barrier (chapter 10's estimator) over it; the intercepts of lines
+    fitted over ``sizes``; the share of back-to-back round trips of a tick (``tick`` seconds, by
+    default the kernel's) or more."""
     half = {"pingpong": 2, "exchange": 1}
     slowest = {k: [max(a, b) / half[k.split("/")[0]] for a, b in zip(ranks[0][k], ranks[1][k])]
                for k in ranks[0]}
@@ -117,39 +111,26 @@ def summarize(ranks, sizes, repeats):
             t = slowest[f"{kind}/{start}/{SMALL}"]
             q1, median, q3 = statistics.quantiles(t, n=4, method="inclusive")
             small[f"{kind}/{start}"] = {"median_s": median, "q1_s": q1, "q3_s": q3, "fastest_s": min(t)}
-    patterns = {}
-    for kind in PATTERNS:
-        tries = [(t, f"{kind}/{start}") for start in STARTS for t in slowest[f"{kind}/{start}/{SMALL}"]]
-        fastest, source = min(tries)
-        median, ci = median_interval([t for t, _ in tries])
-        patterns[kind] = {"fastest_s": fastest, "fastest_variant": source, "median_s": median,
-                          "median_ci_s": ci, "tries": len(tries)}
     fits = ({f"exchange/barrier/{stat}":
              alpha_beta.fit_line(sizes, [f(slowest[f"exchange/barrier/{n}"]) for n in sizes])["alpha"]
              for stat, f in (("fastest", min), ("median", statistics.median))} if len(sizes) > 1 else {})
-    tick = kernel_tick_s()
-    trips = [2 * t for t in slowest[f"pingpong/back_to_back/{SMALL}"]]
-    pooled = [t for v in small for t in slowest[f"{v}/{SMALL}"]]
+    tick = kernel_tick_s() if tick is None else tick
+    trips = [2 * t for t in slowest[f"pingpong/back_to_back/{SMALL}"]]      # round trips, not one way
+    latency, exchange = small["pingpong/barrier"]["fastest_s"], small["exchange/barrier"]["fastest_s"]
     return {"small_bytes": SMALL, "repeats": repeats, "small": small, "alpha_fits": fits, "tick_s": tick,
-            "patterns": patterns,
-            # the book's latency: the fastest one-way 8-byte ping-pong of the job, either start
-            "latency_s": patterns["pingpong"]["fastest_s"],
-            "latency_variant": patterns["pingpong"]["fastest_variant"],
-            # chapter 10's alpha on this link: the fastest exchange, not halved
-            "exchange_s": patterns["exchange"]["fastest_s"],
-            "exchange_over_latency": patterns["exchange"]["fastest_s"] / patterns["pingpong"]["fastest_s"],
-            # both patterns' tries pooled: two estimators mixed, kept only to show why it is not quoted
-            "pooled_median_s": statistics.median(pooled),
-            "pingpong_back_to_back_s": slowest[f"pingpong/back_to_back/{SMALL}"],   # every try, one way
+            # the chapter's latency: the fastest one-way 8-byte ping-pong after a barrier
+            "latency_s": latency,
+            # chapter 10's estimator on this link: the fastest exchange after a barrier, not halved
+            "exchange_s": exchange, "exchange_over_latency": exchange / latency,
             "tries_s": {v: slowest[f"{v}/{SMALL}"] for v in small},                 # every variant's tries
             "trips_of_a_tick_or_more": None if tick is None else sum(t >= tick for t in trips) / len(trips)}
 
 
 def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
-    """One job of 2 ranks (`rank_times`), summarized by `summarize`: per pattern the fastest 8-byte
-    try and the median with its interval, every variant's median, quartiles and fastest, chapter 10's
-    fitted intercepts over ``sizes`` (none for one size) and the share of back-to-back round trips of
-    at least one scheduler tick."""
+    """One job of 2 ranks (`rank_times`), summarized by `summarize`: the latency (the fastest 8-byte
+    ping-pong after a barrier), every variant's median, quartiles and fastest, chapter 10's fitted
+    intercepts over ``sizes`` (none for one size) and the share of back-to-back round trips of at
+    least one scheduler tick."""
     if SMALL not in sizes:
         raise ValueError(f"the sizes must include the {SMALL}-byte latency message, got {list(sizes)}.")
     if repeats < 4:
@@ -158,20 +139,19 @@ def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
     return summarize(ranks, list(sizes), repeats)
 
 
-def across_jobs(jobs=4, repeats=20, timeout=180.0):
+def across_jobs(jobs=4, repeats=20, timeout=180.0, run=None):
     """``jobs`` more jobs, one after another, each timing every variant interleaved as `measure` does
-    (the 8-byte message only, well under a second each): per variant and per pattern the range over
-    the jobs of the fastest try and of the median, and the range of the share of back-to-back round
-    trips of a tick or more.
+    (the 8-byte message only, well under a second each): per variant the range over the jobs of the
+    fastest try and of the median, and the ranges of the latency ratio and of the share of
+    back-to-back round trips of a tick or more. ``run`` replaces `measure` (the tests' made-up jobs).
     One job's figures say what that moment cost; the ranges say how far another moment moves them."""
-    runs = [measure(sizes=(SMALL,), repeats=repeats, timeout=timeout) for _ in range(jobs)]
+    run = run or (lambda: measure(sizes=(SMALL,), repeats=repeats, timeout=timeout))
+    runs = [run() for _ in range(jobs)]
     span = lambda xs: (min(xs), max(xs))
     out = {v: {stat: span([r["small"][v][f"{stat}_s"] for r in runs]) for stat in ("fastest", "median")}
            for v in runs[0]["small"]}
     shares = [r["trips_of_a_tick_or_more"] for r in runs]
     return {"jobs": jobs, "small": out, "tick_share": None if None in shares else span(shares),
-            "patterns": {k: {stat: span([r["patterns"][k][f"{stat}_s"] for r in runs])
-                             for stat in ("fastest", "median")} for k in PATTERNS},
             "exchange_over_latency": span([r["exchange_over_latency"] for r in runs])}
 
 
@@ -187,9 +167,8 @@ def main(argv=None):
     r = measure(repeats=args.repeats, timeout=args.timeout)
     lines = [f"{k:24s} median {v['median_s'] * 1e6:8.0f} us (quartiles {v['q1_s'] * 1e6:.0f} to "
              f"{v['q3_s'] * 1e6:.0f}), fastest {v['fastest_s'] * 1e6:8.0f} us" for k, v in r["small"].items()]
-    lines += [f"{k:9s} fastest {v['fastest_s'] * 1e6:.0f} us ({v['fastest_variant']}), median "
-              f"{v['median_s'] * 1e6:.0f} us (95 % interval {v['median_ci_s'][0] * 1e6:.0f} to "
-              f"{v['median_ci_s'][1] * 1e6:.0f})" for k, v in r["patterns"].items()]
+    lines.append(f"latency (fastest ping-pong after a barrier, one way) {r['latency_s'] * 1e6:.0f} us; "
+                 f"fastest exchange after a barrier {r['exchange_over_latency']:.1f} times it")
     lines += [f"intercept, {k:24s} {v * 1e6:8.0f} us" for k, v in r["alpha_fits"].items()]
     lines.append(f"scheduler tick {r['tick_s']} s; back-to-back round trips of a tick or more: "
                  f"{r['trips_of_a_tick_or_more']}")

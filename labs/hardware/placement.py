@@ -219,6 +219,27 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=LLAMA3_FLOPS_PER_GPU, oversu
             "pod_uplink_ports": LLAMA3_POD_GPUS / oversubscription}
 
 
+def outer_position(dp_out, pp_out, oversubscription=7):
+    """What the outer position changes, from `exposed` in both orders (``dp_out``: DP outermost,
+    Llama 3's; ``pp_out``: PP and DP swapped). PP's chain and DP's exposed pair leave the node in
+    either order; only the parts that cross pods depend on it: PP outermost, the chain's sends that
+    cross a pod (``pp_critical_crossing_pods`` of them); DP outermost, its exposed pair. Each is priced
+    at a rate r of the port: 1 (the full port), 1/oversubscription (every crossing flow slowed alike)
+    and min(1, uplink ports / flows leaving a pod) (the uplinks shared evenly by the groups' ring
+    edges); the inner group keeps the full port. Per rate, the seconds per step of those two parts in
+    each order and the share of its window a DP chunk's reduce-scatter then fills (hidden below 1)."""
+    cross = pp_out["pp_critical_crossing_pods"] * pp_out["pp_send_s"]
+    share = lambda e, axis: min(1.0, e["pod_uplink_ports"] / e["pod_edges"][axis])
+    rates = {"full": (1.0, 1.0), "slowed": (1 / oversubscription,) * 2,
+             "shared": (share(dp_out, "dp"), share(pp_out, "pp"))}
+    return {name: {"dp_outermost_s": dp_out["dp_exposed_s"] / r_dp + cross,
+                   "pp_outermost_s": pp_out["dp_exposed_s"] + cross / r_pp,
+                   "pp_cross_s": cross / r_pp, "dp_exposed_s": dp_out["dp_exposed_s"] / r_dp,
+                   "rate_dp": r_dp, "rate_pp": r_pp,
+                   "chunk_reduce_share": dp_out["chunk_reduce_share"] / r_dp}
+            for name, (r_dp, r_pp) in rates.items()}
+
+
 def _tp_traffic(order):
     return plan(LLAMA3_405B, Placement(ParallelDims(tp=8, pp=16, dp=128, order=order)))["tp"]
 
