@@ -303,3 +303,18 @@ def test_toy_gradient_check_refuses_a_skipped_all_reduce_and_a_wrong_average():
     assert toy.grad_error([(k, 0, g.reshape(-1)) for k, g in alone.items()], want) > 0.1
     assert toy.grad_error([(k, 0, 3 * g.reshape(-1)) for k, g in want.items()], want) > 0.1
     assert toy.grad_error([(k, 0, g.reshape(-1)) for k, g in want.items()], want) == 0
+
+
+def test_the_update_check_refuses_a_run_that_leaves_three_percent_of_the_weights_unmoved():
+    """The arithmetic of the tolerance: a run whose update matches everywhere but leaves 3 % of the
+    weights where they started (biases and norms never stepped) scores 0.03, above UPDATE_TOL; one
+    whose every element is off by rounding-sized noise (0.5 %) scores below it."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(10_000, generator=g)
+    step = 1e-3 * torch.sign(torch.randn(10_000, generator=g))
+    want = start + step
+    stuck = want.clone()
+    stuck[:300] = start[:300]
+    assert adam_drift.update_error(start, stuck, want) > adam_drift.UPDATE_TOL
+    noisy = want + 0.005 * step * torch.sign(torch.randn(10_000, generator=g))
+    assert adam_drift.update_error(start, noisy, want) < adam_drift.UPDATE_TOL

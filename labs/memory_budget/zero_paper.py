@@ -22,7 +22,8 @@ def zeropp_cross_node_bytes(psi):
     large N: all-gather weights (bf16 -> int8, qwZ), backward all-gather kept inside the node (hpZ:
     0 across), reduce-scatter gradients (bf16 -> int4, qgZ)."""
     return {"zero3": 2 * psi + 2 * psi + 2 * psi, "zeropp": 1 * psi + 0 + 0.5 * psi,
-            "int8_weights_only": 1 * psi + 1 * psi + 2 * psi}   # qwZ alone: both gathers in int8
+            "int8_weights_only": 1 * psi + 1 * psi + 2 * psi,   # int8 on both weight gathers
+            "int8_forward_only": 1 * psi + 2 * psi + 2 * psi}   # the paper's qwZ: the forward gather
 
 
 def offload_seconds(psi, link):
