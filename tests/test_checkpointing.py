@@ -6,10 +6,11 @@ under another CPU's rounding); the others compare bytes, names and step counts.
 
 Checks that notebook 12 already asserts with the same calls are not repeated here (nbval runs the
 notebook natively and under another CPU's rounding): a resume that forgets Adam's state or the RNG
-(`resharding.resume_without`), the (dp, tp) layout change (`layout_change.change_layout`), the
-pipeline-degree change and its refused local-names load (`pipeline_change.change_pipeline`), the
-two-rank killed save and its refusals (`checkpoint_faults.killed_save`), the async stager's copy
-(`async_checkpoint.measure_staging`) and the save killed in flight (`async_window.killed_in_flight`)."""
+(`resharding.resume_without`, seed 0 there; seeds 1 and 2 here), the (dp, tp) layout change
+(`layout_change.change_layout`), the pipeline-degree change and its refused local-names load
+(`pipeline_change.change_pipeline`), the two-rank killed save and its refusals
+(`checkpoint_faults.killed_save`), the async stager's copy (`async_checkpoint.measure_staging`) and
+the save killed in flight (`async_window.killed_in_flight`)."""
 import json
 
 import pytest
