@@ -12,8 +12,8 @@
 - `layout_change`: save under one (dp, tp) layout, load under another, by hand and with DCP.
 - `pipeline_change`: save under pp = 2 stages, load under pp = 1 and 4, by hand and with DCP; the
   keys each rank reads, and a stage that keys its layers by local names is refused.
-- `one_name`: the check before a save: one name, one tensor (a key several ranks save must hold the
-  same elements with the same bytes on each).
+- `one_name`: the check before a save: one name, one value wherever ranks overlap (a key several
+  ranks save must hold the same bytes on each wherever their elements overlap).
 - `key_clash`: two stages that save a layer under one local name: DCP writes one and drops the
   other, the hand format loses one at load; the checked save refuses both in one sentence.
 - `async_checkpoint`: an asynchronous save must copy the state (a stager that does not fails), and

@@ -9,7 +9,8 @@ returns a future that the caller waits on before the next save (PyTorch blog, Pa
   write is held back (a gated writer); the checkpoint must hold the values of the save, not the
   new ones. It does with DCP's default stager and the hand `sharded_checkpoint.stage`, which
   copy; it does not with a stager that hands the live tensors to the writer.
-- `pauses`: the two pauses, after a warm-up, as the median of a few repeats. On a CPU the staging
+- `pauses`: the two pauses, after a warm-up, in repeats that alternate which save goes first; the
+  paired ratios give a median with its interval (`labs.measure.intervals`). On a CPU the staging
   is itself a memory copy, so the ratio says little about a GPU; it is printed, never asserted.
 """
 import os
@@ -24,9 +25,10 @@ import torch.distributed as dist
 from labs.launcher import launch
 from labs import model as tiny
 from labs.checkpointing import sharded_checkpoint as sc, training
+from labs.measure import intervals
 
-# about 20 MB per rank at 2 ranks
-PAUSE_CFG = dict(vocab_size=256, seq_len=16, n_layer=4, n_head=4, hidden=256)
+# about 10 MB per rank at 2 ranks: small enough for 9 paired repeats in a few seconds
+PAUSE_CFG = dict(vocab_size=256, seq_len=16, n_layer=2, n_head=4, hidden=256)
 
 
 def _fsdp_state(rank, world_size, cfg):
@@ -114,32 +116,44 @@ def staging(rank, world_size, root, cfg=None):
     return out
 
 
+def order(i):
+    """Which save repeat ``i`` runs first: sync in even repeats (the warm-up, 0, among them),
+    async in odd ones, so that over the kept repeats each goes first about half the time."""
+    return ("async", "sync") if i % 2 else ("sync", "async")
+
+
 @launch.on_cpu(sc.ON_CPU)
-def pauses(rank, world_size, root, repeats=3, cfg=None):
+def pauses(rank, world_size, root, repeats=9, cfg=None):
     """Seconds training stops for ``dcp.save`` and for ``dcp.async_save`` (until it returns: the
-    copy to CPU memory; the write goes on in the background), on the same FSDP2 state: one
-    warm-up of each, then the median of ``repeats``."""
+    copy to CPU memory), and until the async write is done, on the same FSDP2 state. Repeat 0 is
+    a warm-up of each; after it, which save goes first alternates (`order`), so that neither always
+    runs on the warmer cache or the quieter machine. Returns this rank's ``repeats`` times of each,
+    in repeat order."""
     import torch.distributed.checkpoint as dcp
     state = _fsdp_state(rank, world_size, cfg or tiny.GPTConfig(**PAUSE_CFG))
     group = dist.new_group(backend="gloo")
     sync, paused, total = [], [], []
-    for i in range(repeats + 1):
+
+    def save_sync(i):
         dist.barrier()
         t0 = time.perf_counter()
         dcp.save(state, checkpoint_id=os.path.join(root, f"sync-{i}"))
         sync.append(time.perf_counter() - t0)
+
+    def save_async(i):
         dist.barrier()
         t0 = time.perf_counter()
         future = dcp.async_save(state, checkpoint_id=os.path.join(root, f"async-{i}"), process_group=group)
         paused.append(time.perf_counter() - t0)
-        future.result()
+        future.result()              # the caller waits for the write: no training step runs beside it
         total.append(time.perf_counter() - t0)
-    med = lambda xs: statistics.median(xs[1:])  # noqa: E731  (the first is the warm-up)
-    return {"sync_pause_s": med(sync), "async_pause_s": med(paused), "async_total_s": med(total),
-            "sync_samples_s": sync[1:], "async_pause_samples_s": paused[1:],
+
+    for i in range(repeats + 1):
+        for name in order(i):
+            {"sync": save_sync, "async": save_async}[name](i)
+    return {"sync_samples_s": sync[1:], "async_pause_samples_s": paused[1:],   # [0]: the warm-up
             "async_total_samples_s": total[1:],
-            "repeats": repeats, "state_bytes_per_rank": sum(t.numel() * t.element_size()
-                                                            for t in _local(state))}
+            "state_bytes_per_rank": sum(t.numel() * t.element_size() for t in _local(state))}
 
 
 def measure_staging(world_size=2, timeout=120.0):
@@ -149,10 +163,16 @@ def measure_staging(world_size=2, timeout=120.0):
     return {k: all(r[k] for r in results) for k in results[0]}
 
 
-def measure_pauses(world_size=2, repeats=3, timeout=300.0):
+def measure_pauses(world_size=2, repeats=9, timeout=300.0):
     """`pauses` on ``world_size`` ranks. Each repeat counts its slowest rank (the job waits for
     it): ``*_samples_s`` are those per-repeat maxima, and each pause is their median, so a
-    median and the range of its samples come from the same numbers."""
+    median and the range of its samples come from the same numbers.
+
+    The two saves of a repeat form a pair, and `labs.measure.intervals` turns the paired ratios
+    into a median with its interval: ``pause_ratio``, async pause / sync pause, and
+    ``written_ratio``, async written and done / sync; each ``verdict`` names the shorter only where
+    its interval excludes 1."""
+    intervals.median_ranks(repeats)                    # refuses too few repeats before spawning
     with tempfile.TemporaryDirectory(prefix="ckpt-pause-") as root:
         results = launch.spawn(pauses, world_size, root, repeats, timeout=timeout)
     out = {k: [max(xs) for xs in zip(*(r[k] for r in results))]
@@ -161,4 +181,10 @@ def measure_pauses(world_size=2, repeats=3, timeout=300.0):
     for pause, samples in (("sync_pause_s", "sync_samples_s"), ("async_pause_s", "async_pause_samples_s"),
                            ("async_total_s", "async_total_samples_s")):
         out[pause] = statistics.median(out[samples])
+    cores = intervals.cores()
+    for name, asynchronous in (("pause_ratio", "async_pause_samples_s"),
+                               ("written_ratio", "async_total_samples_s")):
+        iv = intervals.ratio_interval(out[asynchronous], out["sync_samples_s"])
+        iv["verdict"] = intervals.verdict(iv, "dcp.async_save", "dcp.save", world_size, cores)
+        out[name] = iv
     return out

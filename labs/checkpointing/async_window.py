@@ -13,12 +13,14 @@ Averaged over a failure at a uniform step, the asynchronous save loses omega ste
 worst tau + omega - 1 instead of tau - 1: the price of not stopping for the write.
 
 The lab trains the chapter's hand-FSDP run (`labs.checkpointing.training`) on 2 ranks with the hand
-format's `sharded_checkpoint.async_save`; slow storage is modelled by holding each rank's last file
-until omega steps after the save began, so the commit, which waits for every rank's files, lands
-then. After every step rank 0 reads from disk which checkpoint a restart would find
-(`sharded_checkpoint.latest`, which verifies it). omega is therefore an input, not a measurement:
-the run tests that the commit waits for every rank's files, that a restart finds the newest
-committed checkpoint and never one in flight, and that the lost steps follow from those two.
+format's `sharded_checkpoint.async_save`; slow storage is modelled by holding each rank's last file:
+rank 0's until omega - 1 steps after the save began, every other rank's until omega steps after,
+so the commit, which must wait for the slowest rank's files, lands at omega. After every step
+rank 0 reads from disk which checkpoint a restart would find (`sharded_checkpoint.latest`, which
+verifies it). omega is therefore an input, not a measurement: the run tests that the commit waits
+for every rank's files (a commit after rank 0's alone would land a step early), that a restart
+finds the newest committed checkpoint and never one in flight, and that the lost steps follow
+from those two.
 `killed_in_flight` then kills the job for real while a save is in flight and reads what is left.
 """
 import os
@@ -43,21 +45,24 @@ def lost_formula(s, tau, omega):
 @launch.on_cpu(sc.ON_CPU)
 def _train(rank, world_size, root, steps, tau, omega, kill_after=None):
     """Train ``steps`` steps, save every ``tau`` (omega = 0: synchronously); after each step rank 0
-    records the step of the newest committed checkpoint on disk. ``kill_after``: rank 1 kills itself
-    with SIGKILL after that step (the whole job dies: the launcher stops the others)."""
+    records the step of the newest committed checkpoint on disk. An asynchronous save's last file
+    lands omega steps after it began on every rank but rank 0, where it lands a step earlier (at
+    once if omega = 1). ``kill_after``: rank 1 kills itself with SIGKILL after that step (the whole
+    job dies: the launcher stops the others)."""
     cfg, dev = tiny.GPTConfig(), launch.device()
     os.makedirs(root, exist_ok=True)
     net, hand, opt, sched, loader = training.build("hand", rank, world_size, cfg, dev)
     group = dist.new_group(backend="gloo")             # the writer's collectives, apart from training's
-    pending, committed = None, []                      # (future, gate, release after step), per step
+    pending, committed = None, []   # (future, gate, this rank's release step, the slowest rank's)
     for s in range(1, steps + 1):
         x, y = training.masked_batch(cfg, loader.next(), rank, world_size, dev)
         net(x, y).backward()
         opt.step()
         sched.step()
         opt.zero_grad()
-        if pending and s == pending[2]:                # the slow write of the previous save ends
+        if pending and s >= pending[2]:                # this rank's slow write ends
             pending[1].set()
+        if pending and s == pending[3]:                # every rank's has: the commit can land
             pending[0].result()
             pending = None
         if s % tau == 0:
@@ -67,7 +72,11 @@ def _train(rank, world_size, root, steps, tau, omega, kill_after=None):
             else:
                 gate = threading.Event()   # slow storage: the last file lands omega steps later
                 hold = lambda f, g=gate: g.wait() if f.endswith(".json") else None  # noqa: E731
-                pending = (sc.async_save(hand_state(hand, opt), path, group, on_file=hold), gate, s + omega)
+                early = s + omega - (rank == 0)       # rank 0 finishes a step before the others
+                future = sc.async_save(hand_state(hand, opt), path, group, on_file=hold)
+                pending = (future, gate, early, s + omega)
+                if early == s:
+                    gate.set()
         if rank == 0:
             newest = sc.latest(root)
             committed.append(int(os.path.basename(newest).split("-")[1]) if newest else 0)
@@ -105,10 +114,14 @@ def window(steps=12, tau=4, omega=2, world_size=2, timeout=120.0):
         out[f"{name}_committed"] = runs[name]
         out[f"{name}_lost"] = [s - c for s, c in zip(out["steps"], runs[name])]
         out[f"{name}_formula"] = [lost_formula(s, tau, w) for s in out["steps"]]
-    # one full period after the first checkpoint: the mean of s - c(s) over a uniform failure step
+    # one full period after the first checkpoint (steady state): the mean of s - c(s) over a
+    # uniform failure step, which the formula gives as (tau - 1) / 2 (+ omega); and over the whole
+    # run, whose first steps, before any checkpoint, lose fewer
     period = slice(tau - 1, 2 * tau - 1)
-    out["sync_mean_lost"] = sum(out["sync_lost"][period]) / tau
-    out["async_mean_lost"] = sum(out["async_lost"][period]) / tau
+    for name, w in (("sync", 0), ("async", omega)):
+        out[f"{name}_mean_lost"] = sum(out[f"{name}_lost"][period]) / tau
+        out[f"{name}_mean_formula"] = (tau - 1) / 2 + w
+        out[f"{name}_run_mean_lost"] = sum(out[f"{name}_lost"]) / steps
     return out
 
 

@@ -14,8 +14,9 @@ tensors of the same shape under one key:
   (`sharded_checkpoint.CoverageError`): nothing is lost silently, but the checkpoint is unusable.
 
 The lab saves such a state both ways and reads back what was written, then the same save with
-`one_name.check_one_name` first: one name must mean one tensor, so a key that two ranks save must hold
-the same elements with the same bytes on both (data-parallel replicas do; two stages do not).
+`one_name.check_one_name` first: one name must mean one value wherever ranks overlap, so a key that
+two ranks save must hold the same bytes on both wherever their elements overlap (data-parallel
+replicas do; two stages do not).
 With the book's global names (`pipeline_change.global_name`: local layer i of stage s is layer
 s L/p + i) no two stages share a key, and the check passes.
 

@@ -1,4 +1,4 @@
-"""Chapter 12: one name, one tensor: the check a save makes before it writes (`key_clash` shows why).
+"""Chapter 12: one name, one value wherever ranks overlap: the check a save makes before it writes.
 
 A checkpoint is a map from names to tensors. DCP writes a name that several ranks hold once,
 because data-parallel replicas hold the same tensor; the hand format writes every rank's pieces,
@@ -7,7 +7,9 @@ one name lose one of them without an error. `check_one_name` refuses such a stat
 and before a byte is written: ranks that save one key must agree on its global shape and dtype,
 and wherever their element ranges overlap they must hold the same bytes. Replicas pass (they
 overlap everywhere and agree), so do FSDP shards (disjoint ranges of one tensor); two pipeline
-stages that key their layers by their local names (every stage has a ``blocks.0``) do not.
+stages that key their layers by their local names (every stage has a ``blocks.0``) do not. It
+compares bytes, not identities: two different tensors that still hold equal values (LayerNorms
+at their initial values) pass, and lose nothing by being written once (`key_clash` shows why).
 `pipeline_change` and `key_clash` call it before a save.
 """
 import hashlib

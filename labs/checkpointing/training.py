@@ -42,10 +42,11 @@ def masked_batch(cfg, ids, dp_rank, dp_size, dev):
     return x * keep.to(dev, x.dtype), y
 
 
-def build(kind, rank, world_size, cfg, dev):
+def build(kind, rank, world_size, cfg, dev, seed=0):
     """The tiny GPT sharded by the hand FSDP (``kind="hand"``) or FSDP2 (``"dcp"``), its Adam, warm-up
-    schedule and loader: (model, HandFSDP or None, optimizer, scheduler, loader)."""
-    net = tiny.build(cfg, seed=0, device=dev)
+    schedule and loader: (model, HandFSDP or None, optimizer, scheduler, loader). ``seed`` sets the
+    initial weights and the global RNG that draws the masks."""
+    net = tiny.build(cfg, seed=seed, device=dev)
     hand = None
     if kind == "dcp":
         fsdp.fully_shard_units(net, list(net.blocks),
