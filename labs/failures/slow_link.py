@@ -120,7 +120,9 @@ def slow_link_scenario(world_size=4, slow_link=(1, 2), delay_s=0.05, steps=6, ti
             "false_alarm_healthy": find_slow_link(healthy[0]["rtt"]),
             "final_loss_match": slow[0]["loss"] == healthy[0]["loss"],
             "rtt_s": slow[0]["rtt"], "healthy_step_s": step_time[0], "slow_step_s": step_time[1],
-            "slowdown": step_time[1] / step_time[0]}
+            "slowdown": step_time[1] / step_time[0],
+            # formula: the slow link carries one message in each of the ring's 2(N-1) rounds
+            "held_per_step_s": 2 * (world_size - 1) * delay_s}
 
 
 def main(argv=None):
