@@ -252,3 +252,23 @@ def test_wall_bubble_counts_a_sleeps_overshoot_as_idle_not_busy():
               [{"wall_start": 1.3, "wall_end": 2.3, "wall_work": 1.0}]]
     assert executor.wall_bubble(events) == pytest.approx(1 - 1.0 / 2.3)
     assert executor.wall_bubble(events) >= 0.5
+
+
+def test_overlap_counts_time_with_two_stages_busy():
+    from labs.pipeline import wall_clock
+    def ev(a, b):
+        return {"wall_start": a, "wall_work": b - a}
+    assert wall_clock.overlap([[ev(0, 2)], [ev(1, 3)]]) == pytest.approx(1.0)
+    assert wall_clock.overlap([[ev(0, 1)], [ev(1, 2)], [ev(2, 3)]]) == 0.0   # one at a time
+
+
+def test_wall_clock_check_fails_the_planted_serialisation():
+    """The planted bug (every stage's work under one lock) fails `wall_clock.check` on every run:
+    no two stages ever work at once, whatever the load; the correct run beside it passes."""
+    from labs.pipeline import wall_clock
+    (run, serialised), = wall_clock.paired(2, [("1f1b", 3, 1)], 0.01, timeout=180)
+    assert wall_clock.overlap(serialised["events"]) == 0.0
+    assert serialised["bubble_fraction_wallclock"] >= 1 - 1 / 2     # p stages' work, one at a time
+    with pytest.raises(AssertionError, match="no two stages ever worked at the same time"):
+        wall_clock.check(serialised, run)
+    wall_clock.check(run, serialised)
