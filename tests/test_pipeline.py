@@ -272,3 +272,13 @@ def test_wall_clock_check_fails_the_planted_serialisation():
     with pytest.raises(AssertionError, match="no two stages ever worked at the same time"):
         wall_clock.check(serialised, run)
     wall_clock.check(run, serialised)
+
+
+def test_zb_h1_formula_needs_w_no_longer_than_f():
+    """Qi et al.'s (p-1)(t_F + t_B - t_W) holds for t_W <= t_F; beyond, the simulated idle time stays
+    (p-1) t_B, as at t_W = t_F, while the formula keeps falling (the chapter states the condition)."""
+    for p, m in ((3, 6), (4, 8)):
+        for tf, tb, tw in ((2, 1, 1), (1, 1, 1), (1, 1, 1.5), (1, 2, 4)):
+            timeline = schedules.simulate(schedules.zb_h1(p, m), {"F": tf, "B": tb, "W": tw})
+            total = max(t[-1][2] for t in timeline)
+            assert total - m * (tf + tb + tw) == (p - 1) * (tf + tb - min(tw, tf)), (p, m, tf, tb, tw)

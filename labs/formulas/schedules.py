@@ -11,7 +11,8 @@ Bubbles, each formula named by its source:
       fraction" t_pb / t_id = (p-1)/m, bubble over ideal compute, derived for GPipe's schedule
       and the same for 1F1B (PipeDream-Flush). Over the total: x / (1 + x) = (p-1)/(m+p-1).
   Interleaved 1F1B (ibid. §2.2.2): (1/v) (p-1)/m over ideal.
-  ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv 2401.10241, §2.1 and Table 2):
+  ZB-H1 (Qi et al., "Zero Bubble (Almost) Pipeline Parallelism", ICLR 2024; arXiv 2401.10241,
+  "Zero Bubble Pipeline Parallelism", §2.1 and Table 2):
       the bubble is (p-1)(T_F + T_B - T_W), against 1F1B's (p-1)(T_F + T_B + T_W). At
       T_F = T_B = T_W = 1: stage 0 runs p forwards, then waits for micro-batch 0's B, which
       leaves stage p-1 at time p + 1 and takes one unit per stage back: it starts on stage 0 at
