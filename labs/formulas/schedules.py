@@ -166,8 +166,8 @@ def depends_on(a, s, p, v):
 def simulate(lists, cost, v=1, latency=0.0):
     """Start and end of every action when each waits for its own stage and its message
     (``latency`` is added to every message between stages). ``cost``: work per kind, one dict
-    for every stage or a list of one dict per stage (stages of unequal cost,
-    `labs.pipeline.stage_balance`)."""
+    for every stage, a list of one dict per stage (stages of unequal cost,
+    `labs.pipeline.stage_balance`), or per stage a list of one dict per chunk."""
     p = len(lists)
     end, pos, clock, timeline = {}, [0] * p, [0.0] * p, [[] for _ in range(p)]
     while any(pos[s] < len(lists[s]) for s in range(p)):
@@ -180,8 +180,8 @@ def simulate(lists, cost, v=1, latency=0.0):
                     break
                 arrival = end[dep] + (latency if dep[0] != s else 0.0) if dep else 0.0
                 start = max(clock[s], arrival)
-                clock[s] = end[(s, a)] = (start
-                                          + (cost[s] if isinstance(cost, (list, tuple)) else cost)[a.kind])
+                c = cost[s] if isinstance(cost, (list, tuple)) else cost
+                clock[s] = end[(s, a)] = start + (c[a.chunk] if isinstance(c, (list, tuple)) else c)[a.kind]
                 timeline[s].append((a, start, clock[s]))
                 pos[s] += 1
                 progressed = True
