@@ -252,3 +252,33 @@ def test_wall_bubble_counts_a_sleeps_overshoot_as_idle_not_busy():
               [{"wall_start": 1.3, "wall_end": 2.3, "wall_work": 1.0}]]
     assert executor.wall_bubble(events) == pytest.approx(1 - 1.0 / 2.3)
     assert executor.wall_bubble(events) >= 0.5
+
+
+def test_overlap_counts_time_with_two_stages_busy():
+    from labs.pipeline import wall_clock
+    def ev(a, b):
+        return {"wall_start": a, "wall_work": b - a}
+    assert wall_clock.overlap([[ev(0, 2)], [ev(1, 3)]]) == pytest.approx(1.0)
+    assert wall_clock.overlap([[ev(0, 1)], [ev(1, 2)], [ev(2, 3)]]) == 0.0   # one at a time
+
+
+def test_wall_clock_check_fails_the_planted_serialisation():
+    """The planted bug (every stage's work under one lock) fails `wall_clock.check` on every run:
+    no two stages ever work at once, whatever the load; the correct run beside it passes."""
+    from labs.pipeline import wall_clock
+    (run, serialised), = wall_clock.paired(2, [("1f1b", 3, 1)], 0.01, timeout=180)
+    assert wall_clock.overlap(serialised["events"]) == 0.0
+    assert serialised["bubble_fraction_wallclock"] >= 1 - 1 / 2     # p stages' work, one at a time
+    with pytest.raises(AssertionError, match="no two stages ever worked at the same time"):
+        wall_clock.check(serialised, run)
+    wall_clock.check(run, serialised)
+
+
+def test_zb_h1_formula_needs_w_no_longer_than_f():
+    """Qi et al.'s (p-1)(t_F + t_B - t_W) holds for t_W <= t_F; beyond, the simulated idle time stays
+    (p-1) t_B, as at t_W = t_F, while the formula keeps falling (the chapter states the condition)."""
+    for p, m in ((3, 6), (4, 8)):
+        for tf, tb, tw in ((2, 1, 1), (1, 1, 1), (1, 1, 1.5), (1, 2, 4)):
+            timeline = schedules.simulate(schedules.zb_h1(p, m), {"F": tf, "B": tb, "W": tw})
+            total = max(t[-1][2] for t in timeline)
+            assert total - m * (tf + tb + tw) == (p - 1) * (tf + tb - min(tw, tf)), (p, m, tf, tb, tw)

@@ -94,3 +94,25 @@ def test_llama3_405b_head_causal_and_not():
     assert r["head_in_layers"] == pytest.approx(head / (2 * block + 4 * a.hidden * s), rel=1e-12)
     assert r["head_in_layers_causal"] == pytest.approx(head / (2 * block + 2 * a.hidden * s), rel=1e-12)
     assert r["head_in_layers"] < r["head_in_layers_causal"] < 1
+
+
+def test_per_chunk_costs_reproduce_the_interleaved_formula():
+    # equal costs given per chunk give the interleaved formula; a list per stage is read per chunk
+    from labs.formulas import schedules
+    for p, m, v in ((2, 4, 2), (4, 8, 2), (4, 8, 3)):
+        cost = [[{"F": 1 / v, "B": 2 / v, "W": 0}] * v for _ in range(p)]
+        timeline = schedules.simulate(schedules.build("interleaved", p, m, v), cost, v)
+        total = max(e for tl in timeline for _, _, e in tl)
+        want = schedules.formula("interleaved", p, m, v)["over_total"]
+        assert (total - 3 * m) / total == pytest.approx(want)
+
+
+def test_llama3_405b_interleaved_v8_keeps_the_plain_1f1b_verdict():
+    # Llama 3 runs interleaved, v = 8 (one layer per chunk). On its chunks the verdict of plain 1F1B
+    # holds: short chunks first are slower than Llama 3's split, and the layer taken from stage 0
+    # buys no time (short chunks last are exactly as fast).
+    r = sb.llama3_405b_interleaved(m=16, p=16, v=8)
+    first, llama, last = (r["splits"][k] for k in ("first_126", "llama3_126", "even_126"))
+    assert sum(first["layers"]) == sum(llama["layers"]) == sum(last["layers"]) == 126
+    assert llama["layers"][0] == llama["layers"][-1] == 0
+    assert first["step"] > llama["step"] == last["step"]

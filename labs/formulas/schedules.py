@@ -11,7 +11,8 @@ Bubbles, each formula named by its source:
       fraction" t_pb / t_id = (p-1)/m, bubble over ideal compute, derived for GPipe's schedule
       and the same for 1F1B (PipeDream-Flush). Over the total: x / (1 + x) = (p-1)/(m+p-1).
   Interleaved 1F1B (ibid. §2.2.2): (1/v) (p-1)/m over ideal.
-  ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv 2401.10241, §2.1 and Table 2):
+  ZB-H1 (Qi et al., "Zero Bubble (Almost) Pipeline Parallelism", ICLR 2024; arXiv 2401.10241,
+  "Zero Bubble Pipeline Parallelism", §2.1 and Table 2):
       the bubble is (p-1)(T_F + T_B - T_W), against 1F1B's (p-1)(T_F + T_B + T_W). At
       T_F = T_B = T_W = 1: stage 0 runs p forwards, then waits for micro-batch 0's B, which
       leaves stage p-1 at time p + 1 and takes one unit per stage back: it starts on stage 0 at
@@ -165,8 +166,8 @@ def depends_on(a, s, p, v):
 def simulate(lists, cost, v=1, latency=0.0):
     """Start and end of every action when each waits for its own stage and its message
     (``latency`` is added to every message between stages). ``cost``: work per kind, one dict
-    for every stage or a list of one dict per stage (stages of unequal cost,
-    `labs.pipeline.stage_balance`)."""
+    for every stage, a list of one dict per stage (stages of unequal cost,
+    `labs.pipeline.stage_balance`), or per stage a list of one dict per chunk."""
     p = len(lists)
     end, pos, clock, timeline = {}, [0] * p, [0.0] * p, [[] for _ in range(p)]
     while any(pos[s] < len(lists[s]) for s in range(p)):
@@ -179,8 +180,8 @@ def simulate(lists, cost, v=1, latency=0.0):
                     break
                 arrival = end[dep] + (latency if dep[0] != s else 0.0) if dep else 0.0
                 start = max(clock[s], arrival)
-                clock[s] = end[(s, a)] = (start
-                                          + (cost[s] if isinstance(cost, (list, tuple)) else cost)[a.kind])
+                c = cost[s] if isinstance(cost, (list, tuple)) else cost
+                clock[s] = end[(s, a)] = start + (c[a.chunk] if isinstance(c, (list, tuple)) else c)[a.kind]
                 timeline[s].append((a, start, clock[s]))
                 pos[s] += 1
                 progressed = True

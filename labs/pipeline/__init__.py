@@ -4,6 +4,7 @@ The schedules as data and their bubble formulas are torch-free: `labs.formulas.s
 
 - `problems`: the chapter's worked problems, answered by the formulas, and their checker.
 - `executor`: runs any schedule with real sends and receives; gradients, bubble and peak memory.
+- `wall_clock`: the wall-clock bubble, checked against a planted bug that serialises the stages.
 - `schedule_figure`: a schedule's picture, drawn from the timeline the executor recorded.
 - `split_backward`: backward split into B (input gradient) and W (weight gradient), for ZB-H1.
 - `torch_pipelining`: the same pieces under ``torch.distributed.pipelining``'s schedules.

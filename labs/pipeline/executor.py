@@ -81,8 +81,8 @@ def split(net, pieces):
 class Executor:
     """Runs one rank's action list; records logical and wall-clock timelines and activation bytes."""
 
-    def __init__(self, pieces, rank, p, v, cost, unit_seconds, data, m, hidden, split_bw=False):
-        self.pieces, self.rank, self.p, self.v, self.hidden = pieces, rank, p, v, hidden
+    def __init__(self, pieces, rank, p, v, cost, unit_seconds, data, m, hidden, split_bw=False, lock=None):
+        self.pieces, self.rank, self.p, self.v, self.hidden, self.lock = pieces, rank, p, v, hidden, lock
         self.cost, self.unit, self.data, self.m, self.split_bw = cost, unit_seconds, data, m, split_bw
         self.activations = split_backward.Activations(pieces)
         self.saved, self.pending, self.events = {}, [], []  # saved: (mb, chunk) -> what B and W need
@@ -114,8 +114,13 @@ class Executor:
             # pad to a fixed duration per work unit (compute made uniform and dominant), then send:
             # the next stage gets its message when this action's work is done
             worked = time.perf_counter() - wall0
+            if self.lock:  # the planted bug of `wall_clock`: every stage's padded work under one lock
+                self.lock.acquire()
+                wall0, worked = time.perf_counter(), 0.0
             time.sleep(max(0.0, self.cost[a.kind] * self.unit - worked))
             wall1 = time.perf_counter()
+            if self.lock:
+                self.lock.release()
             # busy: the padded duration (or the compute, if longer); a sleep's overshoot is idle
             work = max(worked, self.cost[a.kind] * self.unit)
             self._finish_message(a, k)
@@ -200,7 +205,7 @@ def reference_grads(cfg, data):
 
 @launch.on_cpu('the executor pads every action to a wall-clock time per work unit and sends its logical '
                'clock inside each message: a CPU emulation')
-def run(rank, world_size, schedule="1f1b", m=4, v=1, unit_seconds=0.05, batch_size=2):
+def run(rank, world_size, schedule="1f1b", m=4, v=1, unit_seconds=0.05, batch_size=2, lock=None):
     """Execute one schedule; compare gradients with one process; measure both bubbles."""
     p, cfg = world_size, config()
     actions = schedules.build(schedule, p, m, v)[rank]
@@ -210,7 +215,7 @@ def run(rank, world_size, schedule="1f1b", m=4, v=1, unit_seconds=0.05, batch_si
     data = microbatches(cfg, m, batch_size)
     costs, layer = measure_pieces(mine, data[0], cfg.hidden)
     ex = Executor(mine, rank, p, v, schedules.costs(schedule, v), unit_seconds, data, m, cfg.hidden,
-                  split_bw=schedule in schedules.SPLIT)
+                  split_bw=schedule in schedules.SPLIT, lock=lock)
     torch.distributed.barrier()
     ex.run(actions)
     ref = reference_grads(cfg, data)
@@ -263,10 +268,11 @@ def wall_bubble(events):
 def sweep(rank, world_size, configs, unit_seconds=0.0):
     """`run` for several (schedule, m, v) in one job; returns the summaries on every rank, each with
     ``events``: per stage, one dict per action (action, start, end in work units, wall_start,
-    wall_end, activation_bytes held after it)."""
+    wall_end, activation_bytes held after it). A config's optional fourth item is a lock
+    (`wall_clock.OneDevice`) that serialises the stages' work: the planted bug."""
     out = []
-    for name, m, v in configs:
-        mine = run(rank, world_size, name, m, v, unit_seconds)
+    for name, m, v, *lock in configs:
+        mine = run(rank, world_size, name, m, v, unit_seconds, lock=lock[0] if lock else None)
         everyone = [None] * world_size
         torch.distributed.all_gather_object(everyone, mine)
         out.append(summarize(everyone, name, m, v) | {"events": everyone and [r["events"] for r in everyone]})

@@ -1,9 +1,9 @@
 """Chapter 5: the backward pass split into B (input gradient) and W (weight gradient).
 
-Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241), §1 and Figure 1: a linear
-layer y = x A^T + b has a backward of two matmuls, dx = dy A (B: the previous stage waits for it)
-and dA = dy^T x (W: only the optimizer waits for it). A pipeline that runs W later can fill its
-bubbles with it (`labs.formulas.schedules.zb_h1`).
+Qi et al., "Zero Bubble (Almost) Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241), §1 and
+Figure 1: a linear layer y = x A^T + b has a backward of two matmuls, dx = dy A (B: the previous
+stage waits for it) and dA = dy^T x (W: only the optimizer waits for it). A pipeline that runs W
+later can fill its bubbles with it (`labs.formulas.schedules.zb_h1`).
 
 How this lab splits, as the zero-bubble authors' Megatron-LM fork does (``WeightGradStore`` in
 megatron/core/weight_grad_store.py of sail-sg/zero-bubble-pipeline-parallelism stores each linear

@@ -217,3 +217,25 @@ def llama3_405b(m=16, p=16):
                                "busy_fraction": m * sum(t) / (p * total),
                                "slowest": [s for s in range(p) if t[s] == max(t)]}
     return out
+
+
+def llama3_405b_interleaved(m=16, p=16, v=8):
+    """Interleaved 1F1B on Llama 3 405B's chunks (formula FLOPs, as `llama3_405b`): v = 8 chunks
+    of one layer per stage, 128 chunks for 126 layers, chunk k on stage k mod p. Llama 3's
+    (section 3.3.2): the first chunk holds only the embedding, the last only the head and loss;
+    short chunks first: chunks 0 and 1 empty; short chunks last: chunks 126 and 127 empty (the
+    head on the last). Returns each split's simulated step, F = 1/3 and B = 2/3 of a chunk's FLOPs."""
+    l3 = llama3_405b(m, p)
+    layer, head, n = l3["layer_flops"], l3["head_flops"], p * v
+    splits = {"llama3_126": [0] + [1] * (n - 2) + [0], "first_126": [0, 0] + [1] * (n - 2),
+              "even_126": [1] * (n - 2) + [0, 0], "equal_128": [1] * n}
+    out = {"layer_flops": layer, "m": m, "p": p, "v": v, "splits": {}}
+    for name, counts in splits.items():
+        cost = [[None] * v for _ in range(p)]
+        for k, c in enumerate(counts):
+            x = c * layer + (head if k == n - 1 else 0)
+            cost[k % p][k // p] = {"F": x // 3, "B": 2 * x // 3, "W": 0}
+        timeline = schedules.simulate(schedules.build("interleaved", p, m, v), cost, v)
+        out["splits"][name] = {"layers": counts, "step": max(e for tl in timeline for _, _, e in tl)}
+    return out
+
