@@ -31,6 +31,10 @@ CASES = [
      "GiB and GB mixed up: the answer given in GiB (2^30 bytes), the question asks for GB"),
     (budget, "3", 33 * 2048 * 12288 / budget.GB + 5 * 96 * 2048 * 2048 / budget.GB,  # 0.9 % off: inside 1 %
      "one of the two sbh dropout masks left out: sbh(33 + 5as/h)"),
+    (budget, "3", 35 * 2048 * 12288 / budget.GB + 5 * 96 * 2048 * 2048 / budget.GB,  # 0.9 % high: inside 1 %
+     "one sbh dropout mask counted at 2 bytes, as a bf16 mask: sbh(35 + 5as/h)"),
+    (budget, "1", (2 + 16 / 8) * P13 / budget.GB,
+     "the bf16 weights counted twice: whole (2) and again in the sharded 16/N"),
     (budget, "2", math.ceil(16 * P70 / (budget.GPU_GIB * budget.GB)), "80 GB taken for 80 GiB"),
     (budget, "2", math.ceil(12 * P70 / GPU),
      "12 bytes per parameter: the fp32 master copy of the weights left out"),
