@@ -116,7 +116,7 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     for mode in ("on", "off"):
         assert set(r[mode]) == {"step_s", "backward_s", "exposed_comm_s", "first_start_s", "timeline",
                                 "step_all_s", "backward_all_s", "exposed_all_s", "done_after_backward",
-                                "held_to_end", "left_running"}
+                                "held_to_end", "launched_early", "left_running"}
         assert len(r[mode]["first_start_s"]) == len(r[mode]["step_all_s"]) == 2
         # buckets stamped done after backward ended, per step: a count, never more than the buckets
         assert len(r[mode]["done_after_backward"]) == 2
@@ -133,6 +133,11 @@ def test_overlap_on_and_off_are_measured_and_off_starts_nothing_during_backward(
     assert all(k == 0 for k in r["on"]["held_to_end"])
     assert all(k == r["buckets"] for k in r["off"]["held_to_end"])
     assert all(k == 0 for k in r["off"]["left_running"])
+    # every bucket but the last to fill launched while backward still had gradients to compute:
+    # fixed by the order of the hooks, so asserted exactly, on every rank; none with overlap off
+    for rank in suite(2):
+        assert all(k == r["buckets"] - 1 for k in rank["overlap"]["on"]["launched_early"])
+        assert all(k == 0 for k in rank["overlap"]["off"]["launched_early"])
     assert r["step_ratio_off_over_on"] == r["off"]["step_s"] / r["on"]["step_s"]
     assert hand_ddp.exposed_comm([{"done": 3.0}, {"done": 5.0}], backward_end=4.0) == 1.0
     assert hand_ddp.exposed_comm([{"done": 3.0}], backward_end=4.0) == 0.0
@@ -176,10 +181,31 @@ def test_waiting_for_each_all_reduce_inside_its_hook_is_caught():
     one = {"on": {"left_running": [0, 2, 0]}}
     other = {"on": {"left_running": [1, 0, 0]}}
     assert ddp.overlapped_steps([one, other]) == [True, True, False]
-    # the last bucket's all-reduce has no backward left to run under, and overlap off none at all
-    tl = [{"start": 1.0, "running": False}, {"start": 2.0, "running": True}, {"start": 9.0, "running": True}]
-    assert ddp.left_running(tl, backward_end=10.0) == 1
-    assert ddp.left_running(tl, backward_end=1.5) == 0
+    # the last bucket to fill has no gradient work left to run under, and overlap off none at all
+    tl = [{"ready": 0.5, "start": 1.0, "running": False}, {"ready": 1.5, "start": 2.0, "running": True},
+          {"ready": 9.0, "start": 9.0, "running": True}]
+    assert ddp.left_running(tl) == 1 and ddp.launched_early(tl) == 2
+    late = [dict(b, start=9.5) for b in tl]        # everything launched once the last bucket filled
+    assert ddp.left_running(late) == 0 and ddp.launched_early(late) == 0
+
+
+def test_deferring_every_launch_to_the_last_gradient_is_caught():
+    """Referee, chapter 2 (fix 6) MEDIUM 1: a DDP that launches nothing until every bucket is full,
+    then all four buckets from the last gradient's hook (``defer_launch=True``), passed the checks
+    of fix 5: no bucket started after autograd ended and every launch left an all-reduce running.
+    Overlap means a launch while backward still has gradients to compute: `ddp.launched_early`
+    (launch before the last bucket fills, from the order of the hooks) refuses it on every rank in
+    every step, and so `ddp.overlapped_steps` does; the real DDP passes both in every step."""
+    from labs.data_parallel import ddp
+    ranks = suite(2)
+    defers = [r["overlap_defers"] for r in ranks]
+    for r in defers:  # what fix 5 checked: it passed
+        assert all(k == 0 for k in r["on"]["held_to_end"]) and all(t < 0 for t in r["on"]["first_start_s"])
+        assert all(k == 0 for k in r["on"]["launched_early"])   # what overlap means: refused
+    assert not any(ddp.overlapped_steps(defers))
+    waits = [r["overlap_waits"] for r in ranks]   # the other named mistake launches early, then waits
+    assert all(k == r["buckets"] - 1 for r in waits for k in r["on"]["launched_early"])
+    assert all(ddp.overlapped_steps([r["overlap"] for r in ranks]))
 
 
 def test_holding_every_bucket_but_the_first_until_backward_ends_is_caught():

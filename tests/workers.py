@@ -221,7 +221,9 @@ def ddp_suite(rank, world_size):
                 "no_sync_off": ddp.run(rank, world_size, 2, 3, use_no_sync=False),
                 "overlap": ddp.overlap_on_off(rank, world_size, 2),
                 # the named mistake: each all-reduce waited for inside its hook (1 step per mode)
-                "overlap_waits": ddp.overlap_on_off(rank, world_size, 1, wait_in_hook=True)}
+                "overlap_waits": ddp.overlap_on_off(rank, world_size, 1, wait_in_hook=True),
+                # the named mistake: every launch held until all buckets are full (1 step per mode)
+                "overlap_defers": ddp.overlap_on_off(rank, world_size, 1, defer_launch=True)}
     return {"run": ddp.run(rank, world_size, 3, seeds_differ=True),
             "semantics": ddp_semantics(rank, world_size, torch.float32),
             "no_sync_counted": ddp.run(rank, world_size, 2, 3, counted=True),

@@ -4,8 +4,8 @@
 the hand DDP's all-reduce bytes are reported by kind (formula, wire, payload; counted through
 `hand_ring` with ``counted=True``). `semantics`: the same as torch DDP on a model with a frozen
 layer, a branch some ranks skip and a bf16 head, two backward() calls per step. `drift`: the
-replicas drift apart while the all-reduce is off. `overlap_on_off`: the communication that
-overlapping buckets with backward hides, and the step time it saves.
+replicas drift apart while the all-reduce is off. `overlap_on_off`: whether the all-reduces run
+while backward computes (checked from the order of events), and the time of each side.
 
     python -m labs.data_parallel.ddp --world-size 2 --steps 3 --json
 """
@@ -204,44 +204,48 @@ def held_to_end(buckets, backward_end):
     return sum(b["start"] >= backward_end for b in buckets)
 
 
-def left_running(buckets, backward_end):
-    """How many buckets but the last were launched inside backward and still running when their
-    launch handed control back to autograd (HandDDP's exact ``running`` flag, not a stamp), so that
-    backward went on computing earlier layers' gradients under them. A DDP that waits for each
-    all-reduce inside its hook (``wait_in_hook=True``) scores 0, as does overlap off."""
-    return sum(b["running"] and b["start"] < backward_end for b in buckets[:-1])
+def launched_early(buckets):
+    """How many buckets were launched before the last one to fill became ready (its last gradient's
+    hook ran): backward still had gradients to compute after their launch. Both stamps are taken in
+    autograd's hooks, in turn on one thread, so the count follows the hooks' order, not timing: every
+    bucket but the last to fill with overlap on, 0 with overlap off and with ``defer_launch``."""
+    return sum(b["start"] < max(c["ready"] for c in buckets) for b in buckets)
+
+
+def left_running(buckets):
+    """How many buckets were launched early (`launched_early`) and still running when their launch
+    handed control back to autograd (HandDDP's exact ``running`` flag): backward went on computing
+    under them. 0 with overlap off, ``wait_in_hook`` or ``defer_launch`` (the named mistakes)."""
+    return sum(b["running"] and b["start"] < max(c["ready"] for c in buckets) for b in buckets)
 
 
 def overlapped_steps(per_rank, mode="on"):
-    """Per step of ``mode``: whether on some rank backward resumed while a bucket's all-reduce (not
-    the last bucket's) still ran. Over both ranks, since the rank that issues an all-reduce second
-    can see it finish at once; the first cannot before the second issues it."""
+    """Per step of ``mode``: whether `left_running` > 0 on some rank. Over both ranks, since the rank
+    that issues an all-reduce second can see it finish at once; the first cannot before the second
+    issues it."""
     return [any(k > 0 for k in ks) for ks in zip(*(r[mode]["left_running"] for r in per_rank))]
 
 
 @launch.on_cpu("the hand DDP's bucket timeline is read on the host clock inside autograd hooks, which on a "
                "GPU would time launches")
-def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_size=8, wait_in_hook=False):
+def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_size=8, wait_in_hook=False,
+                   defer_launch=False):
     """Overlap on vs off in one run (alternating steps): exposed communication and step time.
 
     A four-layer model (h = 128) in 1 MiB buckets. Per mode, medians over ``steps`` steps after two
     warm-up steps: step_s (backward start to averaged gradients), backward_s (autograd alone),
-    exposed_comm_s (end of autograd to end of the last all-reduce); step_ratio_off_over_on > 1 is
-    what overlap buys; step_all_s, backward_all_s, exposed_all_s: each step's value, in order (step
-    i on and step i off ran one after the other, which first alternating pair by pair: a pair for
-    `labs.measure.intervals`). first_start_s: each step's earliest
-    all-reduce start relative to the end of autograd, never negative with overlap off.
-    held_to_end: each step's count of buckets whose all-reduce started only once autograd had ended
-    (`held_to_end`; 0 with overlap on). left_running: each step's count of buckets but the last
-    whose all-reduce still ran when backward resumed (`left_running`; 0 for a DDP that waits inside
-    its hooks, ``wait_in_hook=True``, the named mistake). done_after_backward: each step's
-    count of buckets stamped done (an upper bound on the end: the
-    stamp is a callback that needs the GIL) after autograd ended. timeline:
-    the mode's last step, per bucket ready/start/done in seconds since backward started.
+    exposed_comm_s (end of autograd to end of the last all-reduce); step_all_s, backward_all_s,
+    exposed_all_s: each step's value, in order (step i on and step i off ran one after the other,
+    which first alternating pair by pair: a pair for `labs.measure.intervals`). first_start_s: each
+    step's earliest all-reduce start relative to the end of autograd. Per step, the structural
+    counts `held_to_end`, `launched_early` and `left_running`, and done_after_backward, the buckets
+    stamped done (an upper bound on the end: the stamp is a callback that needs the GIL) after
+    autograd ended. timeline: the mode's last step, per bucket ready/start/done in seconds since
+    backward started. ``wait_in_hook``, ``defer_launch``: the named mistakes (`HandDDP`).
     """
     cfg = tiny.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, hidden=128)
     net = tiny.build(cfg, seed=0, device=launch.device())
-    ddp = HandDDP(net, bucket_cap_bytes, wait_in_hook=wait_in_hook)
+    ddp = HandDDP(net, bucket_cap_bytes, wait_in_hook=wait_in_hook, defer_launch=defer_launch)
     runs = {True: [], False: []}
     for step in range(2 + 2 * steps):
         ddp.overlap = (step % 2 == 0) != ((step // 2) % 2 == 1)   # on, off; off, on; on, off ...
@@ -260,9 +264,10 @@ def overlap_on_off(rank, world_size, steps=6, bucket_cap_bytes=1 << 20, batch_si
                      "done_after_backward": [sum(b["done"] > r["backward_end"] for b in r["buckets"])
                                              for r in rs],
                      "held_to_end": [held_to_end(r["buckets"], r["backward_end"]) for r in rs],
-                     "left_running": [left_running(r["buckets"], r["backward_end"]) for r in rs],
+                     "launched_early": [launched_early(r["buckets"]) for r in rs],
+                     "left_running": [left_running(r["buckets"]) for r in rs],
                      "timeline": rs[-1]}
-    return dict(out, buckets=len(ddp.buckets), params=tiny.num_params(net),
+    return dict(out, buckets=len(ddp.buckets), params=tiny.num_params(net), bucket_cap_bytes=bucket_cap_bytes,
                 step_ratio_off_over_on=out["off"]["step_s"] / out["on"]["step_s"])
 
 

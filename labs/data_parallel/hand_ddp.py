@@ -42,15 +42,19 @@ class HandDDP:
     for that). One difference: a parameter no rank used ends with a zero gradient where torch
     leaves None, which is the same for SGD without momentum or weight decay.
     ``overlap=False`` launches every all-reduce only after autograd has finished.
-    ``wait_in_hook=True`` is the named mistake the chapter's overlap check must catch: each bucket
-    launched from its hook and waited for there, so nothing runs while backward computes.
+    Two named mistakes the chapter's overlap check must catch, both with overlap on:
+    ``wait_in_hook=True`` launches each bucket from its hook and waits for it there, so nothing runs
+    while backward computes; ``defer_launch=True`` launches nothing until every bucket is full, then
+    all of them from the last gradient's hook, so no all-reduce starts while backward has work left.
     `finish()` returns the step's per-bucket timeline.
     """
 
-    def __init__(self, model, bucket_cap_bytes=25 * 2**20, overlap=True, wait_in_hook=False):
+    def __init__(self, model, bucket_cap_bytes=25 * 2**20, overlap=True, wait_in_hook=False,
+                 defer_launch=False):
         if bucket_cap_bytes < 1:
             raise ValueError(f"bucket_cap_bytes must be at least 1, got {bucket_cap_bytes}.")
         self.model, self.overlap, self.sync, self.wait_in_hook = model, overlap, True, wait_in_hook
+        self.defer_launch = defer_launch
         self.world_size = dist.get_world_size()
         with torch.no_grad():  # replicas must start equal: everyone takes rank 0's weights
             for p in model.parameters():
@@ -86,6 +90,8 @@ class HandDDP:
         b.ready += 1
         if b.ready == len(b.params):
             b.times["ready"] = time.perf_counter()
+        if self.defer_launch and any(x.ready < len(x.params) for x in self.buckets):
+            return  # the named mistake: hold every launch until the last bucket is full
         while self.overlap and self.next < len(self.buckets) and \
                 self.buckets[self.next].ready == len(self.buckets[self.next].params):
             self._launch(self.buckets[self.next])
