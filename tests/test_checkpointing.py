@@ -102,14 +102,30 @@ def test_a_corrupt_file_is_named_and_every_file_and_folder_is_fsynced_before_the
 
 
 def test_an_async_save_in_flight_leaves_the_previous_checkpoint_as_the_restart_point():
-    # rank 0's files land a step before rank 1's: a commit that did not wait for rank 1 would
-    # make a restart after step s + omega - 1 find the save of step s, and break the formula there
+    # rank 0's save call is held until a step before rank 1's; the commit waits for rank 1's
+    # checksums (test_a_commit_that_does_not_wait_for_rank_1_fails_on_a_missing_file: without it)
     w = async_window.window(steps=8, tau=3, omega=2)
     assert w["sync_lost"] == w["sync_formula"] and w["async_lost"] == w["async_formula"]   # read from disk
     assert w["async_mean_lost"] - w["sync_mean_lost"] == 2                                  # omega steps more
     assert (w["sync_mean_lost"], w["async_mean_lost"]) == (w["sync_mean_formula"], w["async_mean_formula"])
     # the whole run's mean is not the steady state's: before the first save a failure loses fewer
     assert w["async_run_mean_lost"] == sum(w["async_formula"]) / 8 < w["async_mean_formula"]
+
+
+def test_a_commit_that_does_not_wait_for_rank_1_fails_on_a_missing_file(tmp_path):
+    # the mutant gathers no checksums: rank 0 renames step-3.tmp while rank 1's save is held after
+    # writing its files, and rank 1, released, hashes a file that is no longer there
+    import workers
+    from labs.launcher import launch
+    try:
+        committed = launch.spawn(workers.async_window_commit_without_waiting, 2, str(tmp_path), 6, 3, 2,
+                                 timeout=120)[0]
+    except launch.RankError as exc:
+        assert "FileNotFoundError" in str(exc) and "step-3.tmp/rank1.bin" in str(exc), str(exc)
+        return
+    # if rank 1 hashed before the rename, the marker lacks its checksums: no restart accepts the save
+    lost = [s - c for s, c in zip(range(1, 7), committed)]
+    assert lost != [async_window.lost_formula(s, 3, 2) for s in range(1, 7)], committed
 
 
 @pytest.mark.numerics

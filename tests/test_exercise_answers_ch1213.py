@@ -26,7 +26,9 @@ CASES = [
     (cost, "1", cost.write_seconds(12 * 70e9, 10), budget.nominal_mistake("70B")),
     (cost, "2", math.ceil(10 / 4), "the padded shard's size, padding counted as written"),
     (cost, "3", 7 * 12, "samples consumed, not the position in the epoch"),
-    (cost, "4", cost.lost_steps(9, 4, 0), "as if the save of step 8 had committed (a synchronous save)"),
+    (cost, "4", cost.lost_steps(8, 4, 0), "as if the save of step 8 had committed (a synchronous save)"),
+    (cost, "4", max(cost.lost_steps(s, 4, 2) for s in range(4, 12)),
+     "the worst case tau + omega - 1 (after step 9), not the loss after step 8"),
     # chapter 13, failures
     (rel, "1",
      rel.job_mtbf(rel.LLAMA3_DAYS * 24 / (rel.LLAMA3_UNEXPECTED + 47) * rel.LLAMA3_GPUS, 100_000) * 60,

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from labs.measure import comm, wire
 from labs.data_parallel import hand_ring
+from labs.launcher import launch
 
 
 def report_rank(rank, world_size):
@@ -279,3 +280,16 @@ def finish_apart(rank, world_size, folder):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@launch.on_cpu("chapter 12's async window, as labs.checkpointing.async_window._train")
+def async_window_commit_without_waiting(rank, world_size, root, steps, tau, omega):
+    """Chapter 12's mutant: the hand format's save commits without gathering every rank's checksums
+    (each rank 'gathers' only its own), so rank 0 renames the folder while rank 1's save is held."""
+    from labs.checkpointing import async_window, sharded_checkpoint as sc
+
+    def own_only(out, obj, group=None):
+        out[:] = [obj] * len(out)
+
+    sc.dist.all_gather_object = own_only   # this rank's process only; the training never gathers objects
+    return async_window._train(rank, world_size, root, steps, tau, omega)

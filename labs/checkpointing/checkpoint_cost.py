@@ -65,7 +65,7 @@ EXERCISES = {
     "1": lambda: write_seconds(checkpoint_bytes("70B"), 10),          # sync write at 10 GB/s, seconds
     "2": lambda: (lambda r: r[1] - r[0])(shard_range(10, 4, 3)),       # elements rank 3 of 4 writes
     "3": lambda: (7 * 12) % 60,                                       # loader position in its epoch
-    "4": lambda: lost_steps(9, 4, 2),                                 # steps lost, async save in flight
+    "4": lambda: lost_steps(8, 4, 2),                                 # steps lost, async save in flight
 }
 
 # The answer a careless reader gives to each, which the checker must refuse
@@ -77,7 +77,7 @@ WRONG = {
     "2": 3,                                                      # the padded shard's size
     # samples consumed, not the position in the epoch
     "3": 7 * 12,
-    "4": 9 % 4,                                                  # as if the save of step 8 had committed
+    "4": 8 % 4,                                                  # as if the save of step 8 had committed
 }
 
 # The answers the usual mistakes give, each computed from its mistake; the checker names them.
@@ -87,7 +87,8 @@ MISTAKES = {
           budget.nominal("70B", EXERCISES["1"])],
     "2": [(WRONG["2"], "the padded shard's size, padding counted as written")],
     "3": [(WRONG["3"], "samples consumed, not the position in the epoch")],
-    "4": [(WRONG["4"], "as if the save of step 8 had committed (a synchronous save)")],
+    "4": [(WRONG["4"], "as if the save of step 8 had committed (a synchronous save)"),
+          (4 + 2 - 1, "the worst case tau + omega - 1 (after step 9), not the loss after step 8")],
 }
 
 
