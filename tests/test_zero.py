@@ -131,6 +131,18 @@ def test_a_zero2_that_never_frees_one_bucket_is_caught(bugs, two_ranks):
             _check_gradient_freed_in_backward(bug, 2)
 
 
+def test_a_zero2_that_stashes_each_full_bucket_is_caught(bugs):
+    # The bug sets b.grad to None after each reduction but keeps the full bucket in a list until
+    # backward ends: by the bucket attributes every bucket was freed, and it trains exactly. The
+    # live bytes are measured on the storages themselves, so the check refuses it.
+    for r in bugs:
+        bug = r["stashes"]
+        assert bug["max_param_diff_vs_single_process"] <= bug["param_bound"]
+        assert not stages.frees_each_bucket(bug["peak"]["grad_reductions"])
+        with pytest.raises(AssertionError):
+            _check_gradient_freed_in_backward(bug, 2)
+
+
 @pytest.mark.numerics
 def test_a_wrongly_scaled_step_is_caught(bugs):
     # The sharded optimizer's lr scaled, one process's not: DDP and ZeRO-1 share the bug and agree

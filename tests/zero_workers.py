@@ -39,6 +39,24 @@ def _reduce_scatter_keeping_block0(self, b):
     self._note_freed(b)
 
 
+_STASH = []  # the stash bug's full buckets, off the optimizer's books
+
+
+def _reduce_scatter_stashing(self, b):
+    """The bug: every bucket is reduce-scattered and ``b.grad`` set to None as it should, but the full
+    gradient is also kept in a list until backward ends (`_end_of_backward_clearing`). The bucket
+    attributes read as freed; only the storage stays alive."""
+    g = b.grad
+    _GOOD["reduce_scatter"](self, b)
+    _STASH.append(g)
+
+
+def _end_of_backward_clearing(self):
+    """`ShardedOptimizer._end_of_backward`, then the stash is emptied."""
+    _GOOD["end"](self)
+    _STASH.clear()
+
+
 def _end_of_backward_freeing(self):
     """`ShardedOptimizer._end_of_backward`, then every full gradient still live is freed."""
     _GOOD["end"](self)
@@ -46,7 +64,8 @@ def _end_of_backward_freeing(self):
         b.grad = None
 
 
-_GOOD = {"end": ShardedOptimizer._end_of_backward}
+_GOOD = {"end": ShardedOptimizer._end_of_backward,
+         "reduce_scatter": ShardedOptimizer._reduce_scatter}
 
 
 def _patched(obj, name, fn, call):
@@ -60,7 +79,8 @@ def _patched(obj, name, fn, call):
 
 def zero2_bugs(rank, world_size, steps=2, batch_size=1):
     """`stages.run` for stage 2 with `_grad_ready_at_end` ("at_end": every bucket waits for the end
-    of backward) and with `_reduce_scatter_keeping_block0` ("keeps_block0")."""
+    of backward), with `_reduce_scatter_keeping_block0` ("keeps_block0") and with
+    `_reduce_scatter_stashing` ("stashes")."""
     run = lambda: stages.run(rank, world_size, 2, steps, batch_size)  # noqa: E731
 
     def keeps_block0():
@@ -68,8 +88,13 @@ def zero2_bugs(rank, world_size, steps=2, batch_size=1):
         return _patched(ShardedOptimizer, "_end_of_backward", _end_of_backward_freeing,
                         lambda: _patched(ShardedOptimizer, "_reduce_scatter", bug, run))
 
+    def stashes():
+        bug = _reduce_scatter_stashing
+        return _patched(ShardedOptimizer, "_end_of_backward", _end_of_backward_clearing,
+                        lambda: _patched(ShardedOptimizer, "_reduce_scatter", bug, run))
+
     return {"at_end": _patched(ShardedOptimizer, "_grad_ready", _grad_ready_at_end, run),
-            "keeps_block0": keeps_block0()}
+            "keeps_block0": keeps_block0(), "stashes": stashes()}
 
 
 def scaled_lr(rank, world_size, scales=(1.1, 2.0), steps=2, batch_size=1):

@@ -12,6 +12,8 @@ backward, ``step()`` and ``zero_grad()``:
 Stage 3 (the weights sharded too) wraps the model instead: `labs.zero.fsdp.HandFSDP`. The lab that
 measures every stage on the tiny GPT is `labs.zero.stages`.
 """
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -92,9 +94,11 @@ def make_buckets(params, bucket_numel=None):
 
 def frees_each_bucket(reductions):
     """Whether a stage-2 step freed every bucket's full gradient as soon as its reduction returned:
-    after each reduction (``ShardedOptimizer.reductions``) exactly the buckets still filling are live,
-    to the byte. "Less than the whole gradient" passes a ZeRO-2 that never frees one bucket; this
-    refuses it at that bucket's reduction, and at every later one."""
+    after each reduction (``ShardedOptimizer.reductions``) the full-gradient storages still alive
+    (measured by weak references, not read off ``b.grad``) are exactly the buckets still filling, to
+    the byte. "Less than the whole gradient" passes a ZeRO-2 that never frees one bucket, or that
+    drops it from ``b.grad`` but keeps it elsewhere until backward ends; this refuses both at that
+    bucket's reduction, and at every later one."""
     return bool(reductions) and all(e["live_after"] == e["filling"] for e in reductions)
 
 
@@ -149,6 +153,7 @@ class ShardedOptimizer:
                                          **defaults)
         self.got_grad, self._reduced, self._queued = set(), None, False
         self.full_grad_peak_bytes = 0  # the most full-gradient bytes live at a reduction, `_note_live`
+        self._grad_storages = {}  # full-gradient storages seen: id -> (weak reference, bytes)
         self.reductions = []  # stage 2, this step: per bucket reduced, `_note_freed`
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -184,20 +189,32 @@ class ShardedOptimizer:
         b.grad, b.reduced = None, True
         self._note_freed(b)
 
+    def _live_grad_bytes(self):
+        """Bytes of full-gradient storages still alive, measured, not read off ``b.grad``: every
+        buffer seen as a bucket's ``grad`` is watched by a weak reference to its storage, which dies
+        only when its last reference goes (as `labs.measure.memory.PeakMemory` counts), so a buffer
+        dropped from ``b.grad`` but kept anywhere else still counts."""
+        watched = {k: v for k, v in self._grad_storages.items() if v[0]() is not None}
+        for b in self.buckets:
+            if b.grad is not None:
+                s = b.grad.untyped_storage()
+                watched.setdefault(s._cdata, (weakref.ref(s), s.nbytes()))
+        self._grad_storages = watched
+        return sum(n for _, n in watched.values())
+
     def _note_live(self):
-        """Counts the full-gradient buffers live as a bucket is reduced (all of them, at stages 0-1)."""
-        live = sum(x.grad.nbytes for x in self.buckets if x.grad is not None)
-        self.full_grad_peak_bytes = max(self.full_grad_peak_bytes, live)
+        """The full-gradient bytes live as a bucket is reduced (all of them, at stages 0-1)."""
+        self.full_grad_peak_bytes = max(self.full_grad_peak_bytes, self._live_grad_bytes())
 
     def _note_freed(self, b):
-        """Stage 2, right after bucket ``b``'s reduction returns: the full-gradient bytes still live
-        (the buffers themselves) beside those of the buckets still filling (some but not all of
+        """Stage 2, right after bucket ``b``'s reduction returns: the full-gradient bytes still alive
+        (measured, `_live_grad_bytes`) beside those of the buckets still filling (some but not all of
         their gradients arrived, not reduced: from the arrivals and the bucket sizes). Equal when
         every bucket reduced so far was freed."""
-        live = sum(x.grad.nbytes for x in self.buckets if x.grad is not None)
         filling = sum(x.flat.nbytes for x in self.buckets
                       if x.arrived and len(x.arrived) < len(x.params) and not x.reduced)
-        self.reductions.append({"bucket": self.buckets.index(b), "live_after": live, "filling": filling})
+        self.reductions.append({"bucket": self.buckets.index(b), "live_after": self._live_grad_bytes(),
+                                "filling": filling})
 
     def _end_of_backward(self):
         for b in self.buckets:  # the same order on every rank
