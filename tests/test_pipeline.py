@@ -49,8 +49,25 @@ def _cases():
 def test_simulated_bubble_equals_the_formula(name, p, m, v):
     lists = schedules.build(name, p, m, v)
     cost = schedules.costs(name, v)
-    measured = schedules.bubble(schedules.simulate(lists, cost, v), cost)
+    timeline = schedules.simulate(lists, cost, v)
+    # every stage does all its work, m x v chunk-passes of F + B (+ W), not only stage 0
+    assert schedules.stage_busy(timeline) == pytest.approx([m * v * sum(cost.values())] * p, abs=1e-12)
+    measured = schedules.bubble(timeline, cost)
     assert measured["over_ideal"] == pytest.approx(schedules.formula(name, p, m, v)["over_ideal"], abs=1e-12)
+
+
+def test_a_dropped_w_on_a_later_stage_is_caught():
+    # Named mistake: the builder drops the last W on stage p - 1 of ZB-H1. Stage 0 still ends the
+    # step, so its busy time and the bubble equal the formula; only the per-stage busy time differs.
+    p, m = 4, 8
+    lists = schedules.zb_h1(p, m)
+    lists[p - 1] = lists[p - 1][:-1]
+    cost = schedules.costs("zb-h1")
+    timeline = schedules.simulate(lists, cost)
+    assert schedules.bubble(timeline, cost)["over_ideal"] == pytest.approx(
+        schedules.formula("zb-h1", p, m)["over_ideal"], abs=1e-12)
+    busy = schedules.stage_busy(timeline)
+    assert busy[p - 1] == pytest.approx(m * 3 - 1) and busy[:p - 1] == pytest.approx([m * 3] * (p - 1))
 
 
 @pytest.mark.parametrize("p,m", [(2, 1), (3, 2), (3, 7), (4, 8)])

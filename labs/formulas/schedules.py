@@ -218,8 +218,14 @@ def _greedy(p, m, priority, limit, hold):
     return lists
 
 
+def stage_busy(timeline):
+    """Busy time of every stage of a timeline (``bubble`` takes stage 0's: equal on every stage
+    only if the builder gave each stage all its work, which tests/test_pipeline.py asserts)."""
+    return [sum(end - start for _, start, end in stage) for stage in timeline]
+
+
 def bubble(timeline, cost):
-    """Measured bubble of a timeline: idle share of the total, and idle over ideal compute."""
+    """Simulated bubble of a timeline: idle share of the total, and idle over ideal compute."""
     total = max(t[-1][2] for t in timeline)
     busy = sum(cost[a.kind] for a, _, _ in timeline[0])
     return {"over_total": (total - busy) / total, "over_ideal": (total - busy) / busy}

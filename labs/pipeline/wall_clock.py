@@ -57,7 +57,9 @@ def overlap(events):
 
 def check(run, serialised):
     """Assert that ``run`` (an `executor.sweep` result) idled neither less than its dependencies
-    force nor like a serialised executor; ``serialised`` is the same schedule under `OneDevice`."""
+    force nor like a serialised executor; ``serialised`` is the same schedule under `OneDevice`.
+    It catches full serialisation only: a blocking send, a per-message delay or a lock over some
+    stages leaves two stages busy at once and below the serialised run, and passes."""
     name, formula = run["schedule"], run["bubble_fraction_formula"]
     wall, serial = run["bubble_fraction_wallclock"], serialised["bubble_fraction_wallclock"]
     # below the formula: no executor that keeps its dependencies idles less (timer noise aside)
