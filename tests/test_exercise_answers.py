@@ -68,7 +68,7 @@ CASES = [
     (ra, "3", 7 * 14 * 1e9 / 2**30, "the answer in GiB (2^30 bytes): the question asks for GB (10^9)"),
     (ra, "5", 7 * 1000, "only the reduce-scatter's N-1 steps: the all-gather has as many"),
     (ra, "5", 1000, "the ring's 2(N-1) steps per all-reduce left out"),
-    (ra, "5", 2 * 7 * 8, "with buckets: the question asks for one all-reduce per tensor"),
+    (ra, "5", 2 * 7 * ra.EX5_BUCKETS, "with buckets: the question asks for one all-reduce per tensor"),
     (ra, "6", 8, "one all-reduce per micro-batch: that is what no_sync avoids"),
     (ra, "7", 1.0, "the naive and the true weights are the same only when every count is equal"),
     (ra, "7", (1 / (2 * 30)) / (1 / 40), "a token on rank 1, with 30 tokens: it is weighed less"),

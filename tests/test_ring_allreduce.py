@@ -1,6 +1,7 @@
 """Chapter 2: hand-built all-reduces equal the exact sum, move exactly the formula's bytes, and the
 wire sees exactly those messages."""
 import functools
+import math
 import json
 import os
 import subprocess
@@ -192,8 +193,11 @@ def test_across_nodes_the_ring_runs_at_the_nodes_egress():
 
 
 def test_exercise_5_buckets():
-    """200 MB of fp32 gradients in 25 MiB buckets: 8 buckets, 2(N-1) alpha terms each."""
-    assert ra.EX5_BUCKETS == 8
+    """200 MB of fp32 gradients in DDP's default buckets: a first of 1 MiB, then 25 MiB ones, 9 in all
+    (8 would be the mistake of leaving out the small first bucket); the cap is torch's own."""
+    import torch.distributed as dist
+    assert ra.FIRST_BUCKET_CAP == dist._DEFAULT_FIRST_BUCKET_BYTES
+    assert ra.EX5_BUCKETS == 9 != math.ceil(ra.EX5_GRAD_BYTES / ra.BUCKET_CAP)
 
 
 def test_the_fit_recovers_a_known_line():

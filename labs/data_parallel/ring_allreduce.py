@@ -187,9 +187,11 @@ def compute_bound_tokens(peak_flops, link_bytes_per_s, n=None):
 # Exercise 4's W: a ring across 8-GPU H100 nodes, ranks placed node by node, leaves each node through
 # its 8 NDR NICs at once (`labs.formulas.links.ring_bandwidth`, Austin et al. 2025 Part 12): 400 GB/s.
 ACROSS_NODES_BPS = links.ring_bandwidth(nodes=2, group_gpus_per_node=8)
-# Exercise 5's model: 1,000 gradient tensors, 200 MB of fp32 gradients, DDP's default 25 MiB buckets.
-EX5_GRAD_BYTES, BUCKET_CAP = 200e6, 25 * 2**20
-EX5_BUCKETS = math.ceil(EX5_GRAD_BYTES / BUCKET_CAP)
+# Exercise 5's model: 1,000 gradient tensors, 200 MB of fp32 gradients, DDP's default buckets: with the
+# default cap the first bucket is capped at 1 MiB (torch 2.13, `_BucketCapacityConfig.create`:
+# `dist._DEFAULT_FIRST_BUCKET_BYTES`, 1,048,576), the rest at 25 MiB.
+EX5_GRAD_BYTES, BUCKET_CAP, FIRST_BUCKET_CAP = 200e6, 25 * 2**20, 2**20
+EX5_BUCKETS = 1 + math.ceil((EX5_GRAD_BYTES - FIRST_BUCKET_CAP) / BUCKET_CAP)
 
 # Chapter 2's exercises: the answers are computed here, so the book never types them.
 EXERCISES = {
