@@ -161,3 +161,15 @@ def test_quiz_seven_names_the_reduce_scatter_half(capsys):
     half = quiz.q7_dp_gb_per_rank() / 2
     assert not quiz.check("7", half)
     assert "reduce-scatter half" in capsys.readouterr().out
+
+
+def test_quiz_names_the_slips_inside_its_tolerance(capsys):
+    """Both slips land inside the 2 % band: the nominal 70e9 parameters (question 1, 1.5 % high) and the
+    ring's (n - 1)/n left out (question 7, 0.8 % high). Named mistakes inside the band are refused."""
+    q1 = quiz.q1_state_gib() * 70e9 / quiz.shapes.LLAMA2_70B.params()
+    assert not quiz.check("1", q1)
+    assert "nominal 70e9" in capsys.readouterr().out
+    q7 = quiz.q7_dp_gb_per_rank() * 128 / 127
+    assert not quiz.check("7", q7)
+    assert "(n - 1)/n left out" in capsys.readouterr().out
+    assert quiz.check("1", quiz.q1_state_gib()) and quiz.check("7", quiz.q7_dp_gb_per_rank())

@@ -122,7 +122,9 @@ MISTAKES = {
                       "optimizer state, where mixed-precision Adam keeps 16 in all (chapter 1)"),
           (3 * 17.5, "the note's 3 x 17.5 GB, and in GB: 2 bytes per parameter for each of weights, "
                      "gradients and optimizer state, where mixed-precision Adam keeps 16 in all (chapter 1); "
-                     "the exercise asks for GiB (2^30 bytes)")],
+                     "the exercise asks for GiB (2^30 bytes)"),
+          (lambda: q1_state_gib() * 70e9 / shapes.LLAMA2_70B.params(),
+           "the nominal 70e9 parameters of the model's name; counted from its shapes it has fewer")],
     "2": [(NOTE["2"], "the note's 5 %: reachable with enough micro-batches or a zero-bubble schedule, but "
                       "not by the 1F1B family at Llama 3's 16M-token batch, this exercise's setting")],
     "5": [(q5_bubble_over_ideal, "that is phi = (p - 1)/m, the bubble over the ideal compute time; the "
@@ -130,7 +132,9 @@ MISTAKES = {
     "7": [(NOTE["7"], "810 GB is the whole model's bf16 gradient; a rank reduces only its own stage's "
                       "tensor-parallel shard"),
           (lambda: q7_dp_gb_per_rank() / 2, "that is the reduce-scatter half; the all-reduce's send is "
-                                            "both halves, reduce-scatter and all-gather")],
+                                            "both halves, reduce-scatter and all-gather"),
+          (lambda: q7_dp_gb_per_rank() * 128 / 127, "the ring's (n - 1)/n left out: over 128 ranks a rank "
+                                                    "sends 127/128 of twice its shard")],
     "16": [(NOTE["16"], "the note's ~33 % is full recomputation's extra FLOPs; selective recomputation "
                         "(Korthikanti et al.) reruns only the attention core")],
 }
