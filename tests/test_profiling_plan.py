@@ -78,3 +78,23 @@ def test_a_pipeline_rank_is_priced_for_every_message_its_time_in_flight_spans():
     assert set(traffic) == {"gloo:send", "gloo:recv"}
     assert p["comm_s"] == pytest.approx(priced)
     assert p["comm_s"] != pytest.approx(sends_only)
+
+
+def test_the_calibration_refuses_an_intercept_below_the_fastest_exchange():
+    # the named mistake: a free line's intercept (a fit parameter) used as the latency. On these
+    # exchanges the relative-error line undershoots the fastest 4-byte exchange; a latency is never
+    # negative, nor below the fastest exchange, so that fit is refused and chapter 10's model passes
+    from labs.collectives import alpha_beta
+    sizes = pc.SIZES
+    fastest = [100e-6, 80e-6, 110e-6, 200e-6, 560e-6]
+    median = [2 * t for t in fastest]
+    line = alpha_beta.fit_line(sizes, fastest)
+    free = [line["alpha"] + n * line["beta"] for n in sizes]
+    assert free[0] < fastest[0]
+    assert not pc.check_fit(line["alpha"], line["beta"], free, fastest, median)
+    m = alpha_beta.model(sizes, [[t] for t in fastest])
+    held = [m["alpha"] + n * m["beta"] for n in sizes]
+    assert m["alpha"] == fastest[0]
+    assert pc.check_fit(m["alpha"], m["beta"], held, fastest, median)
+    # and the old band's lower edge, half the fastest, let that intercept through
+    assert all(lo / 2 <= p <= 1.5 * t for p, lo, t in zip(free, fastest, median))

@@ -3,10 +3,11 @@ predicted for small layouts and measured from their traces, term by term, in one
 
     r = planner_check.run(steps=6)        # dp 2, tp 2, pp 2 (1F1B, 4 micro-batches), 2 ranks
 
-In one job both ranks calibrate (`calibrate`): chapter 10's alpha and beta fitted
-(`alpha_beta.fit_line`) to the fastest of timed exchanges between the two ranks (chapter 11's
-`latency.rank_times`), checked from both sides at every size before use: above half the fastest
-exchange, under 1.5 times the median (measured again, up to `CALIBRATIONS` times, until it passes;
+In one job both ranks calibrate (`calibrate`): chapter 10's model (`alpha_beta.model`) on timed
+exchanges between the two ranks (chapter 11's `latency.rank_times`): alpha the fastest exchange at the
+smallest size, beta fitted with alpha held, checked before use (`check_fit`): at least the fastest
+exchange at the smallest size, above half the fastest and under 1.5 times the median at every size
+(measured again, up to `CALIBRATIONS` times, until it passes;
 a fit that is wrong, not unlucky, fails every time). Per layout,
 each rank counts one step's FLOPs (`FlopCounterMode`) and records ``steps`` steps under the
 profiler, each just after timing the model's MLP matmul on its own thread (`gemm_rate`): the
@@ -45,7 +46,7 @@ from labs.profiling import analysis, intervals as iv, lab, targets, timing, trac
 
 # name: (the chapter 15 lab that runs the layout, its options)
 LAYOUTS = {"dp 2": ("ddp", {}), "tp 2": ("tp", {}), "pp 2": ("1f1b", {"microbatches": 4})}
-SIZES = [4, 16 * 1024, 256 * 1024, 1024 * 1024]      # bytes of the calibration exchanges
+SIZES = [4, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024]   # exchanges' bytes (64 KiB: 1F1B's)
 GEMM = (512, 512, 128)                                 # M, N, K: the MLP's first matmul, b s = 512
 TERMS = ("compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "idle_s", "step_s")
 MATMUL_OPS = tuple("aten::" + n for n in eager_traffic.MATMULS)
@@ -60,6 +61,15 @@ def gemm_rate(a, b, reps=5):
     return 2 * a.shape[0] * a.shape[1] * b.shape[1] * reps / (clock.now() - t0)
 
 
+def check_fit(alpha, beta, fitted, fastest, median):
+    """The direct check of a calibration, sizes ascending: positive constants; at the smallest size
+    the line at least the fastest exchange (a latency is never negative, nor below the fastest
+    exchange: a free intercept that undershoots it is refused); at every size above half the
+    fastest and under 1.5 times the median exchange (a fit far too low or far too high fails)."""
+    return alpha > 0 and beta > 0 and fitted[0] >= fastest[0] and all(
+        lo / 2 <= p <= 1.5 * t for p, lo, t in zip(fitted, fastest, median))
+
+
 def calibrate(rank, world_size, repeats=7):
     """alpha and beta between the two ranks, fitted to the fastest exchange per size of the slower
     rank and checked against the medians; the GEMM's operands for `gemm_rate`."""
@@ -70,18 +80,16 @@ def calibrate(rank, world_size, repeats=7):
     every = [None] * world_size
     dist.all_gather_object(every, {s: mine[f"exchange/barrier/{s}"] for s in SIZES})
     slowest = {s: [max(r[s][i] for r in every) for i in range(repeats)] for s in SIZES}
-    fit = alpha_beta.fit_line(SIZES, [min(slowest[s]) for s in SIZES])
+    # chapter 10's model: alpha the fastest exchange at the smallest size, beta fitted with it held
+    fit = alpha_beta.model(SIZES, [slowest[s] for s in SIZES])
+    predicted = [fit["alpha"] + n * fit["beta"] for n in SIZES]
     median = [statistics.median(slowest[s]) for s in SIZES]
     fastest = [min(slowest[s]) for s in SIZES]
-    # the direct check, from both sides: positive constants whose line lies, at every size, above
-    # half the fastest exchange it was fitted to (a fit far too low fails) and under 1.5 times the
-    # median (a fit far too high fails)
-    ok = fit["alpha"] > 0 and fit["beta"] > 0 and all(
-        lo / 2 <= p <= 1.5 * t for p, lo, t in zip(fit["predicted"], fastest, median))
+    ok = check_fit(fit["alpha"], fit["beta"], predicted, fastest, median)
     return {"flops": statistics.median(rates), "flops_spread": (min(rates), max(rates)),
             "threads": torch.get_num_threads(), "alpha": fit["alpha"], "beta": fit["beta"],
-            "median_s": dict(zip(SIZES, median)),
-            "fastest_s": dict(zip(SIZES, fastest)), "fitted_s": dict(zip(SIZES, fit["predicted"])),
+            "intercept": fit["intercept"], "median_s": dict(zip(SIZES, median)),
+            "fastest_s": dict(zip(SIZES, fastest)), "fitted_s": dict(zip(SIZES, predicted)),
             "checked": ok, "operands": (a, b)}
 
 
