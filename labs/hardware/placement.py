@@ -13,19 +13,15 @@ Bytes per rank per step, bf16 (2 bytes) unless stated, ring collectives (`labs.f
 2(N-1)/N * M for an all-reduce of M bytes, (N-1)/N * M for an all-gather of the full M or a
 reduce-scatter; Patarasuk & Yuan 2009), for the busiest pipeline stage (chapter 5's split,
 `stage_balance.stage_layers`: Llama 3 takes one layer from the first and the last stage):
-- TP (Megatron, Shoeybi et al. 2019, section 3): 4 all-reduces of b*(s/cp)*h per layer per
-  micro-batch (2 forward, 2 backward).
-- CP (all-gather of K and V, Llama 3 section 3.3.2): forward all-gather and backward
-  reduce-scatter of 2*b*s*h_kv/tp per layer per micro-batch.
+- TP (Shoeybi et al. 2019, section 3): 4 all-reduces of b*(s/cp)*h per layer and micro-batch.
+- CP (Llama 3 3.3.2): all-gather, reduce-scatter of K, V, 2*b*s*h_kv/tp, per layer and micro-batch.
 - PP: one activation forward and one gradient back per micro-batch and model chunk, b*(s/cp)*h/tp
   bytes from each TP rank (sequence parallelism, Korthikanti et al. 2022, or Megatron's
   scatter/gather, Narayanan et al. 2021, section 4.1; without either every TP rank sends b*s*h).
   Interleaving with v chunks per rank sends v times as many (Narayanan et al. 2021, section 2.2);
   Llama 3's first chunk holds only the embedding, so a chunk is one layer: v = (126 + 2) / 16 = 8.
-- DP as Llama 3 runs it (section 3.3.2): FSDP that does not reshard the weights after forward and
-  reduce-scatters the gradients in fp32: per step one all-gather of the bf16 weights and one
-  reduce-scatter of the fp32 gradients, 2 + 4 bytes per parameter of the average stage,
-  params/(tp*pp) per rank.
+- DP as Llama 3 runs it (section 3.3.2): FSDP without resharding after forward: per step one
+  bf16 all-gather and one fp32 reduce-scatter, 2 + 4 bytes per parameter of params/(tp*pp).
 - EP (formula only, not simulated): dispatch and combine, forward and backward, 4 all-to-alls of
   k*b*s*h/(tp*cp) per MoE layer, each sending (N-1)/N of it.
 The counted check, every message's destination on a simulated cluster, is `labs.hardware.boundary`.
