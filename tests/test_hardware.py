@@ -2,6 +2,7 @@
 each message's destination; Llama 3's stage split; bad input. Notebook 11 asserts the real
 two-launcher run and this machine's figures; the exercises' checker is
 tests/test_exercise_answers_ch1011.py."""
+import dataclasses
 import itertools
 import json
 
@@ -224,14 +225,18 @@ def test_outer_position_prices_only_what_the_order_changes():
     dp_out = P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
     pp_out = P.exposed(P.LLAMA3_405B, placed(("tp", "cp", "ep", "dp", "pp"), tp=8, pp=16, dp=128))
     o = P.outer_position(dp_out, pp_out)
-    send, pair = 8192 * 16384 * 2 / 8 / 50e9, dp_out["dp_exposed_s"]     # one PP send; DP's exposed pair
+    send, pair = 8192 * 16384 * 2 / 8 / 50e9, dp_out["dp_exposed_s"]     # one PP send; DP's pair, bound
     cross = 94 * send
-    assert o["full"]["dp_outermost_s"] == pytest.approx(pair + cross) == o["full"]["pp_outermost_s"]
-    assert o["slowed"]["dp_outermost_s"] == pytest.approx(7 * pair + cross)          # not pair + cross
-    assert o["slowed"]["pp_outermost_s"] == pytest.approx(pair + 7 * cross)          # not 7 x 254 sends
+    up = {k: {x: v[x.replace("_s", "_upper_s")] for x in ("dp_outermost_s", "pp_outermost_s")}
+          for k, v in o.items()}
+    assert up["full"]["dp_outermost_s"] == pytest.approx(pair + cross) == up["full"]["pp_outermost_s"]
+    assert up["slowed"]["dp_outermost_s"] == pytest.approx(7 * pair + cross)          # not pair + cross
+    assert up["slowed"]["pp_outermost_s"] == pytest.approx(pair + 7 * cross)          # not 7 x 254 sends
     assert o["slowed"]["pp_cross_s"] < 7 * dp_out["pp_critical_s"] / 2
     assert (o["shared"]["rate_dp"], o["shared"]["rate_pp"]) == pytest.approx((1, 3 / 7))
-    assert o["shared"]["pp_outermost_s"] == pytest.approx(pair + cross * 7 / 3)
+    assert up["shared"]["pp_outermost_s"] == pytest.approx(pair + cross * 7 / 3)
+    real = P.exposed_pair(pp_out)
+    assert o["shared"]["pp_outermost_s"] == pytest.approx(real + cross * 7 / 3)
     # DP outermost at a seventh: a chunk's reduce-scatter still fits in its window (hidden)
     assert o["slowed"]["chunk_reduce_share"] == pytest.approx(7 * dp_out["chunk_reduce_share"])
     assert o["slowed"]["chunk_reduce_share"] < 1
@@ -334,3 +339,27 @@ def test_latency_across_jobs_gives_each_variant_its_own_range_and_one_size_fits_
     assert r["small"]["pingpong/back_to_back"]["median"] == pytest.approx((1500 * US, 3000 * US))
     assert r["small"]["exchange/barrier"]["median"] == pytest.approx((180 * US, 360 * US))
     assert r["exchange_over_latency"] == pytest.approx((150 / 45, 5.0))
+
+
+def test_exposed_pair_is_the_largest_over_ranks():
+    """DP's exposed pair by the chapter's windows: rank r's first chunk is chunk r, with r chunk passes
+    and sends before its first gather and after its last reduce-scatter; rank 0's is the embedding alone.
+    At the full port rank 0's embedding pair is the largest (rank 1's pieces hide in r = 1's slack); at a
+    seventh rank 1's slowed pair minus its slack is. The mistakes: the average pair with no slack (an
+    upper bound), rank 0 alone, or the slack left out for every rank."""
+    e = P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
+    g, r = e["chunk_gather_s"], e["chunk_reduce_s"]
+    emb = P.LLAMA3_405B.vocab * P.LLAMA3_405B.hidden / 8 / (P.LLAMA3_405B.params() / (8 * 16 * 8))
+    slack_f, slack_b = e["chunk_forward_s"] + e["pp_send_s"], e["chunk_backward_s"] + e["pp_send_s"]
+    assert g < slack_f and r < slack_b                       # rank 1 hides at the full port
+    assert P.exposed_pair(e) == pytest.approx(emb * (g + r)) != pytest.approx(e["dp_exposed_s"])
+    slowed = P.exposed_pair(e, 1 / 7)
+    assert slowed == pytest.approx((7 * g - slack_f) + (7 * r - slack_b))       # rank 1's, less its slack
+    assert slowed != pytest.approx(7 * emb * (g + r))                            # not rank 0 alone
+    assert slowed < 7 * e["dp_exposed_s"]                                        # below the bound
+    # DP 64: the reversal holds by the largest over ranks and by the bound
+    run64 = dataclasses.replace(P.LLAMA3_RUN, micro_batches=32)
+    lay = lambda order: placed(order, tp=8, pp=16, dp=64)
+    o = P.outer_position(P.exposed(P.LLAMA3_405B, lay(("tp", "cp", "pp", "dp")), run64, 430e12),
+                         P.exposed(P.LLAMA3_405B, lay(("tp", "cp", "dp", "pp")), run64, 430e12))["slowed"]
+    assert o["dp_outermost_s"] > o["pp_outermost_s"] and o["dp_outermost_upper_s"] > o["pp_outermost_upper_s"]

@@ -13,23 +13,15 @@ Bytes per rank per step, bf16 (2 bytes) unless stated, ring collectives (`labs.f
 2(N-1)/N * M for an all-reduce of M bytes, (N-1)/N * M for an all-gather of the full M or a
 reduce-scatter; Patarasuk & Yuan 2009), for the busiest pipeline stage (chapter 5's split,
 `stage_balance.stage_layers`: Llama 3 takes one layer from the first and the last stage):
-- TP (Megatron, Shoeybi et al. 2019, section 3): 4 all-reduces of b*(s/cp)*h per layer per
-  micro-batch (2 forward, 2 backward).
-- CP (all-gather of K and V, Llama 3 section 3.3.2): forward all-gather and backward
-  reduce-scatter of 2*b*s*h_kv/tp per layer per micro-batch.
+- TP (Shoeybi et al. 2019, section 3): 4 all-reduces of b*(s/cp)*h per layer and micro-batch.
+- CP (Llama 3 3.3.2): all-gather, reduce-scatter of K, V, 2*b*s*h_kv/tp, per layer and micro-batch.
 - PP: one activation forward and one gradient back per micro-batch and model chunk, b*(s/cp)*h/tp
-  bytes from each TP rank: each TP rank sends only its 1/tp of the activation, which holds with
-  sequence parallelism (Korthikanti et al. 2022: between blocks each TP rank keeps s/tp of the
-  sequence) or with Megatron's scatter/gather (Narayanan et al. 2021, section 4.1: the sender
-  splits the tensor into tp chunks, the receiver all-gathers them over NVLink). Without either,
-  every TP rank would send the whole b*s*h. An interleaved schedule with v chunks per rank sends
-  v times as many (Narayanan et al. 2021, section 2.2); Llama 3 interleaves (section 3.3.2) and
-  prints no v, but its first chunk holds only the embedding after one layer is taken from it, so a
-  chunk is one layer: v = (126 + 2) / 16 = 8 (`LLAMA3_RUN`).
-- DP as Llama 3 runs it (section 3.3.2): FSDP that does not reshard the weights after forward and
-  reduce-scatters the gradients in fp32: per step one all-gather of the bf16 weights and one
-  reduce-scatter of the fp32 gradients, 2 + 4 bytes per parameter of the average stage,
-  params/(tp*pp) per rank.
+  bytes from each TP rank (sequence parallelism, Korthikanti et al. 2022, or Megatron's
+  scatter/gather, Narayanan et al. 2021, section 4.1; without either every TP rank sends b*s*h).
+  Interleaving with v chunks per rank sends v times as many (Narayanan et al. 2021, section 2.2);
+  Llama 3's first chunk holds only the embedding, so a chunk is one layer: v = (126 + 2) / 16 = 8.
+- DP as Llama 3 runs it (section 3.3.2): FSDP without resharding after forward: per step one
+  bf16 all-gather and one fp32 reduce-scatter, 2 + 4 bytes per parameter of params/(tp*pp).
 - EP (formula only, not simulated): dispatch and combine, forward and backward, 4 all-to-alls of
   k*b*s*h/(tp*cp) per MoE layer, each sending (N-1)/N of it.
 The counted check, every message's destination on a simulated cluster, is `labs.hardware.boundary`.
@@ -167,8 +159,8 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=LLAMA3_FLOPS_PER_GPU, oversu
     asynchronously prefetching sharded model weights and reducing gradients"; gradients accumulated
     over the micro-batches in fp32): per chunk, 1/v of the average stage's parameters, one bf16
     all-gather before the chunk's first forward and one fp32 reduce-scatter after its last backward.
-    The first chunk's gather waits for nothing to overlap and the last chunk's reduce-scatter has no
-    compute left after it: at least (gather + reduce) / v is exposed. The others hide if each
+    On rank 0 the first chunk's gather has nothing to overlap and its last reduce-scatter no compute
+    after it (other ranks: `exposed_pair`); (gather + reduce) / v bounds that. The others hide if each
     chunk's piece fits in its window: a rank's consecutive local chunks are p model chunks apart, so
     between the last backwards of two of them the last micro-batch's gradient runs through p chunk
     backwards and p sends, p (B / (m v) + send) at least (forward: p (F / (m v) + send)), with
@@ -198,6 +190,12 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=LLAMA3_FLOPS_PER_GPU, oversu
     chunk_forward_s, chunk_backward_s = forward_s / slots, 2 * forward_s / slots
     window_forward_s = d.pp * (chunk_forward_s + send_s)     # p chunk passes and p sends apart
     window_backward_s = d.pp * (chunk_backward_s + send_s)
+    # rank r's first chunk is chunk r, with r chunk passes and sends before its first forward and after its
+    # last backward; rank 0's is the embedding alone when its stage is a layer short (Llama 3's split)
+    avg = model.params() / (d.tp * d.pp * run.v)
+    emb = len(stage_layers(model.layers, d.pp, run.v)[0]) < run.v
+    ranks = [((model.vocab * model.hidden / d.tp / avg if emb and r == 0 else 1.0),
+              r * (chunk_forward_s + send_s), r * (chunk_backward_s + send_s)) for r in range(d.pp)]
     return {"pp_send_bytes": send, "pp_sends_per_step": rows["pp"]["calls"][0][2], "pp_send_s": send_s,
             "pp_critical_sends": critical, "pp_critical_s": critical * send_s,
             "pp_critical_crossing_pods": crossing,
@@ -210,13 +208,21 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=LLAMA3_FLOPS_PER_GPU, oversu
             "window_forward_s": window_forward_s, "window_backward_s": window_backward_s,
             "chunk_reduce_share": chunk_reduce_s / window_backward_s,
             "chunk_gather_share": chunk_gather_s / window_forward_s,
-            "dp_exposed_s": chunk_gather_s + chunk_reduce_s,
+            "dp_exposed_s": chunk_gather_s + chunk_reduce_s, "dp_ranks": ranks,
             "pp_critical_latencies": critical, "dp_exposed_latencies": 2 * (d.dp - 1),
             "dp_gather_share_of_forward": gather / dp_bw / forward_s,
             "dp_reduce_share_of_backward": reduce / dp_bw / (2 * forward_s),
             "pods_per_group": {a: max(p.group_nodes(a, LLAMA3_POD_GPUS)) for a in LLAMA3_ORDER},
             "pod_edges": {a: pod_edges(d, a) for a in LLAMA3_ORDER},
             "pod_uplink_ports": LLAMA3_POD_GPUS / oversubscription}
+
+
+def exposed_pair(e, rate=1.0):
+    """DP's exposed pair at ``rate`` of the port, the largest over ranks of `exposed`'s ``dp_ranks``:
+    rank r's first gather and last reduce-scatter (its chunk's size over the average chunk's) less the
+    r chunk passes and sends around them. ``dp_exposed_s`` (average chunks, no slack) bounds it above."""
+    part = lambda key, i: max(max(0.0, k * e[key] / rate - w[i - 1]) for k, *w in e["dp_ranks"])
+    return part("chunk_gather_s", 1) + part("chunk_reduce_s", 2)
 
 
 def outer_position(dp_out, pp_out, oversubscription=7):
@@ -227,14 +233,17 @@ def outer_position(dp_out, pp_out, oversubscription=7):
     at a rate r of the port: 1 (the full port), 1/oversubscription (every crossing flow slowed alike)
     and min(1, uplink ports / flows leaving a pod) (the uplinks shared evenly by the groups' ring
     edges); the inner group keeps the full port. Per rate, the seconds per step of those two parts in
-    each order and the share of its window a DP chunk's reduce-scatter then fills (hidden below 1)."""
+    each order, the pair as `exposed_pair` (``*_upper_s``: as ``dp_exposed_s``, its upper bound), and
+    the share of its window a DP chunk's reduce-scatter then fills (hidden below 1)."""
     cross = pp_out["pp_critical_crossing_pods"] * pp_out["pp_send_s"]
     share = lambda e, axis: min(1.0, e["pod_uplink_ports"] / e["pod_edges"][axis])
     rates = {"full": (1.0, 1.0), "slowed": (1 / oversubscription,) * 2,
              "shared": (share(dp_out, "dp"), share(pp_out, "pp"))}
-    return {name: {"dp_outermost_s": dp_out["dp_exposed_s"] / r_dp + cross,
-                   "pp_outermost_s": pp_out["dp_exposed_s"] + cross / r_pp,
-                   "pp_cross_s": cross / r_pp, "dp_exposed_s": dp_out["dp_exposed_s"] / r_dp,
+    return {name: {"dp_outermost_s": exposed_pair(dp_out, r_dp) + cross,
+                   "pp_outermost_s": exposed_pair(pp_out) + cross / r_pp,
+                   "dp_outermost_upper_s": dp_out["dp_exposed_s"] / r_dp + cross,
+                   "pp_outermost_upper_s": pp_out["dp_exposed_s"] + cross / r_pp,
+                   "pp_cross_s": cross / r_pp, "dp_exposed_s": exposed_pair(dp_out, r_dp),
                    "rate_dp": r_dp, "rate_pp": r_pp,
                    "chunk_reduce_share": dp_out["chunk_reduce_share"] / r_dp}
             for name, (r_dp, r_pp) in rates.items()}
