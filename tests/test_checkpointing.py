@@ -138,11 +138,22 @@ def test_a_resume_that_forgets_adam_or_the_rng_misses_by_more_than_100_tolerance
 
 def test_the_pause_repeats_alternate_which_save_goes_first_and_too_few_repeats_are_refused():
     from labs.checkpointing import async_checkpoint
-    firsts = [async_checkpoint.order(i)[0] for i in range(1, 10)]   # the kept repeats, after the warm-up
+    firsts = [async_checkpoint.order(i)[0] for i in range(9)]   # the kept repeats, after the warm-ups
     assert abs(firsts.count("sync") - firsts.count("async")) <= 1   # not sync first every time
-    assert all(sorted(async_checkpoint.order(i)) == ["async", "sync"] for i in range(10))
+    assert async_checkpoint.WARMUP >= 2                              # discarded before the kept ones
+    assert all(sorted(async_checkpoint.order(i)) == ["async", "sync"] for i in range(-2, 10))
     with pytest.raises(ValueError, match="cannot bound a median"):   # 4 repeats give no interval
         async_checkpoint.measure_pauses(repeats=4)
+
+
+def test_drift_compares_the_first_and_last_halves_in_repeat_order():
+    from labs.checkpointing.async_checkpoint import drift
+    falling = [0.40, 0.38, 0.41, 0.37, 0.33, 0.14, 0.15, 0.11, 0.17]   # a pause that fell 3x
+    assert drift(falling) == pytest.approx((0.39, 0.145))   # the middle repeat is in neither half
+    assert drift(falling[::-1]) == pytest.approx((0.145, 0.39))   # not the halves of the sorted times
+    assert drift(sorted(falling)) != drift(falling)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        drift([0.2])
 
 
 def test_cli_prints_the_contract_fields(capsys):

@@ -9,9 +9,11 @@ returns a future that the caller waits on before the next save (PyTorch blog, Pa
   write is held back (a gated writer); the checkpoint must hold the values of the save, not the
   new ones. It does with DCP's default stager and the hand `sharded_checkpoint.stage`, which
   copy; it does not with a stager that hands the live tensors to the writer.
-- `pauses`: the two pauses, after a warm-up, in repeats that alternate which save goes first; the
-  paired ratios give a median with its interval (`labs.measure.intervals`). On a CPU the staging
-  is itself a memory copy, so the ratio says little about a GPU; it is printed, never asserted.
+- `pauses`: the two pauses, after discarded warm-up repeats, in repeats that alternate which save
+  goes first, both saves on one process group; the paired ratios give a median with its interval
+  (`labs.measure.intervals`), and `drift` compares the first and last halves of the repeats. On a
+  CPU the staging is itself a memory copy, so the ratio says little about a GPU; it is printed,
+  never asserted.
 """
 import os
 import statistics
@@ -116,28 +118,31 @@ def staging(rank, world_size, root, cfg=None):
     return out
 
 
+WARMUP = 2   # repeats of both saves run first and discarded
+
+
 def order(i):
-    """Which save repeat ``i`` runs first: sync in even repeats (the warm-up, 0, among them),
-    async in odd ones, so that over the kept repeats each goes first about half the time."""
+    """Which save kept repeat ``i`` runs first: sync in even repeats, async in odd ones, so that
+    each goes first about half the time; the warm-ups are numbered -WARMUP..-1 and alternate too."""
     return ("async", "sync") if i % 2 else ("sync", "async")
 
 
 @launch.on_cpu(sc.ON_CPU)
-def pauses(rank, world_size, root, repeats=9, cfg=None):
+def pauses(rank, world_size, root, repeats=9, cfg=None, warmup=WARMUP):
     """Seconds training stops for ``dcp.save`` and for ``dcp.async_save`` (until it returns: the
-    copy to CPU memory), and until the async write is done, on the same FSDP2 state. Repeat 0 is
-    a warm-up of each; after it, which save goes first alternates (`order`), so that neither always
-    runs on the warmer cache or the quieter machine. Returns this rank's ``repeats`` times of each,
-    in repeat order."""
+    copy to CPU memory), and until the async write is done, on the same FSDP2 state and the same
+    gloo process group. The first ``warmup`` repeats run both saves and are discarded; after them,
+    which save goes first alternates (`order`), so that neither always runs on the warmer cache or
+    the quieter machine. Returns this rank's ``repeats`` kept times of each, in repeat order."""
     import torch.distributed.checkpoint as dcp
     state = _fsdp_state(rank, world_size, cfg or tiny.GPTConfig(**PAUSE_CFG))
-    group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo")       # both saves' collectives, apart from training's
     sync, paused, total = [], [], []
 
     def save_sync(i):
         dist.barrier()
         t0 = time.perf_counter()
-        dcp.save(state, checkpoint_id=os.path.join(root, f"sync-{i}"))
+        dcp.save(state, checkpoint_id=os.path.join(root, f"sync-{i}"), process_group=group)
         sync.append(time.perf_counter() - t0)
 
     def save_async(i):
@@ -148,12 +153,22 @@ def pauses(rank, world_size, root, repeats=9, cfg=None):
         future.result()              # the caller waits for the write: no training step runs beside it
         total.append(time.perf_counter() - t0)
 
-    for i in range(repeats + 1):
+    for i in range(-warmup, repeats):
         for name in order(i):
             {"sync": save_sync, "async": save_async}[name](i)
-    return {"sync_samples_s": sync[1:], "async_pause_samples_s": paused[1:],   # [0]: the warm-up
-            "async_total_samples_s": total[1:],
+    return {"sync_samples_s": sync[warmup:], "async_pause_samples_s": paused[warmup:],
+            "async_total_samples_s": total[warmup:], "warmup": warmup,
             "state_bytes_per_rank": sum(t.numel() * t.element_size() for t in _local(state))}
+
+
+def drift(samples):
+    """(median of the first half, median of the last half) of ``samples`` in repeat order; with an
+    odd count the middle one is in neither. Times that fall or rise from one half to the other were
+    not stationary: their two medians do not describe one regime, where a paired ratio may."""
+    half = len(samples) // 2
+    if half < 1:
+        raise ValueError(f"drift needs at least 2 samples, got {len(samples)}.")
+    return statistics.median(samples[:half]), statistics.median(samples[-half:])
 
 
 def measure_staging(world_size=2, timeout=120.0):
@@ -171,13 +186,16 @@ def measure_pauses(world_size=2, repeats=9, timeout=300.0):
     The two saves of a repeat form a pair, and `labs.measure.intervals` turns the paired ratios
     into a median with its interval: ``pause_ratio``, async pause / sync pause, and
     ``written_ratio``, async written and done / sync; each ``verdict`` names the shorter only where
-    its interval excludes 1."""
+    its interval excludes 1. The median of the ratios is not the ratio of the two medians. Each
+    ``*_drift`` is `drift` of the sync pauses, the async pauses or a ratio: the medians of the
+    first and last halves of the repeats."""
     intervals.median_ranks(repeats)                    # refuses too few repeats before spawning
     with tempfile.TemporaryDirectory(prefix="ckpt-pause-") as root:
         results = launch.spawn(pauses, world_size, root, repeats, timeout=timeout)
     out = {k: [max(xs) for xs in zip(*(r[k] for r in results))]
            for k in results[0] if k.endswith("_samples_s")}
-    out.update(repeats=repeats, state_bytes_per_rank=max(r["state_bytes_per_rank"] for r in results))
+    out.update(repeats=repeats, warmup=results[0]["warmup"],
+               state_bytes_per_rank=max(r["state_bytes_per_rank"] for r in results))
     for pause, samples in (("sync_pause_s", "sync_samples_s"), ("async_pause_s", "async_pause_samples_s"),
                            ("async_total_s", "async_total_samples_s")):
         out[pause] = statistics.median(out[samples])
@@ -187,4 +205,7 @@ def measure_pauses(world_size=2, repeats=9, timeout=300.0):
         iv = intervals.ratio_interval(out[asynchronous], out["sync_samples_s"])
         iv["verdict"] = intervals.verdict(iv, "dcp.async_save", "dcp.save", world_size, cores)
         out[name] = iv
+        out[f"{name}_drift"] = drift([a / b for a, b in zip(out[asynchronous], out["sync_samples_s"])])
+    out["sync_drift_s"] = drift(out["sync_samples_s"])
+    out["async_pause_drift_s"] = drift(out["async_pause_samples_s"])
     return out
