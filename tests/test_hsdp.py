@@ -96,6 +96,19 @@ def test_fsdp2_keeps_fp32_shards_of_params_grads_and_adam_state(run):
                                                      "adam_step": "torch.float32"}
 
 
+def test_the_replica_node_keeps_what_the_first_node_keeps(run):
+    """HSDP's ranks 2 and 3 hold the shards of ranks 0 and 1, piece by piece; a replica that kept
+    bf16 weights, or its whole unsharded parameters, is refused."""
+    states = [r["hsdp"]["state"] for r in run]
+    dopt.check_replicas(states, SHARD)
+    bf16 = dict(states[2], params=states[2]["params"] // 2,
+                dtypes=dict(states[2]["dtypes"], params="torch.bfloat16"))
+    whole = dict(states[3], params=states[3]["params"] * SHARD)
+    for bad, at in ((bf16, 2), (whole, 3)):
+        with pytest.raises(AssertionError, match=f"rank {at} keeps"):
+            dopt.check_replicas(states[:at] + [bad] + states[at + 1:], SHARD)
+
+
 def test_zero3_bandwidth_formula_matches_the_counted_bytes_per_parameter(run):
     # the formula's 3 (n-1)/n x 2 bytes per parameter per step against what full sharding sent
     p_pad = run[0]["p_pad"][WORLD]

@@ -68,3 +68,11 @@ def check_fsdp2(states, params):
     return {"total": total, "bytes_per_param_per_rank": per_rank,
             "formula": bytes_per_param("FSDP2, fp32 shards + bf16 compute", d),
             "adam_step_bytes": states[0]["adam_step"]}
+
+
+def check_replicas(states, shard):
+    """HSDP: rank r keeps what rank r mod s keeps (the same shard, replicated across nodes), piece by
+    piece, element count and dtypes too; a replica that kept full or bf16 tensors differs."""
+    for r, s in enumerate(states):
+        if s != states[r % shard]:
+            raise AssertionError(f"rank {r} keeps {s}; rank {r % shard}, the same shard, {states[r % shard]}")
