@@ -30,6 +30,11 @@ CASES = [
     (p17, "2", 2 * (N2 - 1) * math.ceil(P2 / N2), "elements, not bytes: fp32's 4 bytes per element left out"),
     (p17, "2", 2 * (N2 - 1) * P2 / N2 * 4, "no padding: P_local / n per chunk, not ceil(P_local / n)"),
     (p17, "3", 2.0 ** 16, "the ratio of the unit roundoffs alone, 2^16: gamma_n's 1/(1 - n u) left out"),
+    # n off by one: 0.8 % off, inside a 1 % band; refused and named (the band is 0.01 %)
+    (p17, "3", (127 / 256 / (1 - 127 / 256)) / (127 * 2.0 ** -24 / (1 - 127 * 2.0 ** -24)),
+     "n = 127, one term short: n u = 127/256 in bf16, not 1/2"),
+    (p17, "3", (129 / 256 / (1 - 129 / 256)) / (129 * 2.0 ** -24 / (1 - 129 * 2.0 ** -24)),
+     "n = 129, one term too many: n u = 129/256 in bf16, not 1/2"),
     (p17, "3", 2 * (0.5 / (1 - 0.5)) / (128 * 2.0 ** -24 / (1 - 128 * 2.0 ** -24)), "a factor 2 too many"),
 ]
 
@@ -56,6 +61,14 @@ def test_exercise_2s_mistakes_are_counts_matched_exactly(capsys):
     assert "padding" not in capsys.readouterr().out
     assert not p17.check("2", unpadded)
     assert "no padding" in capsys.readouterr().out
+
+
+def test_exercise_3_accepts_about_2_17_and_the_band_is_narrower_than_n_off_by_one(capsys):
+    """2^17 = 131,072 is the answer to 8 parts in a million; n = 127 or 129 is 0.8 % off."""
+    assert p17.check("3", 2 ** 17)
+    near = p17.EXERCISES["3"]() * (1 - 0.005)         # 0.5 % off: no mistake, outside the band
+    assert not p17.check("3", near)
+    assert "n = 12" not in capsys.readouterr().out
 
 
 def test_every_exercise_of_chapter_17_has_a_wrong_answer_tested():

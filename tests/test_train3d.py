@@ -59,7 +59,8 @@ def test_every_planted_bug_leaves_the_bound_by_step_2_on_every_seed(three_d, wit
         for name in ("tp_backward", "dp_not_reduced", "cp_backward", "dp_not_averaged_decay"):
             assert rows[name]["first_step_beyond"] == 2, (seed, name, rows[name]["ratio"])
         # gradients summed instead of averaged: plain Adam's step m/sqrt(v) does not see the factor
-        # dp, so its loss stays inside the bound, below 1 % of it (eps's doing)
+        # dp, so its loss stays inside the bound, below 1 % of it (eps's doing). A thin margin: about
+        # 0.9 % on seeds 0 and 3, so the 1 % a correct layout is held to passes this bug only narrowly
         assert rows["dp_not_averaged"]["first_step_beyond"] is None
         assert rows["dp_not_averaged"]["max_ratio"] < 0.01, (seed, rows["dp_not_averaged"]["ratio"])
 

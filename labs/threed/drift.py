@@ -52,8 +52,10 @@ FP32, BF16 = 2.0 ** -24, 2.0 ** -8
 # ranks that hold the same weights. Together they use all four dimensions; neither is 4D (16 ranks).
 LAYOUT_3D, LAYOUT_CP = ParallelDims(dp=2, tp=2, pp=2), ParallelDims(dp=2, cp=2, tp=2)
 # The runs (model and batches of seed k, `layout3d.SEED_STRIDE`) the tests check the planted bugs on;
-# the notebook runs seed 0.
-SEEDS = (0, 1, 2, 3)
+# the notebook runs seed 0. Of seeds 0..3, these two hold the thinnest margins: seed 3 has the
+# smallest ratio of a bug at its first step beyond (tp_backward, about 1.4 at step 2), seeds 0 and 3
+# the summed gradient's largest (about 0.9 % of the bound, against the 1 % a correct layout is held to).
+SEEDS = (0, 3)
 BUGS = ("tp_backward", "dp_not_reduced", "dp_not_averaged", "pp_targets", "cp_backward")
 DECAY = "weight_decay"   # a setting, not a bug: Adam with coupled weight decay layout3d.WEIGHT_DECAY
 VARIANTS = {   # name: (layout, changes: bugs and settings, what is wrong)

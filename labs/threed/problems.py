@@ -61,10 +61,14 @@ MISTAKES = {
            "elements, not bytes: fp32's 4 bytes per element left out"),
           (zero1_bytes(EX2["params"], EX2["dp"] * EX2["cp"], padded=False),
            "no padding: P_local / n per chunk, not ceil(P_local / n)")],
-    "3": [(BF16_U / FP32_U, "the ratio of the unit roundoffs alone, 2^16: gamma_n's 1/(1 - n u) left out")],
+    "3": [(BF16_U / FP32_U, "the ratio of the unit roundoffs alone, 2^16: gamma_n's 1/(1 - n u) left out"),
+          (gamma_ratio(EX3_TERMS - 1), "n = 127, one term short: n u = 127/256 in bf16, not 1/2"),
+          (gamma_ratio(EX3_TERMS + 1), "n = 129, one term too many: n u = 129/256 in bf16, not 1/2")],
 }
+EX3_REL = 1e-4      # the factor within 0.01 %: n = 127 or 129 moves it by 0.8 %
 
 
-def check(question, answer, rel=0.01):
-    """Automatic checker: bytes exactly, the factor within 1 %; names the usual mistakes."""
+def check(question, answer, rel=EX3_REL):
+    """Automatic checker: bytes exactly, the factor within 0.01 % (2^17 = 131,072 passes; n = 127 or
+    129 terms, 0.8 % off, does not, and is named); names the usual mistakes."""
     return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
