@@ -36,7 +36,9 @@ from labs.measure import timing
 
 ETA, ADAM_LR = 0.02, 3e-3
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9   # the paper's outer Nesterov (section 3)
-QUORUM_TICK_MS = 10   # how often the lighthouse forms a quorum: each synchronizing step waits for one
+# how often the lighthouse re-checks for a quorum; each request also checks at once (torchft's
+# lighthouse.rs, "proactively run quorum tick"), so the tick matters only for a quorum that must wait
+QUORUM_TICK_MS = 10
 
 
 def _lighthouse(rank, tick_ms=QUORUM_TICK_MS):
