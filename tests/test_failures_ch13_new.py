@@ -67,3 +67,24 @@ def test_a_pid_that_has_exited_is_not_alive():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     assert torchft_run.alive([p.pid]) == [] and torchft_run.alive([__import__("os").getpid()])
+
+
+def _step_log(steps, participants=3):
+    return [{"event": "step", "step": s, "committed": True, "participants": participants} for s in steps]
+
+
+def test_the_replay_reads_its_schedule_from_a_survivor_that_never_healed():
+    from labs.failures import torchft_check as check
+    # the mistake: reading replica 0's log when replica 0 was itself left out of a quorum and healed,
+    # jumping from step 12 to 14; its log has no step 13 (the KeyError the replay once raised)
+    healed = _step_log([*range(13), *range(14, 20)])
+    steady = _step_log(range(20))
+    victim = _step_log(range(6))
+    assert check.steady_survivor({0: healed, 1: steady, 2: victim}, victim=2, n=3) == 1
+    with pytest.raises(RuntimeError, match="left out of a quorum"):
+        check.steady_survivor({0: healed, 1: healed, 2: victim}, victim=2, n=3)
+    # a step averaged over one group alone (the other survivor dropped too) is refused as well
+    alone = _step_log(range(20))
+    alone[9]["participants"] = 1
+    with pytest.raises(RuntimeError):
+        check.steady_survivor({0: alone, 1: alone, 2: victim}, victim=2, n=3)

@@ -36,14 +36,17 @@ from labs.measure import timing
 
 ETA, ADAM_LR = 0.02, 3e-3
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9   # the paper's outer Nesterov (section 3)
+# how often the lighthouse re-checks for a quorum; each request also checks at once (torchft's
+# lighthouse.rs, "proactively run quorum tick"), so the tick matters only for a quorum that must wait
+QUORUM_TICK_MS = 10
 
 
-def _lighthouse(rank):
+def _lighthouse(rank, tick_ms=QUORUM_TICK_MS):
     """Rank 0 runs the lighthouse (a Rust server, in this process); every rank learns its address."""
     holder = [None]
     if rank == 0:
         from torchft.coordination import LighthouseServer
-        server = LighthouseServer(bind="[::]:0", min_replicas=dist.get_world_size(), quorum_tick_ms=50,
+        server = LighthouseServer(bind="[::]:0", min_replicas=dist.get_world_size(), quorum_tick_ms=tick_ms,
                                   heartbeat_timeout_ms=500, join_timeout_ms=10000)
         holder = [server.address()]
         _lighthouse.server = server   # keep it alive while the process runs
@@ -136,10 +139,10 @@ RUNS = (("ddp_sgd", "sgd", None, None), ("diloco_h1_sgd", "sgd", 1, "sgd1"),
 @launch.on_cpu("torchft's replica groups here are its ProcessGroupGloo on CPU tensors (on GPUs "
                "torchft gives each replica ProcessGroupNCCL); the launcher's group only spreads the "
                "lighthouse's address")
-def train(rank, world_size, steps, hs, seeds):
+def train(rank, world_size, steps, hs, seeds, tick_ms=QUORUM_TICK_MS):
     from torch.distributed import TCPStore
     torch.set_num_threads(1)
-    address = _lighthouse(rank)
+    address = _lighthouse(rank, tick_ms)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     runs = tuple(r + (0,) for r in RUNS) + tuple(
         (f"diloco_h{h}" + (f"_seed{seed}" if seed else ""), "adamw", h, "nesterov", seed)
@@ -165,7 +168,8 @@ def bound(steps, weights):
     return 4 * 2.0 ** -24 * float(weights.abs().max()) * steps
 
 
-def diloco(world_size=2, steps=64, hs=(1, 8, 32), seeds=(0,), timeout=300.0):
+def diloco(world_size=2, steps=64, hs=(1, 8, 32), seeds=(0,), timeout=300.0,
+           tick_ms=QUORUM_TICK_MS):
     """DDP and DiLoCo through torchft on ``world_size`` replica groups of one rank each; the DiLoCo
     runs at every H once per initial-weight seed in ``seeds`` (seed 0's runs are ``diloco_h{H}``,
     another seed's ``diloco_h{H}_seed{seed}``)."""
@@ -173,7 +177,7 @@ def diloco(world_size=2, steps=64, hs=(1, 8, 32), seeds=(0,), timeout=300.0):
         raise ValueError(f"--steps {steps} must be a multiple of every H in {hs}: each run ends on a sync.")
     if 0 not in seeds:
         raise ValueError("seeds must include 0, the seed of the DDP runs it is compared with")
-    ranks = launch.spawn(train, world_size, steps, tuple(hs), tuple(seeds), timeout=timeout)
+    ranks = launch.spawn(train, world_size, steps, tuple(hs), tuple(seeds), tick_ms, timeout=timeout)
     r0 = ranks[0]
     agree = {n: all(torch.equal(r[n]["weights"], r0[n]["weights"]) for r in ranks) for n in r0}
     out = {n: {k: v for k, v in run.items() if k != "weights"} | {"replicas_agree": agree[n],

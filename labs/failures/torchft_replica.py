@@ -228,7 +228,7 @@ def _wait_for_peers(folder, replica, ready):
 def serve_lighthouse(folder, min_replicas=1, heartbeat_timeout_ms=1000, join_timeout_ms=10000):
     """The lighthouse in a process of its own (so that it can be killed): writes its address."""
     from torchft.coordination import LighthouseServer
-    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, quorum_tick_ms=100,
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, quorum_tick_ms=20,
                               heartbeat_timeout_ms=heartbeat_timeout_ms, join_timeout_ms=join_timeout_ms)
     path = os.path.join(folder, "lighthouse")
     with open(path + ".tmp", "w") as f:
