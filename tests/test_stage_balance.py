@@ -65,6 +65,42 @@ def test_time_splits_pairs_every_stage_of_both_splits():
         assert len(runs) == 3 and all(len(r) == 4 and min(r) > 0 for r in runs)
 
 
+def test_time_splits_rotates_the_stage_order_so_position_is_not_a_stage(monkeypatch):
+    # A fake clock that charges the first stage of every round 10 units and the others 1: a
+    # pure position effect. With the order rotated, each stage is first in 2 of 8 rounds and the
+    # head's stage over stage 1 is not called; the named mistake, the same order every round
+    # (stage 0 first, the head's stage last), charges stage 0 every time and calls it slower.
+    import types
+    from labs.measure import intervals
+    p = 4
+
+    def clock():
+        state = {"calls": 0, "t": 0.0}
+
+        def perf_counter():
+            c = state["calls"]
+            state["calls"] += 1
+            if c % 2:                                   # an end: charge by place in the round
+                state["t"] += 10.0 if (c // 2) % p == 0 else 1.0
+            return state["t"]
+        return types.SimpleNamespace(perf_counter=perf_counter)
+
+    cfg = sb.config(hidden=32, n_layer=4, vocab_size=64)
+    assert sb.rotation(p, 0) == [0, 1, 2, 3] and sb.rotation(p, 5) == [1, 2, 3, 0]
+    monkeypatch.setattr(sb, "time", clock())
+    t = sb.time_splits(cfg, p=p, repeats=8)
+    for rounds in t.values():
+        assert [sum(r[s] == 10.0 for r in rounds) for s in range(p)] == [2] * p
+    for num in (0, -1):
+        iv = sb.stage_ratio(t["equal"], num, 1)
+        assert intervals.verdict(iv, "faster", "slower", machine_cores=2) == intervals.UNRESOLVED
+    monkeypatch.setattr(sb, "time", clock())
+    monkeypatch.setattr(sb, "rotation", lambda p, k: list(range(p)))   # the named mistake
+    t = sb.time_splits(cfg, p=p, repeats=8)
+    iv = sb.stage_ratio(t["equal"], 0, 1)
+    assert intervals.verdict(iv, "faster", "slower", machine_cores=2) == "slower"
+
+
 def test_stage_ratio_can_fall_below_one():
     # Four equal stages with noise alone: a pair fixed in advance straddles 1, while the named
     # mistake, each round's slowest stage over its fastest, is >= 1 in every round and calls the

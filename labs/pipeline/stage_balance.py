@@ -143,11 +143,14 @@ def measure(cfg=None, p=4, batch_size=2, repeats=3, timed=True):
     return out
 
 
-def time_splits(cfg=None, p=4, batch_size=2, repeats=7):
+def time_splits(cfg=None, p=4, batch_size=2, repeats=8):
     """Forward + backward seconds of every stage of the ``equal`` and the ``balanced`` split, timed in
     turns: each repeat times every stage of one split, then of the other (the order alternating),
-    so a burst of load falls on both. Returns per split a list of ``repeats`` lists of per-stage
-    seconds, after one untimed warm-up round (`labs.measure.intervals` pairs them)."""
+    so a burst of load falls on both. Within a round the stage order rotates: round k starts at
+    stage k mod p, so over a multiple of p rounds each stage runs first (and last) equally often,
+    and a stage's place in the round does not follow it. Returns per split a list of ``repeats``
+    lists of per-stage seconds, indexed by stage, after one untimed warm-up round
+    (`labs.measure.intervals` pairs them)."""
     cfg = cfg or config()
     net = tiny.build(cfg, seed=0)
     x, y = tiny.synthetic_batch(cfg, batch_size, seed=0)
@@ -158,15 +161,21 @@ def time_splits(cfg=None, p=4, batch_size=2, repeats=7):
     out = {name: [] for name in work}
     for k in range(repeats + 1):
         for name in (("equal", "balanced") if k % 2 else ("balanced", "equal")):
-            times = []
-            for piece, args, grad in work[name]:
+            times = [0.0] * p
+            for i in rotation(p, k - 1):
+                piece, args, grad = work[name][i]
                 t0 = time.perf_counter()
                 torch.autograd.backward(piece(*args), grad)
-                times.append(time.perf_counter() - t0)
+                times[i] = time.perf_counter() - t0
                 piece.zero_grad(set_to_none=True)
             if k:                                 # round 0 warms up autograd and the allocator
                 out[name].append(times)
     return out
+
+
+def rotation(p, k):
+    """The stage order of timed round ``k`` (from 0): k mod p first, then on around the ring."""
+    return [(k + j) % p for j in range(p)]
 
 
 def stage_ratio(rounds, num, den):
