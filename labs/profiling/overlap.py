@@ -40,7 +40,7 @@ def interleaved(rank, variants, folder, repeats, warmup=1):
         for step in variants.values():
             step()
     labels = []
-    with trace.Recorder(folder, rank, memory=False) as rec:
+    with trace.Recorder(folder, rank, memory=False, gz=False) as rec:
         for pair in timing.order(repeats):
             for name in pair:
                 dist.barrier()
