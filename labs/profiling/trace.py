@@ -9,13 +9,14 @@
                                  # of the process's other Python threads (``others_s``)
 
 `Recorder` runs the profiler on this rank (CPU ops, and CUDA kernels on a GPU), with shapes and
-memory recorded, and marks each step with a ``record_function`` named `STEP`; the step's
-wall-clock time is measured around the same block (`labs.measure.timing.now`: the host clock, read
-after this process's queued GPU work is done), and so is the thread's time on a CPU and waiting
-for one (the kernel's schedstat), so a trace can be checked against the clock and the scheduler
-(`labs.profiling.analysis.coverage`). The trace is Chrome's JSON format, gzipped (``gz=False``:
-plain, for a run's own temporary traces, saving the compression): Perfetto (ui.perfetto.dev) and
-chrome://tracing open either as it is.
+memory recorded (``shapes=False``: no shapes, hence no bytes per collective and no peer or tag of a
+point-to-point call, for a run that reads neither: less profiler work per operator), and marks each
+step with a ``record_function`` named `STEP`; the step's wall-clock time is measured around the same
+block (`labs.measure.timing.now`: the host clock, read after this process's queued GPU work is
+done), and so is the thread's time on a CPU and waiting for one (the kernel's schedstat), so a trace
+can be checked against the clock and the scheduler (`labs.profiling.analysis.coverage`). The trace
+is Chrome's JSON format, gzipped (``gz=False``: plain, for a run's own temporary traces, saving the
+compression): Perfetto (ui.perfetto.dev) and chrome://tracing open either as it is.
 
 `load` reads a trace back into plain dicts. What torch.profiler 2.13 records for gloo on the CPU,
 read from real traces (the analysis is built on exactly this, `labs.profiling.analysis`):
@@ -83,11 +84,11 @@ def others_seconds(before, after):
 class Recorder:
     """torch.profiler around a block on this rank; the trace goes to ``folder/rank{rank}.json.gz``."""
 
-    def __init__(self, folder, rank, memory=True, gz=True):
+    def __init__(self, folder, rank, memory=True, gz=True, shapes=True):
         os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, f"rank{rank}.json" + (".gz" if gz else ""))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _on_gpu() else [])
-        self.profiler = profile(activities=activities, record_shapes=True, profile_memory=memory)
+        self.profiler = profile(activities=activities, record_shapes=shapes, profile_memory=memory)
         self.steps = []   # wall-clock seconds of each step, measured around its block
         # per step, the rank thread's {"cpu_s", "delay_s"} and the other Python threads' "others_s"
         # (kernel), or None
