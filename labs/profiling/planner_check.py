@@ -61,7 +61,7 @@ def gemm_rate(a, b, reps=5):
     return 2 * a.shape[0] * a.shape[1] * b.shape[1] * reps / (clock.now() - t0)
 
 
-TOP_BAND = (0.75, 4 / 3)  # the line over the fastest exchange at the largest size, where beta rules
+TOP_BAND = (2 / 3, 3 / 2)  # the line over the fastest exchange at the largest size, where beta rules
 
 
 def check_fit(alpha, beta, fitted, fastest, median):
@@ -70,7 +70,7 @@ def check_fit(alpha, beta, fitted, fastest, median):
     itself, and beta > 0 this holds by construction: it refuses only a free intercept that
     undershoots); at every size above half the fastest and under 1.5 times the median exchange (a
     fit far too low or far too high fails); at the largest size within `TOP_BAND` of the fastest
-    exchange (a beta a third too small or too large fails there). The line models the fastest
+    exchange (a beta half or double the right one fails there). The line models the fastest
     exchanges, so nothing here bounds it from below by the median: a line far below the typical
     (median) exchange at some size passes."""
     lo, hi = TOP_BAND
