@@ -98,3 +98,37 @@ def test_the_calibration_refuses_an_intercept_below_the_fastest_exchange():
     assert pc.check_fit(m["alpha"], m["beta"], held, fastest, median)
     # and the old band's lower edge, half the fastest, let that intercept through
     assert all(lo / 2 <= p <= 1.5 * t for p, lo, t in zip(free, fastest, median))
+
+
+def test_the_calibration_refuses_a_beta_off_by_half_or_double():
+    # the named mistakes: a beta 2 times too small (or too large) with alpha right. The old band
+    # (half the fastest exchange at every size) let the small one through; at the largest size,
+    # where beta rules, the line must lie within TOP_BAND of the fastest exchange
+    from labs.collectives import alpha_beta
+    sizes = pc.SIZES
+    fastest = [100e-6, 80e-6, 110e-6, 200e-6, 560e-6]
+    median = [2 * t for t in fastest]
+    m = alpha_beta.model(sizes, [[t] for t in fastest])
+
+    def line(beta):
+        return [m["alpha"] + n * beta for n in sizes]
+
+    assert pc.check_fit(m["alpha"], m["beta"], line(m["beta"]), fastest, median)
+    small = line(m["beta"] / 2)
+    assert all(f / 2 <= p for p, f in zip(small, fastest))        # inside the old band
+    assert not pc.check_fit(m["alpha"], m["beta"] / 2, small, fastest, median)
+    assert not pc.check_fit(m["alpha"], 2 * m["beta"], line(2 * m["beta"]), fastest, median)
+
+
+def test_the_calibration_check_does_not_bound_the_line_by_the_median():
+    # what the check does not catch, stated in the book: the line models the fastest exchanges, so
+    # a line 30 times below the median exchange at some size passes when it follows the fastest
+    from labs.collectives import alpha_beta
+    sizes = pc.SIZES
+    fastest = [100e-6, 80e-6, 110e-6, 200e-6, 560e-6]
+    median = list(fastest)
+    median[1] = 30 * fastest[1] * 2
+    m = alpha_beta.model(sizes, [[t] for t in fastest])
+    held = [m["alpha"] + n * m["beta"] for n in sizes]
+    assert held[1] < median[1] / 30
+    assert pc.check_fit(m["alpha"], m["beta"], held, fastest, median)

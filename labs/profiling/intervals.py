@@ -4,6 +4,7 @@ An interval set is a sorted list of disjoint (start, end) pairs. Taking the unio
 keeps nested events from being counted twice: ``aten::linear`` [0, 10] holding ``aten::addmm``
 [1, 9] is 10 microseconds of work, not 18.
 """
+import bisect
 
 
 def union(intervals):
@@ -32,18 +33,20 @@ def intersect(x, y):
 
 
 def subtract(x, y):
-    """The time in ``x`` and not in ``y``."""
+    """The time in ``x`` and not in ``y`` (``y`` a disjoint sorted set, as `union` returns): for each
+    interval of ``x``, only the intervals of ``y`` that can overlap it are visited (bisect)."""
+    ends = [d for _, d in y]
     out = []
     for a, b in x:
-        start = a
-        for c, d in y:
-            if d <= start or c >= b:
-                continue
+        start, k = a, bisect.bisect_right(ends, a)   # the first of y ending after a
+        while k < len(y) and y[k][0] < b:
+            c, d = y[k]
             if c > start:
                 out.append((start, c))
             start = max(start, d)
             if start >= b:
                 break
+            k += 1
         if start < b:
             out.append((start, b))
     return out

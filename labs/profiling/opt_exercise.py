@@ -96,7 +96,7 @@ def one_mode(rank, world_size, mode, scale, folder, steps=2, batch_size=1):
     with memory.PeakMemory(net, opt, *data[1]) as mem:
         step(*data[1])
     held = memory.state_bytes(net, opt)
-    with trace.Recorder(os.path.join(folder, mode.replace("+", "-")), rank, memory=False) as rec:
+    with trace.Recorder(os.path.join(folder, mode.replace("+", "-")), rank, memory=False, gz=False) as rec:
         for i in range(steps):
             dist.barrier()
             with rec.step(i):

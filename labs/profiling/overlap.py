@@ -33,14 +33,16 @@ from labs.profiling import analysis, collective_matmul, input_pipeline, moe_over
 from labs.zero.fsdp import fully_shard_units
 
 
-def interleaved(rank, variants, folder, repeats, warmup=1):
+def interleaved(rank, variants, folder, repeats, warmup=1, shapes=True):
     """Run {"a": step, "b": step} in ``repeats`` alternating pairs under one profiler; returns the
-    variant of each recorded step, the trace read back and the wall-clock and kernel times."""
+    variant of each recorded step, the trace read back and the wall-clock and kernel times.
+    ``shapes``: record operator shapes (needed only to match point-to-point messages by peer and
+    tag, the ring's; `trace.Recorder`)."""
     for _ in range(warmup):
         for step in variants.values():
             step()
     labels = []
-    with trace.Recorder(folder, rank, memory=False) as rec:
+    with trace.Recorder(folder, rank, memory=False, gz=False, shapes=shapes) as rec:
         for pair in timing.order(repeats):
             for name in pair:
                 dist.barrier()
@@ -134,7 +136,10 @@ PAIRS = {"ddp": (ddp, ("overlap on", "overlap off"), "exposed_comm_s"),
 
 def record(rank, world_size, runs):
     """Several pairs in one job: ``runs`` is a list of (which, folder, repeats, options)."""
-    return [interleaved(rank, PAIRS[which][0](rank, world_size, **options), folder, repeats)
+    # only the ring sends point-to-point messages, matched across ranks by the peer and tag its
+    # trace records with the shapes; the others' traces need no shapes
+    return [interleaved(rank, PAIRS[which][0](rank, world_size, **options), folder, repeats,
+                        shapes=which == "matmul")
             for which, folder, repeats, options in runs]
 
 

@@ -9,12 +9,14 @@
                                  # of the process's other Python threads (``others_s``)
 
 `Recorder` runs the profiler on this rank (CPU ops, and CUDA kernels on a GPU), with shapes and
-memory recorded, and marks each step with a ``record_function`` named `STEP`; the step's
-wall-clock time is measured around the same block (`labs.measure.timing.now`: the host clock, read
-after this process's queued GPU work is done), and so is the thread's time on a CPU and waiting
-for one (the kernel's schedstat), so a trace can be checked against the clock and the scheduler
-(`labs.profiling.analysis.coverage`). The trace is Chrome's JSON format, gzipped: Perfetto
-(ui.perfetto.dev) and chrome://tracing open it as it is.
+memory recorded (``shapes=False``: no shapes, hence no bytes per collective and no peer or tag of a
+point-to-point call, for a run that reads neither: less profiler work per operator), and marks each
+step with a ``record_function`` named `STEP`; the step's wall-clock time is measured around the same
+block (`labs.measure.timing.now`: the host clock, read after this process's queued GPU work is
+done), and so is the thread's time on a CPU and waiting for one (the kernel's schedstat), so a trace
+can be checked against the clock and the scheduler (`labs.profiling.analysis.coverage`). The trace
+is Chrome's JSON format, gzipped (``gz=False``: plain, for a run's own temporary traces, saving the
+compression): Perfetto (ui.perfetto.dev) and chrome://tracing open either as it is.
 
 `load` reads a trace back into plain dicts. What torch.profiler 2.13 records for gloo on the CPU,
 read from real traces (the analysis is built on exactly this, `labs.profiling.analysis`):
@@ -41,6 +43,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from labs.measure import timing
 
+ARGS = ("gloo:", "nccl:", "c10d::")   # the events whose arguments `load` keeps (and "[memory]")
 STEP = "labs:step"   # the record_function around each profiled step: "labs:step#3"
 
 
@@ -81,11 +84,11 @@ def others_seconds(before, after):
 class Recorder:
     """torch.profiler around a block on this rank; the trace goes to ``folder/rank{rank}.json.gz``."""
 
-    def __init__(self, folder, rank, memory=True):
+    def __init__(self, folder, rank, memory=True, gz=True, shapes=True):
         os.makedirs(folder, exist_ok=True)
-        self.path = os.path.join(folder, f"rank{rank}.json.gz")
+        self.path = os.path.join(folder, f"rank{rank}.json" + (".gz" if gz else ""))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _on_gpu() else [])
-        self.profiler = profile(activities=activities, record_shapes=True, profile_memory=memory)
+        self.profiler = profile(activities=activities, record_shapes=shapes, profile_memory=memory)
         self.steps = []   # wall-clock seconds of each step, measured around its block
         # per step, the rank thread's {"cpu_s", "delay_s"} and the other Python threads' "others_s"
         # (kernel), or None
@@ -123,7 +126,9 @@ def load(path):
 
     Only the events the analysis reads are kept: complete events ("X": an operator, an annotation,
     a gloo span, a GPU kernel) and the profiler's memory records ("i" named ``[memory]``), each as
-    a dict with name, cat, tid, ts and dur in microseconds, and args.
+    a dict with name, cat, tid, ts and dur in microseconds, and args: kept only where the analysis
+    reads them (`ARGS`: the communication spans' shapes, the point-to-point calls' peer and tag,
+    the memory records), empty for the operators, whose shapes make most of a trace's bytes.
     """
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -132,7 +137,9 @@ def load(path):
     keep = [e for e in raw["traceEvents"]
             if e.get("ph") == "X" or (e.get("ph") == "i" and e.get("name") == "[memory]")]
     events = [{"name": e["name"], "cat": e.get("cat", ""), "tid": e.get("tid"), "ts": float(e["ts"]),
-               "dur": float(e.get("dur", 0.0)), "args": e.get("args", {}), "ph": e["ph"]} for e in keep]
+               "dur": float(e.get("dur", 0.0)), "ph": e["ph"],
+               "args": e.get("args", {}) if e["ph"] == "i" or e["name"].startswith(ARGS) else {}}
+              for e in keep]
     return {"rank": info.get("rank", 0), "world_size": info.get("world_size", 1),
             "backend": info.get("backend"), "events": events}
 
