@@ -342,21 +342,34 @@ def test_latency_across_jobs_gives_each_variant_its_own_range_and_one_size_fits_
 
 
 def test_exposed_pair_is_the_largest_over_ranks():
-    """DP's exposed pair by the chapter's windows: rank r's first chunk is chunk r, with r chunk passes
-    and sends before its first gather and after its last reduce-scatter; rank 0's is the embedding alone.
-    At the full port rank 0's embedding pair is the largest (rank 1's pieces hide in r = 1's slack); at a
-    seventh rank 1's slowed pair minus its slack is. The mistakes: the average pair with no slack (an
-    upper bound), rank 0 alone, or the slack left out for every rank."""
+    """DP's exposed pair by the chapter's windows: rank r's first chunk is chunk r, with chunks 0..r-1 and r
+    sends before its first gather and after its last reduce-scatter; chunk 0 is the embedding alone, a
+    lookup counted as no compute, and rank 0's chunk is that size. So rank 1's slack is one send, and its
+    pair is the largest at the full port and at a seventh. The mistakes: the embedding chunk priced as a
+    full layer (rank 1 then hides and rank 0's pair looks largest), the average pair with no slack (an
+    upper bound), rank 0 alone, the slack left out, and the worst gather plus the worst reduce-scatter
+    taken from different ranks."""
     e = P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS))
-    g, r = e["chunk_gather_s"], e["chunk_reduce_s"]
+    g, r, s = e["chunk_gather_s"], e["chunk_reduce_s"], e["pp_send_s"]
+    cf, cb = e["chunk_forward_s"], e["chunk_backward_s"]
     emb = P.LLAMA3_405B.vocab * P.LLAMA3_405B.hidden / 8 / (P.LLAMA3_405B.params() / (8 * 16 * 8))
-    slack_f, slack_b = e["chunk_forward_s"] + e["pp_send_s"], e["chunk_backward_s"] + e["pp_send_s"]
-    assert g < slack_f and r < slack_b                       # rank 1 hides at the full port
-    assert P.exposed_pair(e) == pytest.approx(emb * (g + r)) != pytest.approx(e["dp_exposed_s"])
+    slack = [x for w in e["dp_ranks"][:3] for x in w[1:]]               # chunk 0's passes: no compute
+    assert slack == pytest.approx([0, 0, s, s, cf + 2 * s, cb + 2 * s])
+    full = P.exposed_pair(e)
+    assert full == pytest.approx((g - s) + (r - s))                     # rank 1's, less one send each
+    # the embedding chunk priced as a full layer: rank 1 hides and rank 0's embedding pair is the max
+    layer = dict(e, dp_ranks=[(k, i * (cf + s), i * (cb + s)) for i, (k, *_) in enumerate(e["dp_ranks"])])
+    assert P.exposed_pair(layer) == pytest.approx(emb * (g + r))
+    assert full != pytest.approx(P.exposed_pair(layer)) and full != pytest.approx(emb * (g + r))
+    assert full < e["dp_exposed_s"]                                      # below the bound
     slowed = P.exposed_pair(e, 1 / 7)
-    assert slowed == pytest.approx((7 * g - slack_f) + (7 * r - slack_b))       # rank 1's, less its slack
+    assert slowed == pytest.approx((7 * g - s) + (7 * r - s))           # rank 1's, less its slack
+    assert slowed != pytest.approx(P.exposed_pair(layer, 1 / 7))        # not with chunk 0 a layer
     assert slowed != pytest.approx(7 * emb * (g + r))                            # not rank 0 alone
     assert slowed < 7 * e["dp_exposed_s"]                                        # below the bound
+    # one rank's own pair: a rank whose gather overruns and another whose reduce-scatter does
+    two = dict(e, chunk_gather_s=5.0, chunk_reduce_s=8.0, dp_ranks=[(1.0, 0.0, 10.0), (1.0, 10.0, 0.0)])
+    assert P.exposed_pair(two) == 8.0 != 5.0 + 8.0                      # not mixed across ranks
     # DP 64: the reversal holds by the largest over ranks and by the bound
     run64 = dataclasses.replace(P.LLAMA3_RUN, micro_batches=32)
     lay = lambda order: placed(order, tp=8, pp=16, dp=64)

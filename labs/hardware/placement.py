@@ -190,12 +190,12 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=LLAMA3_FLOPS_PER_GPU, oversu
     chunk_forward_s, chunk_backward_s = forward_s / slots, 2 * forward_s / slots
     window_forward_s = d.pp * (chunk_forward_s + send_s)     # p chunk passes and p sends apart
     window_backward_s = d.pp * (chunk_backward_s + send_s)
-    # rank r's first chunk is chunk r, with r chunk passes and sends before its first forward and after its
-    # last backward; rank 0's is the embedding alone when its stage is a layer short (Llama 3's split)
+    # rank r's chunk r, r sends and chunks 0..r-1 from the ends; chunk 0 the embedding alone: no compute
     avg = model.params() / (d.tp * d.pp * run.v)
     emb = len(stage_layers(model.layers, d.pp, run.v)[0]) < run.v
+    n = lambda r: max(0, r - emb)                       # layer chunks before chunk r (Llama 3's split)
     ranks = [((model.vocab * model.hidden / d.tp / avg if emb and r == 0 else 1.0),
-              r * (chunk_forward_s + send_s), r * (chunk_backward_s + send_s)) for r in range(d.pp)]
+              n(r) * chunk_forward_s + r * send_s, n(r) * chunk_backward_s + r * send_s) for r in range(d.pp)]
     return {"pp_send_bytes": send, "pp_sends_per_step": rows["pp"]["calls"][0][2], "pp_send_s": send_s,
             "pp_critical_sends": critical, "pp_critical_s": critical * send_s,
             "pp_critical_crossing_pods": crossing,
@@ -218,11 +218,11 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=LLAMA3_FLOPS_PER_GPU, oversu
 
 
 def exposed_pair(e, rate=1.0):
-    """DP's exposed pair at ``rate`` of the port, the largest over ranks of `exposed`'s ``dp_ranks``:
-    rank r's first gather and last reduce-scatter (its chunk's size over the average chunk's) less the
-    r chunk passes and sends around them. ``dp_exposed_s`` (average chunks, no slack) bounds it above."""
-    part = lambda key, i: max(max(0.0, k * e[key] / rate - w[i - 1]) for k, *w in e["dp_ranks"])
-    return part("chunk_gather_s", 1) + part("chunk_reduce_s", 2)
+    """DP's exposed pair at ``rate`` of the port, the largest over ranks of one rank's own pair from
+    `exposed`'s ``dp_ranks``: its first gather and last reduce-scatter (its chunk's size over the average
+    chunk's), each less the chunk passes and sends around it. ``dp_exposed_s`` bounds it above."""
+    over = lambda k, x, w: max(0.0, k * e[x] / rate - w)
+    return max(over(k, "chunk_gather_s", f) + over(k, "chunk_reduce_s", b) for k, f, b in e["dp_ranks"])
 
 
 def outer_position(dp_out, pp_out, oversubscription=7):
