@@ -17,8 +17,12 @@ M1 = 2 * 16 * 64                                    # elements of one (b, s, h) 
 RING = 2 * (4 - 1) / 4                              # a ring all-reduce's factor over tp = 4
 P2, N2 = 10_001, 2 * 2                              # exercise 2: P_local, n = dp x cp
 
+EX1_BYTES = ("elements, not bytes: fp32's 4 bytes per element left out; or the "
+             "activation taken per tp rank, b s h / tp, the same number here since tp = 4 bytes")
 CASES = [
-    (p17, "1", int(8 / 2 * 4 * 4 * RING * M1), "elements, not bytes: fp32's 4 bytes per element left out"),
+    (p17, "1", int(8 / 2 * 4 * 4 * RING * M1), EX1_BYTES),
+    # the same number: the activation per tp rank, b s h / tp bytes with tp = 4 = e; both named
+    (p17, "1", int(8 / 2 * 4 * 4 * RING * (M1 / 4) * 4), EX1_BYTES),
     (p17, "1", int(8 * 4 * 4 * RING * M1 * 4), "all L layers, not the L/pp of one stage"),
     (p17, "1", int(8 / 2 * 4 * 2 * RING * M1 * 4),
      "the forward's two all-reduces (g) only, backward's two (f) left out"),

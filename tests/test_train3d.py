@@ -66,6 +66,25 @@ def test_every_planted_bug_leaves_the_bound_by_step_2_on_every_seed(three_d, wit
 
 
 @pytest.mark.numerics
+def test_step1_gradient_check_refuses_every_scale_bug_and_passes_the_correct_layouts(three_d, with_cp):
+    """Any bug that scales a whole tensor's gradient by a constant passes the loss bound under plain
+    Adam; the step-1 gradient check (`labs.threed.gradcheck`) sees the scale. The runs are the fixtures'."""
+    for seed in drift.SEEDS:
+        rows = {**three_d["by_seed"][seed], **with_cp["by_seed"][seed]}
+        for name in ("3d", "3d_decay", "cp"):
+            assert rows[name]["grads_pass"], (seed, name)
+        for name in drift.SCALE_BUGS:     # inside the loss bound, below 1 % of it; refused here
+            assert rows[name]["first_step_beyond"] is None and rows[name]["max_ratio"] < 0.01, (seed, name)
+            assert not rows[name]["grads_pass"], (seed, name)
+        # the LayerNorms' gradients are tp = 2 times one process's: r_T = |2 - 1| = 1, the rest pass
+        ln = {n: v for n, v in rows["ln_summed"]["grads"].items() if n.split(".")[-2].startswith("ln")}
+        assert ln and all(abs(v["ratio"] - 1) < 1e-4 for v in ln.values()), seed
+        assert all(v["ratio"] <= v["tol"] for n, v in rows["ln_summed"]["grads"].items() if n not in ln)
+        for name in ("tp_backward", "dp_not_reduced", "cp_backward", "dp_not_averaged_decay"):
+            assert not rows[name]["grads_pass"], (seed, name)     # gradient bugs: refused at step 1 too
+
+
+@pytest.mark.numerics
 def test_context_parallel_layout_shards_adam_over_dp_times_cp(with_cp):
     bound, runs = with_cp["bounds"][(drift.LAYOUT_CP, False)], with_cp["runs"]
     assert set(bound["kinds"]) == {"block", "head", "attention", "softmax", "loss"}

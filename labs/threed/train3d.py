@@ -32,7 +32,7 @@ from labs.launcher import launch
 from labs.measure import comm
 from labs.formulas import schedules
 from labs.pipeline import executor
-from labs.threed import layout3d
+from labs.threed import gradcheck, layout3d
 from labs.tensor_parallel import megatron
 from labs.zero.sharded_optimizer import ShardedOptimizer
 
@@ -116,6 +116,9 @@ def build_rank(cfg, g, bugs=(), seed=0):
                                else None)
     if "tp_backward" in bugs:
         _drop_f_backward(piece)
+    if "ln_summed" in bugs:    # replicated LayerNorms' gradients summed over tp (x tp), not averaged
+        for p in (p for n, p in piece.named_parameters() if n.split(".")[-2].startswith("ln")):
+            p.register_hook(lambda grad, k=lay.tp: grad * k)
     return piece
 
 
@@ -162,6 +165,8 @@ def _train(g, cfg, steps, lr, b, m, bugs, nodes, seed):
             with comm.counting() as passes:
                 ex.run(schedules.one_f_one_b(lay.pp, m)[c["pp"]])
             with comm.counting() as update:
+                if step == 0:    # the reduced step-1 gradient, `gradcheck`: the step's own reduce-scatter
+                    out["grad1"] = gradcheck.shards(opt, piece)
                 opt.step()
                 opt.zero_grad()
             away = {peer for peer, node in enumerate(nodes) if node != nodes[rank]}
@@ -245,7 +250,8 @@ def summarize(results, variant=0):
               for t in range(steps)]
     return {"losses": losses, "sent": [[_per_group(s) for s in r["sent"]] for r in runs],
             "crossing": [[_per_group(s) for s in r["crossing"]] for r in runs],
-            "coords": [r["coords"] for r in runs], "nodes": runs[0]["nodes"]}
+            "coords": [r["coords"] for r in runs], "nodes": runs[0]["nodes"],
+            "grad1": [r["grad1"] for r in runs]}
 
 
 def _per_group(sent):
