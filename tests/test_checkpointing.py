@@ -289,3 +289,66 @@ def test_a_batch_that_crosses_an_epoch_skips_no_sample():
     for h in halves:
         h.load_state_dict({"consumed": 8, "seed": 0})
     assert halves[0].next() + halves[1].next() == seen[8:12]
+
+
+def _steps_4_and_8(root):
+    for step in (4, 8):
+        sc.save({"w": sc.Shard(torch.full((8,), float(step)), 0, (8,))}, str(root / f"step-{step}"))
+
+
+def _flip_bit(path, at):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flipped-bit", "truncated", "wrong-type"])
+def test_a_damaged_commit_marker_is_corrupt_and_the_restart_takes_the_older_checkpoint(tmp_path, damage):
+    # the marker has no checksum of its own: a bit flipped in it, a short write or a wrong type must
+    # make step 8 fail to verify, never crash latest() on the way to step 4
+    _steps_4_and_8(tmp_path)
+    marker = tmp_path / "step-8" / sc.COMMIT
+    if damage == "flipped-bit":
+        _flip_bit(marker, marker.read_bytes().index(b"world_size"))   # "world_size" -> "vorld_size"
+    elif damage == "truncated":
+        marker.write_bytes(marker.read_bytes()[:40])
+    else:
+        marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": "1"}))
+    with pytest.raises(sc.CorruptCheckpoint, match="is not a whole commit marker"):
+        sc.verify(str(tmp_path / "step-8"))
+    assert sc.latest(str(tmp_path)) == str(tmp_path / "step-4")
+
+
+def test_a_step_saved_again_after_a_restart_from_an_older_checkpoint_replaces_the_corrupt_one(tmp_path):
+    # the chapter's fault: step 8's rank0.bin has a flipped bit, the restart takes step 4, and
+    # training reaches step 8 again: that save must commit over the corrupt folder
+    _steps_4_and_8(tmp_path)
+    _flip_bit(tmp_path / "step-8" / "rank0.bin", 0)
+    assert sc.latest(str(tmp_path)) == str(tmp_path / "step-4")
+    sc.save({"w": sc.Shard(torch.full((8,), 8.5), 0, (8,))}, str(tmp_path / "step-8"))
+    assert sc.latest(str(tmp_path)) == str(tmp_path / "step-8")
+    back = sc.Shard(torch.zeros(8), 0, (8,))
+    sc.load({"w": back}, str(tmp_path / "step-8"))
+    assert (back.tensor == 8.5).all()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-8"]   # no .tmp, no .old left
+
+
+def test_a_resave_killed_between_its_two_renames_leaves_the_new_one_committed(tmp_path, monkeypatch):
+    # the old folder is moved aside only after the new one is committed as step-8.tmp: a kill
+    # before the commit rename leaves that complete step-8.tmp, which latest() takes
+    _steps_4_and_8(tmp_path)
+    rename = sc.os.rename
+
+    def killed(a, b):
+        if str(a).endswith(".tmp"):
+            raise KeyboardInterrupt("killed before the commit rename")
+        rename(a, b)
+
+    monkeypatch.setattr(sc.os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sc.save({"w": sc.Shard(torch.full((8,), 8.5), 0, (8,))}, str(tmp_path / "step-8"))
+    monkeypatch.setattr(sc.os, "rename", rename)
+    assert not (tmp_path / "step-8").exists()
+    assert sc.latest(str(tmp_path)) == str(tmp_path / "step-8.tmp")   # the new save, not step-8.old
+    sc.save({"w": sc.Shard(torch.full((8,), 9.0), 0, (8,))}, str(tmp_path / "step-8"))   # and again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-8"]

@@ -1,11 +1,15 @@
-"""Chapter 12: the check `sharded_checkpoint.load` makes before it copies a key: the saved tensor is
-the one asked for.
+"""Chapter 12: the checks `sharded_checkpoint.load` makes before it copies a key: the saved tensor is
+the one asked for, and its saved pieces tile this rank's elements.
 
-Coverage alone (`sharded_checkpoint._check_covered`) compares flat index ranges, so a weight saved
+Coverage alone (`check_covered`) compares flat index ranges, so a weight saved
 as (4, 8) would fill a (2, 8) target with its first 16 elements, or a (8, 4) target with all 32 in
 the wrong places, and a bf16 target would be cast silently. A changed config, a resized vocabulary
 or a transposed weight all look like that. DCP refuses a size mismatch; so does this check.
 """
+
+
+class CoverageError(RuntimeError):
+    """Saved pieces that do not cover what a rank asks for exactly once (a gap or an overlap)."""
 
 
 class SavedShapeMismatch(ValueError):
@@ -26,3 +30,13 @@ def check_same_tensor(checkpoint_id, key, shape, dtype, entries):
                 f"{got[1]} with {e['numel']} elements stored, the target is {tuple(want[0])} {want[1]}; "
                 "the model differs from the one saved (a changed config, a resized vocabulary, a "
                 "transposed weight), so the load is refused.")
+
+
+def check_covered(checkpoint_id, key, covered):
+    """The saved runs must tile this rank's runs: every element copied exactly once."""
+    gaps, twice = int((covered == 0).sum()), int((covered > 1).sum())
+    if gaps or twice:
+        raise CoverageError(f"checkpoint {checkpoint_id}: the saved pieces of {key!r} leave {gaps} of this "
+                            f"rank's {covered.numel()} elements uncovered and cover {twice} more than once; "
+                            "the save and the load disagree about the layout (a wrong offset, a missing "
+                            "rank, or two tensors under one name).")

@@ -18,9 +18,10 @@ shape, byte position). Two rules make a checkpoint safe to restart from:
   sha256), fsyncs it and the folder, renames the folder to ``<id>`` and fsyncs the parent folder.
   On a local POSIX file system a rename within one file system is atomic and, once the parent is
   fsynced, durable: a kill at any moment, or a power loss, leaves the previous checkpoint and
-  either all of the new one or none of it. A network file system or an object store may not
-  rename atomically, so the reader never trusts the name: `verify` needs the marker, and every
-  file it lists, with the right checksum.
+  either all of the new one or none of it. A step saved again (after a restart from an older
+  checkpoint) replaces its folder only once the new one is committed. A network file system or an
+  object store may not rename atomically, so the reader never trusts the name: `verify` needs a
+  whole marker, and every file it lists, with the right checksum.
 - verified: `load` recomputes every file's checksum first and names the file that does not match,
   and refuses a tensor whose saved pieces leave an element of the rank's shard uncovered or cover
   one twice (a wrong offset, a missing rank, two tensors under one name), or whose saved global
@@ -32,6 +33,7 @@ overlap of every saved run [o, e) with them, whatever layout wrote them.
 import concurrent.futures
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -39,7 +41,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from labs.checkpointing.saved_shape import check_same_tensor
+from labs.checkpointing.saved_shape import CoverageError, check_covered, check_same_tensor  # noqa: F401 (re-exported)
 
 COMMIT = "metadata.json"
 # why the labs that save in this format run on the CPU with gloo on every machine (`launch.on_cpu`)
@@ -52,10 +54,6 @@ class IncompleteCheckpoint(RuntimeError):
 
 class CorruptCheckpoint(RuntimeError):
     """A committed checkpoint whose file does not match its recorded checksum."""
-
-
-class CoverageError(RuntimeError):
-    """Saved pieces that do not cover what a rank asks for exactly once (a gap or an overlap)."""
 
 
 @dataclasses.dataclass
@@ -160,10 +158,31 @@ def save(state, checkpoint_id, on_file=lambda path: None, group=None):
         meta = {"world_size": world, "sha256": {k: v for s in gathered for k, v in s.items()}}
         _durable(os.path.join(tmp, COMMIT), json.dumps(meta).encode())
         fsync_dir(tmp)                            # the names of every file, the marker's included
-        os.rename(tmp, checkpoint_id)             # the commit
-        fsync_dir(os.path.dirname(os.path.abspath(checkpoint_id)))   # the rename itself
+        parent, old = os.path.dirname(os.path.abspath(checkpoint_id)), f"{checkpoint_id}.old"
+        if os.path.exists(checkpoint_id):         # the step saved again after a restart from an older
+            shutil.rmtree(old, ignore_errors=True)   # one: move the earlier folder aside. Until the next
+            os.rename(checkpoint_id, old)         # rename the new one is the committed <id>.tmp, which
+        os.rename(tmp, checkpoint_id)             # `latest` accepts: never no checkpoint. The commit.
+        fsync_dir(parent)                         # the renames themselves
+        shutil.rmtree(old, ignore_errors=True)    # only now the replaced folder goes
     if world > 1:
         dist.barrier(group=group)
+
+
+def _read_marker(checkpoint_id, path):
+    """The commit marker's contents. It has no checksum of its own, so a marker that does not parse,
+    or lacks a key, or holds a wrong type (a flipped bit, a truncated write) is a corrupt checkpoint."""
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read())
+        ok = (type(meta["world_size"]) is int and meta["world_size"] > 0 and isinstance(meta["sha256"], dict)
+              and all(isinstance(v, str) for v in meta["sha256"].values()))
+    except (ValueError, KeyError, TypeError):   # bad JSON or bytes (ValueError), a key or type missing
+        ok = False
+    if not ok:
+        raise CorruptCheckpoint(f"checkpoint {checkpoint_id}: its {COMMIT} is not a whole commit marker (bad "
+                                "JSON, a key missing); it is corrupt, restore from the previous checkpoint.")
+    return meta
 
 
 def verify(checkpoint_id):
@@ -177,11 +196,9 @@ def verify(checkpoint_id):
         raise IncompleteCheckpoint(f"checkpoint {checkpoint_id} has no {COMMIT}: its save never committed "
                                    f"(files present: {', '.join(found) or 'none'}); load the previous "
                                    "checkpoint (see latest()).")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    meta = _read_marker(checkpoint_id, meta_path)
     listed = {f"rank{r}.{ext}" for r in range(meta["world_size"]) for ext in ("bin", "json")}
-    missing = sorted(n for n in listed | set(meta["sha256"]) if not os.path.exists(os.path.join(checkpoint_id,
-                                                                                                n)))
+    missing = sorted(n for n in listed | set(meta["sha256"]) if not os.path.exists(f"{checkpoint_id}/{n}"))
     if missing or not listed <= set(meta["sha256"]):
         raise IncompleteCheckpoint(f"checkpoint {checkpoint_id} lacks {', '.join(missing) or 'checksums'} of "
                                    f"its {meta['world_size']} ranks; load the previous checkpoint.")
@@ -203,7 +220,8 @@ def _read_index(checkpoint_id, world):
 
 def overlaps(mine, saved):
     """(global start, end, my position, saved position) of every overlap of two sorted run lists."""
-    saved = sorted((a, b, at) for (a, b), at in zip(saved, _starts(saved)))
+    starts = itertools.accumulate((b - a for a, b in saved), initial=0)   # saved runs lie back to back
+    saved = sorted((a, b, at) for (a, b), at in zip(saved, starts))
     out, j = [], 0
     for a, b, at in sorted(mine):
         while j < len(saved) and saved[j][1] <= a:
@@ -215,15 +233,6 @@ def overlaps(mine, saved):
             if lo < hi:
                 out.append((lo, hi, at + lo - a, pos + lo - s))
             k += 1
-    return out
-
-
-def _starts(runs):
-    """Where each saved run starts in its entry's data: the runs are stored back to back."""
-    out, pos = [], 0
-    for a, b in runs:
-        out.append(pos)
-        pos += b - a
     return out
 
 
@@ -253,7 +262,7 @@ def load(state, checkpoint_id, reads=None):
             covered = torch.zeros(target.numel(), dtype=torch.int32)   # times each element is copied
             for _, _, (lo, hi, at, _) in copies:
                 covered[at:at + hi - lo] += 1
-            _check_covered(checkpoint_id, key, covered)   # before a byte is copied
+            check_covered(checkpoint_id, key, covered)   # before a byte is copied
             for r, e, (lo, hi, at, pos) in copies:   # copy the overlap of every saved run with ours
                 size = torch.empty((), dtype=getattr(torch, e["dtype"])).element_size()
                 if reads is not None and (key, r) not in reads[-1:]:
@@ -266,22 +275,13 @@ def load(state, checkpoint_id, reads=None):
     return values
 
 
-def _check_covered(checkpoint_id, key, covered):
-    """The saved runs must tile this rank's runs: every element copied exactly once."""
-    gaps, twice = int((covered == 0).sum()), int((covered > 1).sum())
-    if gaps or twice:
-        raise CoverageError(f"checkpoint {checkpoint_id}: the saved pieces of {key!r} leave {gaps} of this "
-                            f"rank's {covered.numel()} elements uncovered and cover {twice} more than once; "
-                            "the save and the load disagree about the layout (a wrong offset, a missing "
-                            "rank, or two tensors under one name).")
-
-
 def latest(root):
     """The newest checkpoint under ``root`` that `verify` accepts: of the ``step-N`` folders, the
     highest N whose marker, files and checksums are all there (a save killed between its marker
-    and its rename leaves a complete ``step-N.tmp``, which counts). None if there is none."""
+    and its rename leaves a complete ``step-N.tmp``, which counts; a replaced ``step-N.old`` does
+    not). None if there is none."""
     found = sorted(((int(n.split("-")[1].split(".")[0]), not n.endswith(".tmp"), n) for n in os.listdir(root)
-                    if n.startswith("step-")), reverse=True)
+                    if n.startswith("step-") and not n.endswith(".old")), reverse=True)
     for _, _, name in found:
         try:
             verify(os.path.join(root, name))
@@ -295,9 +295,9 @@ def stage(state):
     """A copy of ``state`` whose tensors no longer share memory with training's (the staging of an
     asynchronous save: on a GPU, the device-to-host copy)."""
     def copy(v):
-        if isinstance(v, Shard):
-            return dataclasses.replace(v, tensor=v.tensor.detach().clone())
-        return v.detach().clone() if isinstance(v, torch.Tensor) else v
+        t = v.tensor if isinstance(v, Shard) else v
+        c = t.detach().clone() if isinstance(t, torch.Tensor) else t
+        return dataclasses.replace(v, tensor=c) if isinstance(v, Shard) else c
     return {k: stage(v) if isinstance(v, dict) else copy(v) for k, v in state.items()}
 
 
