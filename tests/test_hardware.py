@@ -5,9 +5,11 @@ tests/test_exercise_answers_ch1011.py."""
 import dataclasses
 import itertools
 import json
+import statistics
 
 import pytest
 
+from labs.collectives import alpha_beta
 from labs.dims import ParallelDims
 from labs.hardware import boundary, latency, machine, placement as P
 from labs.pipeline.stage_balance import stage_layers
@@ -376,3 +378,62 @@ def test_exposed_pair_is_the_largest_over_ranks():
     o = P.outer_position(P.exposed(P.LLAMA3_405B, lay(("tp", "cp", "pp", "dp")), run64, 430e12),
                          P.exposed(P.LLAMA3_405B, lay(("tp", "cp", "dp", "pp")), run64, 430e12))["slowed"]
     assert o["dp_outermost_s"] > o["pp_outermost_s"] and o["dp_outermost_upper_s"] > o["pp_outermost_upper_s"]
+
+
+# made-up lines over sizes, in us and us per byte, per variant: (fastest, median) each (alpha, beta);
+# the ping-pong's are round trips (summarize halves them). Every variant and statistic has its own
+# intercept, so a fit through another pattern, start or statistic gives another alpha
+LINES = {"pingpong/barrier": ((80, 0.002), (400, 0.004)),
+         "pingpong/back_to_back": ((30, 0.001), (900, 0.006)),
+         "exchange/barrier": ((50, 0.001), (120, 0.002)),
+         "exchange/back_to_back": ((20, 0.003), (300, 0.005))}
+FIT_SIZES = [8, 1024, 16 * 1024, 64 * 1024]
+
+
+def _line_ranks():
+    """Per variant and size, five tries whose slower-rank fastest and median lie exactly on that
+    variant's lines: rank 0's tries are (m, 0.9 f, 3 m, 1.5 m, 1.1 f), rank 1's half of them but f
+    for the second, so the slower rank's are (m, f, 3 m, 1.5 m, 1.1 f): fastest f, median m, while
+    rank 0 alone has fastest 0.9 f and rank 1 alone 0.55 f."""
+    ranks = [{}, {}]
+    for v, ((fa, fb), (ma, mb)) in LINES.items():
+        for n in FIT_SIZES:
+            f, m = (fa + fb * n) * US, (ma + mb * n) * US
+            rank0 = [m, 0.9 * f, 3 * m, 1.5 * m, 1.1 * f]
+            ranks[0][f"{v}/{n}"] = rank0
+            ranks[1][f"{v}/{n}"] = [t / 2 for t in rank0[:1]] + [f] + [t / 2 for t in rank0[2:]]
+    return ranks
+
+
+def test_latency_alpha_fits_take_the_exchange_after_a_barrier_fastest_and_median_apart():
+    """Made-up tries on known lines over four sizes: the intercepts are the exchange's after a
+    barrier, exactly 50 us through the fastest tries and 120 us through the medians (the same fit's
+    slopes, which summarize does not report, are exactly 0.001 and 0.002 us per byte). Fitting the
+    ping-pong (40 or 80 us, halved or not), the back-to-back start (20 us), swapping fastest and
+    median (120 and 50), or one rank's tries (45 or 27.5 us) each gives another value."""
+    r = latency.summarize(_line_ranks(), FIT_SIZES, 5, tick=4e-3)
+    fits = r["alpha_fits"]
+    assert set(fits) == {"exchange/barrier/fastest", "exchange/barrier/median"}
+    assert fits["exchange/barrier/fastest"] == pytest.approx(50 * US, rel=1e-9)
+    assert fits["exchange/barrier/median"] == pytest.approx(120 * US, rel=1e-9)
+    # each named mistake, computed the wrong way here, lands on another intercept
+    ranks = _line_ranks()
+    fit = lambda tries: alpha_beta.fit_line(FIT_SIZES, tries)["alpha"] / US
+    slower = lambda v, n, half=1: [max(a, b) / half
+                                   for a, b in zip(ranks[0][f"{v}/{n}"], ranks[1][f"{v}/{n}"])]
+    wrong = {"ping-pong, halved": fit([min(slower("pingpong/barrier", n, 2)) for n in FIT_SIZES]),
+             "ping-pong, not halved": fit([min(slower("pingpong/barrier", n)) for n in FIT_SIZES]),
+             "exchange back to back": fit([min(slower("exchange/back_to_back", n)) for n in FIT_SIZES]),
+             "median for fastest": fit([statistics.median(slower("exchange/barrier", n)) for n in FIT_SIZES]),
+             "rank 0 alone": fit([min(ranks[0][f"exchange/barrier/{n}"]) for n in FIT_SIZES]),
+             "rank 1 alone": fit([min(ranks[1][f"exchange/barrier/{n}"]) for n in FIT_SIZES])}
+    assert wrong == pytest.approx({"ping-pong, halved": 40, "ping-pong, not halved": 80,
+                                   "exchange back to back": 20, "median for fastest": 120,
+                                   "rank 0 alone": 45, "rank 1 alone": 27.5})
+    assert all(abs(a - 50) > 1 for a in wrong.values())
+    wrong_median = fit([min(slower("exchange/barrier", n)) for n in FIT_SIZES])     # fastest for median
+    assert wrong_median == pytest.approx(50) != pytest.approx(fits["exchange/barrier/median"] / US)
+    for stat, f, slope in (("fastest", min, 0.001), ("median", statistics.median, 0.002)):
+        line = alpha_beta.fit_line(FIT_SIZES, [f(slower("exchange/barrier", n)) for n in FIT_SIZES])
+        assert line["alpha"] == pytest.approx(fits[f"exchange/barrier/{stat}"], rel=1e-12)
+        assert line["beta"] == pytest.approx(slope * US, rel=1e-9)
