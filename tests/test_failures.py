@@ -158,6 +158,15 @@ def test_the_intervals_against_the_exact_optimum():
     assert reliability.young(delta, M) > exact * 1.02  # Young's first order is measurably long
 
 
+def test_a_shorter_checkpoint_gets_its_own_interval():
+    """The appendix quotes a 2-minute checkpoint's interval at Llama 3's MTBF: it is the exact
+    optimum for 2 minutes, not the 5-minute one reused (the mistake once printed)."""
+    M = reliability.LLAMA3_DAYS * 24 / reliability.LLAMA3_UNEXPECTED
+    two, five = reliability.daly(2 / 60, M), reliability.daly(5 / 60, M)
+    assert math.isclose(two, reliability.best_interval(2 / 60, M), rel_tol=1e-3)
+    assert two < 0.8 * five  # about sqrt(2/5) of it
+
+
 @pytest.mark.numerics
 def test_monte_carlo_checks_the_algebra_and_sees_weibull_failures_the_formula_leaves_out():
     a = reliability.agreement(delta=5 / 60, M=3.0, R=10 / 60, trials=300, seed=3)
