@@ -60,8 +60,9 @@ def test_bytes_held_and_sent_equal_the_formulas(world_size, two_ranks, three_ran
 @pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_stage_takes_exactly_the_ddp_step(world_size, two_ranks, three_ranks):
-    # Stages 0-3 share one layout (a bucket or unit per block, one for the rest) and gloo's
-    # reduce-scatter is its all-reduce, so every sum is the same: bit for bit, at any N. Gathering
+    # Stages 0-3 share one layout (a bucket or unit per block, one for the rest) and the hand
+    # ring's reduce-scatter is the first half of its all-reduce, so every sum is the same: bit for
+    # bit, at any N. Gathering
     # the whole model changes the layout, hence the order of a 3-term bf16 sum; 2 terms commute.
     r0 = (two_ranks if world_size == 2 else three_ranks)[0]
     keys = KEYS if world_size == 2 else KEYS[:-1]

@@ -8,8 +8,8 @@ sends, with the ring's (N-1)/N factor and Psi bf16 elements (2 bytes each):
 - DDP (stage 0): all-reduce of the gradients, 2(N-1)/N * 2Psi bytes;
 - ZeRO-1 and 2: reduce-scatter of the gradients + all-gather of the updated weights: the same;
 - ZeRO-3: all-gather before forward, again before backward, reduce-scatter: 3(N-1)/N * 2Psi, 1.5x.
-With m micro-batches per step, DDP and ZeRO-1 still reduce once, ZeRO-2 reduce-scatters m times ((m+1)/2 x
-DDP), ZeRO-3 does all three m times (3m/2 x DDP): `accumulation`.
+With A micro-batches per step, DDP and ZeRO-1 still reduce once, ZeRO-2 reduce-scatters A times ((A+1)/2 x
+DDP), ZeRO-3 does all three A times (3A/2 x DDP): `accumulation`.
 
 Stages 0-2 are `sharded_optimizer.ShardedOptimizer` around ``torch.optim.Adam``, stage 3 `fsdp.HandFSDP`:
 this lab trains the tiny GPT under each and under FSDP2 (`run`, `all_stages`, `accumulation`, `fsdp2`),
@@ -242,7 +242,7 @@ def freed_after_forward(peak, kept, blocks_bf16_bytes):
 
 
 def accumulation(rank, world_size, accum_steps=(1, 2, 4), batch_size=1, cfg=None, collectives="hand"):
-    """Bytes each rank sends in one optimizer step that accumulates m micro-batches.
+    """Bytes each rank sends in one optimizer step that accumulates A micro-batches.
 
     DDP and ZeRO-1 reduce once per optimizer step (gradients accumulate locally, as under DDP's
     ``no_sync``); ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 also gathers the weights twice
