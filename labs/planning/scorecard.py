@@ -166,6 +166,14 @@ def explain(r):
         return "data parallel", (f"the reduce-scatter of a 10B-parameter shard, exposed {pct('dp')} of the "
                                  "estimate "
                                  "beyond the last micro-batch's backward; NeMo hides more of it")
+    # NVIDIA-NeMo/Megatron-Bridge 2b8806b9 docs/performance-summary.md: "25.09 NeMo Container", DGX-H100,
+    # "Qwen3_30B_a3B (tokendrop) | 16 | 512 | 2 | 4096 | 0 | 1 | 2 | 1 | 24 | 8 | 32 | 10494 | 241"
+    if name.startswith("NeMo 25.11 Qwen3_30B"):
+        return "the figure", ("the same page's 25.09 table prints this layout (16 H100s, MBS 2, PP 2, VP 24, EP 8) "
+                              "at 10,494 tokens/s per GPU with token dropping; 25.11, dropless with forced "
+                              "balance, at 5,275, half, while its other H100 rows moved by under a third. "
+                              "The row's FLOP count is not it (5,275 x its 22.9 GFLOP per token is its 121 "
+                              "TFLOP/s), nor imbalance (forced): what halved it is not in the model")
     if c.job.model.moe and e < 0 and share(r, "dp") > share(r, "exposed_ep"):
         return "data parallel", (f"FSDP's gathers and reduce-scatters of whole experts (ETP = 1), exposed "
                                  f"{pct('dp')} of the estimate: the model regathers every layer for each "
