@@ -48,9 +48,10 @@ def test_grouped_k0_reproduces_deepgemms_two_rows():
 
 
 def test_grouped_term_narrows_every_pass_and_only_the_experts():
-    """Each of an expert's three GEMMs pays K_0 on its own reduction (forward over K, the input's gradient over
-    N, the weight's over M), and only expert GEMMs pay it. The named wrong implementations: K_0 on the forward
-    alone (a sliced expert's backward looks free), and K_0 on the dense GEMMs too (the trial that lost)."""
+    """Each of an expert's three GEMMs pays K_0 on its own reduction (forward over K, the input's gradient
+    over N, the weight's over M), and only expert GEMMs pay it. The named wrong implementations: K_0 on the
+    forward alone (a sliced expert's backward looks free), and K_0 on the dense GEMMs too (the trial that
+    lost)."""
     M, N, K, k0 = 256, 192, 4096, 400.0
     f, b = kernels.gemm_passes(M, N, K, 1e15, 1e30, k0)
     assert f == pytest.approx(2 * M * N * (K + k0) / 1e15)
@@ -71,12 +72,13 @@ def test_grouped_term_narrows_every_pass_and_only_the_experts():
 
 
 def test_sliced_experts_cost_more_per_flop_than_whole_ones():
-    """Qwen3-235B's experts (h 4,096, f_e 1,536, top-8 of 128) on a micro-batch of 4,096 tokens per rank: sliced
-    over tp 8 every expert gets 256 tokens and a reduction of 192; whole on ep 8, 16 experts get 2,048 tokens
-    each. Per FLOP the sliced GEMMs take longer. The named wrong model: K_0 = 0, which prices them alike and put
-    EP = 1 first for Qwen3-235B on 64 H100s."""
+    """Qwen3-235B's experts (h 4,096, f_e 1,536, top-8 of 128) on a micro-batch of 4,096 tokens per rank:
+    sliced over tp 8 every expert gets 256 tokens and a reduction of 192; whole on ep 8, 16 experts get 2,048
+    tokens each. Per FLOP the sliced GEMMs take longer. The named wrong model: K_0 = 0, which prices them
+    alike and put EP = 1 first for Qwen3-235B on 64 H100s."""
     def per_flop(M, f, k0):     # one expert's three weights, forward and backward
-        t = sum(sum(kernels.gemm_passes(M, N, K, 1e15, 1e30, k0)) for N, K in ((f, 4096), (f, 4096), (4096, f)))
+        shapes_ = ((f, 4096), (f, 4096), (4096, f))
+        t = sum(sum(kernels.gemm_passes(M, N, K, 1e15, 1e30, k0)) for N, K in shapes_)
         return t / (3 * 3 * 2 * M * f * 4096)
     k0 = kernels.grouped_k0(fp8=False)
     assert per_flop(256, 192, k0) > 1.3 * per_flop(2048, 1536, k0)

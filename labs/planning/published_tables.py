@@ -281,10 +281,10 @@ MODEL_SOURCES = {
     "qwen3-235b": _ZOO + "Qwen3-235B-A22B.yaml (every layer MoE, no shared expert, heads of 128); vocabulary "
                   "inferred: the tokenizer's padded to a multiple of 1,187 (--make-vocab-size-divisible-by)",
     "qwen3-30b": _ZOO + "Qwen3-30B-A3B.yaml; vocabulary inferred as for Qwen3-235B-A22B",
-    "mixtral-8x7b": "huggingface/transformers ad467bd7 src/transformers/models/mixtral/configuration_mixtral.py: "
-                    "MixtralConfig's defaults, 'a similar configuration to that of the Mixtral-7B-v0.1' (vocab "
-                    "32,000, h 4,096, ffn 14,336, 32 layers, 32 heads, 8 KV heads, 8 experts, top-2, untied; "
-                    "every layer MoE); trained at 4,096 here (its window)",
+    "mixtral-8x7b": "huggingface/transformers ad467bd7 src/transformers/models/mixtral/"
+                    "configuration_mixtral.py: MixtralConfig's defaults, 'a similar configuration to that "
+                    "of the Mixtral-7B-v0.1' (vocab 32,000, h 4,096, ffn 14,336, 32 layers, 32 heads, 8 KV "
+                    "heads, 8 experts, top-2, untied; every layer MoE); trained at 4,096 here (its window)",
     "deepseek-v2": "DeepSeek-V2 §3.1.2 (60 layers, h 5120, 128 heads, MLA 512/1536/128/64, 2 shared + 160 "
                    "routed "
                    "experts of 1536, 6 routed, first layer dense); dense ffn and vocabulary (100K padded to "

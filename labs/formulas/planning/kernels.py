@@ -91,7 +91,8 @@ def eager_traffic_ratio():
 
 def gemm_seconds(M, N, K, flops, hbm_bw, k0=0.0):
     """One GEMM of (M x K) @ (K x N) on the roofline, at ``flops`` per second on a long reduction; ``k0``:
-    a grouped GEMM's fixed cost per output tile in steps of its reduction (`GROUPED_K0`), 0 for a dense one."""
+    a grouped GEMM's fixed cost per output tile in steps of its reduction (`GROUPED_K0`), 0 for a dense
+    one."""
     return max(2 * M * N * (K + k0) / flops, E * (M * K + N * K + M * N) / hbm_bw)
 
 
