@@ -188,8 +188,9 @@ def explain(r):
         return "the figure", ("the same page's 25.09 table prints this layout (16 H100s, MBS 2, PP 2, VP 24, "
                               "EP 8) at 10,494 tokens/s per GPU with token dropping; 25.11, dropless with "
                               "forced balance, at 5,275, half, while its other H100 rows moved by under a "
-                              "third. The row's FLOP count is not it (5,275 x its 22.9 GFLOP per token is "
-                              "its 121 TFLOP/s), nor imbalance (forced): what halved it is not in the model")
+                              "third. Not the FLOP count (its 121 TFLOP/s over 5,275 tokens/s is 22.9 GFLOP "
+                              "per token, within 1 % of Megatron's causal count of this shape), nor "
+                              "imbalance (forced): what halved it is not in the model")
     if c.job.model.moe and e < 0 and share(r, "dp") > share(r, "exposed_ep"):
         return "data parallel", (f"FSDP's gathers and reduce-scatters of whole experts (ETP = 1), exposed "
                                  f"{pct('dp')} of the estimate: the model regathers every layer for each "
