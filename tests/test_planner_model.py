@@ -267,6 +267,10 @@ HF_CONFIGS = {
                    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288,
                    "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8,
                    "vocab_size": 151936, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    # MixtralConfig's defaults (huggingface/transformers ad467bd7), Mixtral-8x7B-v0.1's shape
+    "mixtral-8x7b": {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                     "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False},
     "deepseek-v2": {"num_hidden_layers": 60, "hidden_size": 5120, "num_attention_heads": 128,
                     "num_key_value_heads": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536,
                     "n_routed_experts": 160, "n_shared_experts": 2, "num_experts_per_tok": 6,

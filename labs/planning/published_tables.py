@@ -249,6 +249,8 @@ MODEL_SHAPES = {
     "qwen3-30b": ModelShape("Qwen3-30B-A3B", 48, 2048, 32, 4, 6144, 151_936, 4096, head_width=128,
                             experts=128,
                             top_k=8, expert_ffn=768, **_LLAMA),
+    "mixtral-8x7b": ModelShape("Mixtral-8x7B", 32, 4096, 32, 8, 14336, 32_000, 4096, experts=8, top_k=2,
+                               expert_ffn=14336, **_LLAMA),
     "deepseek-v2": ModelShape("DeepSeek-V2", 60, 5120, 128, 128, 12288, 102_400, 4096, experts=160, top_k=6,
                               expert_ffn=1536, shared_experts=2, dense_layers=1, mla=(512, 1536, 128, 64),
                               **_LLAMA),
@@ -279,6 +281,10 @@ MODEL_SOURCES = {
     "qwen3-235b": _ZOO + "Qwen3-235B-A22B.yaml (every layer MoE, no shared expert, heads of 128); vocabulary "
                   "inferred: the tokenizer's padded to a multiple of 1,187 (--make-vocab-size-divisible-by)",
     "qwen3-30b": _ZOO + "Qwen3-30B-A3B.yaml; vocabulary inferred as for Qwen3-235B-A22B",
+    "mixtral-8x7b": "huggingface/transformers ad467bd7 src/transformers/models/mixtral/"
+                    "configuration_mixtral.py: MixtralConfig's defaults, 'a similar configuration to that "
+                    "of the Mixtral-7B-v0.1' (vocab 32,000, h 4,096, ffn 14,336, 32 layers, 32 heads, 8 KV "
+                    "heads, 8 experts, top-2, untied; every layer MoE); trained at 4,096 here (its window)",
     "deepseek-v2": "DeepSeek-V2 §3.1.2 (60 layers, h 5120, 128 heads, MLA 512/1536/128/64, 2 shared + 160 "
                    "routed "
                    "experts of 1536, 6 routed, first layer dense); dense ffn and vocabulary (100K padded to "

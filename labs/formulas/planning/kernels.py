@@ -89,16 +89,46 @@ def eager_traffic_ratio():
     return EAGER_TRAFFIC[0] / EAGER_TRAFFIC[1]
 
 
-def gemm_seconds(M, N, K, flops, hbm_bw):
-    """One GEMM of (M x K) @ (K x N) on the roofline, at ``flops`` per second."""
-    return max(2 * M * N * K / flops, E * (M * K + N * K + M * N) / hbm_bw)
+def gemm_seconds(M, N, K, flops, hbm_bw, k0=0.0):
+    """One GEMM of (M x K) @ (K x N) on the roofline, at ``flops`` per second on a long reduction; ``k0``:
+    a grouped GEMM's fixed cost per output tile in steps of its reduction (`GROUPED_K0`), 0 for a dense
+    one."""
+    return max(2 * M * N * (K + k0) / flops, E * (M * K + N * K + M * N) / hbm_bw)
 
 
-def gemm_passes(M, N, K, flops, hbm_bw):
-    """(forward, backward) seconds of a weight's GEMMs: forward (M x K) @ (K x N); backward the input's
-    gradient (M x N) @ (N x K) and the weight's (K x M) @ (M x N), each of the forward's FLOPs and bytes."""
-    return (gemm_seconds(M, N, K, flops, hbm_bw),
-            gemm_seconds(M, K, N, flops, hbm_bw) + gemm_seconds(K, N, M, flops, hbm_bw))
+def gemm_passes(M, N, K, flops, hbm_bw, k0=0.0):
+    """(forward, backward) seconds of a weight's GEMMs: forward (M x K) @ (K x N) reduces over K; backward
+    the input's gradient (M x N) @ (N x K) over N and the weight's (K x M) @ (M x N) over M, each of the
+    forward's FLOPs and bytes."""
+    return (gemm_seconds(M, N, K, flops, hbm_bw, k0),
+            gemm_seconds(M, K, N, flops, hbm_bw, k0) + gemm_seconds(K, N, M, flops, hbm_bw, k0))
+
+
+# The experts' grouped GEMM by its shape. DeepGEMM's README (deepseek-ai/DeepGEMM at a6d97a1c, "Grouped GEMMs
+# for MoE models (contiguous layout)", FP8 on H800, 8 groups of M = 4,096) prints 1,288 TFLOP/s at N = 4,096,
+# K = 7,168 and 1,093 at N = 7,168, K = 2,048. Each output tile's fixed cost worth K_0 steps of its reduction,
+# K / (K + K_0), fits the two rows at K_0 = 551 (solved by `_solve_k0`, not fitted on a training run). BF16
+# walks its reduction at half the FP8 rate: K_0 / 2 (assumed; DeepGEMM prints FP8 only). Only the experts get
+# it: the dense GEMMs' shape is in the eta fitted on them (a dense per-shape term was tried and lost, see
+# `labs.planning.scorecard`); an expert's GEMM narrows as tensor parallelism slices it (K = f_e / tp for its
+# second weight, N = f_e / tp its first) and as the tokens spread over more experts (its weight gradient
+# reduces over the expert's M tokens).
+DEEPGEMM_GROUPED = ((2048, 1093.0), (7168, 1288.0))     # (K, TFLOP/s), 8 groups of M = 4,096
+
+
+def _solve_k0(rows=DEEPGEMM_GROUPED):
+    """K_0 with (K_a / (K_a + K_0)) / (K_b / (K_b + K_0)) equal to the ratio of the two rows' TFLOP/s."""
+    (ka, fa), (kb, fb) = rows
+    r = fa / fb
+    return ka * kb * (1 - r) / (r * kb - ka)
+
+
+GROUPED_K0 = _solve_k0()
+
+
+def grouped_k0(fp8):
+    """K_0 of an expert's grouped GEMM of this precision (`DEEPGEMM_GROUPED`)."""
+    return GROUPED_K0 if fp8 else GROUPED_K0 / 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,7 +153,7 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
             # whole experts and the same M), so a rank does 1/tp of its group's expert FLOPs
             per_expert = tokens * model.top_k * ep / model.experts
             t, tb = (w.copies / ep * x for x in gemm_passes(max(per_expert, 1), N, K, mm_flops,
-                                                            cluster.hbm_bw))
+                                                            cluster.hbm_bw, grouped_k0(fp8)))
         else:
             M = tokens // tp if (w.split == "rep" and sp and tp > 1) else tokens
             t, tb = gemm_passes(M, N, K, mm_flops, cluster.hbm_bw)
