@@ -176,12 +176,27 @@ def test_monte_carlo_checks_the_algebra_and_sees_weibull_failures_the_formula_le
     assert a["rows"][-1]["tau"] not in a["indistinguishable_taus"]  # 4x too long is told apart
     # clustered failures (Weibull, shape 0.7, same mean): the simulation lies above the formula by
     # more than 4 standard errors at the optimum and at 4x it, on each of seeds 1-3 (the notebook
-    # runs seed 0); a sampler that ignored the shape would agree with the formula
+    # runs seed 0); a sampler that ignored the shape would agree with the formula, one with the
+    # wrong mean would pass too: the next test checks the mean
     star = reliability.best_interval(5 / 60, 3.0, 10 / 60)
     for seed in (1, 2, 3):
         rows = reliability.monte_carlo([star, 4 * star], 5 / 60, 3.0, 10 / 60, 40 * 3.0, 300, seed, 0.7)
         for row in rows:
             assert row["goodput"] - row["formula"] > 4 * row["se"], (seed, row)
+
+
+def test_the_failure_sampler_keeps_the_mean_gap_for_every_shape():
+    """The clustered rows above are judged against the formula at the same mean gap, so the sampler's
+    mean must be M: a Weibull sampler that left out the 1/Gamma(1 + 1/shape) correction has mean
+    1.27 M at shape 0.7, fails less often, and would pass the test above as "clustering helps"."""
+    import random
+    n, M = 200_000, 2.0
+    for shape in (1.0, 0.7):
+        gap = reliability.gap_sampler(M, shape, random.Random(0))
+        mean = sum(gap() for _ in range(n)) / n   # standard error ~0.3 % at shape 0.7
+        assert abs(mean / M - 1) < 0.01, (shape, mean)
+    wrong = random.Random(0)
+    assert sum(wrong.weibullvariate(M, 0.7) for _ in range(n)) / n / M > 1.2   # the named mistake
 
 
 @pytest.fixture
