@@ -58,7 +58,7 @@ CASES = [
     # referee, chapter 2 (fix 5) item 3: 400 GiB/s for 400 GB/s gives 2,302.7, within 1 % of the
     # N = 16 answer (2,318), and was named only as that; the unit slip is now named, and first
     (ra, "4", 989e12 / (400 * 2**30),
-     "W read as 400 GiB/s: the question's 400 GB/s is 400 x 10^9 bytes/s, not 400 x 2^30"),
+     "W read in GiB/s: the node's 8 x 50 GB/s is 400 x 10^9 bytes/s, not 400 x 2^30"),
     (ra, "4", ra.compute_bound_tokens(989e12, ra.ACROSS_NODES_BPS, n=16),  # 6 % off: inside a GiB slip
      "(N-1)/N with N = 16, two nodes: the question takes N large, where (N-1)/N is 1"),
     # referee, chapter 2 item 11: 105 was labelled only "GiB and GB mixed up"; it is 98 GiB in GB,

@@ -162,15 +162,17 @@ def unused(rank, world_size, skip=3, steps=2):
 
 def walk_cost(rank, world_size, depth=48, width=16, steps=12):
     """Median forward+backward seconds with find_unused_parameters True and False, alternating
-    steps, on a deep narrow model (many graph nodes, little arithmetic: the walk shows); the
-    ``..._all_s`` lists keep every step in order, step i of each flag a pair."""
+    steps, which flag goes first alternating pair by pair (so neither always runs first), on a
+    deep narrow model (many graph nodes, little arithmetic: the walk shows); the ``..._all_s``
+    lists keep every step in order, step i of each flag a pair."""
     def build():
         torch.manual_seed(0)
         return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth))).to(launch.device())
     models = {flag: DDP(build(), find_unused_parameters=flag) for flag in (True, False)}
     times = {True: [], False: []}
     for step in range(2 + 2 * steps):
-        flag = step % 2 == 0
+        first = (step // 2) % 2 == 0
+        flag = first if step % 2 == 0 else not first
         dist.barrier()
         start = timing.now()
         models[flag](_data(rank, step, width)).pow(2).mean().backward()

@@ -221,7 +221,7 @@ MISTAKES = {
           (lambda: 989e12 / ACROSS_NODES_BPS * 3 / 2, "the whole step's 6 Psi FLOPs per token against the "
            "all-reduce: only backward's 4 Psi can hide it"),
           (lambda: compute_bound_tokens(989e12, ACROSS_NODES_BPS * 2**30 / 1e9),
-           "W read as 400 GiB/s: the question's 400 GB/s is 400 x 10^9 bytes/s, not 400 x 2^30"),
+           "W read in GiB/s: the node's 8 x 50 GB/s is 400 x 10^9 bytes/s, not 400 x 2^30"),
           (lambda: compute_bound_tokens(989e12, ACROSS_NODES_BPS, n=16),
            "(N-1)/N with N = 16, two nodes: the question takes N large, where (N-1)/N is 1")],
     "5": [(7 * 1000, "only the reduce-scatter's N-1 steps: the all-gather has as many"),
