@@ -209,6 +209,35 @@ def test_a_load_that_leaves_a_saved_key_unread_is_refused():
         pipeline_change.check_coverage(both_as_layer_0, saved, "step-3")
 
 
+def _interleaved(local, stage, p):
+    """The named mistake: local layer l of stage i keyed as global layer i + l p, not i L/p + l."""
+    bits = local.split(".")
+    if bits[0] == "blocks":
+        bits[1] = str(stage + int(bits[1]) * p)
+    return ".".join(bits)
+
+
+@pytest.mark.parametrize("names", ["global", "interleaved"])
+def test_interleaved_names_pass_the_coverage_check_and_fail_the_bit_exact_weight_comparison(names):
+    cfg = pipeline_change.CFG
+    name = {"global": lambda n, i, p: pipeline_change.global_name(n, i, cfg.n_layer // p),
+            "interleaved": _interleaved}[names]
+    model = tiny.build(cfg, seed=0)
+    saved = {}                                                   # saved under 2 stages
+    for i, piece in enumerate(executor.split(model, 2)):
+        saved.update({f"model.{name(n, i, 2)}": q.detach() for n, q in piece.named_parameters()})
+    reads, same = [], True                                       # loaded under 4 stages
+    for i, piece in enumerate(executor.split(model, 4)):
+        keys = {n: f"model.{name(n, i, 4)}" for n, _ in piece.named_parameters()}
+        reads.append(sorted(keys.values()))
+        true = dict(piece.named)                                 # the whole model's names
+        local = dict(piece.named_parameters())
+        same &= all(torch.equal(saved[keys[n]], true[g]) for n, g in
+                    ((n, pipeline_change.global_name(n, i, cfg.n_layer // 4)) for n in local))
+    pipeline_change.check_coverage(reads, {0: sorted(saved)}, "step-3")   # every key read once: passes
+    assert same == (names == "global")                           # only the weight comparison refuses it
+
+
 def _commit(folder, pieces, world_size=None):
     """A committed hand checkpoint whose rank r wrote ``{"w": pieces[r]}`` (pieces of one 8-element
     tensor), with a marker claiming ``world_size`` ranks (default: all of them)."""

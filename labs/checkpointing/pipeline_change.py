@@ -136,7 +136,8 @@ def written(kind, path):
 
 def check_coverage(read_by_rank, saved, path):
     """Refuse a load in which some saved weight or Adam key was read by no rank: every tensor of
-    the model lives on some stage, so a full load reads every key at least once."""
+    the model lives on some stage, so a full load reads every key at least once. It passes a wrong
+    naming that reads every key once (layer i + l p for i L/p + l); the weight comparison refuses that."""
     missing = sorted(set().union(*saved.values()) - set().union(*map(set, read_by_rank)))
     if missing:
         raise ValueError(f"{len(missing)} saved entries of {os.path.basename(path)} were read by no rank "

@@ -144,7 +144,7 @@ def save(state, checkpoint_id, on_file=lambda path: None, group=None):
     rank, world = _rank_world(group)
     tmp = f"{checkpoint_id}.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)   # a previous killed save of the same step
+        shutil.rmtree(tmp, ignore_errors=True)   # a killed save of this step (even a committed one)
         os.makedirs(tmp)
     if world > 1:
         dist.barrier(group=group)
@@ -160,9 +160,9 @@ def save(state, checkpoint_id, on_file=lambda path: None, group=None):
         fsync_dir(tmp)                            # the names of every file, the marker's included
         parent, old = os.path.dirname(os.path.abspath(checkpoint_id)), f"{checkpoint_id}.old"
         if os.path.exists(checkpoint_id):         # the step saved again after a restart from an older
-            shutil.rmtree(old, ignore_errors=True)   # one: move the earlier folder aside. Until the next
-            os.rename(checkpoint_id, old)         # rename the new one is the committed <id>.tmp, which
-        os.rename(tmp, checkpoint_id)             # `latest` accepts: never no checkpoint. The commit.
+            shutil.rmtree(old, ignore_errors=True)   # one: move the earlier folder aside; until the next
+            os.rename(checkpoint_id, old)         # rename the committed <id>.tmp is what `latest` takes
+        os.rename(tmp, checkpoint_id)             # (saved again before that, it falls back one). Commit.
         fsync_dir(parent)                         # the renames themselves
         shutil.rmtree(old, ignore_errors=True)    # only now the replaced folder goes
     if world > 1:
