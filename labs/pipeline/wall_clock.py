@@ -41,7 +41,7 @@ class OneDevice:
 
 def busy(events):
     """Each action's busy interval on the wall clock: from its start (its message in) for its
-    padded duration, as `executor.wall_bubble` counts it."""
+    nominal work (the padding target), as `executor.wall_bubble` counts it."""
     return [(e["wall_start"], e["wall_start"] + e["wall_work"]) for e in events]
 
 
