@@ -260,9 +260,8 @@ def summarize(results, schedule, m, v):
 
 def wall_bubble(events):
     """1 - busy / total over all ranks' wall-clock events. Busy is each action's nominal work
-    (``wall_work``: its cost in units times the seconds per unit, the padding target), never
-    wall_end - wall_start: compute that overruns the padding or a sleep that overshoots on a loaded
-    machine only lengthens the wall, so load can raise this bubble but not lower it."""
+    (``wall_work``, cost times seconds per unit), never wall_end - wall_start: compute past the
+    padding or a late sleep only lengthens the wall, so load can raise this bubble, not lower it."""
     t0 = min(e["wall_start"] for evs in events for e in evs)
     t1 = max(e["wall_end"] for evs in events for e in evs)
     return 1 - max(sum(e["wall_work"] for e in evs) for evs in events) / (t1 - t0)
