@@ -271,6 +271,64 @@ def test_wall_bubble_counts_a_sleeps_overshoot_as_idle_not_busy():
     assert executor.wall_bubble(events) >= 0.5
 
 
+class _Overrunning(executor.Executor):
+    """`Executor.run` with the model taken out: each action's "compute" is a sleep of ``overrun``
+    times its nominal work (a loaded machine), messages are queues between two threads."""
+
+    def __init__(self, rank, unit, inbox, overrun):
+        import types
+        self.rank, self.p, self.v, self.lock, self.unit, self.overrun = rank, 2, 1, None, unit, overrun
+        self.cost, self.inbox = schedules.costs("1f1b"), inbox
+        self.activations = types.SimpleNamespace(held_bytes=lambda stores: 0)
+        self.saved, self.pending, self.events = {}, [], []
+        self.clock, self.peak, self.peak_bytes = 0.0, 0, 0
+
+    def _work(self, a, receives):
+        import time
+        ready = self.clock
+        if receives:
+            ready = self.inbox[self.rank].get()
+            self.wall0 = time.perf_counter()
+        time.sleep(self.overrun * self.cost[a.kind] * self.unit)
+        return ready
+
+    def _F(self, a, k):
+        return self._work(a, k > 0)
+
+    def _B(self, a, k):
+        return self._work(a, k < self.p - 1)
+
+    def _finish_message(self, a, k):
+        if a.kind == "F" and k == 0:
+            self.inbox[1].put(self.clock)
+        elif a.kind == "B" and k == 1:
+            self.inbox[0].put(self.clock)
+
+
+def test_wall_bubble_not_below_formula_when_compute_overruns_the_padding():
+    # Stage 0's compute takes 1.5x its padded duration (load), stage 1's exactly its padding. Busy
+    # counted as max(compute, padding) inflated stage 0's busy time more than the wall and put the
+    # bubble below the formula; busy as the nominal work cannot.
+    import queue
+    import threading
+    p, m, unit = 2, 2, 0.02
+    inbox = [queue.Queue(), queue.Queue()]
+    stages = [_Overrunning(0, unit, inbox, 1.5), _Overrunning(1, unit, inbox, 1.0)]
+    lists = schedules.build("1f1b", p, m)
+    threads = [threading.Thread(target=s.run, args=(lists[s.rank],)) for s in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    formula = schedules.formula("1f1b", p, m)["over_total"]
+    events = [s.events for s in stages]
+    assert all(e["wall_end"] - e["wall_start"] > e["wall_work"] for e in events[0])  # overran
+    assert executor.wall_bubble(events) >= formula
+    # what max(compute, padding) would have counted: below the formula
+    inflated = [[e | {"wall_work": e["wall_end"] - e["wall_start"]} for e in evs] for evs in events]
+    assert executor.wall_bubble(inflated) < formula
+
+
 def test_overlap_counts_time_with_two_stages_busy():
     from labs.pipeline import wall_clock
     def ev(a, b):

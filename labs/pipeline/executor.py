@@ -122,8 +122,9 @@ class Executor:
             wall1 = time.perf_counter()
             if self.lock:
                 self.lock.release()
-            # busy: the padded duration (or the compute, if longer); a sleep's overshoot is idle
-            work = max(worked, self.cost[a.kind] * self.unit)
+            # busy: the schedule's nominal work, the padding target. Compute past the padding or a
+            # sleep's overshoot (load) lengthens the action on the wall but is not counted as work
+            work = self.cost[a.kind] * self.unit
             self._finish_message(a, k)
             held = self.activations.held_bytes([e["store"] for e in self.saved.values()])
             self.events.append({"action": repr(a), "start": start, "end": self.clock,
@@ -258,9 +259,9 @@ def summarize(results, schedule, m, v):
 
 
 def wall_bubble(events):
-    """1 - busy / total over all ranks' wall-clock events. Busy is each action's padded duration
-    (``wall_work``), not wall_end - wall_start: a sleep that overshoots on a loaded machine is idle
-    time, and counting it as work would put the bubble below what the dependencies force."""
+    """1 - busy / total over all ranks' wall-clock events. Busy is each action's nominal work
+    (``wall_work``, cost times seconds per unit), never wall_end - wall_start: compute past the
+    padding or a late sleep only lengthens the wall, so load can raise this bubble, not lower it."""
     t0 = min(e["wall_start"] for evs in events for e in evs)
     t1 = max(e["wall_end"] for evs in events for e in evs)
     return 1 - max(sum(e["wall_work"] for e in evs) for evs in events) / (t1 - t0)

@@ -7,7 +7,8 @@ job, one run right after the other: once correctly and once with the planted bug
 lock that every stage holds while it works, as if all stages shared one device. `check` then asks
 three things of the correct run, none of which load can fail:
 
-- its bubble is not below the formula (more than timer noise): load only adds idle time;
+- its bubble is not below the formula (beyond timer granularity): busy time is the schedule's
+  nominal work (`executor.wall_bubble`), so load only lengthens the wall and adds idle time;
 - some two stages worked at the same time (`overlap`); under the lock none ever do, exactly;
 - its bubble is below the serialised run's, timed beside it under the same load.
 
@@ -40,7 +41,7 @@ class OneDevice:
 
 def busy(events):
     """Each action's busy interval on the wall clock: from its start (its message in) for its
-    padded duration, as `executor.wall_bubble` counts it."""
+    nominal work (the padding target), as `executor.wall_bubble` counts it."""
     return [(e["wall_start"], e["wall_start"] + e["wall_work"]) for e in events]
 
 
@@ -62,7 +63,8 @@ def check(run, serialised):
     stages leaves two stages busy at once and below the serialised run, and passes."""
     name, formula = run["schedule"], run["bubble_fraction_formula"]
     wall, serial = run["bubble_fraction_wallclock"], serialised["bubble_fraction_wallclock"]
-    # below the formula: no executor that keeps its dependencies idles less (timer noise aside)
+    # below the formula: no executor that keeps its dependencies idles less. Busy is nominal work,
+    # so load cannot lower the bubble; the 0.02 is a guard for timer granularity alone
     assert wall - formula > -0.02, (name, wall, formula)
     # one at a time: no two stages ever busy together, which load cannot bring about (its padded
     # work is sleep, which needs no core)
