@@ -84,6 +84,42 @@ def test_step1_gradient_check_refuses_every_scale_bug_and_passes_the_correct_lay
             assert not rows[name]["grads_pass"], (seed, name)     # gradient bugs: refused at step 1 too
 
 
+def test_gradient_check_refuses_an_empty_result():
+    from labs.threed import gradcheck
+    assert not gradcheck.passes({})
+
+
+@pytest.mark.numerics
+def test_gradient_check_refuses_a_tensor_or_a_rank_piece_no_rank_reports(three_d):
+    """The check covers every element of every tensor of one process's model: a layout whose shards
+    leave out one tensor, or one rank's piece of a tp-sharded tensor, is refused, not judged on the
+    rest. tp's replicated LayerNorms are held by both tp ranks: at least once is enough."""
+    from labs.threed import gradcheck
+    run, b = three_d["runs"]["3d"], three_d["bounds"][(drift.LAYOUT_3D, False)]
+
+    def check(per_rank):
+        return gradcheck.compare(per_rank, run["coords"], drift.LAYOUT_3D, CFG, *b["grad1"])
+
+    full = check(run["grad1"])
+    assert gradcheck.passes(full) and set(full) == set(b["grad1"][0])
+    assert all(v["covered"] == 1 for v in full.values())
+    # one tensor left out on every rank (a parameter without a gradient): covered 0, ratio inf
+    dropped = [[e for e in shard if gradcheck.matching(e[0], c, drift.LAYOUT_3D, CFG)[0] != "ln_f.weight"]
+               for shard, c in zip(run["grad1"], run["coords"])]
+    assert sum(map(len, dropped)) < sum(map(len, run["grad1"]))
+    g = check(dropped)
+    assert g["ln_f.weight"]["covered"] == 0 and g["ln_f.weight"]["ratio"] == float("inf")
+    assert not gradcheck.passes(g) and gradcheck.refused(g) == ["ln_f.weight"]
+    # one rank's piece of a tp-sharded tensor left out: the rest of it alone no longer passes
+    first = next(i for i, e in enumerate(run["grad1"][0]) if e[0].endswith("attn.qkv.weight"))
+    g = check([run["grad1"][0][:first] + run["grad1"][0][first + 1:], *run["grad1"][1:]])
+    assert not gradcheck.passes(g)
+    assert gradcheck.refused(g) == sorted(n for n, v in g.items() if v["covered"] < 1) != []
+    # a replicated LayerNorm's piece on one rank only: the other tp rank still holds it
+    ln = next(i for i, e in enumerate(run["grad1"][0]) if ".ln" in "." + e[0])
+    assert gradcheck.passes(check([run["grad1"][0][:ln] + run["grad1"][0][ln + 1:], *run["grad1"][1:]]))
+
+
 @pytest.mark.numerics
 def test_context_parallel_layout_shards_adam_over_dp_times_cp(with_cp):
     bound, runs = with_cp["bounds"][(drift.LAYOUT_CP, False)], with_cp["runs"]

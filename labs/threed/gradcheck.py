@@ -11,8 +11,13 @@ compares, at step 1, the gradient the optimizer receives on every rank (its ZeRO
 The tolerance is the fp32 reordering bound the drift bound uses for gradients (`labs.threed.drift`):
 each element's sum over the N tokens, in another order, moves it by at most 2 gamma_N |g|_abs, so
 r_T <= ||2 gamma_N |g|_abs|| / ||g_one||, to first order. It omits what the drift bound omits (TP's
-all-reduce of the input gradient, the forward's rounding fed into backward); the correct layouts stay
-about 50 times inside it. A bug that scales the tensor by c gives r_T = |c - 1|: 1 for a factor of 2.
+all-reduce of the input gradient, the forward's rounding fed into backward). A bug that scales the
+tensor by c gives r_T = |c - 1|: 1 for a factor of 2.
+
+A check over what the ranks report would pass a tensor no rank reports, or judge one on the slices
+some rank happened to report: `compare` also counts, per element of every tensor of one process's
+model, how many ranks' shards hold it (replicated tensors, such as tp's LayerNorms, more than once),
+and `passes` requires every element held at least once.
 """
 import torch
 
@@ -56,23 +61,49 @@ def matching(name, coords, dims, cfg):
 
 
 def compare(per_rank, coords, dims, cfg, grads, absgrads, tokens, u=2.0 ** -24):
-    """Per tensor: r_T (see the module) and its tolerance, from every rank's `shards` (``per_rank``,
-    with their ``coords``) and one process's step-1 gradients ``grads`` and |g|_abs ``absgrads``
-    (of the mean loss over ``tokens`` tokens)."""
-    sums, scale = {}, 2 * rounding.gamma(tokens, u)
+    """Per tensor of one process's model (every name in ``grads``): r_T (see the module), its tolerance
+    and ``covered``, the fraction of its elements some rank's shard holds; from every rank's `shards`
+    (``per_rank``, with their ``coords``) and one process's step-1 gradients ``grads`` and |g|_abs
+    ``absgrads`` (of the mean loss over ``tokens`` tokens). A tensor no rank reports: ratio inf,
+    covered 0."""
+    sums, scale = {n: [0.0, 0.0, 0.0] for n in grads}, 2 * rounding.gamma(tokens, u)
+    held = {n: torch.zeros(t.numel(), dtype=torch.long) for n, t in grads.items()}
     for shard, c in zip(per_rank, coords):
         for name, offset, values in shard:
             glob, cut = matching(name, c, dims, cfg)
-            ref, ab = (cut(t[glob]).reshape(-1)[offset:offset + values.numel()].double()
-                       for t in (grads, absgrads))
-            s = sums.setdefault(glob, [0.0, 0.0, 0.0])
+            if glob not in grads:
+                raise KeyError(f"{name} (rank at {c}) is {glob}, no tensor of one process's model")
+            k = values.numel()
+            ref, ab = (cut(t[glob]).reshape(-1)[offset:offset + k].double() for t in (grads, absgrads))
+            where = cut(torch.arange(grads[glob].numel()).reshape(grads[glob].shape)).reshape(-1)
+            held[glob][where[offset:offset + k]] += 1               # the same cut, on the indices
+            s = sums[glob]
             s[0] += (values.double() - ref).pow(2).sum().item()
             s[1] += ref.pow(2).sum().item()
             s[2] += (scale * ab).pow(2).sum().item()
-    return {n: {"ratio": (d / g) ** 0.5 if g else float("inf"),
-                "tol": (a / g) ** 0.5 if g else 0.0} for n, (d, g, a) in sums.items()}
+    out = {}
+    for n, (d, g, a) in sums.items():
+        covered = (held[n] > 0).double().mean().item() if held[n].numel() else 1.0
+        out[n] = {"ratio": (d / g) ** 0.5 if g else (0.0 if covered and not d else float("inf")),
+                  "tol": (a / g) ** 0.5 if g else 0.0, "covered": covered}
+    return out
+
+
+def refused(result):
+    """The tensors of `compare`'s result that fail: not every element held by some rank, or
+    r_T beyond its tolerance."""
+    return sorted(n for n, v in result.items() if v["covered"] < 1 or v["ratio"] > v["tol"])
+
+
+def excess(v):
+    """r_T over its tolerance for one tensor of `compare`'s result: inf where not every element
+    was held, or where the tolerance is 0 and r_T is not."""
+    if v["covered"] < 1:
+        return float("inf")
+    return v["ratio"] / v["tol"] if v["tol"] else (0.0 if v["ratio"] == 0 else float("inf"))
 
 
 def passes(result):
-    """Whether every tensor's r_T is within its tolerance (`compare`'s result)."""
-    return all(v["ratio"] <= v["tol"] for v in result.values())
+    """Whether every tensor of one process's model was compared in full and is within its tolerance
+    (`compare`'s result); an empty result passes nothing."""
+    return bool(result) and not refused(result)
