@@ -279,7 +279,7 @@ def test_pieces_that_tile_the_tensor_load_into_any_shard(tmp_path):
 
 @pytest.mark.parametrize("target", [
     {"w": sc.Shard(torch.zeros(16), 0, (2, 8))},                      # truncated: a smaller config
-    {"w": sc.Shard(torch.zeros(32), 0, (8, 4))},                      # reshaped: a transposed weight
+    {"w": sc.Shard(torch.zeros(32), 0, (8, 4))},                      # reshaped: a (4, 8) weight transposed
     {"w": sc.Shard(torch.zeros(32, dtype=torch.bfloat16), 0, (4, 8))},   # re-typed: bf16 target
     {"v": torch.zeros(3)},                                            # 3 of a saved 6-element tensor
 ], ids=["truncated", "reshaped", "bf16", "replicated-shorter"])

@@ -15,11 +15,11 @@
 - `one_name`: the check before a save: one name, one value wherever ranks overlap (a key several
   ranks save must hold the same bytes on each wherever their elements overlap).
 - `key_clash`: two stages that save a layer under one local name: DCP writes one and drops the
-  other, the hand format loses one at load; the checked save refuses both in one sentence.
+  other, the hand format refuses the load; the checked save refuses both in one sentence.
 - `async_checkpoint`: an asynchronous save must copy the state (a stager that does not fails), and
   how long training stops for ``dcp.save`` against ``dcp.async_save``.
 - `async_window`: the steps a failure loses while an asynchronous save is still in flight.
 - `stateful_loader`: a data loader whose position is part of the checkpoint.
-- `checkpoint_faults`: a two-rank save killed before its commit, a flipped byte, the fsync order.
+- `checkpoint_faults`: a two-rank save killed before its commit, a flipped bit, the fsync order.
 - `checkpoint_cost`: what a checkpoint weighs, how long writing it stops training, the exercises.
 """

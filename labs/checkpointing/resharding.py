@@ -21,7 +21,7 @@ so it loads at any world size.
 - the loader whose position is saved is `labs.checkpointing.stateful_loader`; what a 70B checkpoint weighs and
   the chapter's exercises are in `labs.checkpointing.checkpoint_cost`.
 - `killed_save`, `corruption` (in `labs.checkpointing.checkpoint_faults`): a two-rank save killed
-  between its ranks' writes, and a flipped byte, against the hand format's commit and checksums.
+  between its ranks' writes, and a flipped bit, against the hand format's commit and checksums.
 
     python -m labs.checkpointing.resharding --world-size 2 --json
 """

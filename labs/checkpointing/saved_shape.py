@@ -4,7 +4,9 @@ the one asked for, and its saved pieces tile this rank's elements.
 Coverage alone (`check_covered`) compares flat index ranges, so a weight saved
 as (4, 8) would fill a (2, 8) target with its first 16 elements, or a (8, 4) target with all 32 in
 the wrong places, and a bf16 target would be cast silently. A changed config, a resized vocabulary
-or a transposed weight all look like that. DCP refuses a size mismatch; so does this check.
+or a non-square weight saved transposed all look like that. DCP refuses a size mismatch; so does this
+check. A square weight saved transposed has the same shape and passes it: only comparing values
+catches that.
 """
 
 
@@ -29,7 +31,7 @@ def check_same_tensor(checkpoint_id, key, shape, dtype, entries):
                 f"checkpoint {checkpoint_id}: {key!r} was saved (rank {rank}) as shape {tuple(got[0])} "
                 f"{got[1]} with {e['numel']} elements stored, the target is {tuple(want[0])} {want[1]}; "
                 "the model differs from the one saved (a changed config, a resized vocabulary, a "
-                "transposed weight), so the load is refused.")
+                "non-square weight transposed), so the load is refused.")
 
 
 def check_covered(checkpoint_id, key, covered):
