@@ -349,6 +349,19 @@ def test_the_exercise_checker_accepts_the_answers_and_refuses_a_wrong_one():
     assert demo["accepted"] == list(quiz.EXERCISES) and demo["refused"]
 
 
+def test_the_exercise_checker_names_the_exposed_share_and_the_undivided_state(capsys):
+    # the named mistakes, each diagnosed as itself, not as a generic factor 2 or bits and bytes:
+    # exercise 1's 20/60 is the exposed share (the complement); exercise 4's 16P bytes on every
+    # rank is DDP's answer, not divided over the 8 ranks
+    from labs.profiling import quiz
+    assert not quiz.check("1", 0.333)
+    assert "exposed share" in capsys.readouterr().out
+    assert not quiz.check("4", 16 * quiz.opt_params() / 2**30)
+    out = capsys.readouterr().out
+    assert "not divided over the 8 ranks" in out and "bits and bytes" not in out
+    assert quiz.check("4", 16 * 1_315_753_984 / 8 / 2**30)     # P as the question gives it
+
+
 def test_the_exercise_ready_order_is_backward_s():
     """quiz.ready_order against a real backward of OPT-1.3B's layout, narrowed to h = 128."""
     from labs.profiling import opt_exercise, quiz

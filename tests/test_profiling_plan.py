@@ -120,6 +120,25 @@ def test_the_calibration_refuses_a_beta_off_by_half_or_double():
     assert not pc.check_fit(m["alpha"], 2 * m["beta"], line(2 * m["beta"]), fastest, median)
 
 
+def test_the_calibration_can_pass_a_doubled_beta_when_the_line_runs_below_the_fastest():
+    # stated in the book: where the fitted line lies below the fastest exchange at the largest size
+    # (0.74 of it, as in a run of the notebook), twice its beta still lands inside TOP_BAND
+    from labs.collectives import alpha_beta
+    sizes = pc.SIZES
+    fastest = [100e-6, 80e-6, 110e-6, 200e-6, 560e-6]
+    median = [2 * t for t in fastest]
+    m = alpha_beta.model(sizes, [[t] for t in fastest])
+    cal = {"alpha": m["alpha"], "beta": m["beta"], "fastest_s": dict(zip(sizes, fastest)),
+           "median_s": dict(zip(sizes, median))}
+    low, high = pc.beta_multiples(cal)
+    assert 0.5 < low <= 1 <= high < 2                       # the line meets the fastest: refused
+    beta = (0.74 * fastest[-1] - m["alpha"]) / sizes[-1]    # a line at 0.74 of the fastest there
+    cal["beta"] = beta
+    line = [m["alpha"] + n * 2 * beta for n in sizes]
+    assert pc.check_fit(m["alpha"], 2 * beta, line, fastest, median)
+    assert pc.beta_multiples(cal)[1] >= 2
+
+
 def test_the_calibration_check_does_not_bound_the_line_by_the_median():
     # what the check does not catch, stated in the book: the line models the fastest exchanges, so
     # a line 30 times below the median exchange at some size passes when it follows the fastest

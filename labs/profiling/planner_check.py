@@ -70,13 +70,27 @@ def check_fit(alpha, beta, fitted, fastest, median):
     itself, and beta > 0 this holds by construction: it refuses only a free intercept that
     undershoots); at every size above half the fastest and under 1.5 times the median exchange (a
     fit far too low or far too high fails); at the largest size within `TOP_BAND` of the fastest
-    exchange (a beta half or double the right one fails there). The line models the fastest
+    exchange (a beta half or double fails there when the line meets the fastest exchange at that
+    size; `beta_multiples` gives what a calibration's own check lets through). The line models the fastest
     exchanges, so nothing here bounds it from below by the median: a line far below the typical
     (median) exchange at some size passes."""
     lo, hi = TOP_BAND
     return alpha > 0 and beta > 0 and fitted[0] >= fastest[0] and all(
         f / 2 <= p <= 1.5 * t for p, f, t in zip(fitted, fastest, median)) and (
         lo * fastest[-1] <= fitted[-1] <= hi * fastest[-1])
+
+
+def beta_multiples(cal, ks=tuple(k / 20 for k in range(5, 81))):
+    """The smallest and largest multiple k of a calibration's beta (alpha held, k from 0.25 to 4 in
+    steps of 0.05) that `check_fit` accepts on that calibration's own exchanges: how far off a beta
+    the check lets through. A beta half or double is refused only where the line meets the fastest
+    exchange at the largest size; a line below it there lets a larger multiple through."""
+    sizes = list(cal["median_s"])
+    fastest = [cal["fastest_s"][n] for n in sizes]
+    median = [cal["median_s"][n] for n in sizes]
+    ok = [k for k in ks if check_fit(cal["alpha"], k * cal["beta"],
+                                     [cal["alpha"] + n * k * cal["beta"] for n in sizes], fastest, median)]
+    return min(ok), max(ok)
 
 
 def calibrate(rank, world_size, repeats=7):

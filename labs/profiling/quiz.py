@@ -9,8 +9,9 @@
    rebuild actually forms (`last_bucket_bytes`, which adds the parameters already in it) is right.
 3. 1F1B on p = 4 equal stages with m = 8 micro-batches: what fraction of each stage's step does
    its trace show waiting for a peer (at no other cost)?
-4. OPT-1.3B trained in fp32 with AdamW under FSDP FULL_SHARD on 8 ranks: GiB of parameters,
-   gradients and optimizer state per rank between steps?
+4. OPT-1.3B (P parameters, `opt_params`, given in the question) trained in fp32 with AdamW under
+   FSDP FULL_SHARD on 8 ranks: GiB of parameters, gradients and optimizer state per rank between
+   steps?
 5. A collective matmul over t = 8 ranks: each chunk's transfer takes 3 ms, each chunk's matmul
    2 ms. How many ms of communication are exposed (the same ring without overlap exposes 21)?
 """
@@ -108,9 +109,14 @@ EXERCISES = {
 
 # exercise 2 accepts any answer from its lower bound to the bucket DDP's rebuild forms
 RANGES = {"2": (last_bucket_ms, lambda: allreduce_ms(last_bucket_bytes()))}
-MISTAKES = {"2": [(lambda: allreduce_ms(25 * 2**20),
+MISTAKES = {"1": [(lambda: 20 / 60,
+                   "the exposed share (exposed over in flight), the complement of the overlap fraction: "
+                   "the overlap fraction is the hidden part")],
+            "2": [(lambda: allreduce_ms(25 * 2**20),
                    "one 25 MiB bucket's all-reduce: the cap never splits a tensor, so the last bucket "
-                   "holds at least the whole tied embedding")]}
+                   "holds at least the whole tied embedding")],
+            "4": [(lambda: 16 * opt_params() / 2**30,
+                   "16P bytes not divided over the 8 ranks: DDP's answer, every rank holding all of it")]}
 
 
 def check(question, answer, rel=0.01):
