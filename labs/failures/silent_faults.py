@@ -110,7 +110,9 @@ def spike_rank(rank, world_size, steps, every, bad_batch, scale, skip=(), ratio=
         step, next_batch = step + 1, next_batch + 1
         first = spike_start(history, ratio, confirm, window)
         if first is not None and rollback is None:
-            good = max(s for s in ckpts if s <= first[0])           # taken before the spike began
+            # taken before the spike began: healthy when the spike shows in the bad batch's own loss
+            # (this lab's fault); a spike that shows a step after its cause would need s < first[0]
+            good = max(s for s in ckpts if s <= first[0])
             rollback = {"detected_at_step": step - 1, "spike_started_step": first[0],
                         "seconds": time.perf_counter() - bad_at if bad_at else None,
                         "latest_checkpoint": max(ckpts), "chosen_checkpoint": good,
