@@ -349,11 +349,13 @@ def test_wall_clock_check_fails_the_planted_serialisation():
     wall_clock.check(run, serialised)
 
 
-def test_zb_h1_formula_needs_w_no_longer_than_f():
-    """Qi et al.'s (p-1)(t_F + t_B - t_W) holds for t_W <= t_F; beyond, the simulated idle time stays
-    (p-1) t_B, as at t_W = t_F, while the formula keeps falling (the chapter states the condition)."""
-    for p, m in ((3, 6), (4, 8)):
-        for tf, tb, tw in ((2, 1, 1), (1, 1, 1), (1, 1, 1.5), (1, 2, 4)):
+def test_zb_h1_formula_needs_w_no_longer_than_f_or_b():
+    """Qi et al.'s (p-1)(t_F + t_B - t_W) holds for t_W <= min(t_F, t_B) (t_B here is B alone);
+    beyond, the simulated idle time stays (p-1) max(t_F, t_B) while the formula keeps falling (the
+    chapter states the condition). (1, 0.5, 1): t_W <= t_F but t_W > t_B, where t_W <= t_F alone
+    would wrongly predict (p-1) 0.5."""
+    for p, m in ((2, 4), (3, 6), (4, 8)):
+        for tf, tb, tw in ((2, 1, 1), (1, 1, 1), (1, 1, 1.5), (1, 2, 4), (1, 0.5, 1), (2, 0.5, 1)):
             timeline = schedules.simulate(schedules.zb_h1(p, m), {"F": tf, "B": tb, "W": tw})
             total = max(t[-1][2] for t in timeline)
-            assert total - m * (tf + tb + tw) == (p - 1) * (tf + tb - min(tw, tf)), (p, m, tf, tb, tw)
+            assert total - m * (tf + tb + tw) == (p - 1) * (tf + tb - min(tw, tf, tb)), (p, m, tf, tb, tw)
