@@ -9,8 +9,10 @@ are checked equal to the calculator's, and each rank runs one hand ring all-redu
 `labs.measure.comm` records every
 message with its destination; a message crosses when its destination's node is not the sender's.
 `crossing_formula` predicts the same total from the groups alone (a ring crosses a boundary once
-per pair of ring neighbours on different nodes), so the two can disagree if the messages went
-anywhere else.
+per pair of ring neighbours on different nodes), so the two disagree if a message leaves its
+group or its group sits elsewhere; a ring that sent to its predecessor instead of its successor
+crosses the same boundaries and agrees. The pipeline here is a plain chain (no wrap from the last
+stage to the first, which the calculator's interleaved Llama 3 counts include).
 
     python -m labs.hardware.boundary --world-size 4 --gpus-per-node 3 --tp 2 --dp 2 --json
 """
