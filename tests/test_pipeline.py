@@ -104,7 +104,7 @@ def costs():
 
 @pytest.mark.numerics
 def test_zb_h1_bubble_with_table_1_times(costs):
-    # Qi et al. Table 2 for any T_F, T_B, T_W with T_W <= T_F: ZB-H1's bubble is (p-1)(T_F+T_B-T_W),
+    # Qi et al. Table 2 for any T_F, T_B, T_W with T_W <= min(T_F, T_B): ZB-H1's bubble is (p-1)(T_F+T_B-T_W),
     # 1F1B's (p-1)(T_F+T_B+T_W). Times here: the FLOPs of one layer's F, B and W, counted.
     layer = costs["layer"]
     tf, tb, tw = layer["flops_forward"], layer["flops_backward_input"], layer["flops_backward_weight"]

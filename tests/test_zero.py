@@ -23,6 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # they agree to a few bf16 ulps (2^-8 relative) of the largest entry. A missing 1/N is off by 50%+.
 GRAD_TOL = 0.02
 KEYS = ("0", "1", "1-allreduce", "2", "3", "3-whole")
+BLOCK_NUMEL = tiny.num_params(tiny.GPT(tiny.GPTConfig()).blocks[0])   # one transformer block
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +77,10 @@ def test_peak_falls_stage_by_stage(two_ranks, three_ranks):
     for results in (two_ranks, three_ranks):
         for r in results:
             peak = {k: r[k]["peak"]["peak_bytes"] for k in KEYS}
-            # gathering one block at a time, not the whole model, is what lowers ZeRO-3's peak
-            assert peak["3"] < peak["3-whole"]
+            # gathering one block at a time, not the whole model, is what lowers ZeRO-3's peak: by at
+            # least one more block's bf16 weights (the notebook's margin), so a "per-unit" ZeRO-3 that
+            # gathered nearly everything at once fails
+            assert peak["3-whole"] - peak["3"] >= 2 * BLOCK_NUMEL, peak
             for k in KEYS:   # the peak includes everything held between steps
                 assert peak[k] >= r[k]["held"]["total"] + r[k]["held"]["step_counters"]
     for r in three_ranks:   # where parameters dominate, each stage's peak is below the previous one's
