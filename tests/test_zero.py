@@ -63,13 +63,13 @@ def test_bytes_held_and_sent_equal_the_formulas(world_size, two_ranks, three_ran
 def test_every_stage_takes_exactly_the_ddp_step(world_size, two_ranks, three_ranks):
     # Stages 0-3 share one layout (a bucket or unit per block, one for the rest) and the hand
     # ring's reduce-scatter is the first half of its all-reduce, so every sum is the same: bit for
-    # bit, at any N. Gathering
+    # bit, at any N, on every rank (a final all-gather wrong on ranks 1 and up fails it). Gathering
     # the whole model changes the layout, hence the order of a 3-term bf16 sum; 2 terms commute.
-    r0 = (two_ranks if world_size == 2 else three_ranks)[0]
     keys = KEYS if world_size == 2 else KEYS[:-1]
-    for key in keys:
-        assert r0[key]["losses"] == r0["0"]["losses"], key
-        torch.testing.assert_close(r0[key]["params"], r0["0"]["params"], rtol=0, atol=0)
+    for r in (two_ranks if world_size == 2 else three_ranks):
+        for key in keys:
+            assert r[key]["losses"] == r["0"]["losses"], key
+            torch.testing.assert_close(r[key]["params"], r["0"]["params"], rtol=0, atol=0)
 
 
 @pytest.mark.numerics
