@@ -343,6 +343,24 @@ def test_latency_across_jobs_gives_each_variant_its_own_range_and_one_size_fits_
     assert r["exchange_over_latency"] == pytest.approx((150 / 45, 5.0))
 
 
+def test_the_single_rank_pair_and_the_mixed_pair_agree_on_the_printed_layouts():
+    """Two readings of what DP exposes: the largest single rank's gather plus reduce-scatter overrun
+    (`exposed_pair`, the chapter's), and the largest gather overrun plus the largest reduce-scatter
+    overrun, possibly from two ranks (a gather overrun delays micro-batch 0's chain, a reduce-scatter
+    overrun the step's end: an upper bound). On the layouts the chapter prints, 16,384 and 8,192 GPUs,
+    at the full port and at a seventh of it, the two are equal, so no printed number depends on which."""
+    def mixed(e, rate=1.0):
+        over = lambda k, x, w: max(0.0, k * e[x] / rate - w)
+        return (max(over(k, "chunk_gather_s", f) for k, f, _ in e["dp_ranks"])
+                + max(over(k, "chunk_reduce_s", b) for k, _, b in e["dp_ranks"]))
+    run64 = dataclasses.replace(P.LLAMA3_RUN, micro_batches=32)
+    layouts = [P.exposed(P.LLAMA3_405B, P.Placement(P.LLAMA3_DIMS)),
+               P.exposed(P.LLAMA3_405B, placed(("tp", "cp", "pp", "dp"), tp=8, pp=16, dp=64), run64, 430e12)]
+    for e in layouts:
+        for rate in (1.0, 1 / 7):
+            assert P.exposed_pair(e, rate) == pytest.approx(mixed(e, rate), rel=1e-12)
+
+
 def test_exposed_pair_is_the_largest_over_ranks():
     """DP's exposed pair by the chapter's windows: rank r's first chunk is chunk r, with chunks 0..r-1 and r
     sends before its first gather and after its last reduce-scatter; chunk 0 is the embedding alone, a
