@@ -2,9 +2,10 @@
 
 Each synthetic trace is built so that a plausible wrong analysis gives another number: nested
 operators counted twice, the issue call taken for the wait, a wrapper that holds a wait counted as
-compute, a receive's wait for its peer counted as communication, an isend's pending span counted
-as in flight. The real trace comes from the command line (one run, module-scoped), whose contract
-and refusals are checked too.
+compute, a wait taken to end at the first completion in a gap rather than the last, a receive's
+wait for its peer counted as communication, an isend's pending span counted as in flight (also when
+the send is posted before its receive). The real trace comes from the command line (one run,
+module-scoped), whose contract and refusals are checked too.
 """
 import json
 import os
@@ -100,6 +101,18 @@ def test_a_gap_that_no_completion_ends_is_not_a_wait():
     assert r["overlap_fraction"] == pytest.approx(15 / 20)
 
 
+def test_a_gap_where_two_collectives_complete_is_exposed_to_the_last():
+    # DDP's last buckets at the end of backward: two all-reduces issued [10, 11] and [11, 12], gloo
+    # runs them [11, 25] and [25, 35], the rank thread computes nothing from 12 until 40. It waits
+    # until the last completes (35): exposed 2 + 23 = 25 us, idle 5. Stopping at the first
+    # completion (25) would give 15 us exposed and 15 idle.
+    r = one([step(0, 0, 50), op("aten::mm", 0, 10), op("c10d::allreduce_", 10, 11),
+             op("c10d::allreduce_", 11, 12), op("gloo:all_reduce", 11, 25, tid=GLOO, cat="user_annotation"),
+             op("gloo:all_reduce", 25, 35, tid=GLOO, cat="user_annotation"), op("aten::mm", 40, 50)])
+    assert r["exposed_comm_s"] == pytest.approx(25) and r["idle_s"] == pytest.approx(5)
+    assert r["comm_s"] == pytest.approx(25) and r["compute_s"] == pytest.approx(20)
+
+
 def test_a_wait_inside_a_wrapper_is_not_compute():
     # an autograd node [0, 30] computes [0, 10] and then waits inside a hook while gloo runs [5, 30]
     r = one([step(0, 0, 30), op("autograd::engine::evaluate_function: AddmmBackward0", 0, 30),
@@ -136,6 +149,26 @@ def test_point_to_point_waits_for_the_peer_then_transfers():
     # without the peer's trace the same receive is all communication: the bubble is not seen
     alone = analysis.breakdown(traces[1])[0]
     assert alone["peer_wait_s"] == 0 and alone["exposed_comm_s"] * 1e6 == pytest.approx(50)
+
+
+def test_a_send_posted_before_its_receive_is_in_flight_from_the_receive():
+    # rank 0 posts an isend at 10 and computes on (its span stays open until it waits at 100);
+    # rank 1 computes until 40, then posts the receive, which completes at 50. The send is only
+    # pending until 40: in flight [40, 50] plus its call [10, 11], 11 us. Counting it from its own
+    # post would give 40 us.
+    send_args = {"Concrete Inputs": ["", "", "1", "7"]}
+    recv_args = {"Concrete Inputs": ["", "", "0", "7"]}
+    r0 = [step(0, 0, 100), op("aten::mm", 0, 10), op("c10d::send", 10, 11, args=send_args),
+          op("gloo:send", 10.5, 100, cat="user_annotation"), op("aten::mm", 11, 100)]
+    r1 = [step(0, 0, 60), op("aten::mm", 0, 40), op("c10d::recv_", 40, 41, args=recv_args),
+          op("gloo:recv", 40.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
+    traces = [{"events": r0}, {"events": r1}]
+    parts = analysis.point_to_point(traces)
+    assert parts[0]["transfer"] == [(40, 50)] and parts[0]["wait"] == []
+    s0, s1 = (analysis.breakdown(t, p)[0] for t, p in zip(traces, parts))
+    assert s0["comm_s"] * 1e6 == pytest.approx(11) and s0["exposed_comm_s"] * 1e6 == pytest.approx(1)
+    # rank 1 posted after the send: no peer wait, the call and the transfer [41, 50] are exposed
+    assert s1["peer_wait_s"] == 0 and s1["exposed_comm_s"] * 1e6 == pytest.approx(10)
 
 
 @pytest.mark.parametrize("seed", range(5))
