@@ -31,7 +31,8 @@ def _local(t):
 def fsdp2_state_bytes(net, opt):
     """What this rank keeps after ``opt.step()`` (gradients still held), by its local shards:
     {params, grads, adam_moments, adam_step (the per-parameter step counters), local_numel,
-    dtypes: {piece: dtype name}}. Bytes of the local tensors, so padding FSDP2 keeps is counted."""
+    dtypes: {piece: dtype name}}. Bytes of the local tensors (`to_local()`), which leave FSDP2's padding
+    out: the storages (`memory.storage_bytes`) count it."""
     out = dict.fromkeys(("params", "grads", "adam_moments", "adam_step", "local_numel"), 0)
     dtypes = {}
     for p in net.parameters():
