@@ -70,6 +70,6 @@ EX3_REL = 1e-5  # 131,072 for 131,071 passes (7.6e-6), 2 or more off does not; n
 
 
 def check(question, answer, rel=EX3_REL):
-    """Automatic checker: bytes exactly, the factor within 0.01 % (2^17 = 131,072 passes; n = 127 or
+    """Automatic checker: bytes exactly, the factor within 0.001 % (2^17 = 131,072 passes; n = 127 or
     129 terms, 0.8 % off, does not, and is named); names the usual mistakes."""
     return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
