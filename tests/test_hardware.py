@@ -182,6 +182,13 @@ def test_dp_exposes_one_chunk_each_way_and_the_micro_batch_split_sets_only_the_s
     assert e["dp_exposed_s"] == pytest.approx(6 * shard / port)
     assert e["chunk_reduce_share"] == pytest.approx(4 * shard / port / (pp * (chunk_back + send)))
     assert e["chunk_reduce_share"] < 0.1 and e["dp_exposed_s"] < e["pp_critical_s"]
+    # the forward window and the gather's share of it, pinned like the backward's: a window without
+    # its sends (16 x 16.2 ms) or a gather share over the backward window (3 %, not 6 %) fails
+    chunk_fwd = 2 * psi / (pp * v) * s / tp / flops
+    assert e["window_forward_s"] == pytest.approx(pp * (chunk_fwd + send))
+    assert e["window_forward_s"] == pytest.approx(0.2705, rel=1e-3)   # ~16 x (16.2 + 0.67) ms
+    assert e["chunk_gather_s"] == pytest.approx(2 * shard / port)
+    assert e["chunk_gather_share"] == pytest.approx(2 * shard / port / (pp * (chunk_fwd + send)))
     # PP and DP share the GPU's NIC in this order: each of the backward chain's pv - 1 sends at half
     # the port adds up to one send's time; a slower PP only widens the gap to DP's exposed time
     assert e["pp_shared_nic_extra_s"] == pytest.approx((pp * v - 1) * send)
