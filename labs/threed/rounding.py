@@ -31,7 +31,8 @@ KINDS = ("block", "head", "attention", "softmax", "loss")
 
 
 def gamma(k, u):
-    """gamma_k = k u / (1 - k u); no bound at all (inf) once k u >= 1, as for 256 bf16 terms."""
+    """gamma_k = k u / (1 - k u) (Higham 3.1: an inner product of k terms; a plain sum of k terms needs
+    gamma_(k-1)); no bound (inf) once k u >= 1, as for an inner product of 256 bf16 terms."""
     return k * u / (1 - k * u) if k * u < 1 else float("inf")
 
 
