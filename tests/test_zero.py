@@ -92,6 +92,18 @@ def test_peak_falls_stage_by_stage(two_ranks, three_ranks):
         assert peak == sorted(peak, reverse=True) and len(set(peak)) == 4, peak
 
 
+@pytest.mark.numerics
+def test_from_ddp_to_zero2_the_peak_falls_less_than_the_held_bytes(three_ranks):
+    # DDP and ZeRO-2 are one ShardedOptimizer at stages 0 and 2 (one recipe: bf16 weights and
+    # gradients, fp32 master), so only which bytes are sharded differs. The activations and most
+    # temporaries are not sharded: at batch 1 on 3 ranks the peak falls, but by less than the held
+    # bytes (the chapter's same-recipe claim; the notebook checks it on 3 and 4 ranks)
+    top = {k: max((r[k] for r in three_ranks), key=lambda x: x["peak"]["peak_bytes"]) for k in ("0", "2")}
+    held = top["0"]["held"]["total"] / top["2"]["held"]["total"]
+    peak = top["0"]["peak"]["peak_bytes"] / top["2"]["peak"]["peak_bytes"]
+    assert 1 < peak < held, (peak, held)
+
+
 def _check_gradient_freed_in_backward(r, stage):
     """ZeRO-2 reduce-scatters from the backward hook: the full bf16 gradient (2 bytes per padded
     parameter) is never live at once, and right after each bucket's reduction returns exactly the
