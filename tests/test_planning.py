@@ -110,6 +110,18 @@ def test_quiz_units_and_denominators_are_the_pages(capsys):
     assert not quiz.check("1", 52.5e9 / 2**30)                        # the note's figure, in GiB
     assert "2 bytes per parameter" in capsys.readouterr().out
     assert quiz.check("5", 3 / 11)                                    # (p - 1)/(m + p - 1)
+    capsys.readouterr()
+
+
+def test_quiz_names_no_unit_slip_the_answer_cannot_have(capsys):
+    """A bubble share has no unit and exercise 7 is in GB: a checker that offered every unit slip
+    told 0.25 for 3/11 "GiB and GB mixed up", and 12.56 GB for 12.11 "MiB and MB mixed up"."""
+    for question, wrong in (("5", 0.25), ("7", quiz.q7_dp_gb_per_rank() * 1.037)):
+        assert not quiz.check(question, wrong)
+        out = capsys.readouterr().out
+        assert "mixed up" not in out, out
+    assert not quiz.check("7", quiz.q7_dp_gb_per_rank() * 2**30 / 1e9)  # a GiB slip is still named
+    assert "GiB and GB mixed up" in capsys.readouterr().out
     assert not quiz.check("5", 3 / 8)                                 # phi = (p - 1)/m
     assert "ideal compute time" in capsys.readouterr().out
 

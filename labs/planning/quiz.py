@@ -140,9 +140,20 @@ MISTAKES = {
 }
 
 
+# The slips each answer's unit allows: a ratio has no unit to mix up (only a factor 2 or a
+# percentage), and an answer in GB or GiB none in MiB; otherwise a wrong ratio 7 % off would be
+# told "GiB and GB mixed up".
+RATIO_SLIPS = [(r, what) for r, what in exercises.SLIPS if what.startswith(("a factor 2", "a percentage"))]
+GB_SLIPS = [(r, what) for r, what in exercises.SLIPS if not what.startswith("MiB")]
+SLIPS = {"1": GB_SLIPS, "2": RATIO_SLIPS, "3": RATIO_SLIPS, "5": RATIO_SLIPS, "7": GB_SLIPS,
+         "16": RATIO_SLIPS}
+
+
 def check(question, answer, rel=0.02):
-    """The quiz's checker: True when ``answer`` is within 2 % of the computed one."""
-    return exercises.check(ANSWERS, question, answer, rel, MISTAKES)
+    """The quiz's checker: True when ``answer`` is within 2 % of the computed one (and not nearer a
+    named mistake)."""
+    key = exercises.question_key(ANSWERS, question)
+    return exercises.check(ANSWERS, key, answer, rel, MISTAKES, slips=SLIPS.get(key))
 
 
 def note_verdicts():
