@@ -46,23 +46,29 @@ def test_3d_equals_one_process_within_the_bound_and_sends_the_predicted_bytes(th
 
 
 @pytest.mark.numerics
-def test_every_planted_bug_leaves_the_bound_by_step_2_on_every_seed(three_d, with_cp):
-    """What the page states of the planted bugs holds on every seed of drift.SEEDS, not one run."""
+def test_every_planted_bug_leaves_the_bound_within_the_run_on_every_seed(three_d, with_cp):
+    """What the page states of the planted bugs holds on every seed of drift.SEEDS, not one run. How
+    often each first leaves at step 2 or 3 is the recorded sweep's (`labs.threed.seeds`), not asserted."""
     for seed in drift.SEEDS:
         rows = {**three_d["by_seed"][seed], **with_cp["by_seed"][seed]}
         for name in ("3d", "3d_decay", "cp"):                # correct: below 1 % of the bound, every step
+            # catches a layout that computes something else by a little (a reordered op the bound
+            # leaves out, grown large), long before the bound itself would
             assert rows[name]["first_step_beyond"] is None and rows[name]["max_ratio"] < 0.01, (seed, name)
-        # the misaligned targets are wrong in the forward: beyond at step 1
+        # the misaligned targets are wrong in the forward: beyond at step 1. Catches a bound that has
+        # grown too loose to see a wrong loss (a gamma of the wrong n, a term counted twice)
         assert rows["pp_targets"]["first_step_beyond"] == 1, seed
-        # a bug in backward or in the update shows in step 2's loss, the first after an update; it
-        # may come back inside the bound later (the bound is loose), so every step is checked
+        # a bug in backward or in the update can only show in a loss computed after an update: step 2
+        # or 3 (on the recorded seeds either happens). Catches a bound too loose to see a gradient's
+        # direction changed within the run, and a planted "backward" bug that changes the forward
+        # (beyond at step 1). It may come back inside later (the bound is loose): every step is checked
         for name in ("tp_backward", "dp_not_reduced", "cp_backward", "dp_not_averaged_decay"):
-            assert rows[name]["first_step_beyond"] == 2, (seed, name, rows[name]["ratio"])
-        # gradients summed instead of averaged: plain Adam's step m/sqrt(v) does not see the factor
-        # dp, so its loss stays inside the bound, below 1 % of it (eps's doing). A thin margin: about
-        # 0.9 % on seeds 0 and 3, so the 1 % a correct layout is held to passes this bug only narrowly
-        assert rows["dp_not_averaged"]["first_step_beyond"] is None
-        assert rows["dp_not_averaged"]["max_ratio"] < 0.01, (seed, rows["dp_not_averaged"]["ratio"])
+            assert rows[name]["first_step_beyond"] in (2, 3), (seed, name, rows[name]["ratio"])
+        # gradients summed instead of averaged: plain Adam's step m/sqrt(v) does not see the factor dp,
+        # so its loss stays inside the bound. Catches an optimizer that is not scale-invariant where
+        # plain Adam is meant (coupled weight decay left on, SGD). How far inside is recorded, not
+        # asserted: a threshold on a bug's size would only be tuned to pass
+        assert rows["dp_not_averaged"]["first_step_beyond"] is None, (seed, rows["dp_not_averaged"]["ratio"])
 
 
 @pytest.mark.numerics
@@ -73,8 +79,8 @@ def test_step1_gradient_check_refuses_every_scale_bug_and_passes_the_correct_lay
         rows = {**three_d["by_seed"][seed], **with_cp["by_seed"][seed]}
         for name in ("3d", "3d_decay", "cp"):
             assert rows[name]["grads_pass"], (seed, name)
-        for name in drift.SCALE_BUGS:     # inside the loss bound, below 1 % of it; refused here
-            assert rows[name]["first_step_beyond"] is None and rows[name]["max_ratio"] < 0.01, (seed, name)
+        for name in drift.SCALE_BUGS:     # inside the loss bound (how far: recorded); refused here
+            assert rows[name]["first_step_beyond"] is None, (seed, name)
             assert not rows[name]["grads_pass"], (seed, name)
         # the LayerNorms' gradients are tp = 2 times one process's: r_T = |2 - 1| = 1, the rest pass
         ln = {n: v for n, v in rows["ln_summed"]["grads"].items() if n.split(".")[-2].startswith("ln")}
@@ -152,8 +158,9 @@ def test_library_built_3d_equals_one_process(three_d):
     bound = three_d["bounds"][(drift.LAYOUT_3D, False)]
     lib = torch3d.run(drift.LAYOUT_3D, timeout=300)
     for t, lim in enumerate(bound["bound"]):
-        # as the hand-built run: fp32 rounding stays below 1 % of the bound; a bug that moves the
-        # loss by more than that but less than the bound (a wrong scale on a few weights) does not
+        # held to what the hand-built correct layouts are held to: below 1 % of the bound. It catches
+        # what moves the loss by more (the direction bugs of drift.VARIANTS); a scale bug such as
+        # ln_summed can stay under it (the recorded sweep), which the step-1 gradient check is for
         assert abs(lib["losses"][t] - bound["losses"][t]) <= 0.01 * lim
     for stage, steps in zip(lib["stages"], lib["sent"]):
         predicted = layout3d.predict_bytes_per_group(CFG, drift.LAYOUT_3D, *SHAPE[1:], stage=stage)
@@ -232,3 +239,25 @@ def test_key_bias_check_pins_the_free_elements_to_the_key_slice():
             drift.key_bias_free(wrong, CFG)
     with pytest.raises(ValueError, match="key slice"):   # a layer with no free key bias at all
         drift.key_bias_free({n: m for n, m in masks(h, 2 * h).items() if "blocks.0." not in n}, CFG)
+
+
+def test_seed_sweep_summary_counts_first_steps_and_names_the_runs_that_fall_back_inside():
+    """`seeds.summary` on made-up rows: a bug first beyond at step 3, one that leaves and comes back
+    inside, one never beyond; a summary that counted a ratio of exactly 1 as beyond, or missed a
+    return inside, fails here."""
+    from labs.threed import seeds
+
+    def row(ratio):
+        beyond = [t + 1 for t, r in enumerate(ratio) if r > 1]
+        return {"ratio": ratio, "max_ratio": max(ratio), "first_step_beyond": beyond[0] if beyond else None}
+
+    by_seed = {}
+    for s, tp in enumerate(([0.0, 5.0, 9.0], [0.0, 0.7, 6.0], [0.0, 12.0, 0.86], [0.0, 1.0, 1.0])):
+        by_seed[s] = {n: row([0.0, 0.001, 0.002] if not drift.is_bug(n) else [0.0, 2.0, 3.0])
+                      for n in drift.VARIANTS}
+        by_seed[s]["tp_backward"] = row(tp)
+    got = seeds.summary(by_seed)
+    tp = got["bugs"]["tp_backward"]
+    assert tp["first"] == {2: 2, 3: 1} and tp["never"] == [3]
+    assert [s for s, _ in tp["back_inside"]] == [2] and tp["least_first"] == (5.0, 0)
+    assert got["largest"]["3d"] == 0.002 and got["bugs"]["pp_targets"]["first"] == {2: 4}

@@ -11,6 +11,8 @@ counted per group.
 audited.
 - `rounding`: the first-order rounding bound of reordered sums, op by op, on one process's step.
 - `drift`: the loss bound a correct layout stays within, and broken layouts that leave it.
+- `seeds`: the planted bugs over the runs of many seeds, recorded once by hand (results/threed/seeds.json),
+read by the notebook.
 - `gradcheck`: the step-1 gradient beside one process's, per tensor: sees a gradient's scale, which Adam
 hides.
 - `problems`: the chapter's exercises, their answers from the lab's formulas and the usual mistakes.
