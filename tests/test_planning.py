@@ -122,6 +122,24 @@ def test_quiz_names_no_unit_slip_the_answer_cannot_have(capsys):
         assert "mixed up" not in out, out
     assert not quiz.check("7", quiz.q7_dp_gb_per_rank() * 2**30 / 1e9)  # a GiB slip is still named
     assert "GiB and GB mixed up" in capsys.readouterr().out
+
+
+def test_quiz_names_the_vocabulary_matrices(capsys):
+    """The embedding and head are the usual slips of a per-stage or per-model count: left out of
+    exercise 1 they land 0.8 % low, inside the 2 % tolerance, and a checker without them accepts;
+    in exercise 7 they land 8.6 % off, where a unit slip would be named instead."""
+    gib = quiz.q1_state_gib()
+    for wrong, words in ((gib * (1 - 2 * quiz._vocab_share(shapes.LLAMA2_70B)), "left out"),
+                         (gib * (1 - quiz._vocab_share(shapes.LLAMA2_70B)), "counted once")):
+        assert not quiz.check("1", wrong)
+        assert words in capsys.readouterr().out
+    gb = quiz.q7_dp_gb_per_rank()
+    assert abs(gb - quiz._q7_vocab_gb() - 11.07) < 0.01  # the referee's hand count
+    for wrong, words in ((gb - quiz._q7_vocab_gb(), "embedding left out"), (gb + quiz._q7_vocab_gb(), "head added")):
+        assert not quiz.check("7", wrong)
+        out = capsys.readouterr().out
+        # the head lands within 2 % of a GiB slip: both are named, the nearer first
+        assert words in out and out.find("mixed up") in (-1, *range(out.index(words), len(out))), out
     assert not quiz.check("5", 3 / 8)                                 # phi = (p - 1)/m
     assert "ideal compute time" in capsys.readouterr().out
 

@@ -90,6 +90,17 @@ def q7_dp_gb_per_rank():
     return traffic.dp_calls(shapes.LLAMA3_405B, plan, 0, 2, 2)["reduce"] / GB
 
 
+def _vocab_share(model):
+    """One V x h matrix as a share of the model's parameters."""
+    return model.vocab * model.hidden / model.params()
+
+
+def _q7_vocab_gb():
+    """What one V x h matrix adds to `q7_dp_gb_per_rank`: its tp-shard in bf16, all-reduced over 128."""
+    m = shapes.LLAMA3_405B
+    return 2 * (127 / 128) * 2 * m.vocab * m.hidden / 8 / GB
+
+
 def q11_bytes_per_param():
     """Model-state bytes per parameter under mixed precision and Adam, unsharded (chapter 1)."""
     return budget.state_bytes_per_param(0, 1, "mixed")["total"]
@@ -124,7 +135,11 @@ MISTAKES = {
                      "gradients and optimizer state, where mixed-precision Adam keeps 16 in all (chapter 1); "
                      "the exercise asks for GiB (2^30 bytes)"),
           (lambda: q1_state_gib() * 70e9 / shapes.LLAMA2_70B.params(),
-           "the nominal 70e9 parameters of the model's name; counted from its shapes it has fewer")],
+           "the nominal 70e9 parameters of the model's name; counted from its shapes it has fewer"),
+          (lambda: q1_state_gib() * (1 - 2 * _vocab_share(shapes.LLAMA2_70B)),
+           "the embedding and the output head left out: each is V x h parameters, untied in Llama 2"),
+          (lambda: q1_state_gib() * (1 - _vocab_share(shapes.LLAMA2_70B)),
+           "the embedding counted once: Llama 2's output head is a second V x h matrix, not tied")],
     "2": [(NOTE["2"], "the note's 5 %: reachable with enough micro-batches or a zero-bubble schedule, but "
                       "not by the 1F1B family at Llama 3's 16M-token batch, this exercise's setting")],
     "5": [(q5_bubble_over_ideal, "that is phi = (p - 1)/m, the bubble over the ideal compute time; the "
@@ -134,7 +149,13 @@ MISTAKES = {
           (lambda: q7_dp_gb_per_rank() / 2, "that is the reduce-scatter half; the all-reduce's send is "
                                             "both halves, reduce-scatter and all-gather"),
           (lambda: q7_dp_gb_per_rank() * 128 / 127, "the ring's (n - 1)/n left out: over 128 ranks a rank "
-                                                    "sends 127/128 of twice its shard")],
+                                                    "sends 127/128 of twice its shard"),
+          (lambda: q7_dp_gb_per_rank() - _q7_vocab_gb(), "the embedding left out: the first stage holds it "
+                                                         "beside its layers"),
+          (lambda: q7_dp_gb_per_rank() + _q7_vocab_gb(), "the output head added: it sits on the last stage, "
+                                                         "not the first"),
+          # within 2 % of the head's mistake: named beside it, the nearer first
+          (lambda: q7_dp_gb_per_rank() * exercises.GB_PER_GIB, exercises.SLIPS[2][1])],
     "16": [(NOTE["16"], "the note's ~33 % is full recomputation's extra FLOPs; selective recomputation "
                         "(Korthikanti et al.) reruns only the attention core")],
 }
