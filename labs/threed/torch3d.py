@@ -174,12 +174,14 @@ def summarize(results):
 
 def check(dims, micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
     """The layout layout3d accepts, without context parallelism: PyTorch's public
-    ``context_parallel`` takes over SDPA's flash, memory-efficient and cuDNN ops, CUDA kernels
-    (torch 2.13, distributed/tensor/experimental/_context_parallel/_attention.py)."""
+    ``context_parallel`` takes over SDPA's ops (torch 2.13,
+    distributed/tensor/experimental/_context_parallel/_attention.py), and the book's model writes its
+    attention out (q k^T, softmax, v) so the rounding bound can hook each piece: there is no SDPA call
+    for it to take over, on any device."""
     if dims.cp != 1:
-        raise ValueError("PyTorch's public context_parallel takes over the CUDA attention kernels and does "
-                         "not run on CPU; the library-built run takes --dp, --tp and --pp only (use train3d "
-                         "for cp).")
+        raise ValueError("PyTorch's public context_parallel takes over scaled_dot_product_attention, which "
+                         "the book's model does not call (its attention is written out); the library-built "
+                         "run takes --dp, --tp and --pp only (use train3d for cp).")
     return layout3d.check(layout3d.config(), dims, micro_batch=micro_batch, num_microbatches=num_microbatches)
 
 
