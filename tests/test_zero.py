@@ -85,6 +85,10 @@ def test_peak_falls_stage_by_stage(two_ranks, three_ranks):
             # least one more block's bf16 weights (the notebook's margin), so a "per-unit" ZeRO-3 that
             # gathered nearly everything at once fails
             assert peak["3-whole"] - peak["3"] >= 2 * BLOCK_NUMEL, peak
+            # that margin passes a ZeRO-3 that keeps every block gathered from forward to backward
+            # (its peak sits between the two); the count of units gathered at once does not: the root
+            # and the one block at work, against the whole model's one unit
+            assert (r["3"]["max_units_gathered"], r["3-whole"]["max_units_gathered"]) == (2, 1)
             for k in KEYS:   # the peak includes everything held between steps
                 assert peak[k] >= r[k]["held"]["total"] + r[k]["held"]["step_counters"]
     for r in three_ranks:   # where parameters dominate, each stage's peak is below the previous one's

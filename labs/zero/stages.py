@@ -182,7 +182,8 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
     for each library call), losses, params (the bf16 weights after training),
     grad_rel_error_vs_single_process (the first step's averaged gradient of this rank's shard),
     max_param_diff_vs_single_process and param_bound (Adam's drift bound, `adam_drift.param_bound`),
-    update_error_vs_single_process (`adam_drift.update_error`: 1 for a run that never updated)."""
+    update_error_vs_single_process (`adam_drift.update_error`: 1 for a run that never updated),
+    max_units_gathered (hand ZeRO-3's most units gathered at once; None for stages 0-2)."""
     cfg, dev = cfg or tiny.GPTConfig(), launch.device()
     net, opt, hand = build(stage, cfg, lr, zero1_allreduce, units, dev)
     first = []  # the first step's gradients, taken between backward and the optimizer step
@@ -200,7 +201,9 @@ def run(rank, world_size, stage, steps=3, batch_size=2, zero1_allreduce=False, l
             "param_bound": adam_drift.param_bound(reference, steps, lr),  # a run that never updated passes it
             "update_error_vs_single_process": adam_drift.update_error(start, params, reference),
             "grad_rel_error_vs_single_process": _grad_error(first[0], ref_grad),
-            "grad_rel_error_per_tensor": grad_error_per_tensor(first[0], ref_grad)}
+            "grad_rel_error_per_tensor": grad_error_per_tensor(first[0], ref_grad),
+            # hand ZeRO-3: the most units holding full weights at once (None for stages 0-2)
+            "max_units_gathered": None if hand is None else hand.max_units_gathered}
 
 
 def all_stages(rank, world_size, steps=2, batch_size=2):
