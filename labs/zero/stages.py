@@ -75,6 +75,10 @@ def _grad_error(pieces, ref):
     return err / scale
 
 
+# correct runs reach 0.035 per tensor (bf16 rounding, 2 to 4 ranks); one missing its 1/N, about N - 1
+TENSOR_GRAD_TOL = 0.1
+
+
 def grad_error_per_tensor(pieces, ref):
     """The same comparison, each piece relative to its own tensor's largest gradient: a tensor whose
     gradients are small beside the model's largest (the norms' weights) is judged on its own scale, so a
