@@ -17,7 +17,12 @@ In: the experts' grouped GEMM by its shape, K / (K + K_0) on each of an expert's
 K_0 solved from DeepGEMM's grouped rows): 88 -> 90 of 107 predictions within 15 %, mean |error| 12.2 ->
 11.6 %; the pairwise order unchanged (6 of 13); Qwen3's first layouts on 64 H100s now spread the experts.
 
-Tried and left out, each judged on the whole checked set (`SHAPE_TRIAL`, `DEEPEP_TRIAL`):
+In: FlashAttention-3 at head dimension 128, the checked models' (620.7 of 989 TFLOP/s, pytorch/benchmark
+ff65cb67), not its abstract's 75 %, which is head dimension 256: 90 -> 91 within 15 %, mean |error| 11.6 ->
+11.4 %, pairwise 6 -> 7 of 13.
+
+Tried and left out, each judged on the whole checked set (`SHAPE_TRIAL`, `DEEPEP_TRIAL`), both with
+FlashAttention-3 then at 75 % and not rerun since:
 - the same shape term on the dense GEMMs too, K_0 = 797 solved from DeepGEMM's dense rows (a6d97a1c, "Normal
   GEMMs for dense models") and K_0 / 2 for BF16: 83 within 15 % with it, 90 without, mean |error| 12.4 against
   11.6 %. The calibration rows' narrow per-rank slices raise the fitted eta, and the wide GEMMs of the other

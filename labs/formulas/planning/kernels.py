@@ -37,14 +37,17 @@ E = 2                  # bytes of a 16-bit element
 # A fused attention kernel's speed relative to the best GEMM on the same GPU, each as a share of the BF16
 # peak its authors or a public benchmark report: FlashAttention-2 "reaching 50-73% of the theoretical
 # maximum FLOPs/s on A100" (Dao 2023, abstract; the low end, its backward) and "only 35% utilization on
-# the H100" (Shah et al. 2024, FlashAttention-3, abstract); FlashAttention-3 "up to 740 TFLOPs/s (75%
-# utilization)" (the same abstract), the class of cuDNN's fused attention Transformer Engine runs; the
+# the H100" (Shah et al. 2024, FlashAttention-3, abstract); FlashAttention-3 at head dimension 128, the
+# Llama and Qwen heads' (its abstract's "up to 740 TFLOPs/s (75% utilization)" is head dimension 256):
+# 620.7 TFLOP/s at 16k tokens (pytorch/benchmark, below) of the 989 peak, the class of cuDNN's fused
+# attention Transformer Engine runs; the
 # largest GEMMs reach 85.9 % of the A100's peak and 80.1 % of the H100's (maximum achievable matmul
 # FLOPS, stas00/ml-engineering compute/accelerator/README.md). Attention runs at eta times this ratio:
 # the stack's efficiency, slowed by its kernel's gap to a GEMM. Not fitted. Scores written out: eta.
 MAMF = {"A100": 0.859, "RTX 3090": 0.859, "H100": 0.801, "H100 96GB 500W": 0.801}
 KERNEL = {("flash2", "A100"): 0.50, ("flash2", "RTX 3090"): 0.50, ("flash2", "H100"): 0.35,
-          ("flash2", "H100 96GB 500W"): 0.35, ("flash3", "H100"): 0.75, ("flash3", "H100 96GB 500W"): 0.75}
+          ("flash2", "H100 96GB 500W"): 0.35, ("flash3", "H100"): 620.7 / 989,
+          ("flash3", "H100 96GB 500W"): 620.7 / 989}
 
 
 # The same kernels at shorter sequences, TFLOP/s forward on an H100 SXM5, head dim 128, 16k tokens per call
