@@ -151,3 +151,12 @@ def test_the_calibration_check_does_not_bound_the_line_by_the_median():
     held = [m["alpha"] + n * m["beta"] for n in sizes]
     assert held[1] < median[1] / 30
     assert pc.check_fit(m["alpha"], m["beta"], held, fastest, median)
+
+
+def test_each_step_is_priced_at_the_rate_timed_just_before_it_not_the_calibrations():
+    # two ranks, three steps: the rate that prices step i is the ranks' median of their i-th timing
+    results = [{"rates": [1e10, 2e10, 3e10]}, {"rates": [3e10, 4e10, 5e10]}]
+    rates = pc.step_rates(results)
+    assert rates == [2e10, 3e10, 4e10]
+    assert CAL["flops"] not in rates      # the named mistake: the pre-run calibration's rate
+    assert len(set(rates)) == 3           # and not one rate for every step

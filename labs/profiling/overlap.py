@@ -85,7 +85,7 @@ def _step(forward, opt, data, after=None):
 
 def ddp(rank, world_size, batch_size=2, bucket_bytes=1 << 19):
     """The hand DDP with overlap on ("a") and off ("b"): one model, the switch flipped per step. Two
-    sequences of 64 tokens, so that the 3.4 MB of gradients take a good part of backward's time to
+    sequences of 64 tokens, so that the 3.5 MB of gradients take a good part of backward's time to
     travel; 512 KiB buckets, so that the last one, exposed whatever the overlap, is small."""
     cfg = targets.config()
     net = tiny.build(cfg, seed=0, device=launch.device())

@@ -219,6 +219,12 @@ def predict(name, flops, comm, cal, world_size=2):
     return out
 
 
+def step_rates(results):
+    """The FLOP/s that prices each step: the median over the ranks of the rate each timed just before
+    that step (not the calibration's, timed before the runs)."""
+    return [statistics.median(r["rates"][i] for r in results) for i in range(len(results[0]["rates"]))]
+
+
 def compare(name, results, cal):
     """Predicted beside measured, per term: each step's measured term (mean over ranks) over that
     step's prediction (the FLOP/s timed just before it, the median of the ranks'), their median and
@@ -231,9 +237,8 @@ def compare(name, results, cal):
     mm = [matmul_seconds(r["trace"]) for r in results]
     mean["matmul_s"] = [sum(x[i] for x in mm) / len(mm) for i in range(n)]
     keys = ("compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "step_s")
-    pred = {k: [] for k in keys}
-    for i in range(n):
-        rate = statistics.median(r["rates"][i] for r in results)
+    pred, rates = {k: [] for k in keys}, step_rates(results)
+    for i, rate in enumerate(rates):
         preds = [predict(name, r["flops"], model_comm, dict(cal, flops=rate)) for r in results]
         for k in keys:
             pred[k].append(sum(p[k] for p in preds) / len(preds))
@@ -257,7 +262,7 @@ def compare(name, results, cal):
                    "ratio": r[0], "ratio_low": r[1], "ratio_high": r[2], "confidence": r[3] or conf}
     return {"layout": name, "lab": LAYOUTS[name][0], "terms": rows, "groups": groups,
             "traffic": {"model": model_comm, "trace": [rk["comm_by_op"] for rk in s["ranks"]]},
-            "flops": [r["flops"] for r in results], "steps": n, "per_rank": per_rank,
+            "flops": [r["flops"] for r in results], "rates": rates, "steps": n, "per_rank": per_rank,
             "paths": [r["path"] for r in results]}
 
 
