@@ -50,7 +50,7 @@ SIZES = [4, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024]   # exchanges' bytes 
 GEMM = (512, 512, 128)                                 # M, N, K: the MLP's first matmul, b s = 512
 TERMS = ("compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "idle_s", "step_s")
 MATMUL_OPS = tuple("aten::" + n for n in eager_traffic.MATMULS)
-CALIBRATIONS = 3        # a calibration failing its check (a burst of load) is measured again, at most 3 times
+CALIBRATIONS = 6        # a calibration failing its check (a burst of load) is measured again, at most 6 times
 
 
 def gemm_rate(a, b, reps=5):
