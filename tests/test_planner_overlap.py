@@ -34,3 +34,6 @@ def test_chunked_overlap_keeps_its_fill():
     """`timing.exposed` is `overlapped` plus one chunk's fill."""
     assert timing.exposed(1.0, 4.0, 4, 0.15) == pytest.approx(0.15 + 0.25)
     assert timing.exposed(1.0, 4.0, 4) == pytest.approx(0.25)
+    # a collective longer than its compute: the overhang plus one chunk of the compute, the shorter;
+    # a fill of one chunk of the collective (comm / chunks) would give 3 + 1 = 4.0
+    assert timing.exposed(4.0, 1.0, 4) == pytest.approx(3.0 + 0.25)
