@@ -63,7 +63,7 @@ def length_factor(attention, generation, length):
     """A fused attention kernel's speed at ``length`` keys per call over its speed at 16k (`BY_LENGTH`),
     linear in log2 of the length between the measured points, 1 above them; held at the 512 point below
     it (optimistic there); 1 off Hopper or for a kernel not measured."""
-    curve = BY_LENGTH.get(attention if generation == "H100" or attention != "flash3" else "flash2")
+    curve = BY_LENGTH.get(attention if generation in HOPPER or attention != "flash3" else "flash2")
     if generation not in HOPPER or curve is None or length >= 16384:
         return 1.0
     x = min(max(math.log2(length) - 9, 0.0), 5.0)       # 512 -> 0, 16k -> 5
