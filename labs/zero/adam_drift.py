@@ -56,10 +56,12 @@ def param_bound(weights, steps, lr, betas=(0.9, 0.999)):
 
 
 # a run whose update agrees with the reference's to rounding scores 0.0025-0.0075 on the tiny
-# models; the mistakes it must refuse score more: biases and norms never updated (3 % of the
-# weights) ~0.03, a step scaled by s scores |s - 1| (1.02: 0.02, 1.1: ~0.09), one that never
-# updated its weights exactly 1, one that stepped the wrong way 2. The tolerance sits a factor 2
-# from both the worst correct run and the unstepped biases; a step scaled by less than 1.015
+# models at the notebook's seed, up to 0.0087 seen on other seeds (2 to 6, 2 to 4 ranks); the
+# mistakes it must refuse score more: biases and norms never updated (3 % of the weights) ~0.03, a
+# step scaled by s scores |s - 1| (1.02: 0.02, 1.1: ~0.09), one that never updated its weights
+# exactly 1, one that stepped the wrong way 2. The tolerance sits near the geometric middle, a
+# factor 1.7 above the worst correct run seen and 2 below the unstepped biases: no wider margin
+# fits both sides. A step scaled by less than 1.015
 # passes it (rounding-sized, the check cannot see it). One tolerance for the lab, the notebook,
 # the tests and the page.
 UPDATE_TOL = 0.015
