@@ -17,6 +17,7 @@ Each micro-batch runs the same operations in the same order either way, and the 
 """
 import torch
 import torch.nn as nn
+from torch.profiler import record_function
 
 from labs.expert_parallel.moe import ExpertParallelMoE, MoE
 from labs.launcher import launch
@@ -35,7 +36,8 @@ class Layer(nn.Module):
     def start(self, x):
         """Dense part, routing, split sizes (a small synchronous all-to-all), dispatch issued."""
         moe = self.moe
-        h = self.dense(x)
+        with record_function("moe:dense"):   # named for the trace's order check (chapter 15)
+            h = self.dense(x)
         r = moe.decide(h)
         t, slot = r.keep.nonzero(as_tuple=True)
         e = r.idx[t, slot]
@@ -55,7 +57,8 @@ class Layer(nn.Module):
     def experts(self, s):
         """Wait for the dispatch, run the local experts, issue the combine."""
         moe = self.moe
-        s["work"].wait()
+        with record_function("moe:dispatch wait"):
+            s["work"].wait()
         experts = torch.arange(moe.per, device=s["recv"].device).repeat(moe.ep)
         local = torch.repeat_interleave(experts, s["recv"])
         y = moe.run_experts(s["rows"], local)
