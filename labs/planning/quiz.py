@@ -138,8 +138,8 @@ MISTAKES = {
            "the nominal 70e9 parameters of the model's name; counted from its shapes it has fewer"),
           (lambda: q1_state_gib() * (1 - 2 * _vocab_share(shapes.LLAMA2_70B)),
            "the embedding and the output head left out: each is V x h parameters, untied in Llama 2"),
-          (lambda: q1_state_gib() * (1 - _vocab_share(shapes.LLAMA2_70B)),
-           "the embedding counted once: Llama 2's output head is a second V x h matrix, not tied")],
+          # (the embedding counted once lands 0.4 % low, where 128 for 128.48 rounds: not named)
+          ],
     "2": [(NOTE["2"], "the note's 5 %: reachable with enough micro-batches or a zero-bubble schedule, but "
                       "not by the 1F1B family at Llama 3's 16M-token batch, this exercise's setting")],
     "5": [(q5_bubble_over_ideal, "that is phi = (p - 1)/m, the bubble over the ideal compute time; the "
