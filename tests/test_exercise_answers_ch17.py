@@ -18,7 +18,8 @@ RING = 2 * (4 - 1) / 4                              # a ring all-reduce's factor
 P2, N2 = 10_001, 2 * 2                              # exercise 2: P_local, n = dp x cp
 
 EX1_BYTES = ("elements, not bytes: fp32's 4 bytes per element left out; or the "
-             "activation taken per tp rank, b s h / tp, the same number here since tp = 4 bytes")
+             "activation taken per tp rank, b s h / tp, the same number here since tp = 4 = e, the bytes "
+             "per element")
 CASES = [
     (p17, "1", int(8 / 2 * 4 * 4 * RING * M1), EX1_BYTES),
     # the same number: the activation per tp rank, b s h / tp bytes with tp = 4 = e; both named

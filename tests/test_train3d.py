@@ -14,7 +14,8 @@ SHAPE = (CFG, layout3d.MICRO_BATCH, layout3d.MICROBATCHES, CFG.seq_len)
 
 
 # Three 8-rank jobs in all (the two layouts with their variants, each on every seed of drift.SEEDS;
-# the library's 3D run); the notebook runs seed 0 and the two-launcher run.
+# the library's 3D run, with its step 1 rerun under a planted bug); the notebook runs seed 0 and the
+# two-launcher run.
 @pytest.fixture(scope="module")
 def three_d():
     """One 8-rank job: the dp 2 x tp 2 x pp 2 layout and all its variants, on every seed."""
@@ -153,19 +154,45 @@ def test_zero1_over_the_wrong_group_of_the_same_size_fails_the_byte_check(with_c
         _bytes_equal_prediction(run, drift.LAYOUT_CP)
 
 
+@pytest.fixture(scope="module")
+def library():
+    """One 8-rank job: the library-built 3D run, and its step 1 rerun with FSDP2 reducing by SUM."""
+    return torch3d.run(drift.LAYOUT_3D, timeout=300, scale_bugs=("fsdp_sum",))
+
+
+def _library_gradcheck(lib, per_rank, three_d):
+    from labs.threed import gradcheck
+    b = three_d["bounds"][(drift.LAYOUT_3D, False)]
+    return gradcheck.compare(per_rank, lib["coords"], drift.LAYOUT_3D, CFG, *b["grad1"])
+
+
 @pytest.mark.numerics
-def test_library_built_3d_equals_one_process(three_d):
-    bound = three_d["bounds"][(drift.LAYOUT_3D, False)]
-    lib = torch3d.run(drift.LAYOUT_3D, timeout=300)
+def test_library_built_3d_equals_one_process(three_d, library):
+    from labs.threed import gradcheck
+    bound, lib = three_d["bounds"][(drift.LAYOUT_3D, False)], library
     for t, lim in enumerate(bound["bound"]):
         # held to what the hand-built correct layouts are held to: below 1 % of the bound. It catches
-        # what moves the loss by more (the direction bugs of drift.VARIANTS); a scale bug such as
-        # ln_summed can stay under it (the recorded sweep), which the step-1 gradient check is for
+        # what moves the loss by more (the direction bugs of drift.VARIANTS); a scale bug can stay
+        # under it (the recorded sweep), which the step-1 gradient check is for
         assert abs(lib["losses"][t] - bound["losses"][t]) <= 0.01 * lim
+    # FSDP2's reduced step-1 gradients, every element of every tensor, within their rounding bound
+    g = _library_gradcheck(lib, lib["grad1"], three_d)
+    assert gradcheck.passes(g) and set(g) == set(bound["grad1"][0])
+    assert all(v["covered"] == 1 for v in g.values())
     for stage, steps in zip(lib["stages"], lib["sent"]):
         predicted = layout3d.predict_bytes_per_group(CFG, drift.LAYOUT_3D, *SHAPE[1:], stage=stage)
         for sent in steps[1:]:  # the first step also sends the schedule's shape inference
             assert sent == {a: v for a, v in predicted.items() if v}
+
+
+@pytest.mark.numerics
+def test_library_gradient_check_refuses_fsdp2_reducing_with_sum(three_d, library):
+    """FSDP2 reducing with SUM instead of the mean (a scale bug plain Adam hides from the loss): every
+    tensor's gradient is dp = 2 times one process's, r_T = |2 - 1| = 1, and the check refuses it."""
+    from labs.threed import gradcheck
+    g = _library_gradcheck(library, library["bugs"]["fsdp_sum"], three_d)
+    assert not gradcheck.passes(g) and gradcheck.refused(g) == sorted(g)
+    assert all(abs(v["ratio"] - (drift.LAYOUT_3D.dp - 1)) < 1e-4 for v in g.values())
 
 
 @pytest.mark.numerics

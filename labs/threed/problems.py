@@ -49,7 +49,8 @@ EXERCISES = {
 
 MISTAKES = {
     "1": [(tp_bytes(**EX1, elem=1), "elements, not bytes: fp32's 4 bytes per element left out; or the "
-           "activation taken per tp rank, b s h / tp, the same number here since tp = 4 bytes"),
+           "activation taken per tp rank, b s h / tp, the same number here since tp = 4 = e, the bytes "
+           "per element"),
           (tp_bytes(**{**EX1, "pp": 1}), "all L layers, not the L/pp of one stage"),
           (tp_bytes(**EX1) // 2, "the forward's two all-reduces (g) only, backward's two (f) left out"),
           (tp_bytes(**EX1) * EX1["tp"] // (EX1["tp"] - 1),

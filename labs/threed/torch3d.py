@@ -13,10 +13,13 @@ and on it, applied from outside to the plain tiny GPT's stage:
 `LibraryBytes` counts what that stack sends the way chapter 3 counts FSDP2's (`labs.zero.hsdp`): a
 TorchDispatchMode sees every c10d op and functional collective, with its process group, so each
 call's payload (the tensor it was called with) and ring formula bytes (`labs.formulas.costs`) land on
-the group they ran on.
+the group they ran on. `grad_shards` hands each rank's step-1 gradients, as FSDP2 leaves them reduced,
+to the step-1 gradient check (`labs.threed.gradcheck`); ``scale_bugs`` reruns step 1 with a planted
+bug ("fsdp_sum": FSDP2 reducing with SUM instead of the mean, `set_gradient_divide_factor(1.0)`).
 
     python -m labs.threed.torch3d --dp 2 --tp 2 --pp 2 --json
 """
+import math
 from collections import defaultdict
 
 import torch
@@ -127,10 +130,51 @@ def build_stage(cfg, mesh):
     return piece
 
 
+@torch.no_grad()
+def grad_shards(piece, dp_rank, dp):
+    """This rank's gradients as FSDP2 leaves them after backward (reduced over dp), in
+    `labs.threed.gradcheck.shards`'s form: [(local name, offset in the flat elements of the rank's
+    tensor-parallel block, values)]. FSDP2 shards each parameter's TP block (the whole parameter where
+    tp replicates it) along dim 0 in chunks of ceil(rows / dp): dp rank d holds rows from d * chunk."""
+    out = []
+    for name, p in piece.named_parameters():
+        g, shape = p.grad, list(p.shape)
+        for axis, place in zip(g.device_mesh.mesh_dim_names, g.placements):
+            if axis == "tp" and place.is_shard():
+                shape[place.dim] //= g.device_mesh.size(g.device_mesh.mesh_dim_names.index("tp"))
+        local, chunk, row = g.to_local(), -(-shape[0] // dp), math.prod(shape[1:])
+        rows = max(0, min(chunk, shape[0] - dp_rank * chunk))
+        assert list(local.shape) == [rows, *shape[1:]], (name, local.shape, shape)
+        out.append((name, dp_rank * chunk * row, local.reshape(-1).clone()))
+    return out
+
+
+def _step1_with_bug(cfg, mesh, dev, bug, x, y, m):
+    """Step 1 again on a fresh stage with one planted bug; its gradients (`grad_shards`)."""
+    import torch.distributed.pipelining as pipelining
+    if bug != "fsdp_sum":
+        raise ValueError(f"unknown library bug {bug!r}: the one planted is 'fsdp_sum'")
+    piece = build_stage(cfg, mesh)
+    # reduce-scatter with SUM and divide by 1: the gradient dp times the mean (forcing SUM, as gloo has
+    # no PREMUL_SUM; torch 2.13, fsdp/_fully_shard/_fsdp_collectives.py, _get_gradient_divide_factors)
+    piece.set_gradient_divide_factor(1.0)
+    piece.set_force_sum_reduction_for_comms(True)
+    pp = mesh["pp"].size()
+    stage = pipelining.PipelineStage(piece, mesh.get_local_rank("pp"), pp, dev, group=mesh.get_group("pp"))
+    schedule = pipelining.Schedule1F1B(stage, n_microbatches=m, loss_fn=cross_entropy)
+    if stage.is_first:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=[])
+    return grad_shards(piece, mesh.get_local_rank("dp"), mesh["dp"].size())
+
+
 def train(rank, world_size, dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
-          num_microbatches=layout3d.MICROBATCHES):
+          num_microbatches=layout3d.MICROBATCHES, scale_bugs=()):
     """The library-built 3D run: per step the loss of each micro-batch (last stage) and the bytes per
-    group and op counted by `LibraryBytes`; also checks that the mesh's groups are the grid's."""
+    group and op counted by `LibraryBytes`; also checks that the mesh's groups are the grid's. Step 1's
+    reduced gradients ("grad1", `grad_shards`), and for each of ``scale_bugs`` those of step 1 rerun
+    with that bug planted ("bugs")."""
     import torch.distributed.pipelining as pipelining
     dp, pp = dims.dp, dims.pp
     dev, cfg, m = launch.device(), layout3d.config(), num_microbatches
@@ -145,7 +189,8 @@ def train(rank, world_size, dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_ba
     opt = torch.optim.Adam(piece.parameters(), lr=lr)
     d = mesh.get_local_rank("dp")
     out = {"rank": rank, "last": stage.is_last, "tp_rank": mesh.get_local_rank("tp"), "losses": [],
-           "sent": [], "ops": [], "stage": mesh.get_local_rank("pp")}
+           "sent": [], "ops": [], "stage": mesh.get_local_rank("pp"), "bugs": {},
+           "coords": {a: mesh.get_local_rank(a) if a != "cp" else 0 for a in ("dp", "pp", "tp", "cp")}}
     for step in range(steps):
         batches = layout3d.step_batches(cfg, step, dp, m, micro_batch)[d * m:(d + 1) * m]
         x, y = (torch.cat([b[i] for b in batches]).to(dev) for i in (0, 1))
@@ -155,11 +200,14 @@ def train(rank, world_size, dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_ba
                 schedule.step(x)
             else:
                 schedule.step(target=y, losses=losses)
+        if step == 0:           # after backward and FSDP2's reduce-scatter, before the update
+            out["grad1"], first = grad_shards(piece, d, dp), (x, y)
         opt.step()
         opt.zero_grad()
         out["losses"].append([loss.item() for loss in losses])
         out["sent"].append(mode.by_group())
         out["ops"].append(mode.table())
+    out["bugs"] = {bug: _step1_with_bug(cfg, mesh, dev, bug, *first, m) for bug in scale_bugs}
     return out
 
 
@@ -169,7 +217,9 @@ def summarize(results):
     losses = [sum(sum(r["losses"][t]) for r in last) / sum(len(r["losses"][t]) for r in last)
               for t in range(len(last[0]["losses"]))]
     return {"losses": losses, "sent": [r["sent"] for r in results], "ops": [r["ops"] for r in results],
-            "stages": [r["stage"] for r in results]}
+            "stages": [r["stage"] for r in results], "coords": [r["coords"] for r in results],
+            "grad1": [r["grad1"] for r in results],
+            "bugs": {b: [r["bugs"][b] for r in results] for b in results[0]["bugs"]}}
 
 
 def check(dims, micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICROBATCHES):
@@ -186,10 +236,10 @@ def check(dims, micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICR
 
 
 def run(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
-        num_microbatches=layout3d.MICROBATCHES, timeout=300):
+        num_microbatches=layout3d.MICROBATCHES, timeout=300, scale_bugs=()):
     check(dims, micro_batch, num_microbatches)
     results = launch.spawn(train, dims.world_size, dims, steps, lr, micro_batch, num_microbatches,
-                           timeout=timeout)
+                           tuple(scale_bugs), timeout=timeout)
     return summarize(results)
 
 
