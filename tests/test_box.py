@@ -206,6 +206,7 @@ HOST_CLOCK_OK = {
                      "labs/failures/scenarios.py"],
                     "deadlines and process events, not GPU work"),
     "labs/measure/timing.py": "the helper itself",
+    "labs/threed/seeds.py": "the sweep's wall time in its provenance record, run by hand, no GPU work",
     "labs/data_parallel/hand_ddp.py": "the bucket timeline, read by ddp.overlap_on_off, which is on_cpu",
     "labs/hardware/machine.py": "a host memcpy, the on_cpu ping-pong; its GPU copies synchronize",
     "labs/pipeline/executor.py": "on_cpu: a CPU emulation of pipeline timing",
