@@ -236,6 +236,8 @@ def test_bf16_has_no_useful_worst_case_bound_and_degrees_are_refused():
         ParallelDims.build(3, dp=2)
     with pytest.raises(ValueError, match="does not call"):
         torch3d.check(ParallelDims(cp=2, tp=2))
+    with pytest.raises(ValueError, match="unknown library bug 'fsdp_avg'"):   # before any rank starts
+        torch3d.run(ParallelDims(dp=2, tp=2, pp=2), scale_bugs=("fsdp_avg",))
     with pytest.raises(ValueError, match="world_size 3"):      # the command line's --world-size, checked once
         train3d.main(["--dp", "2", "--world-size", "3", "--json"])
     with pytest.raises(ValueError, match="layers"):           # the command line, before any process starts

@@ -149,11 +149,12 @@ def grad_shards(piece, dp_rank, dp):
     return out
 
 
+LIBRARY_BUGS = ("fsdp_sum",)   # the planted bugs `_step1_with_bug` knows
+
+
 def _step1_with_bug(cfg, mesh, dev, bug, x, y, m):
     """Step 1 again on a fresh stage with one planted bug; its gradients (`grad_shards`)."""
     import torch.distributed.pipelining as pipelining
-    if bug != "fsdp_sum":
-        raise ValueError(f"unknown library bug {bug!r}: the one planted is 'fsdp_sum'")
     piece = build_stage(cfg, mesh)
     # reduce-scatter with SUM and divide by 1: the gradient dp times the mean (forcing SUM, as gloo has
     # no PREMUL_SUM; torch 2.13, fsdp/_fully_shard/_fsdp_collectives.py, _get_gradient_divide_factors)
@@ -238,6 +239,9 @@ def check(dims, micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICR
 def run(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO_BATCH,
         num_microbatches=layout3d.MICROBATCHES, timeout=300, scale_bugs=()):
     check(dims, micro_batch, num_microbatches)
+    unknown = [b for b in scale_bugs if b not in LIBRARY_BUGS]
+    if unknown:   # said before any process starts, not after training
+        raise ValueError(f"unknown library bug {unknown[0]!r}: planted are {', '.join(LIBRARY_BUGS)}.")
     results = launch.spawn(train, dims.world_size, dims, steps, lr, micro_batch, num_microbatches,
                            tuple(scale_bugs), timeout=timeout)
     return summarize(results)
