@@ -54,6 +54,13 @@ book: $(STAMP) npm
 
 NBVAL := $(BIN)/python -m pytest --nbval notebooks --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider -q --durations=12
 
+# The lab tests two at a time (pytest-xdist, each file whole on one worker): run one at a time they
+# leave a core idle most of the time, their ranks waiting on one another and on deadlines (a hung
+# rank's watchdog, a killed replica's restart), and a second worker fills it: three minutes less.
+# The notebooks run one at a time: paired, they took as long (each keeps both cores busy), and the
+# ones that time something would measure their neighbour too.
+PAIR := -n 2 --dist loadfile
+
 # Another CPU's rounding on this one: ATen's scalar kernels instead of the vectorised ones,
 # oneMKL's most portable code path (its matrix products block and sum in another order) and
 # oneDNN held to SSE4.1. tests/test_numerics.py checks that these settings change the rounding.
@@ -77,7 +84,7 @@ OTHER_CPU := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=
 test: $(STAMP) chromium npm
 	$(BIN)/ruff check labs tools tests notebooks
 	$(BIN)/ruff format --check notebooks
-	$(BIN)/python -m pytest tests -q --durations=15 -m "not numerics"
+	$(BIN)/python -m pytest tests -q --durations=15 -m "not numerics" $(PAIR)
 	$(OTHER_CPU) $(BIN)/python -m pytest tests -q -m numerics
 	$(OTHER_CPU) $(NBVAL)
 	$(BIN)/python tools/build_book.py --no-execute
