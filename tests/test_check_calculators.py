@@ -4,7 +4,8 @@ A tiny site with Pyodide (from the pinned npm tarball, tools/pyodide_dist.py), c
 page whose core zip has a forms.py that puts the wrong share in the summary, beside a calculator naming
 no form: each is a defect, named, at both widths, and the cold times are still reported. That the
 repository's own zip passes is what `make test`'s check of the built site shows on every page, so a
-second, right page here would only repeat two cold starts (12 s).
+second check of a right page here would only repeat two cold starts (12 s). The last test opens a
+right page once, for what the check does not see: how often typing answers.
 Skipped where playwright, Chromium or the fetched Pyodide is missing.
 """
 import os
@@ -67,3 +68,34 @@ def test_a_wrong_calculator_fails_at_both_widths(tmp_path):
         assert f"wrong.html: calculator at {width} px: bubble: " in out and "gave the summary" in out, out
         assert f"wrong.html: calculator at {width} px: nowhere: data-form='nowhere' names no form" in out, out
     assert "calculators: the site gains" in out, out
+
+
+def test_typing_answers_once_the_reader_pauses(tmp_path):
+    """One planner answer takes seconds under Pyodide: answering at every key (the named mistake)
+    would freeze the page between keys. Typing "64" key by key, then leaving the field, answers
+    once: not at "6", and not again for the change event of the same value."""
+    from playwright.sync_api import sync_playwright
+    site(tmp_path)
+    (tmp_path / "right.html").write_text(PAGE.format(name="right", zip="labs-core.zip", divs=BUBBLE))
+    server = check_site.serve(str(tmp_path))
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=check_site.find_chromium(None), args=["--no-sandbox"])
+            tab = browser.new_page()
+            tab.goto(f"http://127.0.0.1:{server.server_address[1]}/right.html")
+            tab.wait_for_function("() => document.querySelector('.dtm-calculator').dataset.state === 'ready'",
+                                  timeout=60_000)
+            output = tab.locator(".dtm-output")
+            before = int(output.get_attribute("data-answers"))
+            field = tab.locator('[name="m"]')
+            field.fill("")
+            field.press_sequentially("64", delay=50)       # keys well inside the pause
+            tab.wait_for_function("() => JSON.parse(document.querySelector('.dtm-output').dataset.values)"
+                                  ".m === '64'", timeout=10_000)
+            field.blur()                                     # the change event: same values
+            tab.wait_for_timeout(600)                        # two pauses: a late answer would show
+            answers = int(output.get_attribute("data-answers")) - before
+            browser.close()
+    finally:
+        server.shutdown()
+    assert answers == 1, answers

@@ -1,10 +1,11 @@
 /* The book's calculators, answered by Python in the reader's browser (tools/calculators.py).
  *
  * Each <div class="dtm-calculator" data-form="NAME"> becomes a form built from
- * labs.formulas.forms.spec(NAME); every change answers again with forms.answer and shows
- * forms.to_html(result): the same Python the labs and the tests run, under Pyodide, loaded from
+ * labs.formulas.forms.spec(NAME); every change answers again (typing: once the reader pauses)
+ * with forms.answer and shows forms.to_html(result): the same Python the labs and the tests run, under Pyodide, loaded from
  * this site's own _static/pyodide/ (never a CDN) with the labs' core from _static/labs-core.zip.
- * After each answer the output carries data-values (the JSON answered) and data-ok, and the
+ * After each answer the output carries data-values (the JSON answered), data-ok and data-answers
+ * (how many answers it has shown), and the
  * calculator data-state="ready" and data-first-answer-ms, for tools/check_calculators.py.
  */
 (function () {
@@ -14,6 +15,9 @@
   const PYODIDE = new URL("pyodide/", STATIC);
   const CORE = new URL(script.dataset.core || "labs-core.zip", STATIC);
   const CORE_DIR = "/home/pyodide/dtm-core";
+  // Typing answers once the reader pauses this long, not at every key: one answer of the planner
+  // takes a second or more under Pyodide, and the page cannot take the next key until it is done.
+  const TYPING_PAUSE_MS = 300;
   const LOADING = "Loading the calculator: Python runs in your browser\u2026";
   const SERVE = "This calculator runs Python in your browser, which a page opened from disk cannot " +
     "load: serve the site's folder over HTTP (for example python3 -m http.server -d _build/html) " +
@@ -109,9 +113,14 @@ def _dtm_answer(name, values):
     form.append(fields, button);
     box.replaceChildren(element("p", {class: "dtm-title"}, spec.title), form, output);
 
+    let answeredFor = null, typing = null;
     const respond = () => {
+      clearTimeout(typing);
       const values = {};
       for (const f of spec.fields) values[f.name] = form.elements[f.name].value;
+      const key = JSON.stringify(values);
+      if (key === answeredFor) return;  // a field's change event after its input events: answered
+      answeredFor = key;
       let result;
       try {
         result = py.answer(name, values);
@@ -121,11 +130,15 @@ def _dtm_answer(name, values):
       }
       if (result.html) output.innerHTML = result.html;
       output.dataset.values = JSON.stringify(values);
+      output.dataset.answers = String(Number(output.dataset.answers || 0) + 1);
       output.dataset.ok = String(result.ok);
       answered();
     };
-    form.addEventListener("input", respond);
-    form.addEventListener("change", respond);
+    form.addEventListener("input", () => {
+      clearTimeout(typing);
+      typing = setTimeout(respond, TYPING_PAUSE_MS);
+    });
+    form.addEventListener("change", respond);  // a choice made, a field left: at once
     form.addEventListener("submit", event => { event.preventDefault(); respond(); });
     respond();
   }
