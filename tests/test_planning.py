@@ -187,11 +187,14 @@ def test_bad_input_is_one_sentence_before_anything_is_built():
         meta_check.measure_rank(shapes.DEEPSEEK_V3, memory.Plan(ParallelDims(dp=8)), 0)
 
 
-def test_quiz_seven_names_the_reduce_scatter_half(capsys):
-    """Exercise 2 (quiz "7") asks for the all-reduce's send; the named mistake: the reduce-scatter half."""
+def test_quiz_seven_names_the_reduce_scatter_half_and_fp32(capsys):
+    """Exercise 2 (quiz "7") asks for the all-reduce's send of bf16 gradients; the named mistakes: the
+    reduce-scatter half, and the paper's fp32 reduction, which the exercise mentions."""
     half = quiz.q7_dp_gb_per_rank() / 2
     assert not quiz.check("7", half)
     assert "reduce-scatter half" in capsys.readouterr().out
+    assert not quiz.check("7", 2 * quiz.q7_dp_gb_per_rank())
+    assert "fp32 reduction" in capsys.readouterr().out
 
 
 def test_quiz_names_the_slips_inside_its_tolerance(capsys):

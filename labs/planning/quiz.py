@@ -146,6 +146,8 @@ MISTAKES = {
                                  "question asks for its share of the step time, (p - 1)/(m + p - 1)")],
     "7": [(NOTE["7"], "810 GB is the whole model's bf16 gradient; a rank reduces only its own stage's "
                       "tensor-parallel shard"),
+          (lambda: 2 * q7_dp_gb_per_rank(), "that is the paper's fp32 reduction, 4 bytes a gradient; "
+                                            "the exercise supposes bf16, 2 bytes"),
           (lambda: q7_dp_gb_per_rank() / 2, "that is the reduce-scatter half; the all-reduce's send is "
                                             "both halves, reduce-scatter and all-gather"),
           (lambda: q7_dp_gb_per_rank() * 128 / 127, "the ring's (n - 1)/n left out: over 128 ranks a rank "
