@@ -131,8 +131,11 @@ def test_quiz_names_the_vocabulary_matrices(capsys):
     gib = quiz.q1_state_gib()
     assert not quiz.check("1", gib * (1 - 2 * quiz._vocab_share(shapes.LLAMA2_70B)))
     assert "left out" in capsys.readouterr().out
-    # the answer rounded to three figures is no mistake: 128 for 128.48
-    assert quiz.check("1", round(gib)) and quiz.check("7", round(quiz.q7_dp_gb_per_rank(), 1))
+    # counted once, as if tied: 0.4 % low, inside the tolerance, refused and named
+    assert not quiz.check("1", gib * (1 - quiz._vocab_share(shapes.LLAMA2_70B)))
+    assert "counted once" in capsys.readouterr().out
+    # the answer to one decimal, as the exercise asks, is no mistake: 128.5 for 128.48
+    assert quiz.check("1", round(gib, 1)) and quiz.check("7", round(quiz.q7_dp_gb_per_rank(), 1))
     gb = quiz.q7_dp_gb_per_rank()
     assert abs(gb - quiz._q7_vocab_gb() - 11.07) < 0.01  # counted by hand: 11.07 GB
     vocab = quiz._q7_vocab_gb()

@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 
 from labs.dims import ParallelDims
-from labs.formulas.planning import planner
+from labs.formulas.planning import memory, planner
 
 MIN_LAYOUTS = 6
 # source (as `cases.Case.source` begins) -> its words that the layout was picked for speed
@@ -102,7 +102,8 @@ def top3_tuned(results):
 
 
 def out_of_memory(checked_cases, eta_for):
-    """Each `OUT_OF_MEMORY` case through `planner.published`: [{"name", "refused", "reason", "gib", "words"}];
+    """Each `OUT_OF_MEMORY` case through `planner.published`: [{"name", "refused", "reason", "gib",
+    "fp32_grad_gib", "words"}];
     ``eta_for``: a case's calibrated eta (`checked.eta_for`)."""
     by_name = {c.name: c for c in checked_cases}
     out = []
@@ -112,8 +113,13 @@ def out_of_memory(checked_cases, eta_for):
         dims = ParallelDims(tp=case.published.tp, pp=case.published.pp, cp=case.published.cp,
                             dp=gpus // (case.published.tp * case.published.pp * case.published.cp))
         row = planner.published(job, dims, eta_for(case), {**case.fixed, **fixed})
+        # the part of the count that rests on FSDP2's buffers, not the row's own stack's: an fp32
+        # copy of the unit's gradient (`memory.fsdp_buffer_bytes`), under ZeRO-3 on one weight at a time
+        fp32 = 4 * max(memory.local_numel(w, dims.tp, 1, job.model.kv_heads)
+                       for w in job.model.layer_weights(0)) if row["plan"].zero == 3 else 0
         out.append({"name": name, "refused": not row["fits"], "reason": row.get("reason"),
-                    "gib": sum(row["memory"].values()) / 2 ** 30, "words": words})
+                    "gib": sum(row["memory"].values()) / 2 ** 30, "fp32_grad_gib": fp32 / 2 ** 30,
+                    "words": words})
     return out
 
 
