@@ -12,18 +12,16 @@ import exercise_cases
 
 from labs.threed import problems as p17
 
-# exercise 1: L = 8, pp = 2, tp = 4, m = 4, b = 2, s = 16, h = 64, fp32
+# exercise 1: L = 8, pp = 2, tp = 8, m = 4, b = 2, s = 16, h = 64, fp32
 M1 = 2 * 16 * 64                                    # elements of one (b, s, h) activation
-RING = 2 * (4 - 1) / 4                              # a ring all-reduce's factor over tp = 4
+RING = 2 * (8 - 1) / 8                              # a ring all-reduce's factor over tp = 8
 P2, N2 = 10_001, 2 * 2                              # exercise 2: P_local, n = dp x cp
 
-EX1_BYTES = ("elements, not bytes: fp32's 4 bytes per element left out; or the "
-             "activation taken per tp rank, b s h / tp, the same number here since tp = 4 = e, the bytes "
-             "per element")
 CASES = [
-    (p17, "1", int(8 / 2 * 4 * 4 * RING * M1), EX1_BYTES),
-    # the same number: the activation per tp rank, b s h / tp bytes with tp = 4 = e; both named
-    (p17, "1", int(8 / 2 * 4 * 4 * RING * (M1 / 4) * 4), EX1_BYTES),
+    (p17, "1", int(8 / 2 * 4 * 4 * RING * M1), "elements, not bytes: fp32's 4 bytes per element left out"),
+    (p17, "1", int(8 / 2 * 4 * 4 * RING * (M1 / 8) * 4),
+     "the activation taken per tp rank, b s h / tp: under Megatron's tensor parallelism every rank "
+     "all-reduces the whole b s h activation"),
     (p17, "1", int(8 * 4 * 4 * RING * M1 * 4), "all L layers, not the L/pp of one stage"),
     (p17, "1", int(8 / 2 * 4 * 2 * RING * M1 * 4),
      "the forward's two all-reduces (g) only, backward's two (f) left out"),
@@ -45,7 +43,7 @@ CASES = [
 
 
 def test_the_answers_are_the_formulas_by_hand():
-    assert p17.EXERCISES["1"]() == 8 // 2 * 4 * 4 * 3 // 2 * M1 * 4
+    assert p17.EXERCISES["1"]() == 8 // 2 * 4 * 4 * 14 // 8 * M1 * 4
     assert p17.EXERCISES["2"]() == 2 * 3 * 2501 * 4
     n_u = 128 * 2.0 ** -8                           # 1/2: gamma_128 = 1 in bf16
     n_u32 = 128 * 2.0 ** -24

@@ -55,11 +55,12 @@ FP32, BF16 = 2.0 ** -24, 2.0 ** -8
 # ranks that hold the same weights. Together they use all four dimensions; neither is 4D (16 ranks).
 LAYOUT_3D, LAYOUT_CP = ParallelDims(dp=2, tp=2, pp=2), ParallelDims(dp=2, cp=2, tp=2)
 # The runs (model and batches of seed k, `layout3d.SEED_STRIDE`) the tests check the planted bugs on;
-# the notebook runs seed 0. In the sweep of seeds 0..12 (`labs.threed.seeds`, results/threed/seeds.json)
-# these two hold the smallest ratios at a bug's first step beyond: dp_not_reduced about 1.3 (seed 0)
-# and tp_backward about 1.4 (seed 3), both at step 2. They are not the only thin cases: on seeds 8 and
-# 12 cp_backward is still inside at step 2 (0.70 to 0.78 of the bound) and first leaves at step 3.
-SEEDS = (0, 3)
+# the notebook runs seed 0. In the sweep of seeds 0..23 (`labs.threed.seeds`, results/threed/seeds.json)
+# seed 22 holds the smallest ratio at a bug's first step beyond: tp_backward, about 1.04, at step 3. It is
+# not the only thin case (seed 16's tp_backward about 1.15, seed 20's cp_backward about 1.19, seed 0's
+# dp_not_reduced about 1.27), and the thinnest has fallen as seeds were added: a bug that stays inside
+# for three steps on some seed is not ruled out.
+SEEDS = (0, 22)
 BUGS = ("tp_backward", "dp_not_reduced", "dp_not_averaged", "pp_targets", "cp_backward", "ln_summed")
 # Bugs that scale a whole tensor's gradient by a constant: plain Adam's step does not see them, the
 # loss stays inside the bound; the step-1 gradient check (`labs.threed.gradcheck`) refuses them.

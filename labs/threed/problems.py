@@ -1,7 +1,7 @@
 """Chapter 17's exercises: the answers computed by the lab's own formulas, and the usual mistakes.
 
 1. The tp group's bytes per rank and step (`layout3d.predict_bytes_per_group`) for a layout the
-   chapter did not run: L = 8 layers on pp = 2 stages, tp = 4, m = 4 micro-batches of b = 2
+   chapter did not run: L = 8 layers on pp = 2 stages, tp = 8, m = 4 micro-batches of b = 2
    sequences of s = 16 tokens, h = 64, fp32.
 2. ZeRO-1's bytes per rank and step in the dp group of a dp = 2 x cp = 2 layout whose rank holds
    P_local = 10,001 parameters: 2 (n - 1) ceil(P_local / n) elements, n = dp cp = 4.
@@ -16,7 +16,8 @@ from labs.measure import exercises
 from labs.threed import layout3d, rounding
 
 FP32_U, BF16_U = 2.0 ** -24, 2.0 ** -8
-EX1 = dict(layers=8, pp=2, tp=4, m=4, b=2, s=16, h=64)
+# tp = 8, not 4: with tp = 4 = e, the bytes per element, two mistakes give one number
+EX1 = dict(layers=8, pp=2, tp=8, m=4, b=2, s=16, h=64)
 EX2 = dict(params=10_001, dp=2, cp=2)
 EX3_TERMS = 128
 
@@ -48,9 +49,9 @@ EXERCISES = {
 }
 
 MISTAKES = {
-    "1": [(tp_bytes(**EX1, elem=1), "elements, not bytes: fp32's 4 bytes per element left out; or the "
-           "activation taken per tp rank, b s h / tp, the same number here since tp = 4 = e, the bytes "
-           "per element"),
+    "1": [(tp_bytes(**EX1, elem=1), "elements, not bytes: fp32's 4 bytes per element left out"),
+          (tp_bytes(**EX1) // EX1["tp"], "the activation taken per tp rank, b s h / tp: under Megatron's "
+           "tensor parallelism every rank all-reduces the whole b s h activation"),
           (tp_bytes(**{**EX1, "pp": 1}), "all L layers, not the L/pp of one stage"),
           (tp_bytes(**EX1) // 2, "the forward's two all-reduces (g) only, backward's two (f) left out"),
           (tp_bytes(**EX1) * EX1["tp"] // (EX1["tp"] - 1),

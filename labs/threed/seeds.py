@@ -1,6 +1,6 @@
 """Chapter 17: the planted bugs over many runs, recorded once, by hand; the notebook only reads it.
 
-    python -m labs.threed.seeds --seeds 13 --out results/threed/seeds.json
+    python -m labs.threed.seeds --seeds 24 --out results/threed/seeds.json
 
 Runs `drift.table` for every variant of `drift.VARIANTS` on the runs of seeds 0, ..., n - 1 (the model
 of seed k, the batches shifted by `layout3d.SEED_STRIDE` k) and writes, per seed and variant, the loss
@@ -102,7 +102,7 @@ def main(argv=None):
     from labs.launcher import cli
     p = cli.parser("Record chapter 17's planted bugs over the runs of seeds 0..n-1 (two 8-rank jobs a "
                    "seed).", world_size_default=8)
-    p.add_argument("--seeds", type=cli.positive_int, default=13, help="how many seeds, from 0 (default 13)")
+    p.add_argument("--seeds", type=cli.positive_int, default=24, help="how many seeds, from 0 (default 24)")
     p.add_argument("--out", default=RESULTS, help="the JSON file (default results/threed/seeds.json)")
     p.set_defaults(timeout=600.0)
     args = cli.parse(p, argv)
