@@ -17,14 +17,17 @@ M1 = 2 * 16 * 64                                    # elements of one (b, s, h) 
 RING = 2 * (8 - 1) / 8                              # a ring all-reduce's factor over tp = 8
 P2, N2 = 10_001, 2 * 2                              # exercise 2: P_local, n = dp x cp
 
+HALF = ("the forward's two all-reduces (g) only, backward's two (f) left out; or the ring's factor 2 left "
+        "out: an all-reduce sends (tp - 1)/tp of its buffer twice, once reducing and once gathering")
 CASES = [
     (p17, "1", int(8 / 2 * 4 * 4 * RING * M1), "elements, not bytes: fp32's 4 bytes per element left out"),
     (p17, "1", int(8 / 2 * 4 * 4 * RING * (M1 / 8) * 4),
      "the activation taken per tp rank, b s h / tp: under Megatron's tensor parallelism every rank "
      "all-reduces the whole b s h activation"),
     (p17, "1", int(8 * 4 * 4 * RING * M1 * 4), "all L layers, not the L/pp of one stage"),
-    (p17, "1", int(8 / 2 * 4 * 2 * RING * M1 * 4),
-     "the forward's two all-reduces (g) only, backward's two (f) left out"),
+    (p17, "1", int(8 / 2 * 4 * 2 * RING * M1 * 4), HALF),
+    # the same number: each all-reduce as (tp - 1)/tp M, the ring's factor 2 dropped; both named
+    (p17, "1", int(8 / 2 * 4 * 4 * RING / 2 * M1 * 4), HALF),
     (p17, "1", int(8 / 2 * 4 * 4 * 2 * M1 * 4), "each all-reduce as 2M: the ring's (tp - 1)/tp left out"),
     (p17, "2", 2 * (2 - 1) * math.ceil(P2 / 2) * 4,
      "n = dp = 2: the cp ranks hold the same weights, so ZeRO-1 shards over dp x cp"),

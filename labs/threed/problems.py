@@ -53,7 +53,10 @@ MISTAKES = {
           (tp_bytes(**EX1) // EX1["tp"], "the activation taken per tp rank, b s h / tp: under Megatron's "
            "tensor parallelism every rank all-reduces the whole b s h activation"),
           (tp_bytes(**{**EX1, "pp": 1}), "all L layers, not the L/pp of one stage"),
-          (tp_bytes(**EX1) // 2, "the forward's two all-reduces (g) only, backward's two (f) left out"),
+          # half the answer: two mistakes give it, both named
+          (tp_bytes(**EX1) // 2, "the forward's two all-reduces (g) only, backward's two (f) left out; or "
+           "the ring's factor 2 left out: an all-reduce sends (tp - 1)/tp of its buffer twice, once "
+           "reducing and once gathering"),
           (tp_bytes(**EX1) * EX1["tp"] // (EX1["tp"] - 1),
            "each all-reduce as 2M: the ring's (tp - 1)/tp left out")],
     "2": [(zero1_bytes(EX2["params"], EX2["dp"]),
