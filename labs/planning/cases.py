@@ -84,7 +84,7 @@ def llama3_cases():
     for r in compute.LLAMA3_405B_TABLE4:
         dp = r["gpus"] // (r["tp"] * r["cp"] * r["pp"])       # 8 on the long-context row (see above)
         model = dataclasses.replace(shapes.LLAMA3_405B, seq=r["seq"])
-        # FSDP keeping the gathered weights through backward, fp32 gradients: ZeRO-1's memory and bytes;
+        # FSDP keeping the gathered weights through backward, fp32 gradients: ZeRO-2 (software.LLAMA3);
         # at 8K "without activation checkpointing"
         stack = software.LLAMA3.with_(recompute=("none",)) if r["seq"] <= 8192 else software.LLAMA3
         job = planner.Job(model, shapes.LLAMA3_CLUSTER, r["gpus"], compute.LLAMA3_TOKENS_PER_BATCH, stack)

@@ -101,6 +101,16 @@ def top3_tuned(results):
             "left_out": [r["case"].name for r in tuned if r["of"] < MIN_LAYOUTS]}
 
 
+def assumed_fp32_grad_bytes(job, row):
+    """The part of a DeepSpeed ZeRO-3 row's count that rests on FSDP2's buffers, not its own stack's:
+    an fp32 copy of the unit's gradient (`memory.fsdp_buffer_bytes`), the unit one weight at a time.
+    No source gives DeepSpeed 2021's; 0 for any other row."""
+    if row["plan"].zero != 3 or job.software.shard_unit != "weight":
+        return 0
+    return 4 * max(memory.local_numel(w, row["dims"].tp, 1, job.model.kv_heads)
+                   for w in job.model.layer_weights(0))
+
+
 def out_of_memory(checked_cases, eta_for):
     """Each `OUT_OF_MEMORY` case through `planner.published`: [{"name", "refused", "reason", "gib",
     "fp32_grad_gib", "words"}];
@@ -113,13 +123,9 @@ def out_of_memory(checked_cases, eta_for):
         dims = ParallelDims(tp=case.published.tp, pp=case.published.pp, cp=case.published.cp,
                             dp=gpus // (case.published.tp * case.published.pp * case.published.cp))
         row = planner.published(job, dims, eta_for(case), {**case.fixed, **fixed})
-        # the part of the count that rests on FSDP2's buffers, not the row's own stack's: an fp32
-        # copy of the unit's gradient (`memory.fsdp_buffer_bytes`), under ZeRO-3 on one weight at a time
-        fp32 = 4 * max(memory.local_numel(w, dims.tp, 1, job.model.kv_heads)
-                       for w in job.model.layer_weights(0)) if row["plan"].zero == 3 else 0
         out.append({"name": name, "refused": not row["fits"], "reason": row.get("reason"),
-                    "gib": sum(row["memory"].values()) / 2 ** 30, "fp32_grad_gib": fp32 / 2 ** 30,
-                    "words": words})
+                    "gib": sum(row["memory"].values()) / 2 ** 30,
+                    "fp32_grad_gib": assumed_fp32_grad_bytes(job, row) / 2 ** 30, "words": words})
     return out
 
 
