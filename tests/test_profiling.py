@@ -360,7 +360,7 @@ def test_the_moe_schedules_equal_each_other_and_chapter_7():
         assert r["overlapped_equals_sequential"] and r["equals_chapter_7"]
 
 
-def test_the_exercise_checker_accepts_the_answers_and_refuses_a_wrong_one():
+def test_the_exercise_checker_accepts_the_answers_and_refuses_a_wrong_one(capsys):
     from labs.measure import exercises
     from labs.profiling import quiz
     assert quiz.EXERCISES["1"]() == pytest.approx(40 / 60)              # 60 in flight, 20 exposed
@@ -377,6 +377,10 @@ def test_the_exercise_checker_accepts_the_answers_and_refuses_a_wrong_one():
     assert quiz.check("2", low) and quiz.check("2", high) and quiz.check("2", (low + high) / 2)
     assert not quiz.check("2", high * 1.05) and not quiz.check("2", low * 0.95)
     assert not quiz.check("2", 2 * 7 / 8 * 25 * 2**20 / 50e9 * 1e3)
+    # the embedding's MB read as MiB: 0.76 % above the range's top, refused and named (a 1 % band
+    # would have accepted it)
+    assert not quiz.check("2", 2 * 7 / 8 * emb * 2**20 / 1e6 / 50e9 * 1e3)
+    assert "read as MiB" in capsys.readouterr().out.splitlines()[-1]
     assert quiz.opt_params() == 1_315_753_984   # OPT-1.3B's 1,315,758,080 less 2 x 2048 positions
     demo = exercises.demonstrate(quiz.check, quiz.EXERCISES, "1", 20 / 60, "exposed over in flight")
     assert demo["accepted"] == list(quiz.EXERCISES) and demo["refused"]

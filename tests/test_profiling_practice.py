@@ -120,3 +120,26 @@ def test_a_snapshot_that_drops_short_lived_blocks_is_caught():
     bare = [e for e in snap["device_traces"][0] if e["action"] != "segment_free"]
     problems = memory_snapshot.lost({"segments": snap["segments"], "device_traces": [bare]}, rec)
     assert len(problems) == 1 and "events" in problems[0], problems
+
+
+def test_the_pages_loop_is_the_labs():
+    """Chapter 15 shows `profile_loop` cut to its profiler calls. Catches the page's snippet drifting
+    from the code it quotes: a phase renamed, a schedule or handler changed on one side only."""
+    import inspect
+    import os
+    import re
+    import textwrap
+    page = open(os.path.join(os.path.dirname(__file__), "..", "book", "15-profiling.md")).read()
+    (snippet,) = re.findall(r"```python\n(.*?)```", page, re.S)
+    source = inspect.getsource(practice)
+    assert re.findall(r'record_function\("([^"]+)"\)', snippet) == list(practice.PHASES)
+    defaults = inspect.signature(practice.profile_loop).parameters
+    wait, warmup, active = (defaults[k].default for k in ("wait", "warmup", "active"))
+    assert f"schedule(wait={wait}, warmup={warmup}, active={active})" in snippet
+    assert f"range({practice.total_steps(wait, warmup, active)})" in snippet
+    for call in ("tensorboard_trace_handler(", "record_shapes=True", "prof.step()",
+                 "opt.zero_grad(set_to_none=True)", "loss.backward()"):
+        assert call in snippet and call in source, call
+    sort_by, rows = defaults["sort_by"].default, defaults["row_limit"].default
+    assert f'table(sort_by="{sort_by}", row_limit={rows})' in snippet
+    compile(textwrap.dedent(snippet), "snippet", "exec")          # it parses as Python
