@@ -131,15 +131,16 @@ def test_the_pages_loop_is_the_labs():
     import textwrap
     page = open(os.path.join(os.path.dirname(__file__), "..", "book", "15-profiling.md")).read()
     (snippet,) = re.findall(r"```python\n(.*?)```", page, re.S)
+    flat = re.sub(r"\(\s+", "(", re.sub(r"\s+", " ", snippet))     # the calls as one line each
     source = inspect.getsource(practice)
     assert re.findall(r'record_function\("([^"]+)"\)', snippet) == list(practice.PHASES)
     defaults = inspect.signature(practice.profile_loop).parameters
     wait, warmup, active = (defaults[k].default for k in ("wait", "warmup", "active"))
-    assert f"schedule(wait={wait}, warmup={warmup}, active={active})" in snippet
+    assert f"schedule(wait={wait}, warmup={warmup}, active={active})" in flat
     assert f"range({practice.total_steps(wait, warmup, active)})" in snippet
     for call in ("tensorboard_trace_handler(", "record_shapes=True", "prof.step()",
                  "opt.zero_grad(set_to_none=True)", "loss.backward()"):
         assert call in snippet and call in source, call
     sort_by, rows = defaults["sort_by"].default, defaults["row_limit"].default
-    assert f'table(sort_by="{sort_by}", row_limit={rows})' in snippet
+    assert f'table(sort_by="{sort_by}", row_limit={rows})' in flat
     compile(textwrap.dedent(snippet), "snippet", "exec")          # it parses as Python
