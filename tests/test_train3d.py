@@ -292,3 +292,21 @@ def test_seed_sweep_summary_counts_first_steps_and_names_the_runs_that_fall_back
     assert tp["first"] == {2: 2, 3: 1} and tp["never"] == [3]
     assert [s for s, _ in tp["back_inside"]] == [2] and tp["least_first"] == (5.0, 0)
     assert got["largest"]["3d"] == 0.002 and got["bugs"]["pp_targets"]["first"] == {2: 4}
+
+
+def test_rounding_charges_a_linear_layer_its_hand_computed_term():
+    """A bound too tight passes every bug test (bugs only leave it sooner), so its terms are checked
+    from below by hand: one linear layer, L = sum(y), so dL/dy = 1. The forward term is
+    2 gamma_{K+1} <1, |x| |W|^T + |b|> (Higham's bound, twice for two orders, K + 1 terms with the
+    bias), and the weight's gradient with absolute terms |dY|^T |x|. Catches the factor 2 dropped,
+    gamma of K terms or of the tokens, the bias left out."""
+    from labs.threed import rounding
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.head = torch.nn.Linear(8, 3)
+    x = torch.randn(5, 8)
+    with rounding.Rounding(m) as r:
+        m.head(x).sum().backward()
+    terms = (x.abs() @ m.head.weight.abs().T + m.head.bias.abs()).sum().item()
+    assert r.forward["head"] == pytest.approx(2 * rounding.gamma(9, 2.0 ** -24) * terms, rel=1e-6)
+    assert torch.allclose(r.absgrad["head.weight"], torch.ones(5, 3).T @ x.abs())

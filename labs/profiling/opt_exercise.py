@@ -79,28 +79,30 @@ def wrap(mode, net, world_size):
 
 
 def one_mode(rank, world_size, mode, scale, folder, steps=2, batch_size=1):
-    """Build, one warm-up step (AdamW creates its state), one step measured for memory, ``steps``
-    steps under the profiler. Returns peak and held bytes, and the trace read back."""
+    """Build, two warm-up steps (AdamW creates its state; DDP rebuilds its buckets in the second
+    step's forward), one steady-state step measured for memory, ``steps`` steps under the profiler.
+    Returns peak and held bytes, and the trace read back."""
     cfg, dev = config(scale), launch.device()
     net = build(cfg, dev)
     model = wrap(mode, net, world_size)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    data = [tiny.synthetic_batch(cfg, batch_size, seed=100 * i + rank, device=dev) for i in range(steps + 2)]
+    data = [tiny.synthetic_batch(cfg, batch_size, seed=100 * i + rank, device=dev) for i in range(steps + 3)]
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
         model(x, y).backward()
         opt.step()
-    step(*data[0])
+    for warm in data[:2]:
+        step(*warm)
     dist.barrier()
-    with memory.PeakMemory(net, opt, *data[1]) as mem:
-        step(*data[1])
+    with memory.PeakMemory(net, opt, *data[2]) as mem:
+        step(*data[2])
     held = memory.state_bytes(net, opt)
     with trace.Recorder(os.path.join(folder, mode.replace("+", "-")), rank, memory=False, gz=False) as rec:
         for i in range(steps):
             dist.barrier()
             with rec.step(i):
-                step(*data[i + 2])
+                step(*data[i + 3])
     return {"mode": mode, "peak": mem.result(), "held": held, "params": tiny.num_params(net),
             "trace": trace.load(rec.path), "wall_s": rec.steps, "path": rec.path}
 

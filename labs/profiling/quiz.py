@@ -7,8 +7,9 @@
    backward ends, so the bucket reduced last holds at least the embedding. At least how many ms
    are exposed? Any answer from the embedding alone (the lower bound) up to the bucket DDP's
    rebuild actually forms (`last_bucket_bytes`, which adds the parameters already in it) is right.
-3. 1F1B on p = 4 equal stages with m = 8 micro-batches: what fraction of each stage's step does
-   its trace show waiting for a peer (at no other cost)?
+3. 1F1B on p = 4 equal stages with m = 8 micro-batches: what fraction of the first stage's step
+   does its trace show waiting for a peer (at no other cost)? The last stage's trailing bubble falls
+   after its own step window, so it shows less.
 4. OPT-1.3B (P parameters, `opt_params`, given in the question) trained in fp32 with AdamW under
    FSDP FULL_SHARD on 8 ranks: GiB of parameters, gradients and optimizer state per rank between
    steps?
