@@ -17,10 +17,14 @@ M1 = 2 * 16 * 64                                    # elements of one (b, s, h) 
 RING = 2 * (8 - 1) / 8                              # a ring all-reduce's factor over tp = 8
 P2, N2 = 10_001, 2 * 2                              # exercise 2: P_local, n = dp x cp
 
+QUARTER = ("elements, not bytes: fp32's 4 bytes per element left out; or another factor 4 left out: the "
+           "m = 4 micro-batches, the L/pp = 4 layers of a stage, or the four all-reduces per layer")
 HALF = ("the forward's two all-reduces (g) only, backward's two (f) left out; or the ring's factor 2 left "
         "out: an all-reduce sends (tp - 1)/tp of its buffer twice, once reducing and once gathering")
 CASES = [
-    (p17, "1", int(8 / 2 * 4 * 4 * RING * M1), "elements, not bytes: fp32's 4 bytes per element left out"),
+    (p17, "1", int(8 / 2 * 4 * 4 * RING * M1), QUARTER),
+    # the same number: one micro-batch (m = 4 left out); all four factors are named
+    (p17, "1", int(8 / 2 * 1 * 4 * RING * M1 * 4), QUARTER),
     (p17, "1", int(8 / 2 * 4 * 4 * RING * (M1 / 8) * 4),
      "the activation taken per tp rank, b s h / tp: under Megatron's tensor parallelism every rank "
      "all-reduces the whole b s h activation"),

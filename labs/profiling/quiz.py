@@ -11,9 +11,9 @@
    does its trace show waiting for a peer (at no other cost)? The last stage's trailing bubble falls
    after its own step window, so it shows less.
 4. OPT-1.3B (P parameters, `opt_params`, given in the question) trained in fp32 with AdamW under
-   FSDP FULL_SHARD on 8 ranks: GiB of parameters, gradients and optimizer state per rank between
-   steps?
-5. A collective matmul over t = 8 ranks: each chunk's transfer takes 3 ms, each chunk's matmul
+   FSDP FULL_SHARD on 8 ranks: GiB of parameters, gradients and optimizer state per rank just after
+   the optimizer step, before zero_grad?
+5. A collective matmul over N = 8 ranks: each chunk's transfer takes 3 ms, each chunk's matmul
    2 ms. How many ms of communication are exposed (the same ring without overlap exposes 21)?
 """
 import torch

@@ -49,7 +49,10 @@ EXERCISES = {
 }
 
 MISTAKES = {
-    "1": [(tp_bytes(**EX1, elem=1), "elements, not bytes: fp32's 4 bytes per element left out"),
+    # a quarter of the answer: four factors of 4 give it, all named
+    "1": [(tp_bytes(**EX1, elem=1), "elements, not bytes: fp32's 4 bytes per element left out; or another "
+           "factor 4 left out: the m = 4 micro-batches, the L/pp = 4 layers of a stage, or the four "
+           "all-reduces per layer"),
           (tp_bytes(**EX1) // EX1["tp"], "the activation taken per tp rank, b s h / tp: under Megatron's "
            "tensor parallelism every rank all-reduces the whole b s h activation"),
           (tp_bytes(**{**EX1, "pp": 1}), "all L layers, not the L/pp of one stage"),

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -43,13 +44,26 @@ def sweep(seeds, timeout=600, done=None):
     return out
 
 
+def _commit():
+    """The repository's commit, and whether labs/ had uncommitted changes, for the provenance; None
+    outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "labs"], capture_output=True,
+                               text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + (" with uncommitted changes in labs/" if dirty else "")
+
+
 def record(path, seeds, timeout=600):
     """Run `sweep` and write it to ``path`` (JSON) after every seed, with its provenance."""
     start = time.perf_counter()
     head = {"command": "python -m labs.threed.seeds " + " ".join(sys.argv[1:]),
             "torch": torch.__version__, "python": platform.python_version(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads",
-            "date": datetime.date.today().isoformat(), "seeds": list(seeds)}
+            "date": datetime.date.today().isoformat(), "seeds": list(seeds), "commit": _commit()}
 
     def write(so_far):
         data = {**head, "seconds": round(time.perf_counter() - start), "complete": len(so_far) == len(seeds),
