@@ -130,7 +130,10 @@ def test_gradient_check_refuses_a_tensor_or_a_rank_piece_no_rank_reports(three_d
 
 
 @pytest.mark.numerics
-def test_context_parallel_layout_shards_adam_over_dp_times_cp(with_cp):
+def test_context_parallel_layout_reduces_over_dp_times_cp(with_cp):
+    """The CP layout's ZeRO-1 traffic runs over the dp x cp ranks, by its bytes. That the optimizer state
+    is sharded is chapter 3's ShardedOptimizer's, tested there: a plain all-reduce of the padded
+    gradients would send the same total bytes."""
     bound, runs = with_cp["bounds"][(drift.LAYOUT_CP, False)], with_cp["runs"]
     assert set(bound["kinds"]) == {"block", "head", "attention", "softmax", "loss"}
     assert with_cp["rows"]["cp"]["first_step_beyond"] is None and with_cp["rows"]["cp"]["max_ratio"] < 0.01
