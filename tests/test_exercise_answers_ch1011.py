@@ -51,6 +51,7 @@ CASES = [
     *[(Chapter11, "11.2", P.ANSWERS["11.2"]() * 50e9 / effective,
        "NCCL's effective bandwidth used instead of the line rate") for effective in (48e9, 46e9)],
     (Chapter11, "11.3", 0, "Delta N <= G_node taken as enough: every CP group has fewer ranks than a node"),
+    (Chapter11, "11.3", 6, "the groups that stay inside one node, not those that cross"),
     (Chapter11, "11.4", 2 * (16 - 1), "v = 1: the 8 chunks per rank left out"),
     (Chapter11, "11.4", 16 * 8 - 1, "the forward crossings only"),
 ]

@@ -289,9 +289,12 @@ def _fake_ranks(times0, times1, sizes=(8,)):
 US = 1e-6
 # made-up round trips (ping-pong) and exchanges, in us, each variant its own: the starts and the
 # patterns differ, so a statistic taken from the wrong variant, or pooled over two, changes value
+# Each rank's own fastest try is not at the same try as the other's (rank 1's fastest ping-pong at
+# try 2 of 5 lies under rank 0's 300; rank 0's fastest exchange at try 5 under rank 1's 300), so the
+# slower of the two ranks' own fastest (80 -> 40, and 145) differs from the fastest slower try.
 FAKE0 = {"pingpong/barrier": [100, 300, 80, 400, 200], "pingpong/back_to_back": [40, 3000, 9000, 6000, 1000],
-         "exchange/barrier": [150, 160, 170, 900, 155], "exchange/back_to_back": [130, 700, 800, 1000, 2000]}
-FAKE1 = {"pingpong/barrier": [120, 200, 90, 500, 260], "pingpong/back_to_back": [30, 2000, 9500, 5000, 1200],
+         "exchange/barrier": [150, 160, 170, 900, 145], "exchange/back_to_back": [130, 700, 800, 1000, 2000]}
+FAKE1 = {"pingpong/barrier": [120, 70, 90, 500, 260], "pingpong/back_to_back": [30, 2000, 9500, 5000, 1200],
          "exchange/barrier": [140, 180, 165, 100, 300], "exchange/back_to_back": [125, 650, 900, 1100, 1800]}
 
 
@@ -310,7 +313,7 @@ def test_latency_halves_the_ping_pong_takes_the_slower_rank_and_keeps_every_vari
     want = {"pingpong/barrier": (45, 130, 60, 150),
             # back to back: 40, 3000, 9500, 6000, 1200 -> 20, 1500, 4750, 3000, 600
             "pingpong/back_to_back": (20, 1500, 600, 3000),
-            # exchange, not halved: 150, 180, 170, 900, 300 (rank 0 alone: min 150, rank 1 alone 100)
+            # exchange, not halved: 150, 180, 170, 900, 300 (rank 0 alone: min 145, rank 1 alone 100)
             "exchange/barrier": (150, 180, 170, 300),
             # back to back: 130, 700, 900, 1100, 2000
             "exchange/back_to_back": (130, 900, 700, 1100)}

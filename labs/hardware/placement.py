@@ -260,7 +260,8 @@ def _straddling(axis, dims, gpus_per_node):
 ANSWERS = {  # chapter 11's exercises, computed by the calculator above
     "11.1": lambda: _tp_traffic(ORDER)["bytes_per_rank"] / 1e9,          # GB per rank per step
     "11.2": lambda: _tp_traffic(tuple(reversed(ORDER)))["seconds"],      # s, TP over NDR
-    "11.3": lambda: _straddling("cp", ParallelDims(cp=3, dp=4), 4),      # CP groups leaving a node
+    # CP groups leaving a node; 24 ranks on nodes of 8, so that the groups inside (6) are not as many
+    "11.3": lambda: _straddling("cp", ParallelDims(cp=3, dp=8), 8),
     "11.4": lambda: exposed(LLAMA3_405B, Placement(LLAMA3_DIMS))["pp_critical_sends"],
 }
 
@@ -279,7 +280,8 @@ MISTAKES = {
              *[(lambda bps=bps: ANSWERS["11.2"]() * NDR_IB_BPS / bps,
                 "NCCL's effective bandwidth used instead of the line rate") for bps in NCCL_NDR_BPS],
              (lambda: ANSWERS["11.2"]() / 8, "400 Gb/s read as 400 GB/s")],
-    "11.3": [(lambda: 0, "Delta N <= G_node taken as enough: every CP group has fewer ranks than a node")],
+    "11.3": [(lambda: 0, "Delta N <= G_node taken as enough: every CP group has fewer ranks than a node"),
+             (lambda: 8 - ANSWERS["11.3"](), "the groups that stay inside one node, not those that cross")],
     "11.4": [(lambda: 2 * (LLAMA3_DIMS.pp - 1), "v = 1: the 8 chunks per rank left out"),
              (lambda: LLAMA3_DIMS.pp * LLAMA3_RUN.v - 1, "the forward crossings only")],
 }

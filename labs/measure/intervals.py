@@ -7,7 +7,8 @@ right tails (a process that waits for a core waits a whole scheduler tick), so t
 median of the paired ratios, with the distribution-free interval for a median from order
 statistics (the sign test's interval): with the ratios sorted, r_(k) <= median <= r_(n+1-k) holds
 with probability 1 - 2 P(B <= k - 1), B ~ Binomial(n, 1/2), whatever the distribution of the
-ratios, and `median_ranks` picks the largest k that keeps that probability at or above the level.
+ratios, as long as the repeats are independent (consecutive steps on a shared machine need not
+be), and `median_ranks` picks the largest k that keeps that probability at or above the level.
 At n = 15 and 95 % that is k = 4: the 4th smallest and the 4th largest of 15 ratios, 96.5 %.
 The spread is the smallest and the largest ratio.
 

@@ -20,7 +20,8 @@ def order(repeats):
 
 def median_interval(values, confidence=0.95):
     """(median, low, high, achieved confidence) of ``values``; the interval is None when there are
-    too few values to reach ``confidence`` with any order statistics."""
+    too few values to reach ``confidence`` with any order statistics. The confidence holds for
+    independent values; consecutive steps on a shared machine need not be."""
     xs = sorted(values)
     n = len(xs)
     if n == 0:
