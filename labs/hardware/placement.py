@@ -105,8 +105,7 @@ def collectives(model, p, run=LLAMA3_RUN):
     params = model.params() // (d.tp * d.pp)
     out = {"tp": [("all_reduce", act, 4 * local_layers * m)],
            "cp": [("all_gather", kv, 2 * local_layers * m)],
-           # a middle rank: every chunk sends both ways
-           "pp": [("send", act // d.tp, 2 * v * m)],
+           "pp": [("send", act // d.tp, 2 * v * m)],               # a middle rank: every chunk, both ways
            "dp": [("all_gather", params * run.param_bytes, 1),
                   ("reduce_scatter", params * run.grad_bytes, 1)]}
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.layers))
@@ -260,8 +259,7 @@ def _straddling(axis, dims, gpus_per_node):
 ANSWERS = {  # chapter 11's exercises, computed by the calculator above
     "11.1": lambda: _tp_traffic(ORDER)["bytes_per_rank"] / 1e9,          # GB per rank per step
     "11.2": lambda: _tp_traffic(tuple(reversed(ORDER)))["seconds"],      # s, TP over NDR
-    # CP groups leaving a node; 24 ranks on nodes of 8, so that the groups inside (6) are not as many
-    "11.3": lambda: _straddling("cp", ParallelDims(cp=3, dp=8), 8),
+    "11.3": lambda: _straddling("cp", ParallelDims(cp=3, dp=8), 8),      # CP groups leaving a node (2 of 8)
     "11.4": lambda: exposed(LLAMA3_405B, Placement(LLAMA3_DIMS))["pp_critical_sends"],
 }
 
