@@ -305,6 +305,7 @@ class _Overrunning(executor.Executor):
             self.inbox[0].put(self.clock)
 
 
+@pytest.mark.timed
 def test_wall_bubble_not_below_formula_when_compute_overruns_the_padding():
     # Stage 0's compute takes 1.5x its padded duration (load), stage 1's exactly its padding. Busy
     # counted as max(compute, padding) inflated stage 0's busy time more than the wall and put the
@@ -337,6 +338,7 @@ def test_overlap_counts_time_with_two_stages_busy():
     assert wall_clock.overlap([[ev(0, 1)], [ev(1, 2)], [ev(2, 3)]]) == 0.0   # one at a time
 
 
+@pytest.mark.timed
 def test_wall_clock_check_fails_the_planted_serialisation():
     """The planted bug (every stage's work under one lock) fails `wall_clock.check` on every run:
     no two stages ever work at once, whatever the load; the correct run beside it passes."""

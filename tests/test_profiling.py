@@ -204,6 +204,7 @@ def test_coverage_catches_a_missed_wait():
     assert analysis.coverage(row, 0.1, {"cpu_s": 0.062, "delay_s": 0.0, "others_s": 0.02})["holds"] is False
 
 
+@pytest.mark.timed
 def test_other_python_threads_are_timed_by_the_kernel():
     # a Python thread spinning 30 ms between two readings is counted in others_seconds; one that only
     # sleeps is not on a CPU and adds next to nothing
