@@ -465,3 +465,32 @@ def test_latency_alpha_fits_take_the_exchange_after_a_barrier_fastest_and_median
         line = alpha_beta.fit_line(FIT_SIZES, [f(slower("exchange/barrier", n)) for n in FIT_SIZES])
         assert line["alpha"] == pytest.approx(fits[f"exchange/barrier/{stat}"], rel=1e-12)
         assert line["beta"] == pytest.approx(slope * US, rel=1e-9)
+
+
+def test_latency_rank_times_interleaves_the_variants_and_times_only_the_exchange(monkeypatch):
+    """`rank_times` against a recording stand-in for torch.distributed and the clock: a barrier takes
+    100 s of the fake clock, each message call 1 s. Every try must then take exactly 2 s (the barrier
+    outside the timed span, both calls inside it), tries must come round-robin, one per variant per
+    repeat, after one untimed warm-up of each pattern, with a barrier before the barrier variants only,
+    and an exchange must wait for both its send and its receive. Catches a barrier before every try,
+    the loops swapped (a variant's tries in one block), the barrier inside the timed span, and an
+    exchange that waits for its send only."""
+    clock, calls = [0.0], []
+
+    def call(name, cost=1.0):
+        def f(*args, **kwargs):
+            calls.append(name)
+            clock[0] += cost
+            if name in ("isend", "irecv"):
+                return type("Req", (), {"wait": lambda self: call(f"wait {name}", 0.0)()})()
+        return f
+
+    fake = type("Dist", (), {"barrier": staticmethod(call("barrier", 100.0)),
+                             **{n: staticmethod(call(n)) for n in ("send", "recv", "isend", "irecv")}})
+    monkeypatch.setattr(latency, "dist", fake)
+    monkeypatch.setattr(latency.time, "perf_counter", lambda: clock[0])
+    out = latency.rank_times(0, 2, [8], 3)
+    pingpong, exchange = ["send", "recv"], ["isend", "irecv", "wait isend", "wait irecv"]
+    one_repeat = ["barrier", *pingpong, *pingpong, "barrier", *exchange, *exchange]
+    assert calls == pingpong + exchange + 3 * one_repeat
+    assert out == {f"{k}/{s}/8": [2.0] * 3 for k in latency.PATTERNS for s in latency.STARTS}

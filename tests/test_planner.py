@@ -44,3 +44,15 @@ def test_sliders_start_at_the_defaults():
     controls = calculator.sliders()
     assert {k: w.value for k, w in controls.items()} == calculator.DEFAULTS
     assert list(controls["world_size"].options) == calculator.SLIDERS["world_size"]
+
+
+def test_tp_must_divide_the_kv_heads_as_megatron_core_requires():
+    """Qwen3-235B has 4 KV heads: TP 8 would copy them (chapter 4's lab layout), which Megatron-Core's
+    TransformerConfig refuses, so the planner refuses it too and never ranks it; TP 4 passes the rule.
+    Catches the rule taken from `kv_layout` alone (which accepts the copies)."""
+    from labs.dims import ParallelDims
+    from labs.formulas.planning import planner as pl, shapes
+    from labs.planning.published_tables import MODEL_SHAPES
+    job = pl.Job(MODEL_SHAPES["qwen3-235b"], shapes.DGX_H100, 64, 4 * 2 ** 20)
+    assert "does not divide the 4 KV heads" in pl.broken_rule(job, ParallelDims(tp=8, dp=8))
+    assert pl.broken_rule(job, ParallelDims(tp=4, dp=16)) is None

@@ -228,8 +228,12 @@ def main(argv=None):
     if argv[:1] == ["bench"]:
         p = cli.parser("The library's collectives timed, nccl-tests style: size, time, algbw, busbw.")
         p.add_argument("--repeats", type=cli.positive_int, default=9)
+        p.add_argument("--sizes", type=cli.positive_int, nargs="+", default=alpha_beta.BENCH_SIZES,
+                       help="full-buffer sizes in bytes, each a multiple of 4 x world size "
+                            "(default: 4 KiB to 8 MiB; on GPUs add 67108864 268435456 1073741824)")
         args = cli.parse(p, argv[1:])
-        result = alpha_beta.bench(args.world_size, repeats=args.repeats, timeout=args.timeout)
+        result = alpha_beta.bench(args.world_size, sizes=args.sizes, repeats=args.repeats,
+                                  timeout=args.timeout)
         return cli.report(result, args, alpha_beta.table(result))
     p = cli.parser("A collective built from point-to-point messages, against the library's and its "
                    "cost formula.")

@@ -60,6 +60,7 @@ class Case:
     flops_per_token: float = None   # the source's own count, when it is not PaLM's (+ ``counted``)
     memory_gib: float = None        # published peak memory per GPU
     notes: str = ""
+    recompute_words: str = None     # the source's own words for its recomputation, where it states them
 
     def per_token(self):
         """The FLOPs per token the published TFLOP/s divides by."""

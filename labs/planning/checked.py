@@ -112,7 +112,7 @@ def run_case(run):
         per_token = published_counts.palm(run.model, run.seq, causal=True)
     return cases.Case(run.name, run.source, job, d, fixed_settings(run, d), run.tflops, run.counted,
                       per_token,
-                      run.memory_gib, run.notes)
+                      run.memory_gib, run.notes, run.recompute)
 
 
 def all_checked():

@@ -59,8 +59,12 @@ def pairs(results):
                 a, b = b, a
             tie = a["case"].tflops == b["case"].tflops
             verdict = lambda faster: "measured equal" if tie else "ordered" if faster else "reversed"  # noqa
-            also = [k for k, x, y in (("stack", a["case"].job.software.name, b["case"].job.software.name),
-                                      ("settings", a["case"].fixed, b["case"].fixed)) if x != y]
+            # the stack compared whole (a switch such as Megatron-Core's 1F1B all-to-all overlap keeps
+            # its name), and the recomputation in the source's words ("norm, act" runs as "none")
+            also = [k for k, x, y in (("stack", a["case"].job.software, b["case"].job.software),
+                                      ("settings", a["case"].fixed, b["case"].fixed),
+                                      ("recomputation", a["case"].recompute_words,
+                                       b["case"].recompute_words)) if x != y]
             out.append({"job": key, "faster": a["case"].name, "slower": b["case"].name, "also": also,
                         "moe": bool(a["case"].job.model.moe),
                         "published": (a["case"].tflops, b["case"].tflops),

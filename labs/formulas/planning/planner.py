@@ -119,6 +119,9 @@ def broken_rule(job, d):
         kv_layout(m.heads, m.kv_heads, d.tp)
     except ValueError as exc:
         return str(exc).rstrip(".")
+    if m.kv_heads % d.tp:   # Megatron-Core's TransformerConfig: num_query_groups a multiple of tp
+        return (f"tp = {d.tp} does not divide the {m.kv_heads} KV heads, which the training stacks "
+                f"require (copying them is chapter 4's lab layout, not a stack's)")
     if job.sequences % d.dp:
         return f"the batch of {job.sequences:,} sequences does not split over dp = {d.dp}"
     if job.software.uniform_stages and m.layers % d.pp:

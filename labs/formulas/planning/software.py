@@ -173,7 +173,8 @@ MEGASCALE = MEGASCALE_BASELINE.with_(name="MegaScale", source="Jiang et al. 2024
 # Llama 3 (Llama Team 2024, §3.3.2): "Our use of FSDP for Llama 3 shards optimizer states and gradients, but
 # for model shards we do not reshard after forward computation": ZeRO-2's memory (weights whole, gradients and
 # optimizer state sharded), gradients reduce-scattered in fp32 and accumulated over micro-batches in fp32
-# (§3.3.4), prefetching asynchronously; all-gather context parallelism exposed; interleaved 1F1B.
+# (§3.3.2, "Numerical stability"), prefetching asynchronously; all-gather context parallelism exposed;
+# interleaved 1F1B.
 LLAMA3 = Software("Llama 3's stack", "Llama Team 2024, §3.3.2", zero_stages=(2,), recipe="mixed_fp32_grads",
                   reduce_bytes=4, overlap_grad_reduce=True, overlap_param_gather=True)
 # torchtitan at 9dec370 (Dec. 2024): FSDP2 (reshard after forward unless pipelining: parallelize_llama.py
