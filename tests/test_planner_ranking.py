@@ -20,9 +20,9 @@ JOB = planner.Job(L70, shapes.DGX_H100, 64, 4 * 2 ** 20)
 
 
 def result(name, dims, tflops, stated_s, ranked_s, source="src, Table 9", job=JOB, rank=1, of=10,
-           fixed=None, calibration=False):
+           fixed=None, calibration=False, recompute_words=None):
     case = SimpleNamespace(name=name, source=source, job=job, published=dims, tflops=tflops,
-                           fixed=fixed or {})
+                           fixed=fixed or {}, recompute_words=recompute_words)
     return {"case": case, "row": {"time": {"step": stated_s}}, "listed": {"time": {"step": ranked_s}},
             "estimate": 1 / stated_s, "rank": rank, "of": of, "calibration": calibration}
 
@@ -41,6 +41,22 @@ def test_pairwise_order_is_judged_against_the_measurement():
     assert verdicts["fast", "slow"] == ("ordered", "reversed")
     assert verdicts["slow", "equal"] == ("measured equal", "measured equal")
     assert out["pairs"] == 4 and out["measured_equal"] == 1 and out["stated"] == 2 and out["ranked"] == 1
+
+
+def test_a_pair_is_confounded_by_a_stack_switch_or_the_sources_recomputation_words():
+    """Two layouts of one job on the same stack name but with one overlap switched on, or whose source
+    names another recomputation that runs as the same policy ("norm, act" runs as "none"), differ in
+    more than the layout. Catches the stack compared by its name only, and the mapped policy compared
+    instead of the source's words."""
+    a, b, c, d = (ParallelDims(tp=t, dp=64 // t) for t in (1, 2, 4, 8))
+    switched = dataclasses.replace(JOB, software=JOB.software.with_(ep_overlap=True))
+    rows = [result("plain", a, 300, 1.0, 1.0), result("switched", b, 200, 2.0, 2.0, job=switched),
+            result("norm, act", c, 150, 3.0, 3.0, recompute_words="norm, act"),
+            result("none", d, 100, 4.0, 4.0, recompute_words="none")]
+    also = {(p["faster"], p["slower"]): p["also"] for p in ranking.pairs(rows)}
+    assert also["plain", "switched"] == ["stack"] and also["norm, act", "none"] == ["recomputation"]
+    assert also["plain", "norm, act"] == ["recomputation"]
+    assert ranking.pairwise_order(rows)["confounded"] == 6
 
 
 def test_strict_top_three_counts_only_tuned_sources_with_six_layouts():
