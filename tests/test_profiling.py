@@ -385,6 +385,10 @@ def test_the_exercise_checker_accepts_the_answers_and_refuses_a_wrong_one(capsys
     assert quiz.opt_params() == 1_315_753_984   # OPT-1.3B's 1,315,758,080 less 2 x 2048 positions
     demo = exercises.demonstrate(quiz.check, quiz.EXERCISES, "1", 20 / 60, "exposed over in flight")
     assert demo["accepted"] == list(quiz.EXERCISES) and demo["refused"]
+    # a fraction names no unit slip: 0.70 against 0.667 is 5 % off, where MiB against MB would fit
+    capsys.readouterr()
+    assert not quiz.check("1", 0.70)
+    assert "MiB" not in capsys.readouterr().out
 
 
 def test_the_exercise_checker_names_the_exposed_share_and_the_undivided_state(capsys):

@@ -77,3 +77,21 @@ def test_rounding_charges_attention_softmax_and_loss_their_hand_computed_terms()
     got = _watched(lambda: F.cross_entropy(logits, targets))
     want = 2 * rounding.gamma(6, U) * F.cross_entropy(logits.detach(), targets).item()
     assert got["loss"] == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("degrees", [{"tp": 4}, {"cp": 4}, {"pp": 4}])
+def test_bytes_at_degree_four_equal_the_prediction(degrees):
+    """The chapter's layouts have groups of 2 ranks, where a ring's 2(n-1)/n, a direct exchange's n-1
+    and a plain M all give the same bytes; at 4 ranks (one step, 4 processes) they differ, so a
+    prediction with the wrong factor of the degree fails here, as does a middle pipeline stage's
+    second neighbour left out (pp = 4 has two middle stages)."""
+    from labs.dims import ParallelDims
+    from labs.threed import layout3d, train3d
+    cfg, dims = layout3d.config(), ParallelDims(**degrees)
+    [run] = train3d.run(dims, steps=1, timeout=120)
+    for coords, steps in zip(run["coords"], run["sent"]):
+        sent = dict(steps[0])
+        assert sent.pop("other") == 0
+        predicted = layout3d.predict_bytes_per_group(cfg, dims, layout3d.MICRO_BATCH,
+                                                     layout3d.MICROBATCHES, cfg.seq_len, stage=coords["pp"])
+        assert sent == predicted

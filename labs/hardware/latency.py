@@ -4,8 +4,9 @@ Each pattern has its own estimator, and `summarize` keeps them apart. This chapt
 fastest one-way time (half a round trip) of the smallest message over many ping-pong tries started
 after a barrier: the estimate noise disturbs least, since whatever else the machine does can only
 add to a try. Chapter 10's alpha is the fastest exchange, which is not halved: each rank's timer
-runs until its own send is done and the other's message is in. The two differ, about twice
-over, on this machine, so they are never pooled, and neither are the two starts below: a back-to-back try
+runs until its own send is done and the other's message is in. The two differ (by a ratio that
+moves from job to job on this machine), so they are never pooled, and neither are the two
+starts below: a back-to-back try
 measures the link plus the wake-up of a receiver that went to sleep and whatever the previous try
 left in flight. Per variant, the median of the same tries (with its quartiles) is the time under
 this machine's load; it moves from job to job, which `across_jobs` shows. Each try's time is the

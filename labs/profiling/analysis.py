@@ -91,7 +91,9 @@ def point_to_point(traces):
     peer is still computing), then transfers ("transfer") until it completes. A send is in flight
     from the later of the two posts until its receive completes: before, it is only pending (an
     isend does not block its sender), and its gloo span lasts until the sender waits on it, which
-    can be much later. An unmatched message's whole span counts as transfer."""
+    can be much later. An unmatched message's whole span counts as transfer. The peer torch records is
+    the rank within the message's process group, read here as the global rank: a subgroup whose members
+    are not the ranks 0, 1, ... in order (the 3D lab's) leaves its messages unmatched."""
     msgs = [messages(t) for t in traces]
     posted = {"send": defaultdict(list), "recv": defaultdict(list)}    # (src, dst, tag) -> [(post, end)]
     for rank, ms in enumerate(msgs):
@@ -164,8 +166,9 @@ def waited(compute, issue, comm, ends):
     returns when a communication completes, and it may begin before gloo's thread has even taken
     the collective up (the queue shows as a gap with nothing in flight yet). A gap that no
     completion ends is the interpreter's or the scheduler's time, not a wait. No event records a
-    wait, so a gap in which a collective merely completed counts too: this can only overstate the
-    exposed time, most where collectives overlap compute and complete in its small gaps."""
+    wait, so a gap in which a collective merely completed counts too: this overstates the exposed
+    time, most where collectives overlap compute and complete in its small gaps; a wake-up later
+    than the completion it waited for is cut off at that completion, which understates it."""
     busy = iv.union(compute + issue)
     bounds = busy + comm
     if not bounds:

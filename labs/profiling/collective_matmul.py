@@ -7,7 +7,8 @@ X_{t-1}] A_i, the gather exposed before the matmul can start. Split it into t ri
 deep learning models", ASPLOS; PyTorch's async tensor parallelism does the same on GPU streams):
 at step k rank i holds the chunk X_c of rank c = i - k (mod t), posts the send of X_c to rank i + 1
 and the receive of X_{c-1} from rank i - 1, and multiplies Y_i[c] = X_c A_i while it travels. Only the
-first chunk's matmul has nothing to hide behind it; every transfer runs under a matmul. The
+last chunk's matmul has nothing to hide behind it (the last step posts no transfer); every transfer
+runs under a matmul. The
 control (``overlap=False``) is the same ring with each transfer waited for before the matmul it
 could hide under: the same messages, chunks and matmuls, only the overlap taken away. (Chapter 6's
 layer, a gloo ``all_gather`` with sequence-first transposes and a matmul on a non-contiguous view,

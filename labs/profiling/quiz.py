@@ -125,8 +125,15 @@ MISTAKES = {"1": [(lambda: 20 / 60,
 RANGE_REL = {"2": 0.005}
 
 
+# exercises 1 and 3 ask for fractions: no unit slip (bytes, bits, prefixes) can be theirs
+FRACTIONS = ("1", "3")
+UNITLESS_SLIPS = [s for s in exercises.SLIPS if s[0] in (2.0, 0.5, 100.0, 1 / 100)]
+
+
 def check(question, answer, rel=0.01):
     key = exercises.question_key(EXERCISES, question)
+    if key in FRACTIONS:
+        return exercises.check(EXERCISES, question, answer, rel, MISTAKES, UNITLESS_SLIPS)
     if key not in RANGES:
         return exercises.check(EXERCISES, question, answer, rel, MISTAKES)
     low, high = (f() for f in RANGES[key])

@@ -23,7 +23,10 @@ It is a first-order estimate of two reorderings, not a proof that covers every o
     reordered sum feeds every earlier layer's weight gradient;
   - CP's reduce-scatter of dK and dV, a sum over the cp ranks' queries in another order;
   - the forward's rounding differences feeding the backward: activations that differ by rounding
-    give gradients that differ, beyond the reordered sum over tokens;
+    give gradients that differ, beyond the reordered sum over tokens, and the weights' own
+    difference feeding the next step's gradients;
+  - the CP layout's blockwise softmax (log-sum-exp, rescaling and merge, chapter 6, and their
+    backward): other operations than one process's softmax, charged as its sum in another order;
   - every term of second order in u (products of the differences above).
 The notebook shows how far inside it the correct layouts stay (below 1 % of it, every step).
 

@@ -2,7 +2,9 @@
 
 A layout computes what one process computes; only the order of its floating-point sums changes
 (a row-parallel matmul adds tp partial sums, context parallelism attends block by block, data
-parallelism adds the replicas' gradients around a ring). A sum of K terms computed in any order
+parallelism adds the replicas' gradients around a ring). Context parallelism's blockwise softmax also
+runs other operations (a log-sum-exp merge); it is charged here as one process's softmax, an omission
+`drift` lists. A sum of K terms computed in any order
 is within gamma_K * sum |terms| of the exact sum, gamma_K = K u / (1 - K u), u the unit roundoff
 (Higham 2002, "Accuracy and Stability of Numerical Algorithms", 2nd ed., section 3.1, the bound
 that holds for every order of evaluation); two orders are within twice that of each other.
