@@ -59,7 +59,8 @@ NBVAL := $(BIN)/python -m pytest --nbval notebooks --nbval-current-env --nbval-c
 # rank's watchdog, a killed replica's restart), and a second worker fills it: three minutes less.
 # Tests marked `timed` compare times (a pipelined run against its serialised twin, a thread's CPU
 # time): beside another worker on 2 cores they failed on a slow hour, so they run alone after the pair.
-# The notebooks run one at a time: paired, they took as long (each keeps both cores busy), and the
+# The float-sensitive tests (marked `numerics`) time nothing, so they run paired too (2:58 alone, 2:09
+# paired on this machine). The notebooks run one at a time: paired, they took as long (each keeps both cores busy), and the
 # ones that time something would measure their neighbour too.
 PAIR := -n 2 --dist loadfile
 
@@ -88,7 +89,7 @@ test: $(STAMP) chromium npm
 	$(BIN)/ruff format --check notebooks
 	$(BIN)/python -m pytest tests -q --durations=15 -m "not numerics and not timed" $(PAIR)
 	$(BIN)/python -m pytest tests -q -m "timed and not numerics"
-	$(OTHER_CPU) $(BIN)/python -m pytest tests -q -m numerics
+	$(OTHER_CPU) $(BIN)/python -m pytest tests -q -m numerics $(PAIR)
 	$(OTHER_CPU) $(NBVAL)
 	$(BIN)/python tools/build_book.py --no-execute
 	$(BIN)/python tools/check_site.py --enforce code-cells --enforce figures

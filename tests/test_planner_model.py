@@ -209,7 +209,11 @@ def test_calibration_rows_reproduce_and_predictions_stay_close(published):
               for name, (c, row) in published.items()}
     for eta, name in checked.calibration().values():
         assert abs(errors[name]) < 1e-6, name                      # bisection to 1e-9 in eta
-    assert len(errors) == 112 and sum(abs(e) <= 0.15 for e in errors.values()) >= 85
+    fitted = {name for _, name in checked.calibration().values()}
+    predicted = [e for name, e in errors.items() if name not in fitted]
+    # the page's figure is over the predictions alone: the fitted rows' zero errors do not count
+    assert len(errors) == 112 and len(predicted) == 107
+    assert sum(abs(e) <= 0.15 for e in predicted) >= 91       # the page's 91 of 107 (85 %)
 
 
 def test_eager_cross_entropy_backward_peaks_at_12_sbv():

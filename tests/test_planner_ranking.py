@@ -49,7 +49,7 @@ def test_a_pair_is_confounded_by_a_stack_switch_or_the_sources_recomputation_wor
     more than the layout. Catches the stack compared by its name only, and the mapped policy compared
     instead of the source's words."""
     a, b, c, d = (ParallelDims(tp=t, dp=64 // t) for t in (1, 2, 4, 8))
-    switched = dataclasses.replace(JOB, software=JOB.software.with_(ep_overlap=True))
+    switched = dataclasses.replace(JOB, software=JOB.software.with_(ep_overlap=not JOB.software.ep_overlap))
     rows = [result("plain", a, 300, 1.0, 1.0), result("switched", b, 200, 2.0, 2.0, job=switched),
             result("norm, act", c, 150, 3.0, 3.0, recompute_words="norm, act"),
             result("none", d, 100, 4.0, 4.0, recompute_words="none")]

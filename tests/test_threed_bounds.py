@@ -95,3 +95,22 @@ def test_bytes_at_degree_four_equal_the_prediction(degrees):
         predicted = layout3d.predict_bytes_per_group(cfg, dims, layout3d.MICRO_BATCH,
                                                      layout3d.MICROBATCHES, cfg.seq_len, stage=coords["pp"])
         assert sent == predicted
+
+
+@pytest.mark.parametrize("degrees", [{"dp": 2}, {"dp": 2, "cp": 2}])
+def test_the_gradient_term_counts_the_tokens_the_step_really_sums(degrees, monkeypatch):
+    """delta = 2 gamma_N |g|_abs with N the tokens whose terms each gradient adds: counted here from the
+    batches one process's run is fed in a step, not from the formula. Catches N taken per replica, per
+    micro-batch or halved (a bound too tight passes every bug test)."""
+    from labs.dims import ParallelDims
+    from labs.threed import layout3d
+    seen = []
+    real = layout3d.step_batches
+
+    def counting(*args, **kwargs):
+        for x, y in real(*args, **kwargs):
+            seen.append(y.numel())
+            yield x, y
+    monkeypatch.setattr(layout3d, "step_batches", counting)
+    b = drift.bound(ParallelDims(**degrees), steps=1)
+    assert b["delta_scale"] == 2 * rounding.gamma(sum(seen), U)

@@ -2,8 +2,9 @@
 
 Each pattern has its own estimator, and `summarize` keeps them apart. This chapter's latency is the
 fastest one-way time (half a round trip) of the smallest message over many ping-pong tries started
-after a barrier: the estimate noise disturbs least, since whatever else the machine does can only
-add to a try. Chapter 10's alpha is the fastest exchange, which is not halved: each rank's timer
+after a barrier, by convention: whatever else the machine does can only add to a try, so among tries
+started alike the fastest is least disturbed (a barrier adds its skew: back to back is not slower).
+Chapter 10's alpha is the fastest exchange, which is not halved: each rank's timer
 runs until its own send is done and the other's message is in. The two differ (by a ratio that
 moves from job to job on this machine), so they are never pooled, and neither are the two
 starts below: a back-to-back try

@@ -18,7 +18,7 @@ from labs.formulas.memory import (  # the formulas' home is the torch-free core
 
 
 class Adam:
-    """Adam (Kingma & Ba 2015, arXiv 1412.6980) over a recipe's master weights.
+    """Adam (Kingma & Ba 2014, arXiv 1412.6980) over a recipe's master weights.
 
     Same update as ``torch.optim.Adam`` (weight decay off); the step count is a Python int, so the
     state is exactly master + m + v and nothing else.

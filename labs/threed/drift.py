@@ -183,6 +183,7 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
     ratios = torch.cat([r.reshape(-1) for r in ratios]) if ratios else torch.empty(0)
     return {"losses": ref["losses"], "bound": [f + a for f, a in zip(forward, adam)], "forward": forward,
             "adam": adam, "flippable": [0] + [sum(d[1].values()) for d in drift[:steps - 1]],
+            "delta_scale": scale,
             "kinds": sorted(kinds),
             "free_by_param": {n: c for n, c in drift[steps - 2][1].items() if c} if steps > 1 else {},
             "free_masks": {n: f for n, f in drift[steps - 2][2].items() if f.any()} if steps > 1 else {},

@@ -14,7 +14,7 @@ import torch
 def adam_step_bound(t, betas=(0.9, 0.999)):
     """The largest |Adam step| / lr at step t over every gradient history (eps = 0, no decay).
 
-    Kingma & Ba 2015 (section 2.1) give lr (1-b1)/sqrt(1-b2) when 1-b1 > sqrt(1-b2), else lr, as
+    Kingma & Ba 2014 (section 2.1) give lr (1-b1)/sqrt(1-b2) when 1-b1 > sqrt(1-b2), else lr, as
     approximate bounds. Exactly: m_t = (1-b1) sum_i b1^(t-i) g_i, v_t = (1-b2) sum_i b2^(t-i) g_i^2
     and, by Cauchy-Schwarz with weights b2^(t-i),
         |m_t| / sqrt(v_t) <= (1-b1)/sqrt(1-b2) * sqrt(sum_{k<t} rho^k),  rho = b1^2 / b2,

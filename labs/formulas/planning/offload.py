@@ -8,7 +8,7 @@ and moments, and the updated 16-bit weights come back (Ren et al. 2021, §4.1: "
 
     host memory   fp32 master, m, v and an fp32 copy of the gradient: 16 bytes (`HOST_BYTES`)
     PCIe          2 bytes down (gradient) + 2 bytes up (weights), one each way per step
-    host memory   Adam's traffic, `timing.ADAM_BYTES` = 30 bytes per parameter, on the CPU's memory,
+    host memory   Adam's traffic, `ADAM_BYTES` = 30 bytes per parameter, on the CPU's memory,
                   which the node's GPUs share
 
 Each byte crosses the host link twice over a step, as chapter 9's offload lab counts for
@@ -19,7 +19,7 @@ which overlaps them with the next step (§4.2), because it changes the training,
 """
 HOST_BYTES = 16       # fp32 master, m, v and gradient per offloaded parameter
 PCIE_BYTES = 2        # a 16-bit gradient down, a 16-bit weight up: 2 bytes each way
-ADAM_BYTES = 30       # Adam's reads and writes per parameter (as `timing.ADAM_BYTES`)
+ADAM_BYTES = 30       # Adam's reads and writes per parameter (the optimizer step's in `timing` too)
 
 
 def host_bytes(params_per_rank, ranks_per_node):

@@ -117,9 +117,12 @@ SELENE = Cluster("Selene, DGX A100 80GB", "A100", 8, 80 * GIB, A100_NVLINK, 200e
 # 450 GB/s per direction), RoCE at 400 Gb/s per GPU. A DGX H100 has 2 TB of host memory.
 H100_SXM = dict(hbm_bw=3.35e12, fp8_flops=1979e12, host_bw=64e9, host_bytes=2e12)
 NVLINK, NDR = collectives.NCCL_NVLINK_BPS, collectives.NCCL_NDR_BPS[0]
-LLAMA3_CLUSTER = Cluster("Llama 3, H100 80GB", "H100", 8, 80 * GIB, NVLINK, NDR, flops.H100_BF16_DENSE,
+# What an H100 80GB HBM3 holds: the 81,559 MiB nvidia-smi reports (the output pasted in NVIDIA/nccl
+# issue #1264), not 80 GiB; the CUDA context and NCCL's buffers then take their share of it
+H100_HBM3_BYTES = 81_559 * 2**20
+LLAMA3_CLUSTER = Cluster("Llama 3, H100 80GB", "H100", 8, H100_HBM3_BYTES, NVLINK, NDR, flops.H100_BF16_DENSE,
                          **H100_SXM)
-DGX_H100 = Cluster("DGX H100", "H100", 8, 80 * GIB, NVLINK, NDR, flops.H100_BF16_DENSE, **H100_SXM)
+DGX_H100 = Cluster("DGX H100", "H100", 8, H100_HBM3_BYTES, NVLINK, NDR, flops.H100_BF16_DENSE, **H100_SXM)
 # DeepSeek-V3 (§3.1, §3.2.2): 8 x H800 per node, NVLink 160 GB/s and InfiniBand 50 GB/s as the report
 # gives them; the H800 is the H100's chip with fewer NVLinks, so its peaks are taken to be the H100's.
 H800_CLUSTER = Cluster("DeepSeek-V3, H800", "H100", 8, 80 * GIB, 160e9, 50e9 * NET_EFFICIENCY,

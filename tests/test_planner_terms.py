@@ -1,0 +1,43 @@
+"""Chapter 14: step-time terms the page states in words, each pinned by a case a plausible slip fails."""
+import dataclasses
+
+import pytest
+
+from labs.dims import ParallelDims
+from labs.formulas.planning import calibrated, planner, shapes
+
+ETA = calibrated.eta("H100", "bf16")
+JOB = planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 64, 4 * 2**20)
+
+
+def _time(job, dims, **fixed):
+    return planner.published(job, dims, ETA, fixed)["time"]
+
+
+def test_zero2_reduces_every_micro_batchs_gradients():
+    """ZeRO-2 reduce-scatters each micro-batch's gradients (the page's b = 1 against b = 4 dropdown), so
+    at b = 1 (64 micro-batches) its data-parallel term is several times ZeRO-1's, which reduces once
+    per step. Catches ZeRO-2 priced as one reduction per step."""
+    d = ParallelDims(tp=8, dp=8)
+    assert _time(JOB, d, zero=2, micro_batch=1)["dp"] > 3 * _time(JOB, d, zero=1, micro_batch=1)["dp"]
+
+
+def test_data_parallel_traffic_runs_over_cp_times_dp():
+    """The context-parallel ranks hold the same weights, so the gradients are reduced over CP x DP: with
+    no overlap to hide it, CP 2 x DP 4 pays the same data-parallel time as DP 8 (the same 8 ranks' ring,
+    across the same nodes). Catches the reduction taken over DP alone."""
+    plain = dataclasses.replace(JOB, software=JOB.software.with_(overlap_grad_reduce=False,
+                                                                 overlap_param_gather=False))
+    dp8 = _time(plain, ParallelDims(tp=8, dp=8), zero=1, micro_batch=1)["dp"]
+    cp2 = _time(plain, ParallelDims(tp=8, cp=2, dp=4), zero=1, micro_batch=1)["dp"]
+    assert cp2 == pytest.approx(dp8, rel=1e-9) and dp8 > 0
+
+
+def test_pipeline_sends_hide_only_in_the_interleaved_schedule():
+    """Megatron-LM overlaps the pipeline's sends only when interleaved (`overlap_p2p_comm = False`
+    otherwise): under 1F1B (v = 1) every send is waited for, interleaved (v = 2) only the fill's.
+    Catches the sends hidden under 1F1B too."""
+    d = ParallelDims(tp=8, pp=2, dp=4)
+    one_f_one_b = _time(JOB, d, v=1, zero=1, micro_batch=1)["exposed_pp"]
+    interleaved = _time(JOB, d, v=2, zero=1, micro_batch=1)["exposed_pp"]
+    assert one_f_one_b > 10 * interleaved > 0
