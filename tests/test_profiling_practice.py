@@ -34,6 +34,19 @@ def test_schedule_records_exactly_the_active_steps(loop):
         assert any("allreduce" in n for n in names), sorted(names)[:20]
 
 
+def test_export_chrome_trace_handler_writes_one_file_of_a_fixed_name(tmp_path):
+    """The page's other handler, `lambda p: p.export_chrome_trace(path)`: one file per rank at the
+    name given, the same two active steps, and no TensorBoard files. Catches the handler ignored (the
+    TensorBoard one used whatever is asked) or called at every step."""
+    folder = str(tmp_path)
+    out = launch.spawn(practice.profile_loop, 2, folder, wait=1, warmup=1, active=2, handler="chrome",
+                       timeout=120)
+    for r in out:
+        assert r["path"] == f"{folder}/rank{r['rank']}.pt.trace.json"
+        assert r["traced_steps"] == [2, 3] and r["ready_at"] == [4]
+        assert r["tensorboard_files"] == []
+
+
 def test_merged_trace_has_both_ranks_with_distinct_pids(loop, tmp_path):
     _, out = loop
     merged = practice.merge_traces([r["path"] for r in out], str(tmp_path / "merged.json"))

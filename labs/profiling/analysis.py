@@ -88,8 +88,9 @@ def point_to_point(traces):
     """Per rank, its messages' spans split by what the other end was doing (all traces of one run,
     rank order, one clock: one machine). Sends and receives are matched by (source, destination,
     tag), in order. A receive posted before its peer's send first waits for the peer ("wait": the
-    peer is still computing), then transfers ("transfer") until it completes. A send is in flight
-    from the later of the two posts until its receive completes: before, it is only pending (an
+    peer is still computing), then transfers ("transfer") until it is waited on (its gloo span's end:
+    no earlier completion is recorded). A send is in flight from the later of the two posts until its
+    receive's span ends: before, it is only pending (an
     isend does not block its sender), and its gloo span lasts until the sender waits on it, which
     can be much later. An unmatched message's whole span counts as transfer. The peer torch records is
     the rank within the message's process group, read here as the global rank: a subgroup whose members
@@ -115,7 +116,7 @@ def point_to_point(traces):
             if m["kind"] == "recv":
                 parts["wait"].append((a, start))
                 parts["transfer"].append((start, b))
-            else:                                   # in flight until the receive completes
+            else:                                   # in flight until the receive's span ends
                 parts["transfer"].append((start, min(b, max(start, other[n][1]))))
         out.append({k: iv.union(v) for k, v in parts.items()})
     return out

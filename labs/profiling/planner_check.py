@@ -49,7 +49,8 @@ LAYOUTS = {"dp 2": ("ddp", {}), "tp 2": ("tp", {}), "pp 2": ("1f1b", {"microbatc
 SIZES = [4, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024]   # exchanges' bytes (64 KiB: 1F1B's)
 GEMM = (512, 512, 128)                                 # M, N, K: the MLP's first matmul, b s = 512
 TERMS = ("compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "idle_s", "step_s")
-# groups in flight but never waited for: the pipeline's sends are isends
+# groups whose time in flight nobody waits for: the pipeline's sends are isends, waited for only
+# at the end of the step
 NOT_WAITED = ("pp send",)
 MATMUL_OPS = tuple("aten::" + n for n in eager_traffic.MATMULS)
 CALIBRATIONS = 6        # a calibration failing its check (a burst of load) is measured again, at most 6 times

@@ -28,7 +28,8 @@ read from real traces (the analysis is built on exactly this, `labs.profiling.an
   the moment that thread takes it up until it is done;
 - a point-to-point message shows on the rank's thread as ``c10d::send`` or ``c10d::recv_`` (with
   the peer and the tag among its recorded arguments) and a span ``gloo:send`` or ``gloo:recv`` from
-  the moment it is posted until it completes, which other operators of that thread overlap;
+  the moment it is posted until it is waited on (a receive's span too: gloo records no earlier
+  completion, however early the data came), which other operators of that thread overlap;
 - ``Work.wait()`` records nothing: a rank waiting on communication leaves a gap in its thread's
   operators while a gloo span is open. That gap, not any event, is the exposed communication.
 """
