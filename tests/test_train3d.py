@@ -241,6 +241,8 @@ def test_bf16_has_no_useful_worst_case_bound_and_degrees_are_refused():
         ParallelDims.build(3, dp=2)
     with pytest.raises(ValueError, match="does not call"):
         torch3d.check(ParallelDims(cp=2, tp=2))
+    with pytest.raises(ValueError, match="--pp 2 or more"):
+        torch3d.check(ParallelDims(dp=2))
     with pytest.raises(ValueError, match="unknown library bug 'fsdp_avg'"):   # before any rank starts
         torch3d.run(ParallelDims(dp=2, tp=2, pp=2), scale_bugs=("fsdp_avg",))
     with pytest.raises(ValueError, match="world_size 3"):      # the command line's --world-size, checked once

@@ -34,7 +34,7 @@ In bf16 training the matmuls accumulate in fp32 (tensor cores; PyTorch's CPU bf1
 reordered sums keep fp32's u; the sums that really run in bf16 (u = 2^-8) are bf16 collectives,
 which add one term per rank: `bound(..., u_collective=BF16)` adds, to first order, 2 gamma_n(bf16)
 per all-reduce of n partial sums (the gradients' over the n = dp cp ranks, TP's g over tp) to the
-fp32 bound. A sum of 256 bf16 terms would have no worst-case bound at all (n u >= 1).
+fp32 bound. An inner product of 256 bf16 terms would have no worst-case bound at all (n u >= 1).
 
 A bug is a layout that computes something else. `VARIANTS` breaks each dimension once: Megatron's f
 without its backward all-reduce, ZeRO-1 without the reduce-scatter (each rank updates its shard from

@@ -11,7 +11,8 @@ compares, at step 1, the gradient the optimizer receives on every rank (its ZeRO
 The tolerance is the fp32 reordering bound the drift bound uses for gradients (`labs.threed.drift`):
 each element's sum over the N tokens, in another order, moves it by at most 2 gamma_N |g|_abs, so
 r_T <= ||2 gamma_N |g|_abs|| / ||g_one||, to first order. It omits what the drift bound omits (TP's
-all-reduce of the input gradient, the forward's rounding fed into backward). A bug that scales the
+all-reduce of the input gradient, CP's reduce-scatter of dK and dV, the forward's rounding fed into
+backward). A bug that scales the
 tensor by c gives r_T = |c - 1|: 1 for a factor of 2.
 
 A check over what the ranks report would pass a tensor no rank reports, or judge one on the slices

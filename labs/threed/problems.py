@@ -5,7 +5,7 @@
    sequences of s = 16 tokens, h = 64, fp32.
 2. ZeRO-1's bytes per rank and step in the dp group of a dp = 2 x cp = 2 layout whose rank holds
    P_local = 10,001 parameters: 2 (n - 1) ceil(P_local / n) elements, n = dp cp = 4.
-3. How many times larger gamma_n (`rounding.gamma`) is in bf16 than in fp32 for a sum of n = 128
+3. How many times larger gamma_n (`rounding.gamma`) is in bf16 than in fp32 for an inner product of n = 128
    terms.
 """
 import math

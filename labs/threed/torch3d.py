@@ -233,6 +233,9 @@ def check(dims, micro_batch=layout3d.MICRO_BATCH, num_microbatches=layout3d.MICR
         raise ValueError("PyTorch's public context_parallel takes over scaled_dot_product_attention, which "
                          "the book's model does not call (its attention is written out); the library-built "
                          "run takes --dp, --tp and --pp only (use train3d for cp).")
+    if dims.pp < 2:     # one stage is first and last: torch's schedule then needs the targets too
+        raise ValueError(f"the library-built run is a pipeline (Schedule1F1B over stages): give --pp 2 or "
+                         f"more, not {dims.pp} (use train3d for a layout without one).")
     return layout3d.check(layout3d.config(), dims, micro_batch=micro_batch, num_microbatches=num_microbatches)
 
 
