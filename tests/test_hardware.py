@@ -494,3 +494,7 @@ def test_latency_rank_times_interleaves_the_variants_and_times_only_the_exchange
     one_repeat = ["barrier", *pingpong, *pingpong, "barrier", *exchange, *exchange]
     assert calls == pingpong + exchange + 3 * one_repeat
     assert out == {f"{k}/{s}/8": [2.0] * 3 for k in latency.PATTERNS for s in latency.STARTS}
+    # rank 1 answers: it receives first, then sends back (both sending first would deadlock)
+    calls.clear()
+    latency.rank_times(1, 2, [8], 1)
+    assert calls[:2] == ["recv", "send"]

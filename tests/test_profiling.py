@@ -202,6 +202,11 @@ def test_coverage_catches_a_missed_wait():
     # same 38 ms idle is then accounted for (2 + 36 + the 5 ms margin); 20 ms of it could not
     assert analysis.coverage(row, 0.1, {"cpu_s": 0.062, "delay_s": 0.0, "others_s": 0.036})["holds"] is True
     assert analysis.coverage(row, 0.1, {"cpu_s": 0.062, "delay_s": 0.0, "others_s": 0.02})["holds"] is False
+    # delay: 20 ms runnable but not on a CPU cannot hide 38 ms (2 + 20 + 5 < 40), 35 ms can (2 + 35 + 5):
+    # catches the delay counted twice (the bound would pass the first) or dropped (it would fail the
+    # second)
+    assert analysis.coverage(row, 0.1, {"cpu_s": 0.062, "delay_s": 0.02})["holds"] is False
+    assert analysis.coverage(row, 0.1, {"cpu_s": 0.062, "delay_s": 0.035})["holds"] is True
 
 
 @pytest.mark.timed

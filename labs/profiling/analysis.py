@@ -94,7 +94,8 @@ def point_to_point(traces):
     isend does not block its sender), and its gloo span lasts until the sender waits on it, which
     can be much later. An unmatched message's whole span counts as transfer. The peer torch records is
     the rank within the message's process group, read here as the global rank: a subgroup whose members
-    are not the ranks 0, 1, ... in order (the 3D lab's) leaves its messages unmatched."""
+    are not the ranks 0, 1, ... in order (the 3D lab's tensor-parallel ring on ranks 2 and 3; its
+    pipeline sends on the whole world) leaves its messages unmatched."""
     msgs = [messages(t) for t in traces]
     posted = {"send": defaultdict(list), "recv": defaultdict(list)}    # (src, dst, tag) -> [(post, end)]
     for rank, ms in enumerate(msgs):
@@ -203,9 +204,11 @@ def _gpu_breakdown(events, windows):
                    if e["cat"] == "gpu_user_annotation" and e["name"].startswith(STEP + "#")}
     kernels = [e for e in events if e["cat"] in KERNELS]
     comm = iv.union((e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower())
-    # every non-NCCL kernel is compute, also where a NCCL kernel runs beside it: the exposed
-    # communication, NCCL time not under any compute kernel, is then comm minus compute (HTA's)
-    compute = iv.union((e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower())
+    # compute is every non-NCCL kernel, not the copies and sets (HTA 0.5.0's get_kernel_type files
+    # those as memory): the exposed communication, NCCL time not under any compute kernel, is then
+    # comm minus compute, as HTA's comm/comp overlap counts it
+    compute = iv.union((e["ts"], e["ts"] + e["dur"]) for e in kernels
+                       if e["cat"] == "kernel" and "nccl" not in e["name"].lower())
     out = []
     for i, a, b in windows:
         w = gpu_windows.get(i, (a, b))
@@ -281,9 +284,10 @@ def coverage(row, wall_s, thread):
     operators), plus delay, plus the time another Python thread of the process held the GIL, which it
     can only do on a CPU or runnable (O, `trace.other_threads`: the launcher's heartbeat; gloo's and
     the profiler's threads are C++ and never take it); operators, which do not block on the CPU, hold
-    at most their own CPU time plus D. So
+    at most their own CPU time plus the delay inside them. The delays inside and outside operators
+    add up to at most D, so
 
-        idle <= (cpu - compute) + 2 D + O + s.
+        idle <= (cpu - compute) + D + O + s.
 
     s, the stated margin: one hand-off of the GIL (``sys.getswitchinterval()``, 5 ms), how long a
     thread that wants it back can wait before the holder is made to let go. A wait the trace missed
@@ -296,6 +300,6 @@ def coverage(row, wall_s, thread):
     if thread is None:
         return dict(out, bound_s=None, holds=None, why="the kernel gives no per-thread schedstat here")
     others = thread.get("others_s", 0.0)
-    bound = thread["cpu_s"] - row["compute_s"] + 2 * thread["delay_s"] + others + sys.getswitchinterval()
+    bound = thread["cpu_s"] - row["compute_s"] + thread["delay_s"] + others + sys.getswitchinterval()
     return dict(out, bound_s=bound, cpu_s=thread["cpu_s"], delay_s=thread["delay_s"], others_s=others,
                 margin_s=sys.getswitchinterval(), holds=row["idle_s"] <= bound)

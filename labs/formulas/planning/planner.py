@@ -119,7 +119,8 @@ def broken_rule(job, d):
         kv_layout(m.heads, m.kv_heads, d.tp)
     except ValueError as exc:
         return str(exc).rstrip(".")
-    if m.kv_heads % d.tp:   # Megatron-Core's TransformerConfig: num_query_groups a multiple of tp
+    # Megatron-Core's TransformerConfig, core_r0.8.0 to r0.15.0: tp must divide the KV heads
+    if m.kv_heads % d.tp:
         return (f"tp = {d.tp} does not divide the {m.kv_heads} KV heads, which the training stacks "
                 f"require (copying them is chapter 4's lab layout, not a stack's)")
     if job.sequences % d.dp:

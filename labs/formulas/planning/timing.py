@@ -84,10 +84,11 @@ def seconds(job, calls, ranks, nodes):
     return out
 
 
-def layer_cost(job, eta, moe, b, tp, cp, ep, sp, rc, tp_nodes, cp_nodes, ep_nodes):
+def layer_cost(job, eta, moe, b, tp, cp, ep, sp, rc, tp_nodes, cp_nodes, ep_nodes, ep_chunks=None):
     """One layer of a kind (``moe``) on one micro-batch of b sequences: (forward, backward with its
     recomputation, exposed seconds of its tp, cp and ep collectives). A collective the stack overlaps
-    hides under the layer's GEMMs (tp), its attention (cp) or the whole layer (ep)."""
+    hides under the layer's GEMMs (tp), its attention (cp) or the whole layer (ep: only where
+    ``ep_chunks``, the micro-batches it is spread over, is given; `ep_overlap_chunks`)."""
     m, sw = job.model, job.software
     secs = kernels.layer_seconds(m, job.cluster, eta, job.fp8, job.eager, job.kernels, bool(moe),
                                  b * m.seq // cp, tp, ep, bool(sp), RECOMPUTE[rc], sw.attention,
@@ -96,11 +97,23 @@ def layer_cost(job, eta, moe, b, tp, cp, ep, sp, rc, tp_nodes, cp_nodes, ep_node
     calls = traffic.layer_calls(m, tp, cp, ep, b, m.seq, 2, RECOMPUTE[rc], bool(moe), bool(sp))
     t = seconds(job, calls, {"tp": tp, "cp": cp, "ep": ep}, {"tp": tp_nodes, "cp": cp_nodes, "ep": ep_nodes})
     hide = (lay["gemm"] * sw.tp_overlap, lay["attention"] * sw.cp_overlap,
-            (lay["forward"] + lay["backward"]) * sw.ep_overlap)
+            (lay["forward"] + lay["backward"]) * (ep_chunks is not None))
     return (lay["forward"], lay["backward"] + lay["recompute"]) + tuple(
         exposed(t.get(g, 0.0), h, n, usage(k)) for g, h, n, k in zip(("tp", "cp", "ep"), hide,
-                                                                      (tp, cp, math.inf),
+                                                                      (tp, cp, ep_chunks or math.inf),
                                                                       (tp_nodes, cp_nodes, ep_nodes)))
+
+
+def ep_overlap_chunks(job, c):
+    """The micro-batches the experts' all-to-alls hide under another's compute, or None where the stack
+    cannot overlap them for candidate c. Megatron-Core's 1F1B overlap (`overlap_moe_expert_parallel_comm`,
+    TransformerConfig at core_r0.14.0) asserts an interleaved schedule when pp > 1 and no full
+    recomputation, and runs the first micro-batch's forward and the last one's backward alone (its
+    combined_1f1b_schedule: "no a2a overlapping"): a fill of one micro-batch in m, as n_g = m."""
+    sw = job.software
+    if not sw.ep_overlap or RECOMPUTE[c.rc] == "full" or (c.pp > 1 and c.sched == ONE_F_ONE_B):
+        return None
+    return c.m
 
 
 def vocab_seconds(job, tp, tp_nodes, cp, b, first, last):
@@ -130,7 +143,8 @@ def micro_batches(job, eta, c, stages, nodes, pieces=None):
     counts = [p.counts(c.pp, c.v, st) for st in stages]
     dense = p.layer(0, c.b, c.tp, c.cp, c.ep, c.sp, c.rc, nodes["tp"], nodes["cp"], nodes["ep"]) \
         if any(n > n_moe for n, n_moe in counts) else None
-    moe = p.layer(1, c.b, c.tp, c.cp, c.ep, c.sp, c.rc, nodes["tp"], nodes["cp"], nodes["ep"]) \
+    moe = p.layer(1, c.b, c.tp, c.cp, c.ep, c.sp, c.rc, nodes["tp"], nodes["cp"], nodes["ep"],
+                  ep_overlap_chunks(job, c)) \
         if any(n_moe for _, n_moe in counts) else None
     send = p.send(c.tp, nodes["pp"], c.cp, c.b, c.sp)
     # Megatron-LM overlaps the sends only in the interleaved schedule: without it "overlap_p2p_comm =
