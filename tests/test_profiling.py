@@ -56,6 +56,16 @@ def test_gpu_communication_under_a_compute_kernel_is_hidden():
     assert t["exposed_comm_s"] == pytest.approx(0) and t["overlap_fraction"] == pytest.approx(1.0)
 
 
+def test_a_copy_beside_gpu_communication_hides_nothing():
+    """HTA 0.5.0 files memcpy and memset kernels as memory, not computation, and its overlap counts
+    computation only: an all-reduce beside a device-to-device copy is exposed. Catches every non-NCCL
+    kernel, copies included, counted as compute."""
+    events = gpu(0, 0, 1000, [("sm90_gemm", 0, 200), ("ncclDevKernel_AllReduce", 200, 800)])
+    events.append(op("Memcpy DtoD (Device -> Device)", 200, 800, tid=7, cat="gpu_memcpy"))
+    t = one(events)
+    assert t["exposed_comm_s"] == pytest.approx(600) and t["overlap_fraction"] == pytest.approx(0.0)
+
+
 def test_gpu_communication_after_compute_is_exposed():
     t = one(gpu(0, 0, 1000, [("sm90_gemm", 0, 500), ("ncclDevKernel_AllReduce", 500, 800)]))
     assert t["exposed_comm_s"] == pytest.approx(300) and t["overlap_fraction"] == pytest.approx(0.0)
