@@ -3,7 +3,8 @@
 Each pattern has its own estimator, and `summarize` keeps them apart. This chapter's latency is the
 fastest one-way time (half a round trip) of the smallest message over many ping-pong tries started
 after a barrier, by convention: whatever else the machine does can only add to a try, so among tries
-started alike the fastest is least disturbed (which start gives the faster try moves from job to job).
+started alike the fastest is least disturbed (which start gives the faster try is not shown to
+hold from job to job).
 Chapter 10's alpha is the fastest exchange, which is not halved: each rank's timer
 runs until its own send is done and the other's message is in. The two differ (by a ratio that
 moves from job to job on this machine), so they are never pooled, and neither are the two
