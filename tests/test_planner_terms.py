@@ -35,9 +35,30 @@ def test_data_parallel_traffic_runs_over_cp_times_dp():
 
 def test_pipeline_sends_hide_only_in_the_interleaved_schedule():
     """Megatron-LM overlaps the pipeline's sends only when interleaved (`overlap_p2p_comm = False`
-    otherwise): under 1F1B (v = 1) every send is waited for, interleaved (v = 2) only the fill's.
+    otherwise): under 1F1B (v = 1) every send is waited for; interleaved (v = 2) the sends hide, and only
+    their slowdown of the compute (sigma) is charged.
     Catches the sends hidden under 1F1B too."""
     d = ParallelDims(tp=8, pp=2, dp=4)
     one_f_one_b = _time(JOB, d, v=1, zero=1, micro_batch=1)["exposed_pp"]
     interleaved = _time(JOB, d, v=2, zero=1, micro_batch=1)["exposed_pp"]
     assert one_f_one_b > 10 * interleaved > 0
+
+
+def test_the_experts_overlap_is_credited_only_where_megatron_core_runs_it_and_with_its_fill():
+    """Megatron-Core's 1F1B all-to-all overlap (core_r0.14.0): refused with a plain 1F1B pipeline and
+    with full recomputation; without a pipeline one micro-batch in m runs alone (n_g = m), interleaved
+    rank 0's warm-up of (p - 1) 2 + (v - 1) p + 1 of its v m chunks does (n_g = v m / W). Catches the
+    overlap credited everywhere, and a fill of 1/m under interleaving."""
+    from labs.formulas.planning import grid, software, timing
+    job = dataclasses.replace(JOB, software=JOB.software.with_(ep_overlap=True))
+    sched = software.SCHEDULES.index
+
+    def cand(pp, v, m, s, rc="none"):
+        return grid.Candidate.of(tp=1, pp=pp, cp=1, ep=8, dp=64 // pp, dpr=1, zero=1,
+                                 rc=software.RECOMPUTE.index(rc), b=1, v=v, m=m, sched=sched(s), offload=0,
+                                 reshard=0, sp=0, stage=0)
+    assert timing.ep_overlap_chunks(job, cand(2, 1, 32, "1f1b")) is None
+    assert timing.ep_overlap_chunks(job, cand(1, 1, 32, "1f1b", rc="full")) is None
+    assert timing.ep_overlap_chunks(job, cand(1, 1, 32, "1f1b")) == 32
+    assert timing.ep_overlap_chunks(job, cand(4, 8, 256, "interleaved")) == pytest.approx(8 * 256 / 35)
+    assert timing.ep_overlap_chunks(JOB, cand(1, 1, 32, "1f1b")) is None     # the default stack: off

@@ -283,7 +283,8 @@ def coverage(row, wall_s, thread):
     but on Python's GIL, idle is interpreter time (on a CPU, at most the CPU time not spent in
     operators), plus delay, plus the time another Python thread of the process held the GIL, which it
     can only do on a CPU or runnable (O, `trace.other_threads`: the launcher's heartbeat; gloo's and
-    the profiler's threads are C++ and never take it); operators, which do not block on the CPU, hold
+    the profiler's threads are C++ and take it only to run a Python callback, such as chapter 2's hand
+    DDP attaches to each bucket, a time this bound misses); operators, which do not block on the CPU, hold
     at most their own CPU time plus the delay inside them. The delays inside and outside operators
     add up to at most D, so
 

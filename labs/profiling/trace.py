@@ -67,7 +67,8 @@ def thread_times(tid=None):
 def other_threads():
     """{native id: `thread_times`} of this process's Python threads other than the calling one (the
     launcher's heartbeat): the only threads that take the GIL, so the only ones a rank's thread can
-    wait for without an event (gloo's and the profiler's threads are C++ and never hold it)."""
+    wait for without an event (gloo's and the profiler's threads are C++ and hold it only to run a Python
+    callback, such as chapter 2's hand DDP attaches to each bucket)."""
     me = threading.get_ident()
     out = {}
     for t in threading.enumerate():

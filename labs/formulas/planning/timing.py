@@ -105,15 +105,18 @@ def layer_cost(job, eta, moe, b, tp, cp, ep, sp, rc, tp_nodes, cp_nodes, ep_node
 
 
 def ep_overlap_chunks(job, c):
-    """The micro-batches the experts' all-to-alls hide under another's compute, or None where the stack
-    cannot overlap them for candidate c. Megatron-Core's 1F1B overlap (`overlap_moe_expert_parallel_comm`,
-    TransformerConfig at core_r0.14.0) asserts an interleaved schedule when pp > 1 and no full
-    recomputation, and runs the first micro-batch's forward and the last one's backward alone (its
-    combined_1f1b_schedule: "no a2a overlapping"): a fill of one micro-batch in m, as n_g = m."""
+    """n_g of the experts' all-to-alls: the chunks they hide under over the chunks that run alone, or
+    None where the stack cannot overlap them for candidate c. Megatron-Core's 1F1B overlap
+    (`overlap_moe_expert_parallel_comm`, TransformerConfig at core_r0.14.0) asserts an interleaved
+    schedule when pp > 1 and no full recomputation. Without a pipeline the first micro-batch's
+    forward and the last one's backward run alone (combined_1f1b_schedule_for_no_pipelining: "no a2a
+    overlapping"); interleaved, the warm-up's (p - 1) 2 + (v - 1) p + 1 virtual micro-batches of rank 0
+    and as many of the cool-down's (schedules.py at core_r0.14.0), of its v m: n_g = v m / W."""
     sw = job.software
     if not sw.ep_overlap or RECOMPUTE[c.rc] == "full" or (c.pp > 1 and c.sched == ONE_F_ONE_B):
         return None
-    return c.m
+    alone = 1 if c.pp == 1 else (c.pp - 1) * 2 + (c.v - 1) * c.pp + 1
+    return c.v * c.m / alone
 
 
 def vocab_seconds(job, tp, tp_nodes, cp, b, first, last):
