@@ -162,3 +162,21 @@ def test_each_step_is_priced_at_the_rate_timed_just_before_it_not_the_calibratio
     assert rates == [2e10, 3e10, 4e10]
     assert CAL["flops"] not in rates      # the named mistake: the pre-run calibration's rate
     assert len(set(rates)) == 3           # and not one rate for every step
+
+
+def test_a_pipelines_terms_are_its_first_stages_whose_window_is_the_whole_step(monkeypatch):
+    # Equal stages, free messages, 1F1B with p = 2, m = 4 (F = 1, B = 2): the first stage idles
+    # (p - 1)(F + B) = 3 of its window, (p - 1)/m = 0.25 of its compute of 12, the formula's bubble; the
+    # last stage's window ends at its own optimizer step and holds 1 (`schedules.simulate`).
+    # The named mistake: the mean over both ranks, 1/6, which no correct formula could match.
+    def rows(wait):
+        return [{"compute_s": 12.0, "comm_s": 0.0, "exposed_comm_s": 0.0, "peer_wait_s": wait,
+                 "idle_s": 0.0, "step_s": 12.0 + wait}] * 6
+    per_rank = [rows(3.0), rows(1.0)]
+    monkeypatch.setattr(pc.lab, "summarize", lambda results: {
+        "per_rank": per_rank, "ranks": [{"comm_by_op": {}}] * 2})
+    monkeypatch.setattr(pc, "matmul_seconds", lambda trace: [12.0] * 6)
+    results = [{"trace": None, "path": "", "flops": 12e10, "rates": [1e10] * 6}] * 2
+    got = pc.compare("pp 2", results, dict(CAL))["terms"]["bubble_share"]
+    assert got["measured_s"] == pytest.approx(0.25)
+    assert got["ratio"] == pytest.approx(1.0)

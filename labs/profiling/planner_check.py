@@ -21,7 +21,7 @@ under backward as the planner's buckets do (`timing.exposed`, one bucket's fill 
 buffer broadcast does not; tensor parallelism's all-reduces are all exposed (no chunked GEMMs); a
 pipeline's messages are waited for, each of a rank's sends and receives priced as one message (its time
 in flight spans both), and its bubble is chapter 5's (p - 1)/m of the ideal compute
-(`schedules.formula`, the planner's). ``matmul_s``: the trace's time in the planner's GEMM
+(`schedules.formula`, the planner's), compared with the first stage's terms, whose window is the step. ``matmul_s``: the trace's time in the planner's GEMM
 operators (`eager_traffic.MATMULS`), the part of compute its FLOP count prices; ``comm_s``: the
 communication in flight, the collectives' cost before any of it is hidden.
 """
@@ -231,20 +231,26 @@ def step_rates(results):
 
 
 def compare(name, results, cal):
-    """Predicted beside measured, per term: each step's measured term (mean over ranks) over that
-    step's prediction (the FLOP/s timed just before it, the median of the ranks'), their median and
-    its distribution-free interval over the steps (`timing`)."""
+    """Predicted beside measured, per term: each step's measured term (the mean over the ranks; a
+    pipeline's first stage alone) over that step's prediction (the FLOP/s timed just before it, the
+    median of the ranks'), their median and its distribution-free interval over the steps (`timing`)."""
     s = lab.summarize(results)
-    per_rank = s["per_rank"]
     model_comm = traffic(name)            # predicted by the traffic model, compared with the trace below
+    rates = step_rates(results)
+    # A pipeline's terms are the first stage's: it starts the step and runs its last backward, so its
+    # window is the pipeline's step, which chapter 5's bubble describes; the last stage's window ends
+    # at its own optimizer step, before the first stage's last backward, and holds less of the bubble.
+    used = [0] if name.startswith("pp") else list(range(len(results)))
+    per_rank = [s["per_rank"][i] for i in used]
+    chosen = [results[i] for i in used]
     n = len(per_rank[0])
     mean = {k: [sum(rows[i][k] for rows in per_rank) / len(per_rank) for i in range(n)] for k in TERMS}
-    mm = [matmul_seconds(r["trace"]) for r in results]
+    mm = [matmul_seconds(r["trace"]) for r in chosen]
     mean["matmul_s"] = [sum(x[i] for x in mm) / len(mm) for i in range(n)]
     keys = ("compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "step_s")
-    pred, rates = {k: [] for k in keys}, step_rates(results)
+    pred = {k: [] for k in keys}
     for i, rate in enumerate(rates):
-        preds = [predict(name, r["flops"], model_comm, dict(cal, flops=rate)) for r in results]
+        preds = [predict(name, r["flops"], model_comm, dict(cal, flops=rate)) for r in chosen]
         for k in keys:
             pred[k].append(sum(p[k] for p in preds) / len(preds))
     pred["matmul_s"] = pred["compute_s"]
@@ -267,8 +273,8 @@ def compare(name, results, cal):
                    "ratio": r[0], "ratio_low": r[1], "ratio_high": r[2], "confidence": r[3] or conf}
     return {"layout": name, "lab": LAYOUTS[name][0], "terms": rows, "groups": groups,
             "traffic": {"model": model_comm, "trace": [rk["comm_by_op"] for rk in s["ranks"]]},
-            "flops": [r["flops"] for r in results], "rates": rates, "steps": n, "per_rank": per_rank,
-            "paths": [r["path"] for r in results]}
+            "flops": [r["flops"] for r in results], "rates": rates, "steps": n, "per_rank": s["per_rank"],
+            "ranks": used, "paths": [r["path"] for r in results]}
 
 
 def run(layouts=tuple(LAYOUTS), steps=6, warmup=1, folder=None, timeout=600):
