@@ -213,3 +213,13 @@ def test_quiz_names_the_slips_inside_its_tolerance(capsys):
     assert not quiz.check("7", q7)
     assert "(n - 1)/n left out" in capsys.readouterr().out
     assert quiz.check("1", quiz.q1_state_gib()) and quiz.check("7", quiz.q7_dp_gb_per_rank())
+
+
+def test_quiz_names_the_shard_left_out_not_bits_for_bytes(capsys):
+    # with groups of 8, the shard left out is a factor 8, which the generic slips read as bits for bytes
+    right1, right7 = quiz.q1_state_gib(), quiz.q7_dp_gb_per_rank()
+    for q, answer, words in (("1", 8 * right1, "shards it over the 8 GPUs"), ("1", right1 / 8, "not over 64"),
+                             ("7", 8 * right7, "tensor-parallel split left out")):
+        assert not quiz.check(q, answer)
+        out = capsys.readouterr().out
+        assert words in out and "bits" not in out, out

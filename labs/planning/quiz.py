@@ -143,6 +143,9 @@ MISTAKES = {
           (lambda: q1_state_gib() * (1 - _vocab_share(shapes.LLAMA2_70B)),
            "the embedding counted once, as if the output head shared it; Llama 2's head is its own "
            "V x h matrix"),
+          # a factor 8 either way would otherwise read as bits for bytes
+          (lambda: q1_state_gib() * 8, "that is the whole model's state: ZeRO-3 shards it over the 8 GPUs"),
+          (lambda: q1_state_gib() / 8, "ZeRO-3 shards over the 8 GPUs of the node, not over 64"),
           ],
     "2": [(NOTE["2"], "the note's 5 %: reachable with enough micro-batches or a zero-bubble schedule, but "
                       "not by the 1F1B family at Llama 3's 16M-token batch, this exercise's setting")],
@@ -160,6 +163,8 @@ MISTAKES = {
                                                          "beside its layers"),
           (lambda: q7_dp_gb_per_rank() + _q7_vocab_gb(), "the output head added: it sits on the last stage, "
                                                          "not the first"),
+          (lambda: q7_dp_gb_per_rank() * 8, "the tensor-parallel split left out: a rank of TP 8 holds and "
+                                            "reduces 1/8 of its stage's gradients"),
           # within 2 % of the head's mistake: named beside it, the nearer first
           (lambda: q7_dp_gb_per_rank() * exercises.GB_PER_GIB, exercises.SLIPS[2][1])],
     "16": [(NOTE["16"], "the note's ~33 % is full recomputation's extra FLOPs; selective recomputation "
