@@ -329,12 +329,12 @@ def test_latency_halves_the_ping_pong_takes_the_slower_rank_and_keeps_every_vari
     assert r["tries_s"]["pingpong/back_to_back"] == pytest.approx(one_way)
 
 
-def test_latency_tick_share_counts_back_to_back_round_trips():
-    """A 4 ms tick: of the back-to-back ping-pong's round trips (slower rank) 40, 3000, 9500, 6000 and
-    1200 us, two reach it: 0.4. One-way times (20 ... 4750 us) would give 0.2, and the tries after a
-    barrier none; a tick of None (no kernel config) gives None."""
-    assert _fake_summary(tick=4e-3)["trips_of_a_tick_or_more"] == pytest.approx(0.4)
-    assert _fake_summary(tick=1e-3)["trips_of_a_tick_or_more"] == pytest.approx(0.8)
+def test_latency_tick_share_counts_back_to_back_round_trips_of_a_quarter_tick():
+    """A 16 ms tick: of the back-to-back ping-pong's round trips (slower rank) 40, 3000, 9500, 6000 and
+    1200 us, two reach its quarter, 4 ms: 0.4. One-way times (20 ... 4750 us) would give 0.2, a whole
+    tick none (the waits it misses), and the tries after a barrier none; at a 4 ms tick four of five."""
+    assert _fake_summary(tick=16e-3)["trips_of_a_quarter_tick"] == pytest.approx(0.4)
+    assert _fake_summary(tick=4e-3)["trips_of_a_quarter_tick"] == pytest.approx(0.8)
 
 
 def test_latency_across_jobs_gives_each_variant_its_own_range_and_one_size_fits_nothing():
@@ -344,7 +344,7 @@ def test_latency_across_jobs_gives_each_variant_its_own_range_and_one_size_fits_
     third = _fake_summary(tick=4e-3)                       # every time doubled, another ratio
     third["small"] = {v: {k: 2 * x for k, x in s.items()} for v, s in third["small"].items()}
     third["exchange_over_latency"] = 5.0
-    jobs = iter([_fake_summary(tick=4e-3), _fake_summary(tick=1e-3), third])
+    jobs = iter([_fake_summary(tick=16e-3), _fake_summary(tick=4e-3), third])
     r = latency.across_jobs(jobs=3, run=lambda: next(jobs))
     assert r["jobs"] == 3 and r["tick_share"] == pytest.approx((0.4, 0.8))
     assert r["small"]["pingpong/barrier"]["fastest"] == pytest.approx((45 * US, 90 * US))

@@ -34,8 +34,10 @@ cores are all busy it may wait for a core, for instance until the running proces
 ends at a scheduler tick (1/CONFIG_HZ s). Wake-up preemption (granted at wake time, not at a tick)
 and, on a shared VM, the hypervisor's steal time would produce a similar tail. `kernel_tick_s`
 reads CONFIG_HZ from /proc/config.gz where the kernel exposes it, and `summarize` reports the share
-of back-to-back round trips (not one-way times) that took at least one tick: a description, which
-does not separate these causes.
+of back-to-back round trips (not one-way times) that took at least a quarter of a tick: a wait for
+the next tick lasts anywhere from 0 to a whole tick, so a threshold of one tick would miss most
+such waits, while a quarter keeps three in four of them. A description, which does not separate
+these causes.
 
     python -m labs.hardware.latency --json
 """
@@ -103,8 +105,8 @@ def summarize(ranks, sizes, repeats, tick=None):
     the ping-pong's halved to one way. Per variant (pattern and start, never pooled) the small
     message's median, quartiles and fastest; the latency, the fastest ping-pong after a barrier, and
     the fastest exchange after a barrier (chapter 10's estimator) over it; the intercepts of lines
-    fitted over ``sizes``; the share of back-to-back round trips of a tick (``tick`` seconds, by
-    default the kernel's) or more."""
+    fitted over ``sizes``; the share of back-to-back round trips of a quarter tick (``tick`` seconds,
+    by default the kernel's) or more."""
     half = {"pingpong": 2, "exchange": 1}
     slowest = {k: [max(a, b) / half[k.split("/")[0]] for a, b in zip(ranks[0][k], ranks[1][k])]
                for k in ranks[0]}
@@ -120,20 +122,21 @@ def summarize(ranks, sizes, repeats, tick=None):
     tick = kernel_tick_s() if tick is None else tick
     trips = [2 * t for t in slowest[f"pingpong/back_to_back/{SMALL}"]]      # round trips, not one way
     latency, exchange = small["pingpong/barrier"]["fastest_s"], small["exchange/barrier"]["fastest_s"]
+    quarter = None if tick is None else sum(4 * t >= tick for t in trips)
     return {"small_bytes": SMALL, "repeats": repeats, "small": small, "alpha_fits": fits, "tick_s": tick,
             # the chapter's latency: the fastest one-way 8-byte ping-pong after a barrier
             "latency_s": latency,
             # chapter 10's estimator on this link: the fastest exchange after a barrier, not halved
             "exchange_s": exchange, "exchange_over_latency": exchange / latency,
             "tries_s": {v: slowest[f"{v}/{SMALL}"] for v in small},                 # every variant's tries
-            "trips_of_a_tick_or_more": None if tick is None else sum(t >= tick for t in trips) / len(trips)}
+            "trips_of_a_quarter_tick": None if tick is None else quarter / len(trips)}
 
 
 def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
     """One job of 2 ranks (`rank_times`), summarized by `summarize`: the latency (the fastest 8-byte
     ping-pong after a barrier), every variant's median, quartiles and fastest, chapter 10's fitted
     intercepts over ``sizes`` (none for one size) and the share of back-to-back round trips of at
-    least one scheduler tick."""
+    least a quarter of a scheduler tick."""
     if SMALL not in sizes:
         raise ValueError(f"the sizes must include the {SMALL}-byte latency message, got {list(sizes)}.")
     if repeats < 4:
@@ -146,14 +149,14 @@ def across_jobs(jobs=4, repeats=20, timeout=180.0, run=None):
     """``jobs`` more jobs, one after another, each timing every variant interleaved as `measure` does
     (the 8-byte message only, well under a second each): per variant the range over the jobs of the
     fastest try and of the median, and the ranges of the latency ratio and of the share of
-    back-to-back round trips of a tick or more. ``run`` replaces `measure` (the tests' made-up jobs).
+    back-to-back round trips of a quarter tick or more. ``run`` replaces `measure` (the tests' made-up jobs).
     One job's figures say what that moment cost; the ranges say how far another moment moves them."""
     run = run or (lambda: measure(sizes=(SMALL,), repeats=repeats, timeout=timeout))
     runs = [run() for _ in range(jobs)]
     span = lambda xs: (min(xs), max(xs))
     out = {v: {stat: span([r["small"][v][f"{stat}_s"] for r in runs]) for stat in ("fastest", "median")}
            for v in runs[0]["small"]}
-    shares = [r["trips_of_a_tick_or_more"] for r in runs]
+    shares = [r["trips_of_a_quarter_tick"] for r in runs]
     return {"jobs": jobs, "small": out, "tick_share": None if None in shares else span(shares),
             "exchange_over_latency": span([r["exchange_over_latency"] for r in runs])}
 
@@ -173,8 +176,8 @@ def main(argv=None):
     lines.append(f"latency (fastest ping-pong after a barrier, one way) {r['latency_s'] * 1e6:.0f} us; "
                  f"fastest exchange after a barrier {r['exchange_over_latency']:.1f} times it")
     lines += [f"intercept, {k:24s} {v * 1e6:8.0f} us" for k, v in r["alpha_fits"].items()]
-    lines.append(f"scheduler tick {r['tick_s']} s; back-to-back round trips of a tick or more: "
-                 f"{r['trips_of_a_tick_or_more']}")
+    lines.append(f"scheduler tick {r['tick_s']} s; back-to-back round trips of a quarter tick or more: "
+                 f"{r['trips_of_a_quarter_tick']}")
     cli.report(r, args, "\n".join(lines))
 
 

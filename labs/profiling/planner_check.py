@@ -13,18 +13,17 @@ each rank counts one step's FLOPs (`FlopCounterMode`) and records ``steps`` step
 profiler, each just after timing the model's MLP matmul on its own thread (`gemm_rate`): the
 FLOP/s that step is predicted with, taken at the same moment and load, both ranks at once.
 
-`predict` is chapter 14's step (`labs.formulas.planning.timing.step`) with these constants, written out for
-one small layout: compute = FLOPs / FLOP/s; a collective costs chapter 10's ring, R alpha + b n
-beta (`alpha_beta.costs`), per call and byte chapter 14's traffic model predicts (`traffic`; the
-notebook compares them with the calls and bytes the traces record); data parallelism's all-reduces hide
-under backward as the planner's buckets do (`timing.exposed`, one bucket's fill left over) and its
-buffer broadcast does not; tensor parallelism's all-reduces are all exposed (no chunked GEMMs); a
-pipeline's messages are waited for, each of a rank's sends and receives priced as one message (its time
-in flight spans both), and its bubble is chapter 5's (p - 1)/m of the ideal compute
-(`schedules.formula`, the planner's), compared with the first stage's terms, whose window is the step. ``matmul_s``: the trace's time in the planner's GEMM
-operators (`eager_traffic.MATMULS`), the part of compute its FLOP count prices; ``comm_s``: the
-communication in flight, the collectives' cost before any of it is hidden.
-"""
+`predict` is chapter 14's step (`labs.formulas.planning.timing.step`) with these constants, written out
+for one small layout: compute = FLOPs / FLOP/s; a collective costs chapter 10's ring, R alpha + b n beta
+(`alpha_beta.costs`), per call and byte chapter 14's traffic model predicts (`traffic`; the notebook
+compares them with the calls and bytes the traces record); data parallelism's all-reduces hide under
+backward as the planner's buckets do (`timing.exposed`, one bucket's fill left over) and its buffer
+broadcast does not; tensor parallelism's all-reduces are all exposed (no chunked GEMMs); a pipeline's
+messages are waited for, each of a rank's sends and receives priced as one message (its time in flight
+spans both), and its bubble is chapter 5's (p - 1)/m of the ideal compute (`schedules.formula`, the
+planner's), compared with the first stage's terms, whose window is the step. ``matmul_s``: the trace's
+time in the planner's GEMM operators (`eager_traffic.MATMULS`), the part of compute its FLOP count
+prices; ``comm_s``: the communication in flight, the collectives' cost before any of it is hidden."""
 import os
 import statistics
 import tempfile
