@@ -344,7 +344,9 @@ def test_latency_across_jobs_gives_each_variant_its_own_range_and_one_size_fits_
     third = _fake_summary(tick=4e-3)                       # every time doubled, another ratio
     third["small"] = {v: {k: 2 * x for k, x in s.items()} for v, s in third["small"].items()}
     third["exchange_over_latency"] = 5.0
-    jobs = iter([_fake_summary(tick=16e-3), _fake_summary(tick=4e-3), third])
+    # the largest job in the middle and the smallest share last: a range taken from the first job to
+    # the last, instead of the smallest to the largest, fails every line below
+    jobs = iter([_fake_summary(tick=4e-3), third, _fake_summary(tick=16e-3)])
     r = latency.across_jobs(jobs=3, run=lambda: next(jobs))
     assert r["jobs"] == 3 and r["tick_share"] == pytest.approx((0.4, 0.8))
     assert r["small"]["pingpong/barrier"]["fastest"] == pytest.approx((45 * US, 90 * US))

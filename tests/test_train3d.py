@@ -316,3 +316,30 @@ def test_rounding_charges_a_linear_layer_its_hand_computed_term():
     terms = (x.abs() @ m.head.weight.abs().T + m.head.bias.abs()).sum().item()
     assert r.forward["head"] == pytest.approx(2 * rounding.gamma(9, 2.0 ** -24) * terms, rel=1e-6)
     assert torch.allclose(r.absgrad["head.weight"], torch.ones(5, 3).T @ x.abs())
+
+
+def test_rounding_sums_the_row_parallel_outputs_alone_for_tps_collective():
+    """The bf16 term of TP's g is 2 gamma_tp(bf16) times <|dL/dy|, |x||W|^T + |b|> over the outputs g
+    adds as partial sums: attn.proj's and mlp.proj's, recomputed here from module hooks. Counting all
+    four block linears (the named mistake) or none would miss it."""
+    from labs import model as tiny
+    from labs.threed import rounding
+    cfg = layout3d.config()
+    net = tiny.build(cfg, seed=0)
+    seen = []
+
+    def keep(module, inputs, out):
+        out.retain_grad()
+        seen.append((module, inputs[0].detach(), out))
+    for block in net.blocks:
+        for module in (block.attn.proj, block.mlp.proj):
+            module.register_forward_hook(keep)
+    x, y = tiny.synthetic_batch(cfg, 2, seed=0)
+    with rounding.Rounding(net) as w:
+        net(x, y).backward()
+    linear = torch.nn.functional.linear
+    want = sum((out.grad.abs() * linear(inp.abs(), m.weight.abs(), m.bias.abs())).sum().item()
+               for m, inp, out in seen)
+    assert w.row_parallel == pytest.approx(want, rel=1e-5)
+    all_four = w.forward["block"] / (2 * rounding.gamma(cfg.hidden + 1, w.u))  # K >= h: an upper bound
+    assert 0 < w.row_parallel < 0.9 * all_four

@@ -19,11 +19,10 @@ measured try. `measure` times, in one job of 2 ranks, each ingredient that separ
 interleaved round-robin (try i of each variant in turn):
 
 - the pattern: ping-pong (one-way = round trip / 2, halved in `summarize`) or simultaneous exchange;
-- the start: each timing after a barrier (both processes just woken and running), or back to
-  back, without a barrier: right after the previous variant's try in the round-robin (a back-to-back
-  ping-pong follows one timed after a barrier), so the receiving rank's timer also runs while the
-  previous message is in flight, and a message may have to wake a process that went to sleep
-  waiting for it;
+- the start: each timing after a barrier (both ranks leave it together; a receiver still sleeps in
+  gloo's receive until its message arrives), or back to back, without a barrier: right after the
+  previous variant's try in the round-robin (a back-to-back ping-pong follows one timed after a
+  barrier), so the receiving rank's timer also runs while the previous message is in flight;
 - the statistic: median (with its quartiles, the spread) or fastest of the repeats;
 - the estimate: the time of a small message, or the intercept of a line fitted over sizes by
   chapter 10's `alpha_beta.fit_line` (least squares on relative errors).

@@ -153,8 +153,8 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
     collectives' sums, when they run in a lower precision (bf16 all-reduces).
 
     Returns losses (one process's), bound, forward (F_t), adam (the |g| . dw term), flippable (weights
-    whose sign could flip by step t), free_by_param (how many per parameter, by the last step; which
-    ones in free_masks), margin
+    whose sign could flip by step t), free_by_param (how many per parameter after step 1's update, the
+    weights step 2 runs on, flippable[1] in all; which ones in free_masks), margin
     (the smallest |g| / delta over weights with a nonzero delta: how far the nearest gradient is from
     flipping; inf when the layout reorders no gradient), grad_norm (the global norm of each step's
     gradient of the loss, what clipping by norm would compare with its threshold)."""
@@ -172,10 +172,9 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
     drift = weight_drift(ref["adam_grads"], deltas, lr, weight_decay=weight_decay, masks=True)
     drift = [(dw, {n: int(f.sum()) for n, f in free.items()}, free) for dw, free in drift]
     forward = [sum(w.forward[k] for k in kinds) for w in ref["watched"]]
-    if u_collective is not None and dims.tp > 1:   # TP's g adds tp partial sums of each block linear
-        # <|dL/dy|, |x||W|> over the block linears is at most their term / (2 gamma_h(u)) (K >= h)
-        per = rounding.gamma(dims.tp, u_collective) / rounding.gamma(cfg.hidden, u)
-        forward = [f + w.forward["block"] * per for f, w in zip(forward, ref["watched"])]
+    if u_collective is not None and dims.tp > 1:   # TP's g adds tp partial sums of each row-parallel output
+        per = 2 * rounding.gamma(dims.tp, u_collective)
+        forward = [f + w.row_parallel * per for f, w in zip(forward, ref["watched"])]
     adam = [0.0] + [sum((ref["grads"][t][n].double().abs() * drift[t - 1][0][n]).sum().item()
                         for n in drift[t - 1][0]) for t in range(1, steps)]
     ratios = [(g.abs() / d)[d > 0] for step_g, step_d in zip(ref["adam_grads"], deltas)
@@ -185,8 +184,8 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
             "adam": adam, "flippable": [0] + [sum(d[1].values()) for d in drift[:steps - 1]],
             "delta_scale": scale,
             "kinds": sorted(kinds),
-            "free_by_param": {n: c for n, c in drift[steps - 2][1].items() if c} if steps > 1 else {},
-            "free_masks": {n: f for n, f in drift[steps - 2][2].items() if f.any()} if steps > 1 else {},
+            "free_by_param": {n: c for n, c in drift[0][1].items() if c} if steps > 1 else {},
+            "free_masks": {n: f for n, f in drift[0][2].items() if f.any()} if steps > 1 else {},
             "margin": ratios.min().item() if ratios.numel() else float("inf"), "u": u,
             "grad1": (ref["grads"][0], ref["watched"][0].absgrad, tokens),
             "grad_norm": [sum(g.double().pow(2).sum().item() for g in step.values()) ** 0.5

@@ -30,6 +30,8 @@ from torch.overrides import TorchFunctionMode
 
 MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 KINDS = ("block", "head", "attention", "softmax", "loss")
+# the block linears whose outputs tensor parallelism adds up across ranks (Megatron's g, chapter 4)
+ROW_PARALLEL = ("attn.proj.weight", "mlp.proj.weight")
 
 
 def gamma(k, u):
@@ -49,6 +51,9 @@ class Rounding(TorchFunctionMode):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.forward = defaultdict(float)
         self.absgrad = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        # <|dL/dy|, |x| |W|^T + |b|> over the row-parallel linears alone (no gamma): what tensor
+        # parallelism's g adds as tp partial sums, for a collective that sums in another precision
+        self.row_parallel = 0.0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -79,10 +84,13 @@ class Rounding(TorchFunctionMode):
         bound = F.linear(ax, aw, ab)                               # |x| |W|^T + |b|, like y
         g = 2 * gamma(x.shape[-1] + (bias is not None), self.u)
         kind = "head" if id(weight) == self.head else "block"
+        row = self.names.get(id(weight), "").endswith(ROW_PARALLEL)
 
         def hook(grad):
             ag = grad.detach().abs()
-            self.forward[kind] += g * (ag * bound).sum().item()
+            magnitude = (ag * bound).sum().item()
+            self.forward[kind] += g * magnitude
+            self.row_parallel += magnitude if row else 0.0
             rows, cols = ag.reshape(-1, ag.shape[-1]), ax.reshape(-1, ax.shape[-1])
             self._add(weight, rows.T @ cols)                       # (out, in): sum over tokens
             self._add(bias, rows.sum(0))
