@@ -219,7 +219,16 @@ def test_quiz_names_the_shard_left_out_not_bits_for_bytes(capsys):
     # with groups of 8, the shard left out is a factor 8, which the generic slips read as bits for bytes
     right1, right7 = quiz.q1_state_gib(), quiz.q7_dp_gb_per_rank()
     for q, answer, words in (("1", 8 * right1, "shards it over the 8 GPUs"), ("1", right1 / 8, "not over 64"),
-                             ("7", 8 * right7, "tensor-parallel split left out")):
+                             ("7", 8 * right7, "tensor-parallel split left out"),
+                             ("7", right7 - quiz._q7_kv_gb(), "GQA K and V projections left out")):
         assert not quiz.check(q, answer)
         out = capsys.readouterr().out
         assert words in out and "bits" not in out, out
+
+
+def test_trials_name_a_layout_and_refuse_an_unknown_trial():
+    from labs.dims import ParallelDims
+    from labs.planning import trials
+    assert trials.layout_words(ParallelDims(tp=4, pp=2, dp=8)) == "TP 4 × PP 2 × DP 8"
+    with pytest.raises(ValueError, match="unknown trial"):
+        trials.run("sigma1")

@@ -13,6 +13,8 @@ this package checks it and runs what it plans.
 - `checked`: the 112 published rows as planner jobs, the calibration (one eta per generation and precision),
 the verdicts.
 - `scorecard`: the checked set's figures, its rows by source, and each miss with the term that explains it.
+- `trials`: inputs the model takes without fitting, varied in a fresh process: the dense GEMMs' shape term
+  on the checked set, and sigma on NVLink at 0 for 70B's first layout.
 - `ranking`: the ranking judged by measures that can fail: pairwise order within a source's layouts of a
 job, the strict top three on tuned sources, and published out-of-memory layouts the planner must refuse.
 - `notes`: the notes' three recipes, their interview questions and the stacks' layouts, through the planner.

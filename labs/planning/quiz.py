@@ -101,6 +101,14 @@ def _q7_vocab_gb():
     return 2 * (127 / 128) * 2 * m.vocab * m.hidden / 8 / GB
 
 
+def _q7_kv_gb():
+    """What the first stage's GQA K and V projections add to `q7_dp_gb_per_rank`: 7 layers of two
+    h x (kv_heads head_dim) matrices, their tp-shard in bf16, all-reduced over 128."""
+    m = shapes.LLAMA3_405B
+    kv = 7 * 2 * m.hidden * m.kv_heads * m.head_dim
+    return 2 * (127 / 128) * 2 * kv / 8 / GB
+
+
 def q11_bytes_per_param():
     """Model-state bytes per parameter under mixed precision and Adam, unsharded (chapter 1)."""
     return budget.state_bytes_per_param(0, 1, "mixed")["total"]
@@ -165,6 +173,9 @@ MISTAKES = {
                                                          "not the first"),
           (lambda: q7_dp_gb_per_rank() * 8, "the tensor-parallel split left out: a rank of TP 8 holds and "
                                             "reduces 1/8 of its stage's gradients"),
+          # 0.96 % low, inside the 2 % band: refused, as nearer to it than to the right answer
+          (lambda: q7_dp_gb_per_rank() - _q7_kv_gb(), "the GQA K and V projections left out: each layer has "
+                                                      "two h x (8 x 128) matrices beside Q and O"),
           # within 2 % of the head's mistake: named beside it, the nearer first
           (lambda: q7_dp_gb_per_rank() * exercises.GB_PER_GIB, exercises.SLIPS[2][1])],
     "16": [(NOTE["16"], "the note's ~33 % is full recomputation's extra FLOPs; selective recomputation "

@@ -113,7 +113,7 @@ def gemm_passes(M, N, K, flops, hbm_bw, k0=0.0):
 # K / (K + K_0), fits the two rows at K_0 = 551 (solved by `_solve_k0`, not fitted on a training run). BF16
 # walks its reduction at half the FP8 rate: K_0 / 2 (assumed; DeepGEMM prints FP8 only). Only the experts get
 # it: the dense GEMMs' shape is in the eta fitted on them (a dense per-shape term was tried and lost, see
-# `labs.planning.scorecard`); an expert's GEMM narrows as tensor parallelism slices it (K = f_e / tp for its
+# `DENSE_K0`); an expert's GEMM narrows as tensor parallelism slices it (K = f_e / tp for its
 # second weight, N = f_e / tp its first) and as the tokens spread over more experts (its weight gradient
 # reduces over the expert's M tokens).
 DEEPGEMM_GROUPED = ((2048, 1093.0), (7168, 1288.0))     # (K, TFLOP/s), 8 groups of M = 4,096
@@ -132,6 +132,17 @@ GROUPED_K0 = _solve_k0()
 def grouped_k0(fp8):
     """K_0 of an expert's grouped GEMM of this precision (`DEEPGEMM_GROUPED`)."""
     return GROUPED_K0 if fp8 else GROUPED_K0 / 2
+
+
+# The same per-tile cost on the dense GEMMs: 0, left out. K_0 = 797 solved from DeepGEMM's dense FP8 rows
+# (a6d97a1c, "Normal GEMMs for dense models") was tried, BF16 at half, and lost on the checked set
+# (`labs.planning.trials` reruns it in a fresh process; nothing sets this in the model itself).
+DENSE_K0 = 0.0
+
+
+def dense_k0(fp8):
+    """K_0 of a dense GEMM of this precision: `DENSE_K0` in FP8, half in BF16 (assumed)."""
+    return DENSE_K0 if fp8 else DENSE_K0 / 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,7 +170,7 @@ def layer_seconds(model, cluster, eta, fp8, eager, kernels, moe_layer, tokens, t
                                                             cluster.hbm_bw, grouped_k0(fp8)))
         else:
             M = tokens // tp if (w.split == "rep" and sp and tp > 1) else tokens
-            t, tb = gemm_passes(M, N, K, mm_flops, cluster.hbm_bw)
+            t, tb = gemm_passes(M, N, K, mm_flops, cluster.hbm_bw, dense_k0(fp8))
         gemm_f, gemm_b = gemm_f + t, gemm_b + tb
         half += t if n % 2 else 0        # torchtitan's per-op policy recomputes every other matmul
         mlp += 0 if w.name in attention_names else t
@@ -202,6 +213,7 @@ def head_seconds(model, cluster, eta, fp8, tokens, tp):
     """The output layer (a vocabulary-parallel GEMM of h x V/tp, forward and backward) and its loss,
     memory-bound over chapter 1's tail bytes, twice (forward, backward)."""
     mm_flops = eta * (cluster.fp8_flops if fp8 else cluster.peak_flops)
-    gemm = sum(gemm_passes(tokens, -(-model.vocab // tp), model.hidden, mm_flops, cluster.hbm_bw))
+    vocab = -(-model.vocab // tp)
+    gemm = sum(gemm_passes(tokens, vocab, model.hidden, mm_flops, cluster.hbm_bw, dense_k0(fp8)))
     loss = 2 * activations.tail_forward_peak_bytes(tokens, 1, -(-model.vocab // tp), E, target_copy=False)
     return gemm + loss / cluster.hbm_bw
