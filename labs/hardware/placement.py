@@ -281,7 +281,9 @@ MISTAKES = {
     "11.3": [(lambda: 0, "Delta N <= G_node taken as enough: every CP group has fewer ranks than a node"),
              (lambda: 8 - ANSWERS["11.3"](), "the groups that stay inside one node, not those that cross")],
     "11.4": [(lambda: 2 * (LLAMA3_DIMS.pp - 1), "v = 1: the 8 chunks per rank left out"),
-             (lambda: LLAMA3_DIMS.pp * LLAMA3_RUN.v - 1, "the forward crossings only")],
+             (lambda: LLAMA3_DIMS.pp * LLAMA3_RUN.v - 1, "the forward crossings only"),
+             (lambda: exposed(LLAMA3_405B, Placement(LLAMA3_DIMS))["pp_sends_per_step"],
+              "2 v m, all of a rank's sends, waited for or not: the chain's are the question")],
 }
 
 
