@@ -62,3 +62,19 @@ def test_the_experts_overlap_is_credited_only_where_megatron_core_runs_it_and_wi
     assert timing.ep_overlap_chunks(job, cand(1, 1, 32, "1f1b")) == 32
     assert timing.ep_overlap_chunks(job, cand(4, 8, 256, "interleaved")) == pytest.approx(8 * 256 / 35)
     assert timing.ep_overlap_chunks(JOB, cand(1, 1, 32, "1f1b")) is None     # the default stack: off
+
+
+def test_a_rank_counts_other_degree_tuples_not_faster_settings_of_its_own():
+    """rank_of: 1 + the other degree tuples estimated faster. A row behind its own tuple's faster
+    settings (the planner's row for it) still ranks ahead of every slower tuple; counting its own
+    tuple (the named mistake) would put it one place lower."""
+    from labs.dims import ParallelDims
+    from labs.formulas.planning import planner, shapes
+    job = planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 64, 4 * 2**20)
+    mine, other, slow = ParallelDims(tp=8, dp=8), ParallelDims(tp=4, pp=2, dp=8), ParallelDims(tp=8, pp=8)
+    ranked = [{"dims": mine, "time": {"step": 1.0}}, {"dims": other, "time": {"step": 1.5}},
+              {"dims": slow, "time": {"step": 3.0}}]
+    row = {"dims": mine, "time": {"step": 2.0}, "memory": {"weights": 1}, "fits": True}
+    assert planner.rank_of({"job": job, "ranked": ranked}, row) == 2       # behind `other` only
+    row["time"]["step"] = 1.2
+    assert planner.rank_of({"job": job, "ranked": ranked}, row) == 1

@@ -174,11 +174,30 @@ def test_a_send_posted_before_its_receive_is_in_flight_from_the_receive():
           op("gloo:recv", 40.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
     traces = [{"events": r0}, {"events": r1}]
     parts = analysis.point_to_point(traces)
-    assert parts[0]["transfer"] == [(40, 50)] and parts[0]["wait"] == []
+    # pending until the receive is posted: a wait only where rank 0 is not computing (none here)
+    assert parts[0]["transfer"] == [(40, 50)] and parts[0]["wait"] == [(10.5, 40)]
     s0, s1 = (analysis.breakdown(t, p)[0] for t, p in zip(traces, parts))
     assert s0["comm_s"] * 1e6 == pytest.approx(11) and s0["exposed_comm_s"] * 1e6 == pytest.approx(1)
     # rank 1 posted after the send: no peer wait, the call and the transfer [41, 50] are exposed
     assert s1["peer_wait_s"] == 0 and s1["exposed_comm_s"] * 1e6 == pytest.approx(10)
+
+
+def test_a_sender_that_waits_before_its_receive_is_posted_waits_for_its_peer():
+    # rank 0 posts an isend at 10 and waits on it at once (gloo's wait blocks until the receiver
+    # posts); rank 1 computes until 40, then posts the receive, which completes at 50. Rank 0's
+    # [11, 40] is peer wait (its peer computes), only [40, 50] and its call [10, 11] exposed. The
+    # named mistake, every gap a completion ends booked exposed, gives 40 us exposed and no peer wait.
+    send_args = {"Concrete Inputs": ["", "", "1", "7"]}
+    recv_args = {"Concrete Inputs": ["", "", "0", "7"]}
+    r0 = [step(0, 0, 60), op("aten::mm", 0, 10), op("c10d::send", 10, 11, args=send_args),
+          op("gloo:send", 10.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
+    r1 = [step(0, 0, 60), op("aten::mm", 0, 40), op("c10d::recv_", 40, 41, args=recv_args),
+          op("gloo:recv", 40.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
+    traces = [{"events": r0}, {"events": r1}]
+    parts = analysis.point_to_point(traces)
+    s0 = analysis.breakdown(traces[0], parts[0])[0]
+    assert s0["peer_wait_s"] * 1e6 == pytest.approx(29)
+    assert s0["exposed_comm_s"] * 1e6 == pytest.approx(11)
 
 
 @pytest.mark.parametrize("seed", range(5))

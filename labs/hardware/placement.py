@@ -252,14 +252,10 @@ def _tp_traffic(order):
     return plan(LLAMA3_405B, Placement(ParallelDims(tp=8, pp=16, dp=128, order=order)))["tp"]
 
 
-def _straddling(axis, dims, gpus_per_node):
-    return sum(n > 1 for n in dims.group_nodes(axis, gpus_per_node))
-
-
 ANSWERS = {  # chapter 11's exercises, computed by the calculator above
     "11.1": lambda: _tp_traffic(ORDER)["bytes_per_rank"] / 1e9,          # GB per rank per step
     "11.2": lambda: _tp_traffic(tuple(reversed(ORDER)))["seconds"],      # s, TP over NDR
-    "11.3": lambda: _straddling("cp", ParallelDims(cp=3, dp=8), 8),      # CP groups leaving a node (2 of 8)
+    "11.3": lambda: sum(n > 1 for n in ParallelDims(cp=3, dp=8).group_nodes("cp", 8)),  # CP groups off a node
     "11.4": lambda: exposed(LLAMA3_405B, Placement(LLAMA3_DIMS))["pp_critical_sends"],
 }
 
@@ -282,7 +278,7 @@ MISTAKES = {
              (lambda: 8 - ANSWERS["11.3"](), "the groups that stay inside one node, not those that cross")],
     "11.4": [(lambda: 2 * (LLAMA3_DIMS.pp - 1), "v = 1: the 8 chunks per rank left out"),
              (lambda: LLAMA3_DIMS.pp * LLAMA3_RUN.v - 1, "the forward crossings only"),
-             (lambda: exposed(LLAMA3_405B, Placement(LLAMA3_DIMS))["pp_sends_per_step"],
+             (lambda: 2 * LLAMA3_RUN.v * LLAMA3_RUN.micro_batches,
               "2 v m, all of a rank's sends, waited for or not: the chain's are the question")],
 }
 

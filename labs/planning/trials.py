@@ -3,6 +3,8 @@ price cached under the model's own settings leaks into the trial.
 
 - ``dense``: the grouped GEMM's per-tile cost on every dense GEMM too (`kernels.DENSE_K0`, K_0 solved
   from DeepGEMM's dense FP8 rows, half in BF16), judged on the whole checked set like the model;
+- ``grouped0``: the experts' grouped-GEMM shape term off (`kernels.GROUPED_K0` = 0): how many GPUs
+  the firsts of the three 64-GPU MoE jobs spread their experts over;
 - ``sigma0``: sigma on NVLink, Calculon's ``processor_usage`` (`timing.PROCESSOR_USAGE`), set to 0 with
   the efficiencies refitted: which layout comes first for 70B on 64 H100s at 4K, and where the plan
   by hand (TP 8 x DP 8, ZeRO-2, micro-batches of 4) ranks.
@@ -15,7 +17,7 @@ import os
 import subprocess
 import sys
 
-TRIALS = ("dense", "sigma0")
+TRIALS = ("dense", "sigma0", "grouped0")
 DENSE_K0_FP8 = 797.0        # DeepGEMM's dense FP8 rows at a6d97a1c ("Normal GEMMs for dense models")
 
 
@@ -30,6 +32,13 @@ def one(which):
     from labs.dims import ParallelDims
     from labs.formulas.planning import kernels, planner, shapes, timing
     from labs.planning import checked, scorecard
+    if which == "grouped0":
+        from labs.planning import published_tables
+        kernels.GROUPED_K0 = 0.0
+        h100 = checked.calibration()["H100", "bf16"][0]
+        return {key: planner.plan(planner.Job(published_tables.MODEL_SHAPES[key], shapes.DGX_H100, 64,
+                                              4 * 2**20), h100)["ranked"][0]["dims"].ep
+                for key in ("qwen3-235b", "qwen3-30b", "mixtral-8x7b")}
     if which == "dense":
         kernels.DENSE_K0 = DENSE_K0_FP8
         s = scorecard.summary(checked.evaluate_all(table=checked.calibration()))
@@ -40,8 +49,11 @@ def one(which):
     res = planner.plan(job, h100)
     hand = planner.published(job, ParallelDims(tp=8, dp=8), h100,
                              {"zero": 2, "recompute": "none", "micro_batch": 4})
-    return {"first": layout_words(res["ranked"][0]["dims"]), "hand_rank": planner.rank_of(res, hand),
-            "of": len(res["ranked"])}
+    first = res["ranked"][0]
+    return {"first": layout_words(first["dims"]),
+            "first_settings": f"ZeRO-{first['plan'].zero}, b = {first['plan'].micro_batch}",
+            "hand_rank": planner.rank_of(res, hand), "of": len(res["ranked"]),
+            "hand_gap": hand["time"]["step"] / first["time"]["step"] - 1}
 
 
 def run(which, timeout=600):

@@ -17,8 +17,10 @@ Per rank and per step (the `trace.STEP` annotation's window), on the CPU with gl
   ends is the interpreter or the scheduler, not a wait. (Holistic Trace Analysis's definition for
   GPU kernels, communication time not overlapped by compute kernels, is what `_gpu_breakdown` uses.)
 - peer wait: the part of a receive before its peer had even posted the matching send (the send
-  is found in the peer's trace by source, destination and tag, in order): the rank waits for the
-  peer's compute, not for the wire. In a pipeline this is the bubble.
+  is found in the peer's trace by source, destination and tag, in order), and the part of a send
+  before its peer had posted the matching receive, where the sender is not computing (gloo's wait
+  on an isend blocks until the receiver posts): the rank waits for the peer's compute, not for the
+  wire. In a pipeline this is the bubble.
 - input: the time spent in the data loader's ``__next__`` (its ``enumerate(DataLoader)#...``
   annotation) while neither computing nor waiting on communication: the step stalled on its input.
 - idle: the rest of the step: the interpreter between operators, and the scheduler's time.
@@ -90,12 +92,12 @@ def point_to_point(traces):
     tag), in order. A receive posted before its peer's send first waits for the peer ("wait": the
     peer is still computing), then transfers ("transfer") until it is waited on (its gloo span's end:
     no earlier completion is recorded). A send is in flight from the later of the two posts until its
-    receive's span ends: before, it is only pending (an
-    isend does not block its sender), and its gloo span lasts until the sender waits on it, which
-    can be much later. An unmatched message's whole span counts as transfer. The peer torch records is
-    the rank within the message's process group, read here as the global rank: a subgroup whose members
-    are not the ranks 0, 1, ... in order (the 3D lab's tensor-parallel ring on ranks 2 and 3; its
-    pipeline sends on the whole world) leaves its messages unmatched."""
+    receive's span ends: before, it is only pending ("wait": a sender that waits on it there waits for
+    its peer; an isend does not block its sender until then), and its gloo span lasts until the
+    sender waits on it, which can be much later. An unmatched message's whole span counts as transfer.
+    The peer torch records is the rank within the message's process group, read here as the global
+    rank: a subgroup whose members are not the ranks 0, 1, ... in order (the 3D lab's tensor-parallel
+    ring on ranks 2 and 3; its pipeline sends on the whole world) leaves its messages unmatched."""
     msgs = [messages(t) for t in traces]
     posted = {"send": defaultdict(list), "recv": defaultdict(list)}    # (src, dst, tag) -> [(post, end)]
     for rank, ms in enumerate(msgs):
@@ -118,6 +120,9 @@ def point_to_point(traces):
                 parts["wait"].append((a, start))
                 parts["transfer"].append((start, b))
             else:                                   # in flight until the receive's span ends
+                # before the receive is posted the send only pends: a sender that waits on it then
+                # (gloo's wait blocks until the receiver posts) waits for its peer, as a receive does
+                parts["wait"].append((a, start))
                 parts["transfer"].append((start, min(b, max(start, other[n][1]))))
         out.append({k: iv.union(v) for k, v in parts.items()})
     return out

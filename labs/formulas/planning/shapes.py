@@ -79,6 +79,9 @@ GIB = 2 ** 30
 # above (1 - RESERVE) of their GPU (chapter 14 counts them). So the planner refuses only what the count
 # puts over the GPU, and reports the headroom beside it.
 RESERVE = 0.15
+# STWeaver's authors (Huang et al. 2025, arXiv 2507.16274, abstract): PyTorch's default allocator can waste
+# up to 43 % of memory in LLM training with virtual pipelines and recomputation, a worst case, not a reserve.
+STWEAVER_WASTE_MAX = 0.43
 # Expandable segments (PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", which torchtitan's launcher sets:
 # run_llama_train.sh at 9dec370, line 22; run_train.sh at 820504e, line 24) map more physical pages into one
 # growing segment instead of reserving a new block per size, so a freed block of one size serves another
