@@ -22,17 +22,17 @@ QUARTER = ("elements, not bytes: fp32's 4 bytes per element left out; or another
 HALF = ("the forward's two all-reduces (g) only, backward's two (f) left out; or the ring's factor 2 left "
         "out: an all-reduce sends (tp - 1)/tp of its buffer twice, once reducing and once gathering")
 CASES = [
-    (p17, "1", int(8 / 2 * 4 * 4 * RING * M1), QUARTER),
+    (p17, "1", int(12 / 3 * 4 * 4 * RING * M1), QUARTER),
     # the same number: one micro-batch (m = 4 left out); all four factors are named
-    (p17, "1", int(8 / 2 * 1 * 4 * RING * M1 * 4), QUARTER),
-    (p17, "1", int(8 / 2 * 4 * 4 * RING * (M1 / 8) * 4),
+    (p17, "1", int(12 / 3 * 1 * 4 * RING * M1 * 4), QUARTER),
+    (p17, "1", int(12 / 3 * 4 * 4 * RING * (M1 / 8) * 4),
      "the activation taken per tp rank, b s h / tp: under Megatron's tensor parallelism every rank "
      "all-reduces the whole b s h activation"),
-    (p17, "1", int(8 * 4 * 4 * RING * M1 * 4), "all L layers, not the L/pp of one stage"),
-    (p17, "1", int(8 / 2 * 4 * 2 * RING * M1 * 4), HALF),
+    (p17, "1", int(12 * 4 * 4 * RING * M1 * 4), "all L layers, not the L/pp of one stage"),
+    (p17, "1", int(12 / 3 * 4 * 2 * RING * M1 * 4), HALF),
     # the same number: each all-reduce as (tp - 1)/tp M, the ring's factor 2 dropped; both named
-    (p17, "1", int(8 / 2 * 4 * 4 * RING / 2 * M1 * 4), HALF),
-    (p17, "1", int(8 / 2 * 4 * 4 * 2 * M1 * 4), "each all-reduce as 2M: the ring's (tp - 1)/tp left out"),
+    (p17, "1", int(12 / 3 * 4 * 4 * RING / 2 * M1 * 4), HALF),
+    (p17, "1", int(12 / 3 * 4 * 4 * 2 * M1 * 4), "each all-reduce as 2M: the ring's (tp - 1)/tp left out"),
     (p17, "2", 2 * (2 - 1) * math.ceil(P2 / 2) * 4,
      "n = dp = 2: the cp ranks hold the same weights, so ZeRO-1 shards over dp x cp"),
     (p17, "2", (N2 - 1) * math.ceil(P2 / N2) * 4,
@@ -50,7 +50,7 @@ CASES = [
 
 
 def test_the_answers_are_the_formulas_by_hand():
-    assert p17.EXERCISES["1"]() == 8 // 2 * 4 * 4 * 14 // 8 * M1 * 4
+    assert p17.EXERCISES["1"]() == 12 // 3 * 4 * 4 * 14 // 8 * M1 * 4
     assert p17.EXERCISES["2"]() == 2 * 3 * 2501 * 4
     n_u = 128 * 2.0 ** -8                           # 1/2: gamma_128 = 1 in bf16
     n_u32 = 128 * 2.0 ** -24
@@ -84,3 +84,10 @@ def test_exercise_3_accepts_about_2_17_and_the_band_is_narrower_than_n_off_by_on
 
 def test_every_exercise_of_chapter_17_has_a_wrong_answer_tested():
     assert exercise_cases.untested(CASES, (p17,)) == set()
+
+
+def test_exercise_1s_two_mistakes_do_not_cancel():
+    # with pp = 2, all L layers (x pp) with the forward's all-reduces only (x 1/2) gave the answer
+    right = p17.EXERCISES["1"]()
+    both = right * 3 // 2                      # all L layers (x 3) and forward only (x 1/2)
+    assert both != right and not p17.check("1", both)

@@ -246,6 +246,10 @@ def test_outer_position_prices_only_what_the_order_changes():
     assert up["shared"]["pp_outermost_s"] == pytest.approx(pair + cross * 7 / 3)
     real = P.exposed_pair(pp_out)
     assert o["shared"]["pp_outermost_s"] == pytest.approx(real + cross * 7 / 3)
+    # the price the page prints, DP outermost: its real pair plus PP's in-pod sends at the full port in
+    # every row (PP's sends priced at the uplink rate there would add 6 x 94 sends at a seventh)
+    for k in ("full", "slowed", "shared"):
+        assert o[k]["dp_outermost_s"] == pytest.approx(o[k]["dp_exposed_s"] + cross)
     # DP outermost at a seventh: a chunk's reduce-scatter still fits in its window (hidden)
     assert o["slowed"]["chunk_reduce_share"] == pytest.approx(7 * dp_out["chunk_reduce_share"])
     assert o["slowed"]["chunk_reduce_share"] < 1

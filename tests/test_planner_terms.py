@@ -78,3 +78,14 @@ def test_a_rank_counts_other_degree_tuples_not_faster_settings_of_its_own():
     assert planner.rank_of({"job": job, "ranked": ranked}, row) == 2       # behind `other` only
     row["time"]["step"] = 1.2
     assert planner.rank_of({"job": job, "ranked": ranked}, row) == 1
+
+
+def test_zero2s_per_micro_batch_charge_is_for_the_earlier_micro_batches_only():
+    """ZeRO-2's reduce-scatters of the m - 1 earlier micro-batches run under later ones (charged at
+    sigma); the last one's is the tail ZeRO-1 pays too. So with one micro-batch per replica the two
+    stages cost the same. Catches m (not m - 1) micro-batches charged."""
+    job = planner.Job(shapes.LLAMA2_70B, shapes.DGX_H100, 64, 8 * 4096)   # one sequence per replica
+    d = ParallelDims(tp=8, dp=8)
+    z1, z2 = (planner.published(job, d, ETA, {"zero": z, "micro_batch": 1}) for z in (1, 2))
+    assert z2["m"] == 1
+    assert z2["time"]["dp"] == pytest.approx(z1["time"]["dp"], rel=1e-12)

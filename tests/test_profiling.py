@@ -174,8 +174,9 @@ def test_a_send_posted_before_its_receive_is_in_flight_from_the_receive():
           op("gloo:recv", 40.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
     traces = [{"events": r0}, {"events": r1}]
     parts = analysis.point_to_point(traces)
-    # pending until the receive is posted: a wait only where rank 0 is not computing (none here)
-    assert parts[0]["transfer"] == [(40, 50)] and parts[0]["wait"] == [(10.5, 40)]
+    # pending until the receive is posted, not a wait: rank 0 never waits on the send here
+    assert parts[0]["transfer"] == [(40, 50)] and parts[0]["wait"] == []
+    assert parts[0]["send_pending"] == [(10.5, 40, 50)]
     s0, s1 = (analysis.breakdown(t, p)[0] for t, p in zip(traces, parts))
     assert s0["comm_s"] * 1e6 == pytest.approx(11) and s0["exposed_comm_s"] * 1e6 == pytest.approx(1)
     # rank 1 posted after the send: no peer wait, the call and the transfer [41, 50] are exposed
@@ -198,6 +199,22 @@ def test_a_sender_that_waits_before_its_receive_is_posted_waits_for_its_peer():
     s0 = analysis.breakdown(traces[0], parts[0])[0]
     assert s0["peer_wait_s"] * 1e6 == pytest.approx(29)
     assert s0["exposed_comm_s"] * 1e6 == pytest.approx(11)
+
+
+def test_a_pending_send_beside_gappy_compute_is_no_peer_wait():
+    # rank 0 posts an isend at 10 and computes on in 8 us operators with 1 us gaps, never waiting on
+    # it; rank 1 posts the receive at 40. The named mistake, the whole pending stretch booked as peer
+    # wait where rank 0 does not compute, gives 3 us (the gaps before 40).
+    send_args = {"Concrete Inputs": ["", "", "1", "7"]}
+    recv_args = {"Concrete Inputs": ["", "", "0", "7"]}
+    r0 = [step(0, 0, 100), op("aten::mm", 0, 10), op("c10d::send", 10, 11, args=send_args),
+          op("gloo:send", 10.5, 100, cat="user_annotation")]
+    r0 += [op("aten::mm", t, t + 8) for t in range(11, 92, 9)]
+    r1 = [step(0, 0, 60), op("aten::mm", 0, 40), op("c10d::recv_", 40, 41, args=recv_args),
+          op("gloo:recv", 40.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
+    traces = [{"events": r0}, {"events": r1}]
+    parts = analysis.point_to_point(traces)
+    assert analysis.breakdown(traces[0], parts[0])[0]["peer_wait_s"] == 0
 
 
 @pytest.mark.parametrize("seed", range(5))

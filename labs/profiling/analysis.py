@@ -87,17 +87,13 @@ def messages(trace):
 
 
 def point_to_point(traces):
-    """Per rank, its messages' spans split by what the other end was doing (all traces of one run,
-    rank order, one clock: one machine). Sends and receives are matched by (source, destination,
-    tag), in order. A receive posted before its peer's send first waits for the peer ("wait": the
-    peer is still computing), then transfers ("transfer") until it is waited on (its gloo span's end:
-    no earlier completion is recorded). A send is in flight from the later of the two posts until its
-    receive's span ends: before, it is only pending ("wait": a sender that waits on it there waits for
-    its peer; an isend does not block its sender until then), and its gloo span lasts until the
-    sender waits on it, which can be much later. An unmatched message's whole span counts as transfer.
-    The peer torch records is the rank within the message's process group, read here as the global
-    rank: a subgroup whose members are not the ranks 0, 1, ... in order (the 3D lab's tensor-parallel
-    ring on ranks 2 and 3; its pipeline sends on the whole world) leaves its messages unmatched."""
+    """Per rank, its messages split by what the other end was doing (one run's traces, rank order, one
+    clock), matched by (source, destination, tag) in order. A receive posted before its peer's send
+    waits ("wait"), then transfers ("transfer") until it is waited on (its gloo span's end). A send is
+    in flight from the later post until its receive's span ends; before, it pends ("send_pending":
+    post, receive's post, completion; `breakdown` books a wait only where the rank waits on it). An
+    unmatched message is all transfer: the peer torch records is the rank within the group, read as
+    the global rank, so a subgroup not of ranks 0, 1, ... (the 3D lab's TP ring) goes unmatched."""
     msgs = [messages(t) for t in traces]
     posted = {"send": defaultdict(list), "recv": defaultdict(list)}    # (src, dst, tag) -> [(post, end)]
     for rank, ms in enumerate(msgs):
@@ -105,7 +101,7 @@ def point_to_point(traces):
             posted[m["kind"]][_key(rank, m)].append((m["post"], m["span"][1]))
     out = []
     for rank, ms in enumerate(msgs):
-        seen, parts = defaultdict(int), {"transfer": [], "wait": []}
+        seen, parts, pending = defaultdict(int), {"transfer": [], "wait": []}, []
         for m in ms:
             key = _key(rank, m)
             other = posted["recv" if m["kind"] == "send" else "send"][key]
@@ -119,12 +115,11 @@ def point_to_point(traces):
             if m["kind"] == "recv":
                 parts["wait"].append((a, start))
                 parts["transfer"].append((start, b))
-            else:                                   # in flight until the receive's span ends
-                # before the receive is posted the send only pends: a sender that waits on it then
-                # (gloo's wait blocks until the receiver posts) waits for its peer, as a receive does
-                parts["wait"].append((a, start))
-                parts["transfer"].append((start, min(b, max(start, other[n][1]))))
-        out.append({k: iv.union(v) for k, v in parts.items()})
+            else:                  # in flight until the receive's span ends; pending before its post
+                end = min(b, max(start, other[n][1]))
+                parts["transfer"].append((start, end))
+                pending += [(a, start, end)] if start > a else []
+        out.append({**{k: iv.union(v) for k, v in parts.items()}, "send_pending": pending})
     return out
 
 
@@ -157,7 +152,7 @@ def breakdown(trace, p2p=None):
     comm_all = iv.union(spans + p2p["transfer"])
     ends = [e["ts"] + e["dur"] for e in events if e["name"].startswith(SPANS) and e["name"] not in P2P]
     ends += [b for _, b in p2p["transfer"]]              # a collective's, or a message's, completion
-    waits = iv.subtract(iv.subtract(p2p["wait"], compute_all), issue)
+    waits = iv.subtract(iv.subtract(p2p["wait"] + _send_waits(compute_all, issue, p2p), compute_all), issue)
     exposed_all = iv.subtract(waited(compute_all, issue, comm_all, ends), waits)
     comm_all = iv.union(comm_all + exposed_all)          # a queued collective waited for is in flight
     loader = iv.union((e["ts"], e["ts"] + e["dur"]) for e in events
@@ -165,6 +160,19 @@ def breakdown(trace, p2p=None):
     loader = iv.subtract(iv.subtract(loader, iv.union(compute_all + exposed_all)), waits)
     parts = (compute_all, comm_all, waits, loader, exposed_all)
     return [_terms(i, (a, b), *(iv.clip(x, (a, b)) for x in parts)) for i, a, b in windows]
+
+
+def _send_waits(compute, issue, p2p):
+    """The part of each pending send (posted before its receive) inside the gap between the rank's
+    operators that its completion ends: there the rank waits on the send, and so on its peer."""
+    busy = iv.union(compute + issue)
+    out = []
+    for a, start, end in p2p.get("send_pending", ()):
+        before = [b for _, b in busy if b <= end]
+        g0 = max(before, default=a)                 # the gap ending at the completion starts here
+        if not any(x < end and y > g0 for x, y in busy) and g0 < start:
+            out.append((max(a, g0), start))
+    return out
 
 
 def waited(compute, issue, comm, ends):

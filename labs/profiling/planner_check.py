@@ -209,9 +209,10 @@ def predict(name, flops, comm, cal, world_size=2):
     elif name.startswith("tp"):
         out["groups"] = {"tp all-reduce": cost("all_reduce")}
     else:
-        # like with like: the rank's time in flight spans its sends and its receives, but an isend
-        # does not block, so only the receives can be waited for (`analysis.point_to_point` books
-        # no sender-side wait either)
+        # like with like: the rank's time in flight spans its sends and its receives, but the
+        # executor waits on its isends only at the step's end, when every receive is posted, so
+        # only the receives are waited for (the trace reader books a send's wait only where the
+        # rank waits on it before its receive is posted)
         out["groups"] = {"pp send": cost("send"), "pp recv": cost("recv")}
         _, opts = LAYOUTS[name]
         bubble = schedules.formula("1f1b", world_size, opts["microbatches"])["over_ideal"]

@@ -32,9 +32,10 @@ The notebook shows how far inside it the correct layouts stay (below 1 % of it, 
 
 In bf16 training the matmuls accumulate in fp32 (tensor cores; PyTorch's CPU bf16 GEMM), so their
 reordered sums keep fp32's u; the sums that really run in bf16 (u = 2^-8) are bf16 collectives,
-which add one term per rank: `bound(..., u_collective=BF16)` adds, to first order, 2 gamma_n(bf16)
-per all-reduce of n partial sums (the gradients' over the n = dp cp ranks, TP's g over tp) to the
-fp32 bound. An inner product of 256 bf16 terms would have no worst-case bound at all (n u >= 1).
+which add one term per rank: `bound(..., u_collective=BF16)` adds, to first order,
+2 gamma_(n-1)(bf16) per all-reduce of n partial sums, a plain sum of n terms (Higham section 4.2):
+the gradients' over the n = dp cp ranks, TP's g over tp on the row-parallel outputs. An inner
+product of 256 bf16 terms would have no worst-case bound at all (n u >= 1).
 
 A bug is a layout that computes something else. `VARIANTS` breaks each dimension once: Megatron's f
 without its backward all-reduce, ZeRO-1 without the reduce-scatter (each rank updates its shard from
@@ -167,13 +168,13 @@ def bound(dims, steps=layout3d.STEPS, lr=layout3d.LR, micro_batch=layout3d.MICRO
     scale = 2 * rounding.gamma(tokens, u) if grads_reordered else 0.0
     n = dims.dp * dims.cp                  # the ranks whose gradients one all-reduce adds up
     if u_collective is not None and n > 1:
-        scale += 2 * rounding.gamma(n, u_collective)
+        scale += 2 * rounding.gamma(n - 1, u_collective)     # a plain sum of n terms (Higham 4.2)
     deltas = [{n: scale * a for n, a in w.absgrad.items()} for w in ref["watched"]]
     drift = weight_drift(ref["adam_grads"], deltas, lr, weight_decay=weight_decay, masks=True)
     drift = [(dw, {n: int(f.sum()) for n, f in free.items()}, free) for dw, free in drift]
     forward = [sum(w.forward[k] for k in kinds) for w in ref["watched"]]
     if u_collective is not None and dims.tp > 1:   # TP's g adds tp partial sums of each row-parallel output
-        per = 2 * rounding.gamma(dims.tp, u_collective)
+        per = 2 * rounding.gamma(dims.tp - 1, u_collective)
         forward = [f + w.row_parallel * per for f, w in zip(forward, ref["watched"])]
     adam = [0.0] + [sum((ref["grads"][t][n].double().abs() * drift[t - 1][0][n]).sum().item()
                         for n in drift[t - 1][0]) for t in range(1, steps)]

@@ -1,7 +1,7 @@
 """Chapter 17's exercises: the answers computed by the lab's own formulas, and the usual mistakes.
 
 1. The tp group's bytes per rank and step (`layout3d.predict_bytes_per_group`) for a layout the
-   chapter did not run: L = 8 layers on pp = 2 stages, tp = 8, m = 4 micro-batches of b = 2
+   chapter did not run: L = 12 layers on pp = 3 stages, tp = 8, m = 4 micro-batches of b = 2
    sequences of s = 16 tokens, h = 64, fp32.
 2. ZeRO-1's bytes per rank and step in the dp group of a dp = 2 x cp = 2 layout whose rank holds
    P_local = 10,001 parameters: 2 (n - 1) ceil(P_local / n) elements, n = dp cp = 4.
@@ -16,8 +16,9 @@ from labs.measure import exercises
 from labs.threed import layout3d, rounding
 
 FP32_U, BF16_U = 2.0 ** -24, 2.0 ** -8
-# tp = 8, not 4: with tp = 4 = e, the bytes per element, two mistakes give one number
-EX1 = dict(layers=8, pp=2, tp=8, m=4, b=2, s=16, h=64)
+# tp = 8, not 4: with tp = 4 = e, the bytes per element, two mistakes give one number; pp = 3, not 2:
+# with pp = 2, all L layers (x pp) and any halving mistake (x 1/2) together give the right answer
+EX1 = dict(layers=12, pp=3, tp=8, m=4, b=2, s=16, h=64)
 EX2 = dict(params=10_001, dp=2, cp=2)
 EX3_TERMS = 128
 
