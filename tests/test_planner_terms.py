@@ -89,3 +89,15 @@ def test_zero2s_per_micro_batch_charge_is_for_the_earlier_micro_batches_only():
     z1, z2 = (planner.published(job, d, ETA, {"zero": z, "micro_batch": 1}) for z in (1, 2))
     assert z2["m"] == 1
     assert z2["time"]["dp"] == pytest.approx(z1["time"]["dp"], rel=1e-12)
+
+
+def test_ring_attention_hides_all_but_one_block_of_its_exchange():
+    """Context parallelism's K/V exchange runs in cp steps beside attention on the block in hand:
+    overlapped, it leaves one block's share (1/cp) and sigma's slowdown exposed, under half of the
+    exposed time without the overlap. Catches the exchange priced as one chunk (nothing hidden)."""
+    job = dataclasses.replace(JOB, model=dataclasses.replace(JOB.model, seq=8192))
+    d = ParallelDims(tp=8, cp=4, dp=2)
+    on = _time(job, d, zero=1, micro_batch=1)["exposed_cp"]
+    plain = dataclasses.replace(job, software=job.software.with_(cp_overlap=False))
+    off = _time(plain, d, zero=1, micro_batch=1)["exposed_cp"]
+    assert 0 < on < 0.5 * off
