@@ -161,19 +161,27 @@ def test_point_to_point_waits_for_the_peer_then_transfers():
     assert alone["peer_wait_s"] == 0 and alone["exposed_comm_s"] * 1e6 == pytest.approx(50)
 
 
+SEND_ARGS = {"Concrete Inputs": ["", "", "1", "7"]}
+
+
+def _send_then_late_receive(r0):
+    """Rank 0's events ``r0`` (an isend to rank 1, tag 7, posted at 10) beside rank 1, which computes
+    until 40, then posts the matching receive, which completes at 50."""
+    recv_args = {"Concrete Inputs": ["", "", "0", "7"]}
+    r1 = [step(0, 0, 60), op("aten::mm", 0, 40), op("c10d::recv_", 40, 41, args=recv_args),
+          op("gloo:recv", 40.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
+    traces = [{"events": r0}, {"events": r1}]
+    return traces, analysis.point_to_point(traces)
+
+
 def test_a_send_posted_before_its_receive_is_in_flight_from_the_receive():
     # rank 0 posts an isend at 10 and computes on (its span stays open until it waits at 100);
     # rank 1 computes until 40, then posts the receive, which completes at 50. The send is only
     # pending until 40: in flight [40, 50] plus its call [10, 11], 11 us. Counting it from its own
     # post would give 40 us.
-    send_args = {"Concrete Inputs": ["", "", "1", "7"]}
-    recv_args = {"Concrete Inputs": ["", "", "0", "7"]}
-    r0 = [step(0, 0, 100), op("aten::mm", 0, 10), op("c10d::send", 10, 11, args=send_args),
+    r0 = [step(0, 0, 100), op("aten::mm", 0, 10), op("c10d::send", 10, 11, args=SEND_ARGS),
           op("gloo:send", 10.5, 100, cat="user_annotation"), op("aten::mm", 11, 100)]
-    r1 = [step(0, 0, 60), op("aten::mm", 0, 40), op("c10d::recv_", 40, 41, args=recv_args),
-          op("gloo:recv", 40.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
-    traces = [{"events": r0}, {"events": r1}]
-    parts = analysis.point_to_point(traces)
+    traces, parts = _send_then_late_receive(r0)
     # pending until the receive is posted, not a wait: rank 0 never waits on the send here
     assert parts[0]["transfer"] == [(40, 50)] and parts[0]["wait"] == []
     assert parts[0]["send_pending"] == [(10.5, 40, 50)]
@@ -188,14 +196,9 @@ def test_a_sender_that_waits_before_its_receive_is_posted_waits_for_its_peer():
     # posts); rank 1 computes until 40, then posts the receive, which completes at 50. Rank 0's
     # [11, 40] is peer wait (its peer computes), only [40, 50] and its call [10, 11] exposed. The
     # named mistake, every gap a completion ends booked exposed, gives 40 us exposed and no peer wait.
-    send_args = {"Concrete Inputs": ["", "", "1", "7"]}
-    recv_args = {"Concrete Inputs": ["", "", "0", "7"]}
-    r0 = [step(0, 0, 60), op("aten::mm", 0, 10), op("c10d::send", 10, 11, args=send_args),
+    r0 = [step(0, 0, 60), op("aten::mm", 0, 10), op("c10d::send", 10, 11, args=SEND_ARGS),
           op("gloo:send", 10.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
-    r1 = [step(0, 0, 60), op("aten::mm", 0, 40), op("c10d::recv_", 40, 41, args=recv_args),
-          op("gloo:recv", 40.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
-    traces = [{"events": r0}, {"events": r1}]
-    parts = analysis.point_to_point(traces)
+    traces, parts = _send_then_late_receive(r0)
     s0 = analysis.breakdown(traces[0], parts[0])[0]
     assert s0["peer_wait_s"] * 1e6 == pytest.approx(29)
     assert s0["exposed_comm_s"] * 1e6 == pytest.approx(11)
@@ -205,15 +208,10 @@ def test_a_pending_send_beside_gappy_compute_is_no_peer_wait():
     # rank 0 posts an isend at 10 and computes on in 8 us operators with 1 us gaps, never waiting on
     # it; rank 1 posts the receive at 40. The named mistake, the whole pending stretch booked as peer
     # wait where rank 0 does not compute, gives 3 us (the gaps before 40).
-    send_args = {"Concrete Inputs": ["", "", "1", "7"]}
-    recv_args = {"Concrete Inputs": ["", "", "0", "7"]}
-    r0 = [step(0, 0, 100), op("aten::mm", 0, 10), op("c10d::send", 10, 11, args=send_args),
+    r0 = [step(0, 0, 100), op("aten::mm", 0, 10), op("c10d::send", 10, 11, args=SEND_ARGS),
           op("gloo:send", 10.5, 100, cat="user_annotation")]
     r0 += [op("aten::mm", t, t + 8) for t in range(11, 92, 9)]
-    r1 = [step(0, 0, 60), op("aten::mm", 0, 40), op("c10d::recv_", 40, 41, args=recv_args),
-          op("gloo:recv", 40.5, 50, cat="user_annotation"), op("aten::mm", 50, 60)]
-    traces = [{"events": r0}, {"events": r1}]
-    parts = analysis.point_to_point(traces)
+    traces, parts = _send_then_late_receive(r0)
     assert analysis.breakdown(traces[0], parts[0])[0]["peer_wait_s"] == 0
 
 
