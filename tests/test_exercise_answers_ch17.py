@@ -12,7 +12,7 @@ import exercise_cases
 
 from labs.threed import problems as p17
 
-# exercise 1: L = 8, pp = 2, tp = 8, m = 4, b = 2, s = 16, h = 64, fp32
+# exercise 1: L = 12, pp = 3, tp = 8, m = 4, b = 2, s = 16, h = 64, fp32
 M1 = 2 * 16 * 64                                    # elements of one (b, s, h) activation
 RING = 2 * (8 - 1) / 8                              # a ring all-reduce's factor over tp = 8
 P2, N2 = 10_001, 2 * 2                              # exercise 2: P_local, n = dp x cp

@@ -230,7 +230,7 @@ def test_adam_drift_bounds_adams_answer_to_perturbed_gradients(decay):
 
 def test_bf16_has_no_useful_worst_case_bound_and_degrees_are_refused():
     from labs.threed import rounding
-    assert rounding.gamma(256, drift.BF16) == float("inf")      # 256 u = 1: no bound at all
+    assert rounding.gamma(256, drift.BF16) == float("inf")      # 256 u = 1: gamma undefined
     assert rounding.gamma(64, drift.BF16) > 1000 * rounding.gamma(64, drift.FP32)
     for degrees, words in (({"tp": 3}, "heads"), ({"pp": 3}, "layers"), ({"cp": 3}, "zig-zag"),
                             ({"cp": 16}, "zig-zag")):  # cp divides s = 16, 2 cp does not

@@ -35,7 +35,8 @@ reordered sums keep fp32's u; the sums that really run in bf16 (u = 2^-8) are bf
 which add one term per rank: `bound(..., u_collective=BF16)` adds, to first order,
 2 gamma_(n-1)(bf16) per all-reduce of n partial sums, a plain sum of n terms (Higham section 4.2):
 the gradients' over the n = dp cp ranks, TP's g over tp on the row-parallel outputs. An inner
-product of 256 bf16 terms would have no worst-case bound at all (n u >= 1).
+product of 256 bf16 terms has no useful worst-case bound: gamma_n is undefined (n u >= 1), and the
+bound that always holds, (1 + u)^n - 1 (Higham 3.1), is about 1.7 there.
 
 A bug is a layout that computes something else. `VARIANTS` breaks each dimension once: Megatron's f
 without its backward all-reduce, ZeRO-1 without the reduce-scatter (each rank updates its shard from

@@ -36,7 +36,8 @@ ROW_PARALLEL = ("attn.proj.weight", "mlp.proj.weight")
 
 def gamma(k, u):
     """gamma_k = k u / (1 - k u) (Higham 3.1: an inner product of k terms; a plain sum of k terms needs
-    gamma_(k-1)); no bound (inf) once k u >= 1, as for an inner product of 256 bf16 terms."""
+    gamma_(k-1)); inf once k u >= 1, where gamma is undefined (for 256 bf16 terms the bound that
+    always holds, (1 + u)^k - 1, is about 1.7: no useful bound)."""
     return k * u / (1 - k * u) if k * u < 1 else float("inf")
 
 

@@ -6,9 +6,10 @@ Runs `drift.table` for every variant of `drift.VARIANTS` on the runs of seeds 0,
 of seed k, the batches shifted by `layout3d.SEED_STRIDE` k) and writes, per seed and variant, the loss
 difference over the bound at each step, the first step beyond it and the step-1 gradient check's
 verdict, with the torch version, the date, the command and the commit. Two 8-rank jobs and three
-one-process bounds per seed, about 20 s a seed on a 2-core machine (463 s for 24): too long for the
-tests, so neither they nor the notebook run it. `summary` counts, per planted bug, the seeds on which
-it first leaves the bound at each step, and names the runs that fall back inside after leaving.
+one-process bounds per seed, about 16 s a seed on a 2-core machine (the file records the run's
+seconds): too long for the tests, so neither they nor the notebook run it. `summary` counts, per
+planted bug, the seeds on which it first leaves the bound at each step, and names the runs that fall
+back inside after leaving.
 """
 import datetime
 import json
