@@ -309,8 +309,8 @@ def _fake_summary(tick=4e-3):
 
 def test_latency_halves_the_ping_pong_takes_the_slower_rank_and_keeps_every_variant_apart():
     """Made-up tries: the ping-pong is halved, the exchange is not; each try is the slower rank's;
-    every variant (pattern and start) has its own fastest, median and quartiles; the latency is the
-    fastest ping-pong after a barrier, not the fastest over both starts."""
+    every variant (pattern and start) has its own fastest, median and quartiles; the latency alpha is
+    the fastest exchange after a barrier, not the fastest over both starts nor the ping-pong's."""
     r = _fake_summary()
     # slower rank per try, ping-pong after a barrier: round trips 120, 300, 90, 500, 260 -> one way
     # 60, 150, 45, 250, 130: fastest 45 (not halved: 90; rank 0 alone: 40), median 130, quartiles 60, 150
@@ -325,38 +325,43 @@ def test_latency_halves_the_ping_pong_takes_the_slower_rank_and_keeps_every_vari
         got = r["small"][v]
         assert (got["fastest_s"], got["median_s"], got["q1_s"], got["q3_s"]) == pytest.approx(
             (fastest * US, median * US, q1 * US, q3 * US)), v      # q1, q3 swapped would fail
-    # the latency and chapter 10's estimator are after a barrier only: the back-to-back starts hold
-    # faster tries (20 and 130), so pooling the starts would give other values
-    assert r["latency_s"] == pytest.approx(45 * US) and r["exchange_s"] == pytest.approx(150 * US)
-    assert r["exchange_over_latency"] == pytest.approx(150 / 45)
+    # alpha and the one-way ping-pong are after a barrier only: the back-to-back starts hold faster
+    # tries (130 and 20), so pooling the starts would give other values; swapped, the ratio inverts
+    assert r["alpha_s"] == pytest.approx(150 * US) and r["one_way_s"] == pytest.approx(45 * US)
+    assert r["alpha_over_one_way"] == pytest.approx(150 / 45)
     one_way = [t * US for t in (20, 1500, 4750, 3000, 600)]
     assert r["tries_s"]["pingpong/back_to_back"] == pytest.approx(one_way)
 
 
-def test_latency_tick_share_counts_back_to_back_round_trips_of_a_quarter_tick():
+def test_latency_tick_share_counts_each_variants_whole_tries_of_a_quarter_tick():
     """A 16 ms tick: of the back-to-back ping-pong's round trips (slower rank) 40, 3000, 9500, 6000 and
     1200 us, two reach its quarter, 4 ms: 0.4. One-way times (20 ... 4750 us) would give 0.2, a whole
-    tick none (the waits it misses), and the tries after a barrier none; at a 4 ms tick four of five."""
-    assert _fake_summary(tick=16e-3)["trips_of_a_quarter_tick"] == pytest.approx(0.4)
-    assert _fake_summary(tick=4e-3)["trips_of_a_quarter_tick"] == pytest.approx(0.8)
+    tick none (the waits it misses); at a 4 ms tick four of five. Each variant has its own share: at
+    4 ms the back-to-back exchanges (130, 900, 700, 1100, 2000 us) give 0.4, the tries after a barrier
+    none, so a share taken from another variant, or pooled, fails."""
+    assert _fake_summary(tick=16e-3)["quarter_tick_share"]["pingpong/back_to_back"] == pytest.approx(0.4)
+    share = _fake_summary(tick=4e-3)["quarter_tick_share"]
+    assert share == pytest.approx({"pingpong/back_to_back": 0.8, "exchange/back_to_back": 0.4,
+                                   "pingpong/barrier": 0.0, "exchange/barrier": 0.0})
 
 
 def test_latency_across_jobs_gives_each_variant_its_own_range_and_one_size_fits_nothing():
     """Made-up jobs: per variant the range of the fastest and of the median over the jobs, the range
-    of the latency ratio and of the tick share; a job of the 8-byte size alone fits no line."""
+    of alpha over the one-way ping-pong and of each variant's tick share; a job of the 8-byte size
+    alone fits no line."""
     assert _fake_summary()["alpha_fits"] == {}
     third = _fake_summary(tick=4e-3)                       # every time doubled, another ratio
     third["small"] = {v: {k: 2 * x for k, x in s.items()} for v, s in third["small"].items()}
-    third["exchange_over_latency"] = 5.0
+    third["alpha_over_one_way"] = 5.0
     # the largest job in the middle and the smallest share last: a range taken from the first job to
     # the last, instead of the smallest to the largest, fails every line below
     jobs = iter([_fake_summary(tick=4e-3), third, _fake_summary(tick=16e-3)])
     r = latency.across_jobs(jobs=3, run=lambda: next(jobs))
-    assert r["jobs"] == 3 and r["tick_share"] == pytest.approx((0.4, 0.8))
+    assert r["jobs"] == 3 and r["quarter_tick_share"]["pingpong/back_to_back"] == pytest.approx((0.4, 0.8))
     assert r["small"]["pingpong/barrier"]["fastest"] == pytest.approx((45 * US, 90 * US))
     assert r["small"]["pingpong/back_to_back"]["median"] == pytest.approx((1500 * US, 3000 * US))
     assert r["small"]["exchange/barrier"]["median"] == pytest.approx((180 * US, 360 * US))
-    assert r["exchange_over_latency"] == pytest.approx((150 / 45, 5.0))
+    assert r["alpha_over_one_way"] == pytest.approx((150 / 45, 5.0))
 
 
 def test_the_single_rank_pair_and_the_mixed_pair_agree_on_the_printed_layouts():

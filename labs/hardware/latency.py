@@ -1,14 +1,13 @@
-"""Chapter 11: one machine, two latencies. Why the loopback ping-pong and chapter 10's alpha differ.
+"""Chapter 11: the loopback's latency, chapter 10's alpha, and a one-way ping-pong beside it.
 
-Each pattern has its own estimator, and `summarize` keeps them apart. This chapter's latency is the
-fastest one-way time (half a round trip) of the smallest message over many ping-pong tries started
-after a barrier, by convention: whatever else the machine does can only add to a try, so among tries
-started alike the fastest is least disturbed (which start gives the faster try is not shown to
-hold from job to job).
-Chapter 10's alpha is the fastest exchange, which is not halved: each rank's timer
-runs until its own send is done and the other's message is in. The two differ (by a ratio that
-moves from job to job on this machine), so they are never pooled, and neither are the two
-starts below: a back-to-back try
+Each pattern has its own estimator, and `summarize` keeps them apart. The book's latency alpha
+(chapter 10's definition) is the fastest of many exchanges of the smallest message started after a
+barrier: whatever else the machine does can only add to a try, so among tries started alike the
+fastest is least disturbed (which start gives the faster try is not shown to hold from job to job).
+An exchange is not halved: each rank's timer runs until its own send is done and the other's
+message is in. Beside it, the fastest one-way time (half a round trip) of a ping-pong started after
+a barrier, what one message one way cost. The two differ (by a ratio that moves from job to job on
+this machine), so they are never pooled, and neither are the two starts below: a back-to-back try
 measures the link plus the wake-up of a receiver that went to sleep and whatever the previous try
 left in flight. Per variant, the median of the same tries (with its quartiles) is the time under
 this machine's load; it moves from job to job, which `across_jobs` shows. Each try's time is the
@@ -32,11 +31,11 @@ machine): a process blocked in a receive is woken when its data arrives, and on 
 cores are all busy it may wait for a core, for instance until the running process's time slice
 ends at a scheduler tick (1/CONFIG_HZ s). Wake-up preemption (granted at wake time, not at a tick)
 and, on a shared VM, the hypervisor's steal time would produce a similar tail. `kernel_tick_s`
-reads CONFIG_HZ from /proc/config.gz where the kernel exposes it, and `summarize` reports the share
-of back-to-back round trips (not one-way times) that took at least a quarter of a tick: a wait for
-the next tick lasts anywhere from 0 to a whole tick, so a threshold of one tick would miss most
-such waits, while a quarter keeps three in four of them. A description, which does not separate
-these causes.
+reads CONFIG_HZ from /proc/config.gz where the kernel exposes it, and `summarize` reports, per
+variant, the share of whole tries (a ping-pong's round trip, not its one-way time; an exchange)
+that took at least a quarter of a tick: a wait for the next tick lasts anywhere from 0 to a whole
+tick, so a threshold of one tick would miss most such waits, while a quarter keeps three in four of
+them. A description, which does not separate these causes.
 
     python -m labs.hardware.latency --json
 """
@@ -102,10 +101,10 @@ def rank_times(rank, world_size, sizes, repeats):
 def summarize(ranks, sizes, repeats, tick=None):
     """What `measure` reports, from the two ranks' `rank_times`: each try's time is the slower rank's,
     the ping-pong's halved to one way. Per variant (pattern and start, never pooled) the small
-    message's median, quartiles and fastest; the latency, the fastest ping-pong after a barrier, and
-    the fastest exchange after a barrier (chapter 10's estimator) over it; the intercepts of lines
-    fitted over ``sizes``; the share of back-to-back round trips of a quarter tick (``tick`` seconds,
-    by default the kernel's) or more."""
+    message's median, quartiles and fastest; the latency alpha, the fastest exchange after a barrier
+    (chapter 10's estimator), and its ratio to the fastest one-way ping-pong after a barrier; the
+    intercepts of lines fitted over ``sizes``; per variant the share of whole tries (round trips,
+    exchanges) of a quarter tick (``tick`` seconds, by default the kernel's) or more."""
     half = {"pingpong": 2, "exchange": 1}
     slowest = {k: [max(a, b) / half[k.split("/")[0]] for a, b in zip(ranks[0][k], ranks[1][k])]
                for k in ranks[0]}
@@ -119,23 +118,24 @@ def summarize(ranks, sizes, repeats, tick=None):
              alpha_beta.fit_line(sizes, [f(slowest[f"exchange/barrier/{n}"]) for n in sizes])["alpha"]
              for stat, f in (("fastest", min), ("median", statistics.median))} if len(sizes) > 1 else {})
     tick = kernel_tick_s() if tick is None else tick
-    trips = [2 * t for t in slowest[f"pingpong/back_to_back/{SMALL}"]]      # round trips, not one way
-    latency, exchange = small["pingpong/barrier"]["fastest_s"], small["exchange/barrier"]["fastest_s"]
-    quarter = None if tick is None else sum(4 * t >= tick for t in trips)
+    whole = {v: [half[v.split("/")[0]] * t for t in slowest[f"{v}/{SMALL}"]] for v in small}
+    alpha, one_way = small["exchange/barrier"]["fastest_s"], small["pingpong/barrier"]["fastest_s"]
     return {"small_bytes": SMALL, "repeats": repeats, "small": small, "alpha_fits": fits, "tick_s": tick,
-            # the chapter's latency: the fastest one-way 8-byte ping-pong after a barrier
-            "latency_s": latency,
-            # chapter 10's estimator on this link: the fastest exchange after a barrier, not halved
-            "exchange_s": exchange, "exchange_over_latency": exchange / latency,
+            # the latency alpha (chapter 10's): the fastest 8-byte exchange after a barrier, not halved
+            "alpha_s": alpha,
+            # beside it: the fastest one-way 8-byte ping-pong after a barrier
+            "one_way_s": one_way, "alpha_over_one_way": alpha / one_way,
             "tries_s": {v: slowest[f"{v}/{SMALL}"] for v in small},                 # every variant's tries
-            "trips_of_a_quarter_tick": None if tick is None else quarter / len(trips)}
+            # per variant, the share of whole tries (round trips, not one way) of a quarter tick or more
+            "quarter_tick_share": None if tick is None else
+            {v: sum(4 * t >= tick for t in ts) / len(ts) for v, ts in whole.items()}}
 
 
 def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
-    """One job of 2 ranks (`rank_times`), summarized by `summarize`: the latency (the fastest 8-byte
-    ping-pong after a barrier), every variant's median, quartiles and fastest, chapter 10's fitted
-    intercepts over ``sizes`` (none for one size) and the share of back-to-back round trips of at
-    least a quarter of a scheduler tick."""
+    """One job of 2 ranks (`rank_times`), summarized by `summarize`: the latency alpha (the fastest
+    8-byte exchange after a barrier), every variant's median, quartiles and fastest, chapter 10's
+    fitted intercepts over ``sizes`` (none for one size) and, per variant, the share of whole tries of
+    at least a quarter of a scheduler tick."""
     if SMALL not in sizes:
         raise ValueError(f"the sizes must include the {SMALL}-byte latency message, got {list(sizes)}.")
     if repeats < 4:
@@ -147,23 +147,25 @@ def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
 def across_jobs(jobs=4, repeats=20, timeout=180.0, run=None):
     """``jobs`` more jobs, one after another, each timing every variant interleaved as `measure` does
     (the 8-byte message only, well under a second each): per variant the range over the jobs of the
-    fastest try and of the median, and the ranges of the latency ratio and of the share of
-    back-to-back round trips of a quarter tick or more. ``run`` replaces `measure` (the tests' made-up jobs).
+    fastest try, of the median and of the share of whole tries of a quarter tick or more, and the
+    range of alpha over the one-way ping-pong. ``run`` replaces `measure` (the tests' made-up jobs).
     One job's figures say what that moment cost; the ranges say how far another moment moves them."""
     run = run or (lambda: measure(sizes=(SMALL,), repeats=repeats, timeout=timeout))
     runs = [run() for _ in range(jobs)]
     span = lambda xs: (min(xs), max(xs))
     out = {v: {stat: span([r["small"][v][f"{stat}_s"] for r in runs]) for stat in ("fastest", "median")}
            for v in runs[0]["small"]}
-    shares = [r["trips_of_a_quarter_tick"] for r in runs]
-    return {"jobs": jobs, "small": out, "tick_share": None if None in shares else span(shares),
-            "exchange_over_latency": span([r["exchange_over_latency"] for r in runs])}
+    shares = [r["quarter_tick_share"] for r in runs]
+    return {"jobs": jobs, "small": out,
+            "quarter_tick_share": None if None in shares else {v: span([s[v] for s in shares]) for v in out},
+            "alpha_over_one_way": span([r["alpha_over_one_way"] for r in runs])}
 
 
 def main(argv=None):
     from labs.launcher import cli
-    p = cli.parser("One machine, two latencies: a loopback ping-pong and chapter 10's fitted alpha, "
-                   "taken apart ingredient by ingredient.", world_size_default=2)
+    p = cli.parser("The loopback's latency alpha (the fastest small exchange), a one-way ping-pong beside "
+                   "it and chapter 10's fitted intercept, taken apart ingredient by ingredient.",
+                   world_size_default=2)
     p.add_argument("--repeats", type=cli.positive_int, default=20)
     args = cli.parse(p, argv)
     if args.world_size != 2:
@@ -172,11 +174,11 @@ def main(argv=None):
     r = measure(repeats=args.repeats, timeout=args.timeout)
     lines = [f"{k:24s} median {v['median_s'] * 1e6:8.0f} us (quartiles {v['q1_s'] * 1e6:.0f} to "
              f"{v['q3_s'] * 1e6:.0f}), fastest {v['fastest_s'] * 1e6:8.0f} us" for k, v in r["small"].items()]
-    lines.append(f"latency (fastest ping-pong after a barrier, one way) {r['latency_s'] * 1e6:.0f} us; "
-                 f"fastest exchange after a barrier {r['exchange_over_latency']:.1f} times it")
+    lines.append(f"latency alpha (fastest exchange after a barrier) {r['alpha_s'] * 1e6:.0f} us, "
+                 f"{r['alpha_over_one_way']:.1f} times the fastest one-way ping-pong after a barrier")
     lines += [f"intercept, {k:24s} {v * 1e6:8.0f} us" for k, v in r["alpha_fits"].items()]
-    lines.append(f"scheduler tick {r['tick_s']} s; back-to-back round trips of a quarter tick or more: "
-                 f"{r['trips_of_a_quarter_tick']}")
+    lines.append(f"scheduler tick {r['tick_s']} s; whole tries of a quarter tick or more: "
+                 f"{r['quarter_tick_share']}")
     cli.report(r, args, "\n".join(lines))
 
 

@@ -107,8 +107,10 @@ def free_port():
 
 def two_node_commands(module_args, nproc_per_node=2, host="127.0.0.1", port=29500):
     """The torchrun command of each of two nodes, as a reader types it (run the first on the node
-    at ``host``); `two_node_run` runs the same arguments as ``python -m torch.distributed.run``."""
-    return [["torchrun", "--nnodes=2", f"--nproc-per-node={nproc_per_node}", f"--node-rank={i}",
+    at ``host``); `two_node_run` runs the same arguments as ``python -m torch.distributed.run``. No
+    ``--node-rank``: torch 2.13's torchrun uses it only with the static rendezvous and warns that it
+    ignores it under c10d (torch/distributed/run.py)."""
+    return [["torchrun", "--nnodes=2", f"--nproc-per-node={nproc_per_node}",
              "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=labs-two-node",
              "-m", *module_args] for i in range(2)]
 
@@ -141,8 +143,8 @@ def two_node_run(module_args, nproc_per_node=2, timeout=180, single=True):
     Returns both JSON results, which rank reported and the commands used. With c10d rendezvous
     torchrun assigns node ranks by sorting the nodes' descriptors, (address, process id, local id)
     (torch 2.13, torch/distributed/elastic/rendezvous/dynamic_rendezvous.py,
-    ``_mark_rendezvous_complete``), so ``--node-rank`` is advisory and global rank 0 may live under
-    either launcher: exactly one of the two prints the JSON line.
+    ``_mark_rendezvous_complete``), so global rank 0 may live under either launcher: exactly one of
+    the two prints the JSON line.
     """
     cmds = two_node_commands(module_args, nproc_per_node, port=free_port())
     env = torchrun.child_env(REPO)
