@@ -42,8 +42,10 @@ E = 2                  # bytes of a 16-bit element
 # 620.7 TFLOP/s at 16k tokens (pytorch/benchmark, below) of the 989 peak, the class of cuDNN's fused
 # attention Transformer Engine runs; the
 # largest GEMMs reach 85.9 % of the A100's peak and 80.1 % of the H100's (maximum achievable matmul
-# FLOPS, stas00/ml-engineering compute/accelerator/README.md). Attention runs at eta times this ratio:
-# the stack's efficiency, slowed by its kernel's gap to a GEMM. Not fitted. Scores written out: eta.
+# FLOPS, stas00/ml-engineering compute/accelerator/README.md at 7376725, January 2025; later
+# versions print 86.9 % and 80.3 %, which would move the attention ratios by at most about 1 %).
+# Attention runs at eta times this ratio: the stack's efficiency, slowed by its kernel's gap to a
+# GEMM. Not fitted. Scores written out: eta.
 MAMF = {"A100": 0.859, "RTX 3090": 0.859, "H100": 0.801, "H100 96GB 500W": 0.801}
 KERNEL = {("flash2", "A100"): 0.50, ("flash2", "RTX 3090"): 0.50, ("flash2", "H100"): 0.35,
           ("flash2", "H100 96GB 500W"): 0.35, ("flash3", "H100"): 620.7 / 989,

@@ -190,7 +190,7 @@ def rank_of(result, row):
     total = sum(row["memory"].values())
     if row.get("fits") is False or total > job.cluster.hbm_bytes:
         raise ValueError(f"{row['dims']} at these settings counts {total / 2 ** 30:.1f} GiB, over the GPU's "
-                         f"{job.cluster.hbm_bytes / 2 ** 30:.0f}: refused, so it has no rank.")
+                         f"{job.cluster.hbm_bytes / 2 ** 30:.2f} GiB: refused, so it has no rank.")
     return 1 + sum(r["time"]["step"] < row["time"]["step"] for r in result["ranked"]
                    if r["dims"] != row["dims"])
 

@@ -145,7 +145,7 @@ def best_per_layout(job, eta, layouts, fixed=None, closest=False):
             continue
         term = memory.overflow(terms, hbm) or "host memory"
         plan = row["plan"]
-        of = f"{hbm / GIB:.0f} GiB"
+        of = f"{hbm / GIB:.2f} GiB"
         reason = (f"{term} overflows: {memory.total(terms) / GIB:.1f} GiB at best (ZeRO-{plan.zero}, "
                   f"recompute {plan.recompute}, b = {plan.micro_batch}, v = {plan.v}) of {of}"
                   if term != "host memory" else

@@ -191,10 +191,10 @@ TORCHTITAN = Software("torchtitan 9dec370", "pytorch/torchtitan 9dec370", zero_s
                       accumulation=False, eager_loss=True, expandable_segments=True)
 TORCHTITAN_2025 = TORCHTITAN.with_(name="torchtitan 820504e", source="pytorch/torchtitan 820504e",
                                    accumulation=True)
-# DeepSeek (V2 §3.2.3, V3 §3.2): HAI-LLM, no TP, ZeRO-1, zero-bubble pipelining (V3: DualPipe, which
+# DeepSeek (V2 §3.1.3, V3 §3.2): HAI-LLM, no TP, ZeRO-1, zero-bubble pipelining (V3: DualPipe, which
 # overlaps the all-to-alls of one micro-batch with another's compute).
 # Its dispatch and combine are its own kernels (V3 §3.2.2), taken as fused.
-HAI_LLM = Software("HAI-LLM", "DeepSeek-AI 2024 (V2 §3.2.3, V3 §3.2)", zero_stages=(1,), max_tp=1,
+HAI_LLM = Software("HAI-LLM", "DeepSeek-AI 2024 (V2 §3.1.3, V3 §3.2)", zero_stages=(1,), max_tp=1,
                    schedules=("zero_bubble",), recipe="mixed_fp32_grads", reduce_bytes=4,
                    overlap_grad_reduce=True,
                    overlap_param_gather=True, pp_overlap=True, ep_overlap=True, permute_fusion=True)
