@@ -1,11 +1,12 @@
 """A screenshot of one of the book's traces in a real trace viewer, made offline (chapter 15).
 
-The viewer is catapult's trace viewer, the one chrome://tracing was (Chromium 156 no longer ships
-it): its one-file build ``trace_viewer_full.html`` as vendored by PyTorch's TensorBoard plugin
-(PyPI ``torch-tb-profiler``), with the Web Components v0 polyfill it needs in today's browsers (npm
-``webcomponents.js``). Both are fetched once by their registries' own clients (`pip download`,
-`npm pack`) into ``.cache/trace_viewer/`` (git-ignored), checked against the pinned hashes below
-before anything is unpacked; a machine without network makes the screenshot from a cache filled once.
+The viewer is catapult's trace viewer, the one chrome://tracing opens (deprecated in favour of
+Perfetto, to which it now redirects by default): its one-file build ``trace_viewer_full.html`` as
+vendored by PyTorch's TensorBoard plugin (PyPI ``torch-tb-profiler``), with the Web Components v0
+polyfill it needs in today's browsers (npm ``webcomponents.js``). Both are fetched once by their
+registries' own clients (`pip download`, `npm pack`) into ``.cache/trace_viewer/`` (git-ignored),
+checked against the pinned hashes below before anything is unpacked; a machine without network makes
+the screenshot from a cache filled once.
 
 The trace is chapter 15's committed DDP trace (notebooks/traces/15/ddp), its two ranks merged into
 one file, one process per rank (`labs.profiling.practice.merge_traces`). The page

@@ -1,18 +1,18 @@
 """Chapter 15: the collective matmul, the idea behind async tensor parallelism, by hand.
 
-Under sequence parallelism the column-parallel layer first all-gathers its input along the
-sequence and then multiplies (chapter 6's `sp_layers.ColumnParallelLinear`): Y_i = [X_0; ...;
-X_{t-1}] A_i, the gather exposed before the matmul can start. Split it into t ring steps instead
-(Wang et al. 2023, "Overlap communication with dependent computation via decomposition in large
-deep learning models", ASPLOS; PyTorch's async tensor parallelism does the same on GPU streams):
-at step k rank i holds the chunk X_c of rank c = i - k (mod t), posts the send of X_c to rank i + 1
-and the receive of X_{c-1} from rank i - 1, and multiplies Y_i[c] = X_c A_i while it travels. Only the
-last chunk's matmul has nothing to hide behind it (the last step posts no transfer); every transfer
-runs under a matmul. The
-control (``overlap=False``) is the same ring with each transfer waited for before the matmul it
-could hide under: the same messages, chunks and matmuls, only the overlap taken away. (Chapter 6's
-layer, a gloo ``all_gather`` with sequence-first transposes and a matmul on a non-contiguous view,
-differs from the ring in more than the overlap, so it is not the control.)
+Under sequence parallelism the column-parallel layer first all-gathers its input along the sequence and
+then multiplies (chapter 6's `sp_layers.ColumnParallelLinear`): Y_i = [X_0; ...; X_{t-1}] A_i^T (A_i:
+rank i's weight shard, the book's W_i; t: the ranks, the book's N), the gather exposed before the matmul
+can start. Split it into t ring steps instead (Wang et al. 2023, "Overlap communication with dependent
+computation via decomposition in large deep learning models", ASPLOS; PyTorch's async tensor parallelism
+does the same on GPU streams): at step k rank i holds the chunk X_c of rank c = i - k (mod t), posts the
+send of X_c to rank i + 1 and the receive of X_{c-1} from rank i - 1, and multiplies Y_i[c] = X_c A_i^T
+while it travels. Only the last chunk's matmul has nothing to hide behind it (the last step posts no
+transfer); every transfer runs under a matmul. The control (``overlap=False``) is the same ring with
+each transfer waited for before the matmul it could hide under: the same messages, chunks and matmuls,
+only the overlap taken away. (Chapter 6's layer, a gloo ``all_gather`` with sequence-first transposes
+and a matmul on a non-contiguous view, differs from the ring in more than the overlap, so it is not the
+control.)
 
 The result is the plain layer's, up to rounding: the plain layer multiplies all t chunks in one
 matmul, the ring one chunk at a time, and a BLAS may sum the h products of an output element in a

@@ -143,7 +143,7 @@ def main(argv=None):
         t = rk["totals"]
         lines.append(f"rank {rk['rank']}: step {t['step_s'] * 1e3:.1f} ms = "
                      f"compute {t['compute_s'] * 1e3:.1f} + exposed comm {t['exposed_comm_s'] * 1e3:.1f} + "
-                     f"peer wait {t['peer_wait_s'] * 1e3:.1f} + "
+                     f"peer wait {t['peer_wait_s'] * 1e3:.1f} + input {t['input_s'] * 1e3:.1f} + "
                      f"idle {t['idle_s'] * 1e3:.1f}; comm in flight {t['comm_s'] * 1e3:.1f} ms, overlap "
                      + ("-" if t["overlap_fraction"] is None else f"{t['overlap_fraction']:.2f}"))
     cli.report(r, args, "\n".join(lines))

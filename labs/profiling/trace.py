@@ -16,7 +16,9 @@ block (`labs.measure.timing.now`: the host clock, read after this process's queu
 done), and so is the thread's time on a CPU and waiting for one (the kernel's schedstat), so a trace
 can be checked against the clock and the scheduler (`labs.profiling.analysis.coverage`). The trace
 is Chrome's JSON format, gzipped (``gz=False``: plain, for a run's own temporary traces, saving the
-compression): Perfetto (ui.perfetto.dev) and chrome://tracing open either as it is.
+compression): catapult's trace viewer (chrome://tracing) opens either as it is; Perfetto
+(ui.perfetto.dev) opens it too but by default drops a thread's events that overlap without nesting,
+the point-to-point spans here (its flag "Preserve overlapping events in JSON traces" keeps them).
 
 `load` reads a trace back into plain dicts. What torch.profiler 2.13 records for gloo on the CPU,
 read from real traces (the analysis is built on exactly this, `labs.profiling.analysis`):
@@ -24,7 +26,8 @@ read from real traces (the analysis is built on exactly this, `labs.profiling.an
   ``_reduce_scatter_base_``, ``alltoall_base_``, ``barrier``...): the time to *issue* it, short
   when ``async_op=True``;
 - the collective itself runs on one of gloo's own threads (``pt_gloo_runloop``) as
-  ``gloo:all_reduce`` (``gloo:all_gather``, ``gloo:reduce_scatter``, ``gloo:all_to_all``...): from
+  ``gloo:all_reduce`` (``gloo:all_gather``, ``gloo:all_to_all``...; a reduce-scatter shows as
+  ``gloo:all_reduce`` of the whole input, which gloo runs in its place): from
   the moment that thread takes it up until it is done;
 - a point-to-point message shows on the rank's thread as ``c10d::send`` or ``c10d::recv_`` (with
   the peer and the tag among its recorded arguments) and a span ``gloo:send`` or ``gloo:recv`` from
