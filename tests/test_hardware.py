@@ -368,8 +368,10 @@ def test_the_single_rank_pair_and_the_mixed_pair_agree_on_the_printed_layouts():
     """Two readings of what DP exposes: the largest single rank's gather plus reduce-scatter overrun
     (`exposed_pair`, the chapter's), and the largest gather overrun plus the largest reduce-scatter
     overrun, possibly from two ranks (a gather overrun delays micro-batch 0's chain, a reduce-scatter
-    overrun the step's end: an upper bound). On the layouts the chapter prints, 16,384 and 8,192 GPUs,
-    at the full port and at a seventh of it, the two are equal, so no printed number depends on which."""
+    overrun the step's end, whichever ranks they are on: under the chapter's dependencies this is the
+    exposure, and the single-rank pair can only be smaller). On the layouts the chapter prints, 16,384
+    and 8,192 GPUs, at the full port and at a seventh of it, the two are equal, so no printed number
+    depends on which."""
     def mixed(e, rate=1.0):
         over = lambda k, x, w: max(0.0, k * e[x] / rate - w)
         return (max(over(k, "chunk_gather_s", f) for k, f, _ in e["dp_ranks"])

@@ -44,13 +44,15 @@ LLAMA3_ORDER = ("tp", "cp", "pp", "dp")   # as the paper writes it, fastest-vary
 
 @dataclass(frozen=True)
 class Run:
-    """What a step does besides the degrees: b sequences per micro-batch, m micro-batches, v model
-    chunks per rank, and the bytes of a weight as gathered and of a gradient as reduced."""
+    """What a step does besides the degrees: b sequences per micro-batch, m micro-batches, v chunks per
+    rank, a gathered weight's and a reduced gradient's bytes, and whether a TP rank's PP send is 1/tp of
+    the activation (sequence parallelism, or Megatron's scatter/gather) or the whole b s h (neither)."""
     micro_batch: int = 1
     micro_batches: int = 1
     v: int = 1
     param_bytes: int = BF16
     grad_bytes: int = BF16
+    pp_send_split: bool = True
 
 
 LLAMA3_405B = MODELS["405B"]   # chapter 1's shapes (Table 3), s = 8,192 (Table 4)
@@ -105,7 +107,7 @@ def collectives(model, p, run=LLAMA3_RUN):
     params = model.params() // (d.tp * d.pp)
     out = {"tp": [("all_reduce", act, 4 * local_layers * m)],
            "cp": [("all_gather", kv, 2 * local_layers * m)],
-           "pp": [("send", act // d.tp, 2 * v * m)],               # a middle rank: every chunk, both ways
+           "pp": [("send", act // d.tp if run.pp_send_split else act, 2 * v * m)],   # every chunk, both ways
            "dp": [("all_gather", params * run.param_bytes, 1),
                   ("reduce_scatter", params * run.grad_bytes, 1)]}
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.layers))

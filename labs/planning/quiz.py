@@ -161,8 +161,9 @@ MISTAKES = {
                                  "question asks for its share of the step time, (p - 1)/(m + p - 1)")],
     "7": [(NOTE["7"], "810 GB is the whole model's bf16 gradient; a rank reduces only its own stage's "
                       "tensor-parallel shard"),
-          (lambda: 2 * q7_dp_gb_per_rank(), "that is the paper's fp32 reduction, 4 bytes a gradient; "
-                                            "the exercise supposes bf16, 2 bytes"),
+          (lambda: 2 * q7_dp_gb_per_rank(), "that is an fp32 all-reduce, 4 bytes a gradient in both "
+                                            "halves; the exercise supposes bf16, 2 bytes (the paper's "
+                                            "fp32 reduce-scatter alone sends the answer's bytes)"),
           (lambda: q7_dp_gb_per_rank() / 2, "that is the reduce-scatter half; the all-reduce's send is "
                                             "both halves, reduce-scatter and all-gather"),
           (lambda: q7_dp_gb_per_rank() * 128 / 127, "the ring's (n - 1)/n left out: over 128 ranks a rank "
@@ -177,7 +178,9 @@ MISTAKES = {
           (lambda: q7_dp_gb_per_rank() - _q7_kv_gb(), "the GQA K and V projections left out: each layer has "
                                                       "two h x (8 x 128) matrices beside Q and O"),
           # within 2 % of the head's mistake: named beside it, the nearer first
-          (lambda: q7_dp_gb_per_rank() * exercises.GB_PER_GIB, exercises.SLIPS[2][1])],
+          (lambda: q7_dp_gb_per_rank() * exercises.GB_PER_GIB, exercises.SLIPS[2][1]),
+          # and the other way: the right count given in GiB, 1.9 % from the embedding's mistake
+          (lambda: q7_dp_gb_per_rank() / exercises.GB_PER_GIB, exercises.SLIPS[2][1])],
     "16": [(NOTE["16"], "the note's ~33 % is full recomputation's extra FLOPs; selective recomputation "
                         "(Korthikanti et al.) reruns only the attention core")],
 }

@@ -23,8 +23,10 @@
   in host memory under offload (`offload`).
 - compute shared with a collective (Calculon's ``processor_usage``, Isaev et al. SC'23; calculon-ai/calculon
   at caa4b11, calculon/network.py and calculon/llm/llm.py): while NCCL runs, its kernels hold a share u
-  of the GPU, so the compute it hides under runs at 1 - u of its speed; Calculon prices that as u times the
-  overlapped time (u min(comm, compute), its `overlap_inflection` branches). u by link tier, Calculon's
+  of the GPU, so the compute it hides under runs at 1 - u of its speed; Calculon's DP overlap prices
+  that as u times the overlapped time (u min(comm, compute), its `overlap_inflection` branches), and
+  the planner extends that convention to every group (Calculon's TP overlap prices it otherwise,
+  layers.py). u by link tier, Calculon's
   own system files (systems/a100_80g.json, h100_80g_nvl8.json): 0.15 on the node's NVLink, 0.02 across
   nodes (`PROCESSOR_USAGE`), the same for every row and every collective the stack overlaps.
 Left out: stragglers, data loading, kernel launch gaps.
