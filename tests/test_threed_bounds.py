@@ -114,3 +114,26 @@ def test_the_gradient_term_counts_the_tokens_the_step_really_sums(degrees, monke
     monkeypatch.setattr(layout3d, "step_batches", counting)
     b = drift.bound(ParallelDims(**degrees), steps=1)
     assert b["delta_scale"] == 2 * rounding.gamma(sum(seen), U)
+
+
+def test_the_adam_term_is_each_steps_gradient_magnitude_times_the_previous_steps_drift(monkeypatch):
+    """B_t's second term, sum_i |g_(t,i)| dw_(t,i), with dw the weights' drift after step t - 1's update,
+    computed by hand on a made-up run: gradients with both signs, a drift that changes each step. Catches
+    the abs taken after the sum (0.5 at step 2, not 1.1), the drift of the same step instead of the one
+    before, and step 1 given an Adam term (its loss precedes every update)."""
+    from types import SimpleNamespace
+
+    from labs.dims import ParallelDims
+    from labs.threed import layout3d
+    grads = [{"w": torch.tensor([1.0, -2.0])}, {"w": torch.tensor([3.0, -4.0])},
+             {"w": torch.tensor([-0.5, 1.0])}]
+    watched = [SimpleNamespace(forward={"block": 0.0}, absgrad={"w": torch.zeros(2)}, row_parallel=0.0)
+               for _ in grads]
+    ref = {"losses": [1.0, 1.0, 1.0], "watched": watched, "grads": grads, "adam_grads": grads}
+    monkeypatch.setattr(layout3d, "reference", lambda *a, **k: ref)
+    dws = [torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.5]), torch.tensor([0.0, 0.0])]
+    monkeypatch.setattr(drift, "weight_drift",
+                        lambda *a, **k: [({"w": dw}, {"w": torch.zeros(2, dtype=torch.bool)}) for dw in dws])
+    adam = drift.bound(ParallelDims(dp=2), steps=3)["adam"]
+    # step 2: |3| 0.1 + |-4| 0.2 = 1.1; step 3: |-0.5| 0.3 + |1| 0.5 = 0.65
+    assert adam == pytest.approx([0.0, 1.1, 0.65])

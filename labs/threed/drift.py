@@ -15,7 +15,7 @@ t differs from one process's by about (first order in the unit roundoff u)
   m/(sqrt(v) + eps) passes that on to first order through its moments (`weight_drift`; with
   coupled weight decay lambda the gradient Adam sees also carries lambda dw), except where delta is
   as large as the gradient itself: there the sign can flip, and the step can differ by as much as
-  Adam's largest step, 2 lr B(s) (chapter 3, `labs.zero.adam_drift.adam_step_bound`).
+  Adam's largest step, 2 lr U(s) (chapter 3, `labs.zero.adam_drift.adam_step_bound`).
 The loss then moves by about |g_t| . dw_t.
 
 It is a first-order estimate of two reorderings, not a proof that covers every one. It omits:
@@ -118,7 +118,7 @@ def weight_drift(grads, deltas, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0
     |dm| <= M = b1 M + (1 - b1) d, |dv| <= D = b2 D + (1 - b2) 2|g| d,
     and the step m^/(sqrt(v^) + eps) moves by at most M^/(sqrt(v^) + eps) + |m^| D^/(2 sqrt(v^)
     (sqrt(v^) + eps)^2) (hats: bias-corrected). Once |g| <= delta at some step the sign is free: from
-    then on the step differs by up to 2 B(s). Returns, per step s, (dw after s steps, {name: how many of
+    then on the step differs by up to 2 U(s). Returns, per step s, (dw after s steps, {name: how many of
     its weights' signs are free}; with ``masks``, {name: which of them, a bool tensor}).
     """
     b1, b2 = betas
