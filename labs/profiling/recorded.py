@@ -2,12 +2,12 @@
 
     python -m labs.profiling.recorded --out notebooks/traces/15
 
-One step of each lab of `RUNS` on 2 ranks after two unrecorded warm-up steps (DDP rebuilds its
-buckets after the first step and broadcasts their layout in the second), written to
-``--out``/<name>/rank<r>.json.gz (gzipped Chrome JSON; open it in chrome://tracing, or in Perfetto with its
-"Preserve overlapping events in JSON traces" flag on, else it drops the point-to-point spans).
-The notebook runs the same labs into a temporary folder and only reads these files, so executing
-it never rewrites a committed trace.
+One step of each lab of `RUNS` on 2 ranks after two unrecorded warm-up steps (DDP rebuilds its buckets
+after the first step and broadcasts their layout in the second), written to
+``--out``/<name>/rank<r>.json.gz (gzipped Chrome JSON; open it in chrome://tracing or Perfetto, whose
+versions before mid-2026 drop the point-to-point spans that overlap the thread's operators). The
+notebook runs the same labs into a temporary folder and only reads these files, so executing it never
+rewrites a committed trace.
 """
 import os
 

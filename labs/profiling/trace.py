@@ -16,9 +16,9 @@ block (`labs.measure.timing.now`: the host clock, read after this process's queu
 done), and so is the thread's time on a CPU and waiting for one (the kernel's schedstat), so a trace
 can be checked against the clock and the scheduler (`labs.profiling.analysis.coverage`). The trace
 is Chrome's JSON format, gzipped (``gz=False``: plain, for a run's own temporary traces, saving the
-compression): catapult's trace viewer (chrome://tracing) opens either as it is; Perfetto
-(ui.perfetto.dev) opens it too but by default drops a thread's events that overlap without nesting,
-the point-to-point spans here (its flag "Preserve overlapping events in JSON traces" keeps them).
+compression): catapult's trace viewer (chrome://tracing) and Perfetto (ui.perfetto.dev) open either
+as it is. The point-to-point spans overlap the thread's operators without nesting: older Perfetto
+dropped them; since mid-2026 (google/perfetto #6284) it draws them on an overflow row.
 
 `load` reads a trace back into plain dicts. What torch.profiler 2.13 records for gloo on the CPU,
 read from real traces (the analysis is built on exactly this, `labs.profiling.analysis`):
