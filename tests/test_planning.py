@@ -236,3 +236,14 @@ def test_trials_name_a_layout_and_refuse_an_unknown_trial():
     assert trials.layout_words(ParallelDims(tp=4, pp=2, dp=8)) == "TP 4 × PP 2 × DP 8"
     with pytest.raises(ValueError, match="unknown trial"):
         trials.run("sigma1")
+
+
+def test_quiz_e_is_the_planners_exposed_time_and_names_each_dropped_term(capsys):
+    """Exercise 4 (quiz "e"): E_g = max(0, C - H) + (1/n + sigma) min(C, H) = 0 + 0.275 x 30 = 8.25 ms,
+    by hand. Each dropped term is named: sigma (3.75), the fill (4.5), the larger of C and H (11.0), no
+    overlap at all (30)."""
+    assert quiz.qe_exposed_ms() == pytest.approx(8.25) and quiz.check("e", 8.25)
+    for wrong, words in ((3.75, "sigma term left out"), (4.5, "fill left out"), (11.0, "larger of C and H"),
+                         (30.0, "no overlap at all")):
+        assert not quiz.check("e", wrong)
+        assert words in capsys.readouterr().out

@@ -21,7 +21,7 @@ from labs.dims import ParallelDims
 from labs.measure import exercises
 from labs.memory_budget import budget, compute
 from labs.formulas import schedules
-from labs.formulas.planning import memory, shapes, traffic
+from labs.formulas.planning import memory, shapes, timing, traffic
 
 GB, GiB = 1e9, 2**30      # memory in GiB, as the chapter counts it; bytes sent in GB, as links in GB/s
 
@@ -78,6 +78,15 @@ def q5_bubble_share():
     return schedules.formula("1f1b", 4, 8)["over_total"]
 
 
+# Exercise 4 of the chapter: one group's exposed time, E_g, from its parts (ms per micro-batch)
+EG = {"comm": 30.0, "hidden_under": 40.0, "chunks": 8, "sigma": 0.15}
+
+
+def qe_exposed_ms():
+    """E_g = max(0, C - H) + (1/n + sigma) min(C, H), the planner's own function (`timing.exposed`)."""
+    return timing.exposed(EG["comm"], EG["hidden_under"], EG["chunks"], EG["sigma"])
+
+
 def q5_bubble_over_ideal():
     """The same bubble over the ideal compute time: chapter 14's phi, (p - 1)/m."""
     return schedules.formula("1f1b", 4, 8)["over_ideal"]
@@ -123,7 +132,7 @@ def q16_selective_over_full():
 
 
 ANSWERS = {"1": q1_state_gib, "2": q2_least_bubble, "3": q3_fsdp_over_ddp, "4": q4_tp_mb_per_layer,
-           "5": q5_bubble_share, "7": q7_dp_gb_per_rank, "11": q11_bytes_per_param,
+           "5": q5_bubble_share, "7": q7_dp_gb_per_rank, "e": qe_exposed_ms, "11": q11_bytes_per_param,
            "16": q16_selective_over_full}
 # What source 001's answers give for the same quantities (the note's own words in the chapter):
 # (question 1's in GiB, the unit the exercise asks for: the note's 3 x 17.5 GB)
@@ -181,6 +190,14 @@ MISTAKES = {
           (lambda: q7_dp_gb_per_rank() * exercises.GB_PER_GIB, exercises.SLIPS[2][1]),
           # and the other way: the right count given in GiB, 1.9 % from the embedding's mistake
           (lambda: q7_dp_gb_per_rank() / exercises.GB_PER_GIB, exercises.SLIPS[2][1])],
+    "e": [(lambda: EG["comm"] * (1 / EG["chunks"]), "the sigma term left out: the compute beside the "
+                                                    "collective runs slower while both run"),
+          (lambda: EG["sigma"] * EG["comm"], "the fill left out: one chunk of the shorter of the two "
+                                             "has nothing to overlap"),
+          (lambda: (1 / EG["chunks"] + EG["sigma"]) * EG["hidden_under"], "the larger of C and H taken: "
+                                                                          "the fill and sigma apply to "
+                                                                          "min(C, H)"),
+          (lambda: EG["comm"], "that is C itself, the collective with no overlap at all")],
     "16": [(NOTE["16"], "the note's ~33 % is full recomputation's extra FLOPs; selective recomputation "
                         "(Korthikanti et al.) reruns only the attention core")],
 }
@@ -191,7 +208,7 @@ MISTAKES = {
 # told "GiB and GB mixed up".
 RATIO_SLIPS = [(r, what) for r, what in exercises.SLIPS if what.startswith(("a factor 2", "a percentage"))]
 GB_SLIPS = [(r, what) for r, what in exercises.SLIPS if not what.startswith("MiB")]
-SLIPS = {"1": GB_SLIPS, "2": RATIO_SLIPS, "3": RATIO_SLIPS, "5": RATIO_SLIPS, "7": GB_SLIPS,
+SLIPS = {"1": GB_SLIPS, "2": RATIO_SLIPS, "3": RATIO_SLIPS, "5": RATIO_SLIPS, "7": GB_SLIPS, "e": RATIO_SLIPS,
          "16": RATIO_SLIPS}
 
 
