@@ -55,7 +55,7 @@ CASES = [
     (Chapter11, "11.4", 2 * (16 - 1), "v = 1: the 8 chunks per rank left out"),
     (Chapter11, "11.4", 16 * 8 - 1, "the forward crossings only"),
     (Chapter11, "11.4", 2 * 8 * 16,
-     "2 v m, all of a rank's sends, waited for or not: the chain's are the question"),
+     "2 v m, all of a rank's sends, or 2 p v, p v boundaries: the chain has p v - 1 each way"),
 ]
 
 

@@ -120,20 +120,30 @@ def test_the_adam_term_is_each_steps_gradient_magnitude_times_the_previous_steps
     """B_t's second term, sum_i |g_(t,i)| dw_(t,i), with dw the weights' drift after step t - 1's update,
     computed by hand on a made-up run: gradients with both signs, a drift that changes each step. Catches
     the abs taken after the sum (0.5 at step 2, not 1.1), the drift of the same step instead of the one
-    before, and step 1 given an Adam term (its loss precedes every update)."""
+    before, step 1 given an Adam term (its loss precedes every update), and, under weight decay, the
+    two gradients swapped: Adam's moments fed g instead of g + lambda w, or the loss term weighted by
+    |g + lambda w| instead of |g|."""
     from types import SimpleNamespace
 
     from labs.dims import ParallelDims
     from labs.threed import layout3d
     grads = [{"w": torch.tensor([1.0, -2.0])}, {"w": torch.tensor([3.0, -4.0])},
              {"w": torch.tensor([-0.5, 1.0])}]
+    # what Adam sees under coupled weight decay, g + lambda w: another tensor, so the two inputs differ
+    adam_grads = [{"w": g["w"] + 10.0} for g in grads]
     watched = [SimpleNamespace(forward={"block": 0.0}, absgrad={"w": torch.zeros(2)}, row_parallel=0.0)
                for _ in grads]
-    ref = {"losses": [1.0, 1.0, 1.0], "watched": watched, "grads": grads, "adam_grads": grads}
+    ref = {"losses": [1.0, 1.0, 1.0], "watched": watched, "grads": grads, "adam_grads": adam_grads}
     monkeypatch.setattr(layout3d, "reference", lambda *a, **k: ref)
     dws = [torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.5]), torch.tensor([0.0, 0.0])]
-    monkeypatch.setattr(drift, "weight_drift",
-                        lambda *a, **k: [({"w": dw}, {"w": torch.zeros(2, dtype=torch.bool)}) for dw in dws])
-    adam = drift.bound(ParallelDims(dp=2), steps=3)["adam"]
-    # step 2: |3| 0.1 + |-4| 0.2 = 1.1; step 3: |-0.5| 0.3 + |1| 0.5 = 0.65
+    seen = []
+
+    def fake_drift(moments_of, *a, **k):
+        seen.append(moments_of)
+        return [({"w": dw}, {"w": torch.zeros(2, dtype=torch.bool)}) for dw in dws]
+    monkeypatch.setattr(drift, "weight_drift", fake_drift)
+    adam = drift.bound(ParallelDims(dp=2), steps=3, weight_decay=0.1)["adam"]
+    # Adam's moments follow what Adam sees (g + lambda w); the loss term weights by the loss's own g:
+    # step 2: |3| 0.1 + |-4| 0.2 = 1.1; step 3: |-0.5| 0.3 + |1| 0.5 = 0.65 (with g + lambda w: 3.0, 5.7)
+    assert len(seen) == 1 and seen[0] is adam_grads
     assert adam == pytest.approx([0.0, 1.1, 0.65])

@@ -281,7 +281,7 @@ MISTAKES = {
     "11.4": [(lambda: 2 * (LLAMA3_DIMS.pp - 1), "v = 1: the 8 chunks per rank left out"),
              (lambda: LLAMA3_DIMS.pp * LLAMA3_RUN.v - 1, "the forward crossings only"),
              (lambda: 2 * LLAMA3_RUN.v * LLAMA3_RUN.micro_batches,
-              "2 v m, all of a rank's sends, waited for or not: the chain's are the question")],
+              "2 v m, all of a rank's sends, or 2 p v, p v boundaries: the chain has p v - 1 each way")],
 }
 
 

@@ -101,9 +101,9 @@ def layer_cost(job, eta, moe, b, tp, cp, ep, sp, rc, tp_nodes, cp_nodes, ep_node
     hide = (lay["gemm"] * sw.tp_overlap, lay["attention"] * sw.cp_overlap,
             (lay["forward"] + lay["backward"]) * (ep_chunks is not None))
     return (lay["forward"], lay["backward"] + lay["recompute"]) + tuple(
-        exposed(t.get(g, 0.0), h, n, usage(k)) for g, h, n, k in zip(("tp", "cp", "ep"), hide,
-                                                                      (tp, cp, ep_chunks or math.inf),
-                                                                      (tp_nodes, cp_nodes, ep_nodes)))
+        (exposed_ring if TP_CP_FILL == "ring" and g != "ep" else exposed)(t.get(g, 0.0), h, n, usage(k))
+        for g, h, n, k in zip(("tp", "cp", "ep"), hide, (tp, cp, ep_chunks or math.inf),
+                              (tp_nodes, cp_nodes, ep_nodes)))
 
 
 def ep_overlap_chunks(job, c):
@@ -185,6 +185,20 @@ def overlapped(comm, window, u):
     the window cannot cover, and the compute slowed by the share u the collective holds while both run
     (u min(comm, window), Calculon's convention)."""
     return max(0.0, comm - window) + u * min(comm, window)
+
+
+# The fill charged to tensor and context parallelism's chunked overlaps. "pipe": one chunk of the
+# shorter of comm and compute stays exposed, as in a pipelined overlap (TE's 4-way "pipeline" reduce-
+# scatter). "ring": a ring that starts on the rank's own chunk, which needs no transfer, has none while
+# comm <= compute (n - 1)/n (TE's ring exchange, PyTorch's async TP, ring attention; Calculon's ring
+# schedule). The model keeps "pipe" for every stack; `labs.planning.trials` prices "ring".
+TP_CP_FILL = "pipe"
+
+
+def exposed_ring(comm, compute, chunks, u=0.0):
+    """`exposed` for a ring that starts on the local chunk: only what (n - 1)/n of the compute cannot
+    cover, with the overlapped compute slowed by u."""
+    return max(0.0, comm - compute * (chunks - 1) / chunks) + u * min(comm, compute)
 
 
 def exposed(comm, compute, chunks, u=0.0):
