@@ -239,11 +239,27 @@ def test_trials_name_a_layout_and_refuse_an_unknown_trial():
 
 
 def test_quiz_e_is_the_planners_exposed_time_and_names_each_dropped_term(capsys):
-    """Exercise 4 (quiz "e"): E_g = max(0, C - H) + (1/n + sigma) min(C, H) = 0 + 0.275 x 30 = 8.25 ms,
-    by hand. Each dropped term is named: sigma (3.75), the fill (4.5), the larger of C and H (11.0), no
-    overlap at all (30)."""
-    assert quiz.qe_exposed_ms() == pytest.approx(8.25) and quiz.check("e", 8.25)
-    for wrong, words in ((3.75, "sigma term left out"), (4.5, "fill left out"), (11.0, "larger of C and H"),
-                         (30.0, "no overlap at all")):
+    """Exercise 4 (quiz "e"): E_g = max(0, C - H) + (1/n + sigma) min(C, H) = 10 + 0.275 x 40 = 21 ms, by
+    hand, at C = 50 > H = 40 so both branches count; a ring that starts on its own chunk gives the same,
+    15 + 0.15 x 40. Each dropped term is named: sigma (15), the fill (16), max(0, C - H) (11), the larger
+    of C and H (23.75), neither max nor min (13.75), no overlap at all (50)."""
+    from labs.formulas.planning import timing
+    assert quiz.qe_exposed_ms() == pytest.approx(21.0) and quiz.check("e", 21.0)
+    assert timing.exposed_ring(50.0, 40.0, 8, 0.15) == pytest.approx(21.0)
+    for wrong, words in ((15.0, "sigma term left out"), (16.0, "fill left out"), (11.0, "max(0, C - H)"),
+                         (23.75, "larger of C and H"), (13.75, "neither max nor min"),
+                         (50.0, "no overlap at all")):
         assert not quiz.check("e", wrong)
         assert words in capsys.readouterr().out
+
+
+def test_the_ring_fill_exposes_only_what_the_other_chunks_cannot_cover():
+    """`timing.exposed_ring`: a ring that starts on its own chunk hides C under (n - 1)/n of H. By hand:
+    C = 30, H = 40, n = 8: nothing (35 covers 30), sigma 0; C = 38: 3; with sigma 0.15, 0.15 x 30 = 4.5
+    on top. The pipe form charges one chunk of min(C, H) more (30/8). Catches n/(n - 1), a fill kept,
+    and sigma dropped."""
+    from labs.formulas.planning import timing
+    assert timing.exposed_ring(30.0, 40.0, 8) == 0.0
+    assert timing.exposed_ring(38.0, 40.0, 8) == pytest.approx(3.0)
+    assert timing.exposed_ring(30.0, 40.0, 8, 0.15) == pytest.approx(4.5)
+    assert timing.exposed(30.0, 40.0, 8, 0.15) == pytest.approx(4.5 + 30.0 / 8)

@@ -78,8 +78,11 @@ def q5_bubble_share():
     return schedules.formula("1f1b", 4, 8)["over_total"]
 
 
-# Exercise 4 of the chapter: one group's exposed time, E_g, from its parts (ms per micro-batch)
-EG = {"comm": 30.0, "hidden_under": 40.0, "chunks": 8, "sigma": 0.15}
+# Exercise 4 of the chapter: one group's exposed time, E_g, from its parts (ms per micro-batch). With
+# C > H both of the formula's branches count, and a ring that starts on its own chunk exposes the
+# same (max(0, C - H (n - 1)/n) + sigma min(C, H) = 15 + 6 = 21 ms), so the answer does not turn on
+# the fill's pricing
+EG = {"comm": 50.0, "hidden_under": 40.0, "chunks": 8, "sigma": 0.15}
 
 
 def qe_exposed_ms():
@@ -190,13 +193,16 @@ MISTAKES = {
           (lambda: q7_dp_gb_per_rank() * exercises.GB_PER_GIB, exercises.SLIPS[2][1]),
           # and the other way: the right count given in GiB, 1.9 % from the embedding's mistake
           (lambda: q7_dp_gb_per_rank() / exercises.GB_PER_GIB, exercises.SLIPS[2][1])],
-    "e": [(lambda: EG["comm"] * (1 / EG["chunks"]), "the sigma term left out: the compute beside the "
-                                                    "collective runs slower while both run"),
-          (lambda: EG["sigma"] * EG["comm"], "the fill left out: one chunk of the shorter of the two "
-                                             "has nothing to overlap"),
-          (lambda: (1 / EG["chunks"] + EG["sigma"]) * EG["hidden_under"], "the larger of C and H taken: "
-                                                                          "the fill and sigma apply to "
-                                                                          "min(C, H)"),
+    "e": [(lambda: EG["comm"] - EG["hidden_under"] + EG["hidden_under"] / EG["chunks"],
+           "the sigma term left out: the compute beside the collective runs slower while both run"),
+          (lambda: EG["comm"] - EG["hidden_under"] + EG["sigma"] * EG["hidden_under"],
+           "the fill left out: one chunk of min(C, H), here of H, has nothing to overlap"),
+          (lambda: (1 / EG["chunks"] + EG["sigma"]) * EG["hidden_under"],
+           "max(0, C - H) left out: what the compute cannot cover at all is exposed too"),
+          (lambda: EG["comm"] - EG["hidden_under"] + (1 / EG["chunks"] + EG["sigma"]) * EG["comm"],
+           "the larger of C and H taken: the fill and sigma apply to min(C, H)"),
+          (lambda: (1 / EG["chunks"] + EG["sigma"]) * EG["comm"],
+           "neither max nor min: (1/n + sigma) C holds only while C <= H"),
           (lambda: EG["comm"], "that is C itself, the collective with no overlap at all")],
     "16": [(NOTE["16"], "the note's ~33 % is full recomputation's extra FLOPs; selective recomputation "
                         "(Korthikanti et al.) reruns only the attention core")],

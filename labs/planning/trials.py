@@ -61,7 +61,8 @@ def one(which):
                              {"zero": 2, "recompute": "none", "micro_batch": 4})
     first = res["ranked"][0]
     return {**out, "first": layout_words(first["dims"]),
-            "first_settings": f"ZeRO-{first['plan'].zero}, b = {first['plan'].micro_batch}",
+            "first_settings": f"ZeRO-{first['plan'].zero}, b = {first['plan'].micro_batch}"
+                              + (f", v = {first['plan'].v}" if first["dims"].pp > 1 else ""),
             "hand_rank": planner.rank_of(res, hand), "of": len(res["ranked"]),
             "hand_gap": hand["time"]["step"] / first["time"]["step"] - 1}
 
