@@ -329,6 +329,7 @@ def test_latency_halves_the_ping_pong_takes_the_slower_rank_and_keeps_every_vari
     # tries (130 and 20), so pooling the starts would give other values; swapped, the ratio inverts
     assert r["alpha_s"] == pytest.approx(150 * US) and r["one_way_s"] == pytest.approx(45 * US)
     assert r["alpha_over_one_way"] == pytest.approx(150 / 45)
+    assert r["exchange_fastest_by_size"] == pytest.approx({8: 150 * US})   # the slower rank's, per size
     one_way = [t * US for t in (20, 1500, 4750, 3000, 600)]
     assert r["tries_s"]["pingpong/back_to_back"] == pytest.approx(one_way)
 

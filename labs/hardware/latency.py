@@ -126,6 +126,9 @@ def summarize(ranks, sizes, repeats, tick=None):
             # beside it: the fastest one-way 8-byte ping-pong after a barrier
             "one_way_s": one_way, "alpha_over_one_way": alpha / one_way,
             "tries_s": {v: slowest[f"{v}/{SMALL}"] for v in small},                 # every variant's tries
+            # the fastest exchange after a barrier at each size: a larger one faster than alpha makes
+            # alpha an upper bound (chapter 10's check)
+            "exchange_fastest_by_size": {n: min(slowest[f"exchange/barrier/{n}"]) for n in sizes},
             # per variant, the share of whole tries (round trips, not one way) of a quarter tick or more
             "quarter_tick_share": None if tick is None else
             {v: sum(4 * t >= tick for t in ts) / len(ts) for v, ts in whole.items()}}
