@@ -71,8 +71,8 @@ def wrap(mode, net, world_size):
         return DistributedDataParallel(net)
     if mode == "fsdp2+ac":
         for i, block in enumerate(net.blocks):
-            # the recompute runs in the unit's backward, under the gather FSDP2 makes for backward
-            # anyway; its pre-forward hook gathers no more (the notebook asserts equal calls and bytes)
+            # the recompute reruns the inner block after the unit's pre-backward gather, and calls no
+            # FSDP-hooked module: nothing gathers again (the notebook asserts equal calls and bytes)
             net.blocks[i] = Checkpointed(block)
     # FULL_SHARD: each unit's weights gathered for its forward and again for its backward
     fully_shard_units(net, net.blocks, device_mesh(ParallelDims(dp=world_size), dev.type)["dp"])
