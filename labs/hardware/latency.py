@@ -15,7 +15,8 @@ slower rank's; for a try started at a barrier that includes the skew of the two 
 Chapter 10 (`labs.collectives.crossover`) also fits a line by relative error over sizes; its
 intercept is a fit parameter, an extrapolation to zero bytes, not a latency: it can fall below every
 measured try. `measure` times, in one job of 2 ranks, each ingredient that separates the numbers,
-interleaved round-robin (try i of each variant in turn):
+the variants interleaved round-robin within each size (try i of each in turn; the sizes are timed one
+after another, not interleaved):
 
 - the pattern: ping-pong (one-way = round trip / 2, halved in `summarize`) or simultaneous exchange;
 - the start: each timing after a barrier (both ranks leave it together; a receiver still sleeps in
