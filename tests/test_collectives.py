@@ -295,3 +295,13 @@ def test_gloo_cli_json_and_bad_input(capsys):
     assert rows["all_to_all"]["counted"] == [16, 16] and rows["all_to_all"]["formula_max"] == 16
     with pytest.raises(ValueError, match="multiple of 3"):   # refused before any rank starts
         gc.main(["--world-size", "3", "--numel", "10"])
+
+
+def test_faster_than_alpha_names_the_larger_sizes_that_beat_the_smallest():
+    """The smallest size's fastest try is alpha itself: never listed, even when tied; a larger size tied
+    with alpha is not faster; each strictly faster one is, with its time. Catches <= for <, and the
+    smallest size listed against itself."""
+    from labs.collectives import alpha_beta
+    got = alpha_beta.faster_than_alpha([4, 1024, 16384, 65536], [100e-6, 90e-6, 100e-6, 300e-6], 100e-6)
+    assert got == {1024: 90e-6}
+    assert alpha_beta.faster_than_alpha([8, 1024], [50e-6, 60e-6], 55e-6) == {}

@@ -134,6 +134,13 @@ def costs(p):
     return {"ring": (2 * (p - 1), 2 * (p - 1) / p), "recursive_doubling": (rounds, rounds)}
 
 
+def faster_than_alpha(sizes, fastest, alpha):
+    """{size: seconds} for the sizes above the smallest whose fastest try beat alpha, the smallest
+    size's: any message costs at least the link's latency, so each such try makes alpha an upper bound
+    (chapter 10's check, and chapter 11's)."""
+    return {n: t for n, t in zip(sizes, fastest) if n > min(sizes) and t < alpha}
+
+
 def crossover(alpha, beta, p):
     """Bytes below which recursive doubling's all-reduce beats the ring's, or None where one wins
     at every size (p = 2: doubling saves one alpha and sends the same bytes).
