@@ -35,8 +35,9 @@ and, on a shared VM, the hypervisor's steal time would produce a similar tail. `
 reads CONFIG_HZ from /proc/config.gz where the kernel exposes it, and `summarize` reports, per
 variant, the share of whole tries (a ping-pong's round trip, not its one-way time; an exchange)
 that took at least a quarter of a tick: a wait for the next tick lasts anywhere from 0 to a whole
-tick, so a threshold of one tick would miss most such waits, while a quarter keeps three in four of
-them. A description, which does not separate these causes.
+tick, so a threshold of one tick would miss nearly all such waits, while a quarter keeps at least
+three in four of them (the threshold applies to the whole try, wait included). A description,
+which does not separate these causes.
 
     python -m labs.hardware.latency --json
 """
