@@ -112,7 +112,7 @@ EXERCISES = {
 # exercise 2 accepts any answer from its lower bound to the bucket DDP's rebuild forms
 RANGES = {"2": (last_bucket_ms, lambda: allreduce_ms(last_bucket_bytes()))}
 MISTAKES = {"1": [(lambda: 20 / 60,
-                   "the exposed share (exposed over in flight), here the complement of the overlap fraction: "
+                   "the exposed share (exposed over in flight), the complement of the overlap fraction: "
                    "the overlap fraction is the hidden part")],
             "2": [(lambda: allreduce_ms(25 * 2**20),
                    "one 25 MiB bucket's all-reduce: the cap never splits a tensor, so the last bucket "
