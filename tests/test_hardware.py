@@ -57,6 +57,9 @@ def test_a_ring_over_whole_nodes_uses_every_nic_of_the_node():
     assert placed(gpus_per_node=4, tp=4, dp=4).bandwidth("dp") == 50e9    # [0, 4, 8, 12]: 1 per node
     assert placed(gpus_per_node=4, tp=2, dp=4).bandwidth("dp") == 100e9   # [0, 2 | 4, 6]: 2 per node
     assert placed(gpus_per_node=4, tp=2, pp=4).bandwidth("pp", "send") == 50e9
+    # through plan: PP's sends leave by one NIC even with two of a group's GPUs on a node (as a ring: 100)
+    two_per_node = placed(gpus_per_node=2, pp=4, dp=2)
+    assert P.plan(P.LLAMA3_405B, two_per_node)["pp"]["bytes_per_s"] == 50e9 != two_per_node.bandwidth("pp")
     # uneven: 6 ranks on nodes of 4 sit 4 + 2; the node with 2 sets the ring (a max() would give 200)
     assert placed(gpus_per_node=4, dp=6).bandwidth("dp") == 100e9
 
@@ -363,6 +366,22 @@ def test_latency_across_jobs_gives_each_variant_its_own_range_and_one_size_fits_
     assert r["small"]["pingpong/back_to_back"]["median"] == pytest.approx((1500 * US, 3000 * US))
     assert r["small"]["exchange/barrier"]["median"] == pytest.approx((180 * US, 360 * US))
     assert r["alpha_over_one_way"] == pytest.approx((150 / 45, 5.0))
+
+
+def test_latency_checks_alpha_against_every_larger_size_each_job():
+    """Two sizes: the 1024-byte exchanges after a barrier are made up faster than the 8-byte ones, so
+    alpha is an upper bound. A by-size table that read the 8-byte tries for every size (the check then
+    never fires), or took rank 0's time instead of the slower rank's, fails; so does a job list that
+    flagged every job alike."""
+    scaled = [{v: [t * US for t in ts] for v, ts in fake.items()} for fake in (FAKE0, FAKE1)]
+    ranks = _fake_ranks(*scaled, sizes=(8, 1024))
+    for rank, fastest_try in zip(ranks, (90, 120)):                # slower rank: 120 at try 1
+        rank["exchange/barrier/1024"] = [fastest_try * US, *[5000 * US] * 4]
+    r = latency.summarize(ranks, [8, 1024], 5, tick=4e-3)
+    assert r["exchange_fastest_by_size"] == pytest.approx({8: 150 * US, 1024: 120 * US})
+    assert latency.upper_bound(r) and not latency.upper_bound(_fake_summary())
+    jobs = iter([_fake_summary(), r, _fake_summary()])
+    assert latency.across_jobs(jobs=3, run=lambda: next(jobs))["alpha_upper_bound"] == [False, True, False]
 
 
 def test_the_single_rank_pair_and_the_mixed_pair_agree_on_the_printed_layouts():

@@ -15,8 +15,8 @@ slower rank's; for a try started at a barrier that includes the skew of the two 
 Chapter 10 (`labs.collectives.crossover`) also fits a line by relative error over sizes; its
 intercept is a fit parameter, an extrapolation to zero bytes, not a latency: it can fall below every
 measured try. `measure` times, in one job of 2 ranks, each ingredient that separates the numbers,
-the variants interleaved round-robin within each size (try i of each in turn; the sizes are timed one
-after another, not interleaved):
+the sizes and the variants interleaved round-robin (try i of each variant at each size in turn, as
+chapter 10 interleaves its sizes):
 
 - the pattern: ping-pong (one-way = round trip / 2, halved in `summarize`) or simultaneous exchange;
 - the start: each timing after a barrier (both ranks leave it together; a receiver still sleeps in
@@ -77,25 +77,26 @@ def _pattern(kind, rank, mine, theirs):
 @launch.on_cpu("the loopback's two latencies: gloo on CPU tensors, timed with the host clock")
 def rank_times(rank, world_size, sizes, repeats):
     """One rank: {(pattern, start, size): seconds per repeat}, each try's whole time on this rank: a
-    ping-pong's round trip (`summarize` halves it), an exchange's whole exchange. The variants are
-    interleaved, round-robin: try i of each variant in turn, so a slow moment of the machine falls on
-    all of them alike. A back-to-back try starts without a barrier, right after this rank finished the
-    previous variant's try."""
-    out = {}
+    ping-pong's round trip (`summarize` halves it), an exchange's whole exchange. The sizes and the
+    variants are interleaved, round-robin: try i of each variant at each size in turn, so a slow moment
+    of the machine falls on all of them alike. A back-to-back try starts without a barrier, right after
+    this rank finished the previous variant's try (of the same size, but for the first variant)."""
+    out, calls = {}, {}
     variants = [(kind, start) for kind in PATTERNS for start in STARTS]
     for nbytes in sizes:
         mine, theirs = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-        calls = {kind: _pattern(kind, rank, mine, theirs) for kind in PATTERNS}
-        for call in calls.values():
+        calls[nbytes] = {kind: _pattern(kind, rank, mine, theirs) for kind in PATTERNS}
+        for call in calls[nbytes].values():
             call()                                            # warm-up: connections, buffers
         for kind, start in variants:
             out[f"{kind}/{start}/{nbytes}"] = []
-        for _ in range(repeats):
+    for _ in range(repeats):
+        for nbytes in sizes:
             for kind, start in variants:
                 if start == "barrier":
                     dist.barrier()
                 t0 = time.perf_counter()
-                calls[kind]()
+                calls[nbytes][kind]()
                 out[f"{kind}/{start}/{nbytes}"].append(time.perf_counter() - t0)
     return out
 
@@ -150,12 +151,13 @@ def measure(sizes=FIT_SIZES, repeats=20, timeout=180.0):
 
 
 def across_jobs(jobs=4, repeats=20, timeout=180.0, run=None):
-    """``jobs`` more jobs, one after another, each timing every variant interleaved as `measure` does
-    (the 8-byte message only, well under a second each): per variant the range over the jobs of the
-    fastest try, of the median and of the share of whole tries of a quarter tick or more, and the
-    range of alpha over the one-way ping-pong. ``run`` replaces `measure` (the tests' made-up jobs).
-    One job's figures say what that moment cost; the ranges say how far another moment moves them."""
-    run = run or (lambda: measure(sizes=(SMALL,), repeats=repeats, timeout=timeout))
+    """``jobs`` more jobs, one after another, each timing every variant at every size interleaved as
+    `measure` does (a few seconds each): per variant the range over the jobs of the fastest try, of the
+    median and of the share of whole tries of a quarter tick or more, the range of alpha over the
+    one-way ping-pong, and per job whether a larger exchange beat alpha (chapter 10's check: then that
+    job's alpha is an upper bound). ``run`` replaces `measure` (the tests' made-up jobs). One job's
+    figures say what that moment cost; the ranges say how far another moment moves them."""
+    run = run or (lambda: measure(repeats=repeats, timeout=timeout))
     runs = [run() for _ in range(jobs)]
     span = lambda xs: (min(xs), max(xs))
     out = {v: {stat: span([r["small"][v][f"{stat}_s"] for r in runs]) for stat in ("fastest", "median")}
@@ -163,7 +165,15 @@ def across_jobs(jobs=4, repeats=20, timeout=180.0, run=None):
     shares = [r["quarter_tick_share"] for r in runs]
     return {"jobs": jobs, "small": out,
             "quarter_tick_share": None if None in shares else {v: span([s[v] for s in shares]) for v in out},
-            "alpha_over_one_way": span([r["alpha_over_one_way"] for r in runs])}
+            "alpha_over_one_way": span([r["alpha_over_one_way"] for r in runs]),
+            "alpha_upper_bound": [upper_bound(r) for r in runs]}
+
+
+def upper_bound(r):
+    """Whether a larger exchange after a barrier beat a `summarize` result's alpha (chapter 10's
+    check, `alpha_beta.faster_than_alpha`): then alpha is an upper bound on the latency."""
+    by_size = r["exchange_fastest_by_size"]
+    return bool(alpha_beta.faster_than_alpha(list(by_size), list(by_size.values()), r["alpha_s"]))
 
 
 def main(argv=None):
