@@ -381,7 +381,8 @@ def test_latency_checks_alpha_against_every_larger_size_each_job():
     assert r["exchange_fastest_by_size"] == pytest.approx({8: 150 * US, 1024: 120 * US})
     assert latency.upper_bound(r) and not latency.upper_bound(_fake_summary())
     jobs = iter([_fake_summary(), r, _fake_summary()])
-    assert latency.across_jobs(jobs=3, run=lambda: next(jobs))["alpha_upper_bound"] == [False, True, False]
+    r = latency.across_jobs(jobs=3, run=lambda: next(jobs))
+    assert r["alpha_upper_bound"] == [False, True, False] and r["alpha_s"] == pytest.approx([150 * US] * 3)
 
 
 def test_the_single_rank_pair_and_the_mixed_pair_agree_on_the_printed_layouts():

@@ -154,8 +154,8 @@ def across_jobs(jobs=4, repeats=20, timeout=180.0, run=None):
     """``jobs`` more jobs, one after another, each timing every variant at every size interleaved as
     `measure` does (a few seconds each): per variant the range over the jobs of the fastest try, of the
     median and of the share of whole tries of a quarter tick or more, the range of alpha over the
-    one-way ping-pong, and per job whether a larger exchange beat alpha (chapter 10's check: then that
-    job's alpha is an upper bound). ``run`` replaces `measure` (the tests' made-up jobs). One job's
+    one-way ping-pong, and per job its alpha and whether a larger exchange beat it (chapter 10's check:
+    then that job's alpha is an upper bound). ``run`` replaces `measure` (the tests' made-up jobs). One job's
     figures say what that moment cost; the ranges say how far another moment moves them."""
     run = run or (lambda: measure(repeats=repeats, timeout=timeout))
     runs = [run() for _ in range(jobs)]
@@ -166,7 +166,7 @@ def across_jobs(jobs=4, repeats=20, timeout=180.0, run=None):
     return {"jobs": jobs, "small": out,
             "quarter_tick_share": None if None in shares else {v: span([s[v] for s in shares]) for v in out},
             "alpha_over_one_way": span([r["alpha_over_one_way"] for r in runs]),
-            "alpha_upper_bound": [upper_bound(r) for r in runs]}
+            "alpha_s": [r["alpha_s"] for r in runs], "alpha_upper_bound": [upper_bound(r) for r in runs]}
 
 
 def upper_bound(r):
