@@ -64,6 +64,20 @@ def test_a_ring_over_whole_nodes_uses_every_nic_of_the_node():
     assert placed(gpus_per_node=4, dp=6).bandwidth("dp") == 100e9
 
 
+def test_crossing_formula_on_groups_of_three():
+    """CP = 3 on nodes of 4: groups [3, 4, 5] and [6, 7, 8] straddle a boundary, each ring with two
+    edges across it (3 -> 4 and the wrap 5 -> 3; 7 -> 8 and 8 -> 6). An all-reduce sends 2(n - 1)/n of
+    M per edge, 4/3 M: 4 edges give 16/3 M. M per edge (4 M), a ring without its wrap (2 edges, 8/3 M)
+    or counting whole groups instead of edges (2 groups) each give another total."""
+    p = placed(gpus_per_node=4, tp=1, cp=3, dp=4)
+    assert boundary.crossing_formula(p, {"cp": ("all_reduce", 3000)}) == {"cp": 16000}
+    # PP's sends follow the chain, with no wrap: 3 -> 4 in [3, 4, 5] and 7 -> 8 in [6, 7, 8] cross,
+    # 2 sends; a chain closed into a ring would add 5 -> 3 and 8 -> 6 (4 sends)
+    pp = placed(gpus_per_node=4, tp=1, pp=3, dp=4)
+    assert pp.dims.groups("pp")[1:3] == [[3, 4, 5], [6, 7, 8]]
+    assert boundary.crossing_formula(pp, {"pp": ("send", 10)}) == {"pp": 20}
+
+
 def test_a_group_within_g_ranks_can_still_straddle_a_node():
     """Delta N <= G is not enough: tp = 2 on nodes of 3 puts [2, 3] across the boundary (counted), and the
     issue's case, cp = 3 on nodes of 4, puts [3, 4, 5] and [6, 7, 8] across (calculator)."""
