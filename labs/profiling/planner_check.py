@@ -53,6 +53,7 @@ TERMS = ("compute_s", "comm_s", "exposed_comm_s", "peer_wait_s", "idle_s", "step
 NOT_WAITED = ("pp send",)
 MATMUL_OPS = tuple("aten::" + n for n in eager_traffic.MATMULS)
 CALIBRATIONS = 6        # a calibration failing its check (a burst of load) is measured again, at most 6 times
+STEP_TIMINGS = 3        # GEMM timings before each step; their median prices it
 
 
 def gemm_rate(a, b, reps=5):
@@ -122,7 +123,8 @@ def calibrate(rank, world_size, repeats=7):
                "two processes; a GPU box's constants are chapter 14's eta and NCCL's alpha, not these")
 def rank_run(rank, world_size, layouts, folder, steps=6, warmup=1):
     """One rank: calibrate, then per layout count one step's FLOPs and record ``steps`` steps, each
-    just after timing the GEMM again (the FLOP/s that step's prediction uses: same moment, same load)."""
+    just after timing the GEMM again, the median of `STEP_TIMINGS` timings (the FLOP/s that step's
+    prediction uses: same moment, same load)."""
     for attempt in range(1, CALIBRATIONS + 1):   # both ranks decide alike: the check reads the same data
         cal = calibrate(rank, world_size)
         if cal["checked"]:
@@ -140,7 +142,9 @@ def rank_run(rank, world_size, layouts, folder, steps=6, warmup=1):
         rates = []
         with trace.Recorder(f"{folder}/{name.replace(' ', '')}", rank, memory=False, gz=False) as rec:
             for i in range(steps):
-                rates.append(gemm_rate(a, b))
+                # the median of a few timings: one timing alone can catch a cold cache or the
+                # profiler's own start, and then prices the whole step at that moment's rate
+                rates.append(statistics.median(gemm_rate(a, b) for _ in range(STEP_TIMINGS)))
                 dist.barrier()
                 with rec.step(i):
                     step()
