@@ -215,6 +215,29 @@ def test_a_pending_send_beside_gappy_compute_is_no_peer_wait():
     assert analysis.breakdown(traces[0], parts[0])[0]["peer_wait_s"] == 0
 
 
+def test_a_pending_send_inside_a_receive_wait_counts_once():
+    """A pipeline's first stage: rank 0 isends its activation at 10 (rank 1 receives it at 40-45), then
+    waits from 13 on the gradient's receive, which rank 1 sends at 50. The send is pending while the
+    receive waits, so the two waits overlap: counted once, peer wait is 13 to 50, 37 us, and the five
+    terms add up to the 70 us step. Both waits added without merging (the mistake) give 64 us and
+    97 us of terms."""
+    to = lambda peer, tag: {"Concrete Inputs": ["", "", str(peer), str(tag)]}
+    r0 = [step(0, 0, 70), op("aten::mm", 0, 10), op("c10d::send", 10, 11, args=to(1, 1)),
+          op("gloo:send", 10.5, 70, cat="user_annotation"), op("c10d::recv_", 12, 13, args=to(1, 2)),
+          op("gloo:recv", 12.5, 55, cat="user_annotation"), op("aten::mm", 55, 70)]
+    r1 = [step(0, 0, 70), op("aten::mm", 0, 40), op("c10d::recv_", 40, 41, args=to(0, 1)),
+          op("gloo:recv", 40.5, 45, cat="user_annotation"), op("aten::mm", 45, 50),
+          op("c10d::send", 50, 51, args=to(0, 2)), op("gloo:send", 50.5, 55, cat="user_annotation"),
+          op("aten::mm", 55, 70)]
+    for row in analysis.analyze([{"events": r0}, {"events": r1}]):
+        t = {k: v * 1e6 for k, v in row[0].items() if k.endswith("_s")}
+        terms = t["compute_s"] + t["exposed_comm_s"] + t["peer_wait_s"] + t["input_s"] + t["idle_s"]
+        assert terms == pytest.approx(t["step_s"]) == pytest.approx(70)
+    first = {k: v * 1e6 for k, v in analysis.analyze([{"events": r0}, {"events": r1}])[0][0].items()
+             if k.endswith("_s")}
+    assert first["peer_wait_s"] == pytest.approx(37)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_the_terms_add_up_to_the_step(seed):
     import random

@@ -15,8 +15,8 @@ slower rank's; for a try started at a barrier that includes the skew of the two 
 Chapter 10 (`labs.collectives.crossover`) also fits a line by relative error over sizes; its
 intercept is a fit parameter, an extrapolation to zero bytes, not a latency: it can fall below every
 measured try. `measure` times, in one job of 2 ranks, each ingredient that separates the numbers,
-the sizes and the variants interleaved round-robin (try i of each variant at each size in turn, as
-chapter 10 interleaves its sizes):
+the sizes and the variants interleaved round-robin (try i of each variant at each size in turn, the
+sizes upward from the smallest):
 
 - the pattern: ping-pong (one-way = round trip / 2, halved in `summarize`) or simultaneous exchange;
 - the start: each timing after a barrier (both ranks leave it together; a receiver still sleeps in
@@ -154,9 +154,10 @@ def across_jobs(jobs=4, repeats=20, timeout=180.0, run=None):
     """``jobs`` more jobs, one after another, each timing every variant at every size interleaved as
     `measure` does (a few seconds each): per variant the range over the jobs of the fastest try, of the
     median and of the share of whole tries of a quarter tick or more, the range of alpha over the
-    one-way ping-pong, and per job its alpha and whether a larger exchange beat it (chapter 10's check:
-    then that job's alpha is an upper bound). ``run`` replaces `measure` (the tests' made-up jobs). One job's
-    figures say what that moment cost; the ranges say how far another moment moves them."""
+    one-way ping-pong, and per job its alpha, that ratio and whether a larger exchange beat alpha
+    (chapter 10's check: then that job's alpha is an upper bound). ``run`` replaces `measure` (the
+    tests' made-up jobs). One job's figures say what that moment cost; the ranges say how far another
+    moment moves them."""
     run = run or (lambda: measure(repeats=repeats, timeout=timeout))
     runs = [run() for _ in range(jobs)]
     span = lambda xs: (min(xs), max(xs))
@@ -166,7 +167,8 @@ def across_jobs(jobs=4, repeats=20, timeout=180.0, run=None):
     return {"jobs": jobs, "small": out,
             "quarter_tick_share": None if None in shares else {v: span([s[v] for s in shares]) for v in out},
             "alpha_over_one_way": span([r["alpha_over_one_way"] for r in runs]),
-            "alpha_s": [r["alpha_s"] for r in runs], "alpha_upper_bound": [upper_bound(r) for r in runs]}
+            "alpha_s": [r["alpha_s"] for r in runs], "alpha_upper_bound": [upper_bound(r) for r in runs],
+            "alpha_over_one_way_each": [r["alpha_over_one_way"] for r in runs]}
 
 
 def upper_bound(r):

@@ -219,11 +219,11 @@ def exposed(model, p, run=LLAMA3_RUN, flops_per_gpu=LLAMA3_FLOPS_PER_GPU, oversu
 
 
 def exposed_pair(e, rate=1.0):
-    """DP's exposed pair at ``rate`` of the port, the largest over ranks of one rank's own pair from
-    `exposed`'s ``dp_ranks``: its first gather and last reduce-scatter (its chunk's size over the average
-    chunk's), each less the chunk passes and sends around it. ``dp_exposed_s`` bounds it above."""
+    """DP's exposed pair at ``rate`` of the port, the largest gather plus the largest reduce-scatter overrun
+    over `exposed`'s ``dp_ranks``: they add on any ranks (one delays the chain's start, one its end)."""
     over = lambda k, x, w: max(0.0, k * e[x] / rate - w)
-    return max(over(k, "chunk_gather_s", f) + over(k, "chunk_reduce_s", b) for k, f, b in e["dp_ranks"])
+    return (max(over(k, "chunk_gather_s", f) for k, f, _ in e["dp_ranks"])
+            + max(over(k, "chunk_reduce_s", b) for k, _, b in e["dp_ranks"]))
 
 
 def outer_position(dp_out, pp_out, oversubscription=7):
