@@ -26,7 +26,7 @@ cdn.skypack.dev). This tool writes the same page with nothing from another host:
         # writes _build/memory-viewer/: open its index.html (your own pickle can be dropped on it)
     python tools/memory_viewer.py --screenshot book/images/15-memory-viewer.png   # the book's picture
 
-The screenshot (book/images/15-memory-viewer.png, 1120 x 766 px at 192 dpi) is that page in
+The screenshot (book/images/15-memory-viewer.png, 1120 x 762 px at 192 dpi) is that page in
 headless Chromium with every request outside the folder blocked, MemoryViz.js at ``COMMIT``
 unchanged; its axis labels are drawn larger than the page draws them (`SHOT_STYLE`), and the
 pointer hovers one 8 KiB block (`HOVER`) so the viewer's caption under the plot names the

@@ -85,9 +85,9 @@ class Placement:
         """Bytes/s per direction per GPU for ``axis``'s traffic, its slowest group's. A ring inside a
         node runs on NVLink; a ring across nodes leaves each node through the NICs of the group's GPUs
         there (NCCL spreads its channels over them): `links.ring_bandwidth`, with the fewest of the
-        group's GPUs on any one of its nodes. So a DP group of 16 whole 8-GPU nodes moves 8 x 50 GB/s
-        per node, and a group with one GPU per node one NIC's 50 GB/s. A point-to-point ``send`` that
-        leaves the node uses its GPU's own NIC."""
+        group's GPUs on any one of its nodes. So a DP group of 16 whole 8-GPU nodes moves 8 x 50 GB/s per
+        node (400 GB/s per GPU, effective), and a group with one GPU per node one NIC's 50 GB/s. A
+        point-to-point ``send`` that leaves the node uses its GPU's own NIC."""
         g, worst = self.gpus_per_node, None
         for group in self.dims.groups(axis):
             counts = Counter(r // g for r in group)
@@ -234,8 +234,8 @@ def outer_position(dp_out, pp_out, oversubscription=7):
     at a rate r of the port: 1 (the full port), 1/oversubscription (every crossing flow slowed alike)
     and min(1, uplink ports / flows leaving a pod) (the uplinks shared evenly by the groups' ring
     edges); the inner group keeps the full port. Per rate, the seconds per step of those two parts in
-    each order, the pair as `exposed_pair` (``*_upper_s``: as ``dp_exposed_s``, its upper bound), and
-    the share of its window a DP chunk's reduce-scatter then fills (hidden below 1)."""
+    each order, the pair as `exposed_pair` (``*_upper_s``: as ``dp_exposed_s``, its upper bound while
+    chunk 0 is no larger than the average), and its window's share a chunk's reduce-scatter fills."""
     cross = pp_out["pp_critical_crossing_pods"] * pp_out["pp_send_s"]
     share = lambda e, axis: min(1.0, e["pod_uplink_ports"] / e["pod_edges"][axis])
     rates = {"full": (1.0, 1.0), "slowed": (1 / oversubscription,) * 2,
