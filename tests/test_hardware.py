@@ -535,6 +535,31 @@ def test_latency_alpha_fits_take_the_exchange_after_a_barrier_fastest_and_median
         assert line["beta"] == pytest.approx(slope * US, rel=1e-9)
 
 
+def test_latency_rank_times_interleaves_and_rotates_the_sizes(monkeypatch):
+    """Two sizes, three rounds: every round times every size, and round i starts at size i (mod 2), so
+    the smallest message does not always come first, right after the previous round's largest.
+    Catches each size's repeats in one block (8, 8, 8 first) and a fixed order (8, 16 every round)."""
+    sent = []
+
+    def call(name):
+        def f(tensor, peer):
+            if name in ("send", "isend"):
+                sent.append(tensor.numel())
+            if name in ("isend", "irecv"):
+                return type("Req", (), {"wait": lambda self: None})()
+        return f
+
+    fake = type("Dist", (), {"barrier": staticmethod(lambda: None),
+                             **{n: staticmethod(call(n)) for n in ("send", "recv", "isend", "irecv")}})
+    monkeypatch.setattr(latency, "dist", fake)
+    latency.rank_times(0, 2, [8, 16], 3)
+    # rank 0 sends once per try of each of the 4 variants; the warm-up sends once per pattern and size
+    assert sent[:4] == [8, 8, 16, 16]
+    rounds = sent[4:]
+    assert [rounds[k:k + 4] for k in range(0, len(rounds), 4)] == [
+        [8] * 4, [16] * 4, [16] * 4, [8] * 4, [8] * 4, [16] * 4]
+
+
 def test_latency_rank_times_interleaves_the_variants_and_times_only_the_exchange(monkeypatch):
     """`rank_times` against a recording stand-in for torch.distributed and the clock: a barrier takes
     100 s of the fake clock, each message call 1 s. Every try must then take exactly 2 s (the barrier

@@ -15,8 +15,8 @@ slower rank's; for a try started at a barrier that includes the skew of the two 
 Chapter 10 (`labs.collectives.crossover`) also fits a line by relative error over sizes; its
 intercept is a fit parameter, an extrapolation to zero bytes, not a latency: it can fall below every
 measured try. `measure` times, in one job of 2 ranks, each ingredient that separates the numbers,
-the sizes and the variants interleaved round-robin (try i of each variant at each size in turn, the
-sizes upward from the smallest):
+the sizes and the variants interleaved round-robin (try i of each variant at each size in turn, each
+round starting one size further along):
 
 - the pattern: ping-pong (one-way = round trip / 2, halved in `summarize`) or simultaneous exchange;
 - the start: each timing after a barrier (both ranks leave it together; a receiver still sleeps in
@@ -79,7 +79,8 @@ def rank_times(rank, world_size, sizes, repeats):
     """One rank: {(pattern, start, size): seconds per repeat}, each try's whole time on this rank: a
     ping-pong's round trip (`summarize` halves it), an exchange's whole exchange. The sizes and the
     variants are interleaved, round-robin: try i of each variant at each size in turn, so a slow moment
-    of the machine falls on all of them alike. A back-to-back try starts without a barrier, right after
+    of the machine falls on all of them alike, and round i starts at size i (mod the sizes), so no size
+    always follows the largest. A back-to-back try starts without a barrier, right after
     this rank finished the previous variant's try (of the same size, but for the first variant)."""
     out, calls = {}, {}
     variants = [(kind, start) for kind in PATTERNS for start in STARTS]
@@ -90,8 +91,8 @@ def rank_times(rank, world_size, sizes, repeats):
             call()                                            # warm-up: connections, buffers
         for kind, start in variants:
             out[f"{kind}/{start}/{nbytes}"] = []
-    for _ in range(repeats):
-        for nbytes in sizes:
+    for i in range(repeats):
+        for nbytes in sizes[i % len(sizes):] + sizes[:i % len(sizes)]:   # rotated: no size always first
             for kind, start in variants:
                 if start == "barrier":
                     dist.barrier()
