@@ -468,6 +468,10 @@ def test_exposed_pair_is_the_largest_over_ranks():
     # a rank whose gather overruns and another whose reduce-scatter does: the step waits for both
     two = dict(e, chunk_gather_s=5.0, chunk_reduce_s=8.0, dp_ranks=[(1.0, 0.0, 10.0), (1.0, 10.0, 0.0)])
     assert P.exposed_pair(two) == 5.0 + 8.0 != 8.0                      # not one rank's own pair
+    # one rank whose forward slack (2) and backward slack (6) differ: the gather overruns its forward
+    # slack, 3, the reduce-scatter its backward slack, 2; the slacks swapped would give 0 + 6
+    uneven = dict(e, chunk_gather_s=5.0, chunk_reduce_s=8.0, dp_ranks=[(1.0, 2.0, 6.0)])
+    assert P.exposed_pair(uneven) == 3.0 + 2.0 != 6.0
     # DP 64: the reversal holds by the largest over ranks and by the bound
     run64 = dataclasses.replace(P.LLAMA3_RUN, micro_batches=32)
     lay = lambda order: placed(order, tp=8, pp=16, dp=64)
